@@ -1,0 +1,96 @@
+"""The default: a tiny LLaMA-style model on the bundled public-domain text, a few minutes on CPU.
+
+  python train.py                                   # this config, workdir ./runs/default
+  python train.py --config configs/base.py:size=400m --config.model.attention.pattern=focal
+  python train.py --config.model.attention.temperature=0.3 --config.train.steps=1000
+
+`arg` is "key=value,..." with keys `size` (a preset in configs/sizes.py) and `pattern`.
+Every field below is overridable on the command line; `focaljax.config.validate` refuses unknown
+keys, wrong types and invalid values, naming the field, before anything compiles.
+"""
+
+import ml_collections
+
+from configs import sizes
+
+
+def parse_arg(arg: str | None, **defaults) -> dict:
+  """"size=small,pattern=softmax:rope,dilution:none" -> dict; a part without "=" continues the
+  previous value (patterns contain commas)."""
+  out, key = dict(defaults), None
+  for part in filter(None, (arg or "").split(",")):
+    name, sep, value = part.partition("=")
+    if sep and name in defaults:
+      key, out[key] = name, value
+    elif key is not None and not sep:
+      out[key] += "," + part
+    else:
+      raise ValueError(f"config arg {part!r}: expected key=value with key in {sorted(defaults)}")
+  return out
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  args = parse_arg(arg, size="tiny", pattern="softmax:rope")
+  c = ml_collections.ConfigDict()
+  c.seed = 0                     # parameter init and data order
+  c.model = ml_collections.ConfigDict(dict(
+      vocab_size=0,              # 0: the tokenizer's vocabulary size
+      d_model=128,
+      num_layers=4,
+      num_heads=4,
+      num_kv_heads=4,            # < num_heads: grouped-query attention
+      head_dim=0,                # 0: d_model // num_heads
+      d_ff=384,                  # SwiGLU hidden width
+      tie_embeddings=True,
+      qk_norm=False,             # RMSNorm on q and k per head (the focal paper's baseline)
+      rope_theta=10000.0,
+      norm_eps=1e-5,
+      remat=False,               # rematerialise each block in the backward pass
+  ))
+  c.model.attention = ml_collections.ConfigDict(dict(
+      # Per-layer "variant[:position]" list, cycled over the layers. variant: softmax | focal |
+      # dilution; position: rope | none (default rope, none for dilution).
+      # e.g. "softmax:rope,dilution:none" is the alternating hybrid.
+      pattern=args["pattern"],
+      implementation="xla",      # xla (reference) | pallas (fused kernels) | cudnn (GPU)
+      temperature=0.4,           # focal constant: softmax(q·k / (t·√d)); t > 0
+      learned=False,             # focal learned: τ = clip(mean(X·w_τ) + tau_init, tau_min, tau_max)
+      tau_min=5.0,
+      tau_max=10.0,
+      tau_init=7.5,              # starts τ inside the clip range, so w_τ gets gradient at init
+      tau_mean="causal",         # causal | token | sequence (see focaljax.attention.TauMean)
+      eps=1e-9,                  # dilution ε
+  ))
+  c.data = ml_collections.ConfigDict(dict(
+      source="bundled",          # bundled | text:<glob> | tfds:<name>[:split]
+      valid_source="",           # "" : held out from `source`; or another source string
+      tokenizer="bundled",       # bundled | train:<vocab size> | path/to/tokenizer.json
+      seq_len=128,               # trained context (tokens per packed row)
+      global_batch=16,           # rows per optimizer step, across all hosts
+      shuffle=True,
+  ))
+  c.optim = ml_collections.ConfigDict(dict(
+      peak_lr=3e-3,
+      warmup_steps=30,           # linear warmup, then cosine decay to min_lr_ratio · peak_lr
+      min_lr_ratio=0.1,
+      b1=0.9,
+      b2=0.95,
+      weight_decay=0.05,
+      no_decay="norm,embed",     # comma list: norm (RMSNorm gains), embed (embeddings, lm_head)
+      clip_norm=1.0,             # global-norm gradient clipping
+      grad_accum=1,              # micro-batches per optimizer step
+  ))
+  c.train = ml_collections.ConfigDict(dict(
+      steps=250,
+      compute_dtype="float32",   # float32 | bfloat16 (master weights stay float32)
+      log_every=10,
+      eval_every=125,            # validation loss every N steps (0: never)
+      eval_batches=4,
+      ckpt_every=125,            # Orbax checkpoint every N steps (and at the end, and on SIGTERM)
+      keep_ckpts=2,
+      async_ckpt=True,
+      nonfinite="stop",          # stop | skip: what a NaN/Inf loss does
+  ))
+  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))  # one may be -1
+  sizes.apply(c, args["size"])
+  return c

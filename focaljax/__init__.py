@@ -1,0 +1,3 @@
+"""focaljax: focal, dilution and FocusLLM attention in a JAX/Flax training stack."""
+
+from focaljax import ops  # noqa: F401

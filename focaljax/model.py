@@ -1,0 +1,281 @@
+"""LLaMA-style decoder (Flax NNX) whose attention layers are chosen per layer from a pattern.
+
+Einsum letters: B batch, T positions, S key positions, E d_model, F d_ff, N query heads,
+K kv heads, D head dim, V vocabulary.
+
+Pre-RMSNorm blocks, SwiGLU MLP, no biases, optional tied embeddings, grouped-query attention,
+optional QK-norm, rotary embeddings (per-layer `rope` or `none`) with dynamic NTK scaling past
+the trained context. Every parameter carries logical axis names in its `axes` metadata
+(`focaljax.sharding.RULES` maps them to mesh axes). The model knows no variant names: each layer
+gets its `attention.Family` from `attention.FAMILY`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from focaljax import attention as attn_lib
+from focaljax import sharding
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  vocab_size: int
+  d_model: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  d_ff: int
+  max_seq_len: int                  # trained context; RoPE NTK-scales beyond it
+  attention: attn_lib.AttentionConfig
+  tie_embeddings: bool = False
+  qk_norm: bool = False
+  rope_theta: float = 10000.0
+  norm_eps: float = 1e-5
+  remat: bool = False
+  init_std: float = 0.02
+
+
+def _param(rngs, shape, std, axes):
+  return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32), axes=axes)
+
+
+class RMSNorm(nnx.Module):
+
+  def __init__(self, dim: int, eps: float, axes=("norm",)):
+    self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), axes=axes)
+    self.eps = eps
+
+  def __call__(self, x):
+    # Statistics in float32: bf16 mean-of-squares loses precision over d_model terms.
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_theta(cfg: ModelConfig, length: int | None) -> float:
+  """Dynamic NTK: θ' = θ·(L/T_train)^(D/(D-2)) when L exceeds the trained context."""
+  if length is None or length <= cfg.max_seq_len:
+    return cfg.rope_theta
+  D = cfg.head_dim
+  return cfg.rope_theta * (length / cfg.max_seq_len) ** (D / (D - 2))
+
+
+def apply_rope(x_BTND, positions_BT, theta: float):
+  """Rotate-half RoPE (the LLaMA / Hugging Face convention, so imported weights agree)."""
+  D = x_BTND.shape[-1]
+  inv_freq = theta ** (-jnp.arange(0, D, 2, dtype=jnp.float32) / D)
+  angle_BTd = positions_BT[..., None].astype(jnp.float32) * inv_freq
+  cos = jnp.cos(angle_BTd)[:, :, None, :]
+  sin = jnp.sin(angle_BTd)[:, :, None, :]
+  x = x_BTND.astype(jnp.float32)
+  x1, x2 = x[..., : D // 2], x[..., D // 2:]
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x_BTND.dtype)
+
+
+def _segment_bounds(segment_ids_BT, T):
+  """Index of each token's document start and end within its row."""
+  t = jnp.arange(T)
+  if segment_ids_BT is None:
+    return jnp.zeros((1, T), jnp.int32), jnp.full((1, T), T - 1, jnp.int32)
+  seg = segment_ids_BT
+  is_start = jnp.concatenate([jnp.ones_like(seg[:, :1], bool), seg[:, 1:] != seg[:, :-1]], 1)
+  start = jax.lax.cummax(jnp.where(is_start, t, 0), axis=1)
+  is_end = jnp.concatenate([seg[:, 1:] != seg[:, :-1], jnp.ones_like(seg[:, :1], bool)], 1)
+  end = jax.lax.cummin(jnp.where(is_end, t, T - 1), axis=1, reverse=True)
+  return start, end
+
+
+def learned_tau(a_BT, cfg: attn_lib.AttentionConfig, segment_ids_BT=None):
+  """τ per token from a = X·w_τ: the running (or whole-document, or per-token) mean, clipped."""
+  B, T = a_BT.shape
+  if cfg.tau_mean is attn_lib.TauMean.TOKEN:
+    mean_BT = a_BT
+  else:
+    start, end = _segment_bounds(segment_ids_BT, T)
+    start, end = jnp.broadcast_to(start, (B, T)), jnp.broadcast_to(end, (B, T))
+    cs = jnp.cumsum(a_BT, axis=1)
+    before = jnp.take_along_axis(cs - a_BT, start, axis=1)
+    upto = end if cfg.tau_mean is attn_lib.TauMean.SEQUENCE else jnp.arange(T)[None]
+    total = jnp.take_along_axis(cs, jnp.broadcast_to(upto, (B, T)), axis=1) - before
+    mean_BT = total / (upto - start + 1).astype(jnp.float32)
+  return jnp.clip(mean_BT + cfg.tau_init, cfg.tau_min, cfg.tau_max)
+
+
+class Attention(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, spec: attn_lib.LayerSpec, rngs: nnx.Rngs):
+    E, N, K, D = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    self.cfg, self.spec = cfg, spec
+    self.family = attn_lib.FAMILY[spec.variant]
+    std_out = cfg.init_std / (2 * cfg.num_layers) ** 0.5
+    self.wq = _param(rngs, (E, N, D), E**-0.5, ("embed", "heads", "head_dim"))
+    self.wk = _param(rngs, (E, K, D), E**-0.5, ("embed", "kv_heads", "head_dim"))
+    self.wv = _param(rngs, (E, K, D), E**-0.5, ("embed", "kv_heads", "head_dim"))
+    self.wo = _param(rngs, (N, D, E), std_out, ("heads", "head_dim", "embed"))
+    if cfg.qk_norm:
+      self.q_norm = RMSNorm(D, cfg.norm_eps, axes=("head_dim",))
+      self.k_norm = RMSNorm(D, cfg.norm_eps, axes=("head_dim",))
+    if attn_lib.uses_learned_tau(cfg.attention, spec):
+      # Zero init: τ starts at tau_init, inside the clip range, so w_τ gets gradient from step 0.
+      self.w_tau = nnx.Param(jnp.zeros((E,), jnp.float32), axes=("embed",))
+
+  def _project(self, x_BTE, positions_BT, theta):
+    q = jnp.einsum("BTE,END->BTND", x_BTE, self.wq[...].astype(x_BTE.dtype))
+    k = jnp.einsum("BTE,EKD->BTKD", x_BTE, self.wk[...].astype(x_BTE.dtype))
+    v = jnp.einsum("BTE,EKD->BTKD", x_BTE, self.wv[...].astype(x_BTE.dtype))
+    if self.cfg.qk_norm:
+      q, k = self.q_norm(q), self.k_norm(k)
+    if self.spec.position is attn_lib.Position.ROPE:
+      q, k = apply_rope(q, positions_BT, theta), apply_rope(k, positions_BT, theta)
+    return q, k, v
+
+  def _tau_a(self, x_BTE):
+    if not hasattr(self, "w_tau"):
+      return None
+    return jnp.einsum("BTE,E->BT", x_BTE.astype(jnp.float32), self.w_tau[...].astype(jnp.float32))
+
+  def __call__(self, x_BTE, positions_BT, segment_ids_BT, theta):
+    q, k, v = self._project(x_BTE, positions_BT, theta)
+    a_BT = self._tau_a(x_BTE)
+    tau_BT = None if a_BT is None else learned_tau(a_BT, self.cfg.attention, segment_ids_BT)
+    scale = self.family.scale(self.cfg.attention, self.cfg.head_dim, tau_BT)
+    out = self.family.attend(self.cfg.attention, q, k, v, scale, segment_ids_BT)
+    return jnp.einsum("BTND,NDE->BTE", out, self.wo[...].astype(out.dtype))
+
+  def cached(self, x_BTE, cache, start, theta):
+    """Prefill (start == 0, T tokens) or one decode step (T == 1) against this layer's cache."""
+    B, T, _ = x_BTE.shape
+    positions_BT = jnp.broadcast_to(start + jnp.arange(T), (B, T))
+    q, k, v = self._project(x_BTE, positions_BT, theta)
+    cache = {**cache,
+             "k": jax.lax.dynamic_update_slice(cache["k"], k.astype(cache["k"].dtype), (0, start, 0, 0)),
+             "v": jax.lax.dynamic_update_slice(cache["v"], v.astype(cache["v"].dtype), (0, start, 0, 0))}
+    a_BT = self._tau_a(x_BTE)
+    tau_BT = None
+    if a_BT is not None:
+      cfg = self.cfg.attention
+      if cfg.tau_mean is attn_lib.TauMean.TOKEN:
+        tau_BT = learned_tau(a_BT, cfg)
+      else:
+        # Running mean over the prefix: training's causal mode exactly; the whole-document mode
+        # cannot see the future here, which is the mismatch its docstring warns about.
+        prefix_BT = cache["tau_sum"][:, None] + jnp.cumsum(a_BT, axis=1)
+        mean_BT = prefix_BT / (start + jnp.arange(T) + 1).astype(jnp.float32)
+        tau_BT = jnp.clip(mean_BT + cfg.tau_init, cfg.tau_min, cfg.tau_max)
+        cache = {**cache, "tau_sum": prefix_BT[:, -1]}
+    scale = self.family.scale(self.cfg.attention, self.cfg.head_dim, tau_BT)
+    out, cache = self.family.cached(self.cfg.attention, q, cache, scale, start)
+    return jnp.einsum("BTND,NDE->BTE", out, self.wo[...].astype(out.dtype)), cache
+
+
+class Mlp(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    E, F = cfg.d_model, cfg.d_ff
+    self.w_gate = _param(rngs, (E, F), E**-0.5, ("embed", "mlp"))
+    self.w_up = _param(rngs, (E, F), E**-0.5, ("embed", "mlp"))
+    self.w_down = _param(rngs, (F, E), cfg.init_std / (2 * cfg.num_layers) ** 0.5, ("mlp", "embed"))
+
+  def __call__(self, x_BTE):
+    dt = x_BTE.dtype
+    gate = jnp.einsum("BTE,EF->BTF", x_BTE, self.w_gate[...].astype(dt))
+    up = jnp.einsum("BTE,EF->BTF", x_BTE, self.w_up[...].astype(dt))
+    return jnp.einsum("BTF,FE->BTE", jax.nn.silu(gate) * up, self.w_down[...].astype(dt))
+
+
+class Block(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, spec: attn_lib.LayerSpec, rngs: nnx.Rngs):
+    self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+    self.attn = Attention(cfg, spec, rngs)
+    self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+    self.mlp = Mlp(cfg, rngs)
+
+  def __call__(self, x_BTE, positions_BT, segment_ids_BT, theta):
+    x_BTE = x_BTE + self.attn(self.attn_norm(x_BTE), positions_BT, segment_ids_BT, theta)
+    x_BTE = x_BTE + self.mlp(self.mlp_norm(x_BTE))
+    return sharding.constrain(x_BTE, ("batch", "seq", "embed_act"))
+
+  def cached(self, x_BTE, cache, start, theta):
+    h, cache = self.attn.cached(self.attn_norm(x_BTE), cache, start, theta)
+    x_BTE = x_BTE + h
+    return x_BTE + self.mlp(self.mlp_norm(x_BTE)), cache
+
+
+class Transformer(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), cfg.init_std, ("vocab", "embed"))
+    self.blocks = nnx.List([Block(cfg, spec, rngs) for spec in cfg.attention.layers])
+    self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+    if not cfg.tie_embeddings:
+      self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), cfg.d_model**-0.5,
+                            ("embed", "vocab"))
+
+  def _logits(self, x_BTE):
+    x_BTE = self.final_norm(x_BTE)
+    if self.cfg.tie_embeddings:
+      w_EV = self.embed[...].T
+    else:
+      w_EV = self.lm_head[...]
+    # float32 logits: the loss and sampling need the full range.
+    return jnp.einsum("BTE,EV->BTV", x_BTE, w_EV.astype(x_BTE.dtype),
+                      preferred_element_type=jnp.float32)
+
+  def __call__(self, tokens_BT, *, positions_BT=None, segment_ids_BT=None, rope_length=None,
+               dtype=jnp.float32):
+    """Logits float32 [B, T, V]. `rope_length`: the length to NTK-scale for (default T)."""
+    B, T = tokens_BT.shape
+    if positions_BT is None:
+      positions_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
+    theta = rope_theta(self.cfg, rope_length or T)
+    x_BTE = self.embed[...].astype(dtype)[tokens_BT]
+    x_BTE = sharding.constrain(x_BTE, ("batch", "seq", "embed_act"))
+    for block in self.blocks:
+      if self.cfg.remat:
+        x_BTE = nnx.remat(lambda b, *a: b(*a), static_argnums=(4,))(
+            block, x_BTE, positions_BT, segment_ids_BT, theta)
+      else:
+        x_BTE = block(x_BTE, positions_BT, segment_ids_BT, theta)
+    return self._logits(x_BTE)
+
+  def init_cache(self, batch: int, max_len: int, dtype=jnp.float32) -> list[dict]:
+    """Per-layer KV cache (+ running float32 demand for dilution, + τ prefix sum if learned)."""
+    cfg = self.cfg
+    caches = []
+    for block in self.blocks:
+      c = {"k": jnp.zeros((batch, max_len, cfg.num_kv_heads, cfg.head_dim), dtype),
+           "v": jnp.zeros((batch, max_len, cfg.num_kv_heads, cfg.head_dim), dtype)}
+      if block.attn.family.demand:
+        c["demand"] = jnp.zeros((batch, cfg.num_heads, max_len), jnp.float32)
+      if hasattr(block.attn, "w_tau"):
+        c["tau_sum"] = jnp.zeros((batch,), jnp.float32)
+      caches.append(c)
+    return caches
+
+  def forward_cached(self, tokens_BT, caches, start, *, rope_length: int, dtype=jnp.float32):
+    """Logits for tokens at positions start.. (prefill from start == 0, or T == 1 steps)."""
+    theta = rope_theta(self.cfg, rope_length)
+    x_BTE = self.embed[...].astype(dtype)[tokens_BT]
+    new = []
+    for block, cache in zip(self.blocks, caches):
+      x_BTE, cache = block.cached(x_BTE, cache, start, theta)
+      new.append(cache)
+    return self._logits(x_BTE), new
+
+
+def param_count(cfg: ModelConfig) -> int:
+  """Closed form, checked against the module in tests: embeddings + head + per-layer weights."""
+  E, F, N, K, D, V, L = (cfg.d_model, cfg.d_ff, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                         cfg.vocab_size, cfg.num_layers)
+  per_layer = E * D * (2 * N + 2 * K) + 3 * E * F + 2 * E + (2 * D if cfg.qk_norm else 0)
+  learned = sum(E for s in cfg.attention.layers if attn_lib.uses_learned_tau(cfg.attention, s))
+  return V * E * (1 if cfg.tie_embeddings else 2) + L * per_layer + E + learned

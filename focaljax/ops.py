@@ -1,0 +1,148 @@
+"""Public attention operators (the contract in CONTRACT.md) and their implementation table.
+
+Shapes: q [B, T, Hq, D]; k, v [B, S, Hkv, D] (Hq % Hkv == 0); outputs [B, T, Hq, D] in q.dtype.
+`implementation` is chosen from `IMPLEMENTATIONS[op]`; "xla" is the pure-JAX reference in
+`pallas_kernels.reference` (the spec), "pallas" the fused kernels (compiled on GPU/TPU, interpret
+mode on CPU), "cudnn" (focal only) `jax.nn.dot_product_attention` on NVIDIA GPUs.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import reference
+
+
+def _interpret() -> bool:
+  # Kernels compile on GPU/TPU; everywhere else they run in Pallas interpret mode.
+  return jax.default_backend() not in ("gpu", "cuda", "rocm", "tpu")
+
+
+# ------------------------------------------------------------------ focal / softmax attention
+
+
+def _focal_xla(q, k, v, *, scale, causal, segment_ids):
+  return reference.attention(q, k, v, scale=scale, causal=causal, segment_ids_BT=segment_ids)
+
+
+def _focal_pallas(q, k, v, *, scale, causal, segment_ids):
+  from pallas_kernels import focal_flash  # pylint: disable=import-outside-toplevel
+  return focal_flash.focal_attention(q, k, v, scale=scale, causal=causal,
+                                     segment_ids=segment_ids, interpret=_interpret())
+
+
+def _focal_cudnn(q, k, v, *, scale, causal, segment_ids):
+  if jax.default_backend() != "gpu":
+    raise NotImplementedError("implementation='cudnn' needs an NVIDIA GPU; use 'xla' or 'pallas'")
+  B, T, N, _ = q.shape
+  if isinstance(scale, (int, float)):
+    q_scaled, s = q, float(scale)
+  else:
+    # cuDNN takes a Python float: fold a per-(batch, head, query) temperature into q, which keeps
+    # the gradient to `scale` in plain JAX and the KV cache independent of it.
+    s_BNT = reference.scale_BNT(scale, B, N, T)
+    q_scaled, s = (q.astype(jnp.float32) * s_BNT.transpose(0, 2, 1)[..., None]).astype(q.dtype), 1.0
+  mask = None
+  if segment_ids is not None:
+    mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
+  return jax.nn.dot_product_attention(q_scaled, k, v, scale=s, is_causal=causal, mask=mask,
+                                      implementation="cudnn")
+
+
+# ----------------------------------------------------------------------- dilution attention
+
+
+def _dilution_xla(q, k, v, *, scale, eps, segment_ids):
+  return reference.dilution_attention(q, k, v, scale=scale, eps=eps, segment_ids_BT=segment_ids)[0]
+
+
+def _dilution_pallas(q, k, v, *, scale, eps, segment_ids):
+  from pallas_kernels import dilution  # pylint: disable=import-outside-toplevel
+  return dilution.dilution_attention(q, k, v, scale=scale, eps=eps, segment_ids=segment_ids,
+                                     interpret=_interpret())
+
+
+def _prefill_xla(q, k, v, *, scale, eps):
+  return reference.dilution_attention(q, k, v, scale=scale, eps=eps)
+
+
+def _prefill_pallas(q, k, v, *, scale, eps):
+  from pallas_kernels import dilution  # pylint: disable=import-outside-toplevel
+  return dilution.dilution_prefill(q, k, v, scale=scale, eps=eps, interpret=_interpret())
+
+
+def _decode_xla(q, k_cache, v_cache, demand, length, *, scale, eps):
+  return reference.dilution_decode_step(q, k_cache, v_cache, demand, length, scale=scale, eps=eps)
+
+
+def _decode_pallas(q, k_cache, v_cache, demand, length, *, scale, eps):
+  from pallas_kernels import dilution  # pylint: disable=import-outside-toplevel
+  return dilution.dilution_decode_step(q, k_cache, v_cache, demand, length, scale=scale, eps=eps,
+                                       interpret=_interpret())
+
+
+IMPLEMENTATIONS: dict[str, dict[str, Callable]] = {
+    "focal_attention": {"xla": _focal_xla, "pallas": _focal_pallas, "cudnn": _focal_cudnn},
+    "dilution_attention": {"xla": _dilution_xla, "pallas": _dilution_pallas},
+    "dilution_prefill": {"xla": _prefill_xla, "pallas": _prefill_pallas},
+    "dilution_decode_step": {"xla": _decode_xla, "pallas": _decode_pallas},
+}
+
+
+def _impl(op: str, implementation: str) -> Callable:
+  table = IMPLEMENTATIONS[op]
+  if implementation not in table:
+    raise ValueError(f"{op}: implementation must be one of {sorted(table)}; got {implementation!r}")
+  return table[implementation]
+
+
+def _call(op, implementation, *args, **kwargs):
+  try:
+    return _impl(op, implementation)(*args, **kwargs)
+  except ModuleNotFoundError as e:
+    if e.name and e.name.startswith("pallas_kernels"):
+      raise NotImplementedError(f"{op}: implementation={implementation!r} is not built yet "
+                                f"({e.name} missing); use 'xla'") from e
+    raise
+
+
+def _default_scale(q, scale):
+  return q.shape[-1] ** -0.5 if scale is None else scale
+
+
+def focal_attention(q, k, v, *, scale, causal=True, segment_ids=None, implementation="xla"):
+  """softmax(scale · q·kᵀ) over the visible keys, times v.
+
+  `scale`: a Python float, or an array broadcastable to [B, Hq, T] (per sequence, head or query);
+  gradients flow to an array scale (this is how a learned temperature trains).
+  """
+  reference.check_qkv(q, k, v)
+  return _call("focal_attention", implementation, q, k, v, scale=scale, causal=causal,
+               segment_ids=segment_ids)
+
+
+def dilution_attention(q, k, v, *, scale=None, eps=1e-9, segment_ids=None, implementation="xla"):
+  """Causal dilution attention: p = causal softmax; share = p / (committed + p + eps) with
+  committed the exclusive column cumsum of p over queries; rows renormalised; out = A @ v."""
+  reference.check_qkv(q, k, v)
+  return _call("dilution_attention", implementation, q, k, v, scale=_default_scale(q, scale),
+               eps=eps, segment_ids=segment_ids)
+
+
+def dilution_prefill(q, k, v, *, scale=None, eps=1e-9, implementation="xla"):
+  """Dilution over a whole prompt; returns (out, demand float32 [B, Hq, S] = Σ_i p[i, j])."""
+  reference.check_qkv(q, k, v)
+  return _call("dilution_prefill", implementation, q, k, v, scale=_default_scale(q, scale), eps=eps)
+
+
+def dilution_decode_step(q, k_cache, v_cache, demand, length, *, scale=None, eps=1e-9,
+                         implementation="xla"):
+  """One cached step for the query at position length-1 (q [B, Hq, D]); returns (out, demand)."""
+  if q.ndim != 3:
+    raise ValueError(f"q must be [B, Hq, D] for a decode step; got {q.shape}")
+  return _call("dilution_decode_step", implementation, q, k_cache, v_cache, demand, length,
+               scale=_default_scale(q, scale), eps=eps)
+

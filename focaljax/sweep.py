@@ -1,0 +1,74 @@
+"""Expand a grid of config overrides into runs, each with its own workdir.
+
+  python -m focaljax.sweep --config configs/focal.py --root runs/temp \\
+      --grid model.attention.temperature=0.3,0.4,0.5,0.6 [--grid seed=0,1] [--print] \\
+      [-- --config.train.steps=2000]
+
+Runs one after another locally (each a `train.py` subprocess, so one run's failure does not stop
+the rest), or with --print writes one launch line per run for a cluster scheduler (prefix each with
+your `srun`/`gcloud ... ssh` as usual). The cartesian product of all --grid flags is taken.
+Workdirs are named after the overrides: root/temperature=0.3,seed=1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import shlex
+import subprocess
+import sys
+
+_TRAIN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train.py")
+
+
+def parse_grid(items: list[str]) -> list[tuple[str, list[str]]]:
+  grid = []
+  for item in items:
+    key, sep, values = item.partition("=")
+    if not sep or not values:
+      raise ValueError(f"--grid {item!r}: expected field=v1,v2,... e.g. "
+                       "model.attention.temperature=0.3,0.4")
+    grid.append((key, values.split(",")))
+  return grid
+
+
+def expand(config: str, root: str, grid, extra: list[str]) -> list[tuple[str, list[str]]]:
+  """[(workdir, argv)] for every point of the grid."""
+  runs = []
+  keys = [k for k, _ in grid]
+  for values in itertools.product(*(v for _, v in grid)):
+    name = ",".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in zip(keys, values)) or "run"
+    workdir = os.path.join(root, name)
+    argv = [sys.executable, _TRAIN, f"--config={config}", f"--workdir={workdir}"]
+    argv += [f"--config.{k}={v}" for k, v in zip(keys, values)] + list(extra)
+    runs.append((workdir, argv))
+  return runs
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  p.add_argument("--config", required=True, help="config file, e.g. configs/focal.py[:arg]")
+  p.add_argument("--root", required=True, help="parent directory of the runs' workdirs")
+  p.add_argument("--grid", action="append", default=[], help="field=v1,v2,... (repeatable)")
+  p.add_argument("--print", dest="print_only", action="store_true",
+                 help="print launch lines instead of running")
+  args, extra = p.parse_known_args(argv)
+  extra = [e for e in extra if e != "--"]
+  runs = expand(args.config, args.root, parse_grid(args.grid), extra)
+  if args.print_only:
+    for _, run_argv in runs:
+      print(shlex.join(["python"] + run_argv[1:]))
+    return 0
+  failed = []
+  for i, (workdir, run_argv) in enumerate(runs):
+    print(f"[{i + 1}/{len(runs)}] {workdir}", flush=True)
+    if subprocess.call(run_argv) != 0:
+      failed.append(workdir)
+  for workdir in failed:
+    print(f"FAILED: {workdir}")
+  return 1 if failed else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

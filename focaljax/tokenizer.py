@@ -1,0 +1,101 @@
+"""Byte-level BPE tokenizer: a thin wrapper over a Hugging Face `tokenizers.Tokenizer`.
+
+Byte-level pre-tokenization maps every byte to a symbol before merging, so any
+string (any unicode, any whitespace) encodes and `decode(encode(s)) == s`
+exactly; there is no unknown token and no normalization. One special token,
+`<|endoftext|>`, separates documents when they are packed into rows (data.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+import os
+import pathlib
+
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+EOS_TOKEN = "<|endoftext|>"
+FILENAME = "tokenizer.json"
+_ASSETS = pathlib.Path(__file__).parent / "assets"
+
+
+class Tokenizer:
+  """Text <-> token ids. `eos_id` is the document separator."""
+
+  def __init__(self, hf: tokenizers.Tokenizer):
+    eos_id = hf.token_to_id(EOS_TOKEN)
+    if eos_id is None:
+      raise ValueError(f"tokenizer has no {EOS_TOKEN!r} special token; train it with train_bpe()")
+    # Specials are never parsed out of raw text: a document that happens to contain the literal
+    # string "<|endoftext|>" must not inject a document boundary (and must still roundtrip).
+    hf.encode_special_tokens = True
+    self._hf = hf
+    self.eos_id: int = eos_id
+
+  @property
+  def vocab_size(self) -> int:
+    return self._hf.get_vocab_size(with_added_tokens=True)
+
+  def encode(self, text: str) -> list[int]:
+    return self._hf.encode(text, add_special_tokens=False).ids
+
+  def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+    return [e.ids for e in self._hf.encode_batch(list(texts), add_special_tokens=False)]
+
+  def decode(self, ids: Sequence[int]) -> str:
+    return self._hf.decode(list(ids), skip_special_tokens=False)
+
+  def save(self, directory: str | os.PathLike) -> str:
+    """Writes `directory/tokenizer.json` atomically (hosts may race) and returns its path."""
+    directory = pathlib.Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / FILENAME
+    tmp = directory / f".{FILENAME}.{os.getpid()}.tmp"
+    self._hf.save(str(tmp))
+    os.replace(tmp, path)
+    return str(path)
+
+  @classmethod
+  def load(cls, path_or_dir: str | os.PathLike) -> Tokenizer:
+    """Loads a tokenizer.json, or `dir/tokenizer.json` when given a directory."""
+    path = pathlib.Path(path_or_dir)
+    if path.is_dir():
+      path = path / FILENAME
+    if not path.is_file():
+      raise FileNotFoundError(f"no tokenizer file at {path}")
+    return cls(tokenizers.Tokenizer.from_file(str(path)))
+
+  def __repr__(self) -> str:
+    return f"Tokenizer(vocab_size={self.vocab_size}, eos_id={self.eos_id})"
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
+  """Trains a byte-level BPE with `vocab_size` entries (256 bytes + <|endoftext|> + merges).
+
+  A small corpus can run out of pairs to merge and yield fewer entries: size the model's
+  embedding from the returned `vocab_size`, not from the request.
+  """
+  min_size = 256 + 1
+  if vocab_size < min_size:
+    raise ValueError(f"vocab_size must be >= {min_size} (256 bytes + {EOS_TOKEN}), "
+                     f"got {vocab_size}")
+  hf = tokenizers.Tokenizer(models.BPE())
+  # add_prefix_space=False keeps the roundtrip exact: no space is invented at the start.
+  # use_regex=True splits words/digits/punctuation GPT-2 style so merges stay within words.
+  hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+  hf.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(
+      vocab_size=vocab_size,
+      special_tokens=[EOS_TOKEN],
+      # Seed all 256 byte symbols so text unseen in training still encodes.
+      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+      show_progress=False,
+  )
+  hf.train_from_iterator(texts, trainer=trainer)
+  return Tokenizer(hf)
+
+
+def bundled() -> Tokenizer:
+  """The BPE (vocab 4096) shipped for the bundled text (focaljax/assets/)."""
+  return Tokenizer.load(_ASSETS / FILENAME)

@@ -1,0 +1,98 @@
+"""Configs: every file loads and builds abstractly; bad values are refused naming the field."""
+
+import glob
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+from flax import nnx
+from ml_collections import config_flags  # noqa: F401  (the loader train.py uses)
+
+from configs import base, sizes
+from focaljax import config as config_lib
+from focaljax import model as model_lib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG_FILES = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "configs", "*.py"))
+                      if not os.path.basename(p).startswith("_") and "sizes" not in p)
+
+
+def _load(name, arg=None):
+  import importlib
+  return importlib.import_module(f"configs.{name}").get_config(arg)
+
+
+@pytest.mark.parametrize("name", CONFIG_FILES)
+def test_config_files_validate(name):
+  c = _load(name)
+  c.lock()
+  config_lib.validate(c)
+
+
+@pytest.mark.parametrize("size", sizes.NAMES)
+def test_size_presets_build_abstractly(size):
+  c = base.get_config(f"size={size}")
+  config_lib.validate(c)
+  cfg = config_lib.model_config(c, vocab_size=4096)
+  abstract = nnx.eval_shape(lambda: model_lib.Transformer(cfg, nnx.Rngs(0)))
+  n = sum(x.size for x in jax.tree.leaves(nnx.split(abstract)[1]))
+  assert n == model_lib.param_count(cfg)
+  expected = {"400m": 0.4e9, "777m": 0.78e9, "1.3b": 1.3e9, "2.7b": 2.7e9, "6.7b": 6.7e9,
+              "9.5b": 9.5e9, "209m": 0.209e9}
+  if size in expected:  # within 12% of the name (the papers count embeddings differently)
+    assert abs(n - expected[size]) / expected[size] < 0.12, (size, n)
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("model.attention.temperature", 0.0, "model.attention.temperature"),
+    ("model.attention.tau_min", 10.0, "model.attention.tau_min"),
+    ("model.num_kv_heads", 3, "model.num_kv_heads"),
+    ("model.num_heads", 3, "model.num_heads"),
+    ("model.attention.pattern", "softmax,flash", "unknown variant 'flash'"),
+    ("model.attention.implementation", "triton", "model.attention.implementation"),
+    ("model.attention.tau_mean", "global", "model.attention.tau_mean"),
+    ("optim.grad_accum", 3, "optim.grad_accum"),
+    ("train.nonfinite", "ignore", "train.nonfinite"),
+    ("optim.no_decay", "norm,bias", "optim.no_decay"),
+    ("mesh.tensor", 3, "mesh.tensor"),
+])
+def test_invalid_values_name_the_field(field, value, match):
+  c = base.get_config()
+  node = c
+  *parents, leaf = field.split(".")
+  for p in parents:
+    node = node[p]
+  node[leaf] = value
+  with pytest.raises(config_lib.ConfigError, match=match):
+    config_lib.validate(c)
+
+
+def test_pallas_needs_block_divisible_sequence():
+  c = base.get_config()
+  c.model.attention.implementation = "pallas"
+  c.data.seq_len = 100
+  with pytest.raises(config_lib.ConfigError, match="data.seq_len"):
+    config_lib.validate(c)
+
+
+@pytest.mark.parametrize("override,match", [
+    ("--config.model.attention.temprature=0.4", "temprature"),      # unknown key (typo)
+    ("--config.model.num_layers=two", "num_layers"),                 # wrong type
+    ("--config.model.attention.temperature=-1", "model.attention.temperature"),
+])
+def test_command_line_refuses_bad_overrides(override, match, tmp_path):
+  r = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--config",
+                      os.path.join(ROOT, "configs", "smoke.py"), "--workdir", str(tmp_path),
+                      override], capture_output=True, text=True, cwd=ROOT, timeout=120)
+  assert r.returncode != 0
+  assert match in r.stderr + r.stdout
+  assert not os.path.exists(os.path.join(tmp_path, "checkpoints"))
+
+
+def test_parse_arg_keeps_commas_in_patterns():
+  args = base.parse_arg("size=small,pattern=softmax:rope,dilution:none", size="tiny", pattern="x")
+  assert args == {"size": "small", "pattern": "softmax:rope,dilution:none"}
+  with pytest.raises(ValueError, match="expected key=value"):
+    base.parse_arg("colour=red", size="tiny")

@@ -1,0 +1,97 @@
+"""The decoder: parameter count, cached generation == full forward, remat, NTK, logical axes."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from focaljax import attention as A
+from focaljax import model as M
+from focaljax import sharding
+
+
+def _cfg(pattern="softmax", **kw):
+  ac = A.AttentionConfig(layers=A.parse_pattern(pattern, kw.pop("num_layers", 2)),
+                         learned=kw.pop("learned", False))
+  base = dict(vocab_size=96, d_model=32, num_layers=len(ac.layers), num_heads=4, num_kv_heads=2,
+              head_dim=8, d_ff=64, max_seq_len=16, attention=ac)
+  base.update(kw)
+  return M.ModelConfig(**base)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(tie_embeddings=True, qk_norm=True),
+                                dict(pattern="focal", learned=True, num_layers=3)])
+def test_param_count_matches_formula(kw):
+  cfg = _cfg(**kw)
+  params = nnx.to_pure_dict(nnx.split(M.Transformer(cfg, nnx.Rngs(0)))[1])
+  assert sum(x.size for x in jax.tree.leaves(params)) == M.param_count(cfg)
+
+
+@pytest.mark.parametrize("pattern,learned", [("softmax:rope", False), ("focal", True),
+                                             ("softmax:rope,dilution:none", False)])
+def test_cached_generation_reproduces_full_forward(pattern, learned):
+  cfg = _cfg(pattern, learned=learned, num_layers=2, qk_norm=True)
+  model = M.Transformer(cfg, nnx.Rngs(1))
+  tokens = jax.random.randint(jax.random.key(2), (2, 14), 0, 96)
+  full = model(tokens, rope_length=14)
+  caches = model.init_cache(2, 14)
+  logits, caches = model.forward_cached(tokens[:, :9], caches, 0, rope_length=14)
+  outs = [logits]
+  for t in range(9, 14):
+    logits, caches = model.forward_cached(tokens[:, t:t + 1], caches, t, rope_length=14)
+    outs.append(logits)
+  np.testing.assert_allclose(jnp.concatenate(outs, 1), full, rtol=2e-5, atol=2e-5)
+
+
+def test_remat_changes_nothing():
+  cfg = _cfg("softmax:rope,dilution:none")
+  graphdef, state = nnx.split(M.Transformer(cfg, nnx.Rngs(3)))
+  cfg_r = _cfg("softmax:rope,dilution:none", remat=True)
+  graphdef_r, _ = nnx.split(M.Transformer(cfg_r, nnx.Rngs(3)))
+  params = nnx.to_pure_dict(state)
+  tokens = jax.random.randint(jax.random.key(4), (2, 16), 0, 96)
+  loss = lambda g, p: nnx.merge(g, p)(tokens).std()
+  l0, g0 = jax.value_and_grad(lambda p: loss(graphdef, p))(params)
+  l1, g1 = jax.value_and_grad(lambda p: loss(graphdef_r, p))(params)
+  np.testing.assert_allclose(l0, l1, rtol=1e-6)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), g0, g1)
+
+
+def test_dynamic_ntk_only_past_trained_context():
+  cfg = _cfg()
+  assert M.rope_theta(cfg, 16) == cfg.rope_theta
+  assert M.rope_theta(cfg, 64) == pytest.approx(cfg.rope_theta * 4 ** (8 / 6))
+
+
+def test_causal_by_gradient_through_the_model():
+  cfg = _cfg("softmax:rope,dilution:none,focal", learned=True, num_layers=3)
+  model = M.Transformer(cfg, nnx.Rngs(5))
+  graphdef, state = nnx.split(model)
+  params = nnx.to_pure_dict(state)
+  x = jax.random.normal(jax.random.key(6), (1, 12, 32))
+  t = 6
+
+  def f(x):
+    m = nnx.merge(graphdef, params)
+    pos = jnp.arange(12)[None]
+    h = x
+    for block in m.blocks:
+      h = block(h, pos, None, 10000.0)
+    return h[0, t].sum()
+  g = jax.grad(f)(x)
+  np.testing.assert_array_equal(g[0, t + 1:], 0)
+
+
+def test_every_param_has_logical_axes_with_rules():
+  cfg = _cfg("focal", learned=True, qk_norm=True, tie_embeddings=False)
+  _, state = nnx.split(M.Transformer(cfg, nnx.Rngs(0)))
+  axes = sharding.param_axes(state)
+  flat = jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple))
+  shapes = jax.tree.leaves(nnx.to_pure_dict(state))
+  assert len(flat) == len(shapes)
+  for a, p in zip(flat, shapes):
+    assert len(a) == p.ndim
+    sharding.spec(tuple(a))  # raises if a name has no rule
+  with pytest.raises(KeyError, match="no rule"):
+    sharding.spec(("nonexistent",))

@@ -1,0 +1,85 @@
+"""Tokenizer invariants: exact roundtrip for any text, one eos special, save/load identity."""
+
+import pytest
+
+from focaljax import tokenizer as tokenizer_lib
+
+TEXTS = [
+    "",
+    "Hello, world!",
+    "  leading and trailing spaces  ",
+    "tabs\tand\nnewlines\r\nand\u00a0nbsp\u2028line sep",
+    "multiple     spaces\n\n\n\nblank lines",
+    "Unicode: café, naïve, Übermaß, 日本語のテキスト, Ελληνικά, עברית",
+    "emoji and ZWJ sequences: 🦀🚀 👩‍👩‍👧",
+    "numbers 1234567890 3.14159 -42 1e-9",
+    "code: def f(x):\n    return {'a': [1, 2]}  # comment",
+    "a literal <|endoftext|> inside a document",
+    "\x00\x01 control \x7f chars",
+]
+
+
+@pytest.fixture(scope="module")
+def bundled():
+  return tokenizer_lib.bundled()
+
+
+@pytest.fixture(scope="module")
+def small():
+  corpus = ["the quick brown fox jumps over the lazy dog. " * 20, "hello world " * 50] * 5
+  return tokenizer_lib.train_bpe(corpus, vocab_size=300)
+
+
+def test_bundled_loads(bundled):
+  assert bundled.vocab_size == 4096
+  assert bundled.decode([bundled.eos_id]) == tokenizer_lib.EOS_TOKEN
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_roundtrip_bundled(bundled, text):
+  ids = bundled.encode(text)
+  assert all(0 <= i < bundled.vocab_size for i in ids)
+  assert bundled.decode(ids) == text
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_roundtrip_small_trained(small, text):
+  # Text never seen in training (CJK, emoji) still roundtrips: all 256 bytes are in the vocab.
+  assert small.decode(small.encode(text)) == text
+
+
+def test_literal_eos_string_is_not_a_boundary(bundled):
+  assert bundled.eos_id not in bundled.encode("x <|endoftext|> y")
+
+
+def test_bundled_compresses_english(bundled):
+  text = "It is a truth universally acknowledged, that the Congress of the United States"
+  assert len(bundled.encode(text)) < len(text.encode()) / 2.5
+
+
+def test_train_small_bpe(small):
+  # A tiny corpus can run out of pairs to merge before reaching the requested size.
+  assert 257 < small.vocab_size <= 300
+  assert small.decode([small.eos_id]) == tokenizer_lib.EOS_TOKEN
+  # Merges were learned: a frequent word is a single token.
+  assert len(small.encode("hello")) == 1
+
+
+def test_encode_batch_matches_encode(bundled):
+  assert bundled.encode_batch(TEXTS) == [bundled.encode(t) for t in TEXTS]
+
+
+def test_save_load(small, tmp_path):
+  path = small.save(tmp_path)
+  assert path == str(tmp_path / tokenizer_lib.FILENAME)
+  for loaded in (tokenizer_lib.Tokenizer.load(tmp_path), tokenizer_lib.Tokenizer.load(path)):
+    assert loaded.vocab_size == small.vocab_size and loaded.eos_id == small.eos_id
+    for text in TEXTS:
+      assert loaded.encode(text) == small.encode(text)
+
+
+def test_errors(tmp_path):
+  with pytest.raises(ValueError, match="vocab_size"):
+    tokenizer_lib.train_bpe(["abc"], vocab_size=100)
+  with pytest.raises(FileNotFoundError):
+    tokenizer_lib.Tokenizer.load(tmp_path)

@@ -1,0 +1,36 @@
+"""Train a focaljax model.
+
+  python train.py                                   # tiny model, bundled text, CPU, a few minutes
+  python train.py --config configs/focal.py --workdir runs/focal --config.train.steps=2000
+  python train.py --config configs/base.py:size=400m --dry_run   # compile + memory, no training
+
+Any config field can be overridden with --config.<path>=<value>; unknown keys, wrong types and
+invalid values are refused before anything compiles. The run resumes from the workdir's latest
+checkpoint. Grids of overrides: python -m focaljax.sweep --help.
+"""
+
+import os
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from focaljax import trainer
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", os.path.join(_HERE, "configs", "base.py"), "Config file (ConfigDict).",
+    lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", "runs/default", "Checkpoints, metrics and eval output.")
+_DRY_RUN = flags.DEFINE_bool("dry_run", False, "Compile the train step, print memory, exit.")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)  # Orbax and Grain log every save at INFO
+  trainer.train(_CONFIG.value, _WORKDIR.value, dry_run=_DRY_RUN.value)
+
+
+if __name__ == "__main__":
+  app.run(main)
