@@ -10,10 +10,12 @@ checkpoint. Grids of overrides: python -m focaljax.sweep --help.
 """
 
 import os
+import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from focaljax import config as config_lib
 from focaljax import trainer
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -29,7 +31,10 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # Orbax and Grain log every save at INFO
-  trainer.train(_CONFIG.value, _WORKDIR.value, dry_run=_DRY_RUN.value)
+  try:
+    trainer.train(_CONFIG.value, _WORKDIR.value, dry_run=_DRY_RUN.value)
+  except config_lib.ConfigError as e:
+    sys.exit(f"error: {e}")
 
 
 if __name__ == "__main__":

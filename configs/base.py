@@ -68,6 +68,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       seq_len=128,               # trained context (tokens per packed row)
       global_batch=16,           # rows per optimizer step, across all hosts
       shuffle=True,
+      shards=0,                  # data shards (0: one per process); fix it to compare host counts
   ))
   c.optim = ml_collections.ConfigDict(dict(
       peak_lr=3e-3,

@@ -67,13 +67,17 @@ def validate(c: ml_collections.ConfigDict, *, vocab_size: int | None = None,
     _require(d.seq_len % 64 == 0, "data.seq_len",
              f"{d.seq_len} must be divisible by the Pallas kernels' 64-token blocks")
   _require(d.global_batch > 0, "data.global_batch", f"must be > 0, got {d.global_batch}")
+  shards = d.shards or process_count
+  _require(d.shards >= 0 and shards % process_count == 0 and d.global_batch % shards == 0,
+           "data.shards", f"{d.shards} must be 0 or a multiple of the {process_count} processes "
+           f"dividing data.global_batch={d.global_batch}")
   _require(o.grad_accum > 0 and d.global_batch % (o.grad_accum * process_count) == 0,
            "optim.grad_accum", f"data.global_batch={d.global_batch} must be divisible by "
            f"grad_accum={o.grad_accum} x {process_count} processes")
   _require(o.peak_lr > 0, "optim.peak_lr", f"must be > 0, got {o.peak_lr}")
   _require(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", f"must be in [0, 1], got {o.min_lr_ratio}")
-  _require(0 <= o.warmup_steps < t.steps, "optim.warmup_steps",
-           f"must be in [0, train.steps={t.steps}), got {o.warmup_steps}")
+  _require(0 <= o.warmup_steps <= t.steps, "optim.warmup_steps",
+           f"must be in [0, train.steps={t.steps}], got {o.warmup_steps}")
   _require(o.clip_norm > 0, "optim.clip_norm", f"must be > 0, got {o.clip_norm}")
   for item in filter(None, o.no_decay.split(",")):
     _require(item in _NO_DECAY, "optim.no_decay", f"{item!r} is not one of {list(_NO_DECAY)}")

@@ -337,9 +337,38 @@ def make_dataset(cfg: DataConfig, tok: tokenizer_lib.Tokenizer, *, split: str = 
   return _JsonStateDataset(it.map(to_example))
 
 
-def make_iterator(cfg: DataConfig, tok: tokenizer_lib.Tokenizer, *, split: str = "train",
-                  process_index: int = 0, process_count: int = 1) -> grain.DatasetIterator:
-  """A checkpointable iterator of this host's batches (see the module docstring)."""
-  return iter(make_dataset(cfg, tok, split=split, process_index=process_index,
-                           process_count=process_count))
+class _ShardsIterator(grain.DatasetIterator):
+  """This host's data shards side by side: each batch is their batches concatenated by row."""
 
+  def __next__(self) -> dict[str, np.ndarray]:
+    parts = [next(it) for it in self._parents]
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+  def get_state(self) -> dict[str, Any]:
+    return {"shards": [it.get_state() for it in self._parents]}
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    for it, st in zip(self._parents, state["shards"]):
+      it.set_state(st)
+
+
+def make_iterator(cfg: DataConfig, tok: tokenizer_lib.Tokenizer, *, split: str = "train",
+                  process_index: int = 0, process_count: int = 1,
+                  num_shards: int | None = None) -> grain.DatasetIterator:
+  """A checkpointable iterator of this host's batches (see the module docstring).
+
+  `num_shards` (default: process_count) fixes how documents are split into data shards,
+  independently of how many processes read them: process p reads shards
+  [p·S/P, (p+1)·S/P) and yields their rows in shard order. So the global batch of step n is the
+  same on 1 process or on P (the 2-process test relies on this), as long as S is fixed.
+  """
+  shards = process_count if num_shards is None else num_shards
+  if shards % process_count:
+    raise ValueError(f"num_shards={shards} must be a multiple of process_count={process_count}")
+  per_host = shards // process_count
+  if per_host == 1:
+    return iter(make_dataset(cfg, tok, split=split, process_index=process_index,
+                             process_count=process_count))
+  its = [iter(make_dataset(cfg, tok, split=split, process_index=s, process_count=shards))
+         for s in range(process_index * per_host, (process_index + 1) * per_host)]
+  return _ShardsIterator(its)

@@ -149,7 +149,8 @@ def train(config, workdir: str, *, dry_run: bool = False, stop_at: int | None = 
   data_cfg = config_lib.data_config(config)
   pidx, pcount = jax.process_index(), jax.process_count()
   train_iter = data_lib.make_iterator(data_cfg, tokenizer, split="train",
-                                      process_index=pidx, process_count=pcount)
+                                      process_index=pidx, process_count=pcount,
+                                      num_shards=config.data.shards or None)
   if dry_run:
     abstract_batch = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct((config.data.global_batch, *x.shape[1:]), x.dtype,

@@ -1,0 +1,45 @@
+"""House rules that keep the code base honest: one dispatch table, one import direction."""
+
+import ast
+import os
+import re
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VARIANTS = ("softmax", "focal", "dilution")
+
+
+def _py_files(pkg):
+  for dirpath, _, files in os.walk(os.path.join(ROOT, pkg)):
+    for f in files:
+      if f.endswith(".py"):
+        yield os.path.join(dirpath, f)
+
+
+def test_only_the_dispatch_table_compares_variant_names():
+  names = "|".join(VARIANTS)
+  pattern = re.compile(rf"""[=!]=\s*["']({names})["']|["']({names})["']\s*[=!]=""")
+  offenders = []
+  for path in _py_files("focaljax"):
+    if path.endswith(os.path.join("focaljax", "attention.py")):
+      continue
+    with open(path) as f:
+      for i, line in enumerate(f, 1):
+        if pattern.search(line):
+          offenders.append(f"{os.path.relpath(path, ROOT)}:{i}: {line.strip()}")
+  assert not offenders, offenders
+
+
+def _imports(path):
+  tree = ast.parse(open(path).read())
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      yield from (a.name.split(".")[0] for a in node.names)
+    elif isinstance(node, ast.ImportFrom) and node.module:
+      yield node.module.split(".")[0]
+
+
+def test_imports_flow_one_way():
+  for path in _py_files("pallas_kernels"):
+    assert not {"focaljax", "configs", "train", "eval"} & set(_imports(path)), path
+  for path in _py_files("focaljax"):
+    assert not {"train", "eval", "configs"} & set(_imports(path)), path
