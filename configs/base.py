@@ -52,7 +52,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       # dilution; position: rope | none (default rope, none for dilution).
       # e.g. "softmax:rope,dilution:none" is the alternating hybrid.
       pattern=args["pattern"],
-      implementation="xla",      # xla (reference) | pallas (fused kernels) | cudnn (GPU)
+      implementation="xla",      # xla (reference) | pallas | cudnn | tokamax | auto (fastest measured)
       temperature=0.4,           # focal constant: softmax(q·k / (t·√d)); t > 0
       learned=False,             # focal learned: τ = clip(mean(X·w_τ) + tau_init, tau_min, tau_max)
       tau_min=5.0,

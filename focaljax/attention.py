@@ -50,7 +50,19 @@ class TauMean(enum.Enum):
   SEQUENCE = "sequence"
 
 
-IMPLEMENTATIONS = ("xla", "pallas", "cudnn")
+IMPLEMENTATIONS = ("xla", "pallas", "cudnn", "tokamax", "auto")
+
+# `auto`: the fastest implementation measured per platform (docs/BENCHMARKS.md). Dilution has
+# only the reference and the fused kernels; a library name falls back to "pallas" there.
+_AUTO = {"gpu": ("cudnn", "pallas"), "tpu": ("pallas", "pallas"), "cpu": ("xla", "xla")}
+
+
+def resolve_implementation(implementation: str, *, dilution: bool) -> str:
+  if implementation == "auto":
+    return _AUTO.get(jax.default_backend(), _AUTO["cpu"])[int(dilution)]
+  if dilution and implementation in ("cudnn", "tokamax"):
+    return "pallas"
+  return implementation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +128,8 @@ def _scale_focal(cfg: AttentionConfig, head_dim: int, tau_BT):
 
 def _attend_softmax(cfg, q, k, v, scale, segment_ids):
   return ops.focal_attention(q, k, v, scale=scale, causal=True, segment_ids=segment_ids,
-                             implementation=cfg.implementation)
+                             implementation=resolve_implementation(cfg.implementation,
+                                                                   dilution=False))
 
 
 def _attend_dilution(cfg, q, k, v, scale, segment_ids):
@@ -125,8 +138,7 @@ def _attend_dilution(cfg, q, k, v, scale, segment_ids):
 
 
 def _kernel_impl(cfg):
-  # cuDNN has no dilution kernel: a model that asks for cudnn gets the fused Pallas one there.
-  return "pallas" if cfg.implementation == "cudnn" else cfg.implementation
+  return resolve_implementation(cfg.implementation, dilution=True)
 
 
 def _cached_softmax(cfg, q_BTND, cache, scale, start):

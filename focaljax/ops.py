@@ -3,7 +3,9 @@
 Shapes: q [B, T, Hq, D]; k, v [B, S, Hkv, D] (Hq % Hkv == 0); outputs [B, T, Hq, D] in q.dtype.
 `implementation` is chosen from `IMPLEMENTATIONS[op]`; "xla" is the pure-JAX reference in
 `pallas_kernels.reference` (the spec), "pallas" the fused kernels (compiled on GPU/TPU, interpret
-mode on CPU), "cudnn" (focal only) `jax.nn.dot_product_attention` on NVIDIA GPUs.
+mode on CPU); for focal also "cudnn" (`jax.nn.dot_product_attention`, NVIDIA GPUs) and "tokamax"
+(`tokamax.dot_product_attention`, an optional GPU/TPU extra), both with an array temperature
+folded into q.
 """
 
 from __future__ import annotations
@@ -34,22 +36,40 @@ def _focal_pallas(q, k, v, *, scale, causal, segment_ids):
                                      segment_ids=segment_ids, interpret=_interpret())
 
 
+def _fold_scale(q, scale):
+  """(q', float scale): library kernels take a Python float, so an array temperature is folded
+  into q. The gradient to `scale` then flows through plain JAX, and the KV cache stays
+  independent of it."""
+  if isinstance(scale, (int, float)):
+    return q, float(scale)
+  B, T, N, _ = q.shape
+  s_BNT = reference.scale_BNT(scale, B, N, T)
+  return (q.astype(jnp.float32) * s_BNT.transpose(0, 2, 1)[..., None]).astype(q.dtype), 1.0
+
+
+def _segment_mask(segment_ids):
+  if segment_ids is None:
+    return None
+  return (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
+
+
 def _focal_cudnn(q, k, v, *, scale, causal, segment_ids):
   if jax.default_backend() != "gpu":
     raise NotImplementedError("implementation='cudnn' needs an NVIDIA GPU; use 'xla' or 'pallas'")
-  B, T, N, _ = q.shape
-  if isinstance(scale, (int, float)):
-    q_scaled, s = q, float(scale)
-  else:
-    # cuDNN takes a Python float: fold a per-(batch, head, query) temperature into q, which keeps
-    # the gradient to `scale` in plain JAX and the KV cache independent of it.
-    s_BNT = reference.scale_BNT(scale, B, N, T)
-    q_scaled, s = (q.astype(jnp.float32) * s_BNT.transpose(0, 2, 1)[..., None]).astype(q.dtype), 1.0
-  mask = None
-  if segment_ids is not None:
-    mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
-  return jax.nn.dot_product_attention(q_scaled, k, v, scale=s, is_causal=causal, mask=mask,
-                                      implementation="cudnn")
+  q, s = _fold_scale(q, scale)
+  return jax.nn.dot_product_attention(q, k, v, scale=s, is_causal=causal,
+                                      mask=_segment_mask(segment_ids), implementation="cudnn")
+
+
+def _focal_tokamax(q, k, v, *, scale, causal, segment_ids):
+  try:
+    import tokamax  # pylint: disable=import-outside-toplevel
+  except ImportError as e:
+    raise NotImplementedError("implementation='tokamax' needs the optional tokamax package "
+                              "(pip install tokamax; GPU/TPU)") from e
+  q, s = _fold_scale(q, scale)
+  return tokamax.dot_product_attention(q, k, v, mask=_segment_mask(segment_ids), scale=s,
+                                       is_causal=causal)
 
 
 # ----------------------------------------------------------------------- dilution attention
@@ -85,7 +105,8 @@ def _decode_pallas(q, k_cache, v_cache, demand, length, *, scale, eps):
 
 
 IMPLEMENTATIONS: dict[str, dict[str, Callable]] = {
-    "focal_attention": {"xla": _focal_xla, "pallas": _focal_pallas, "cudnn": _focal_cudnn},
+    "focal_attention": {"xla": _focal_xla, "pallas": _focal_pallas, "cudnn": _focal_cudnn,
+                        "tokamax": _focal_tokamax},
     "dilution_attention": {"xla": _dilution_xla, "pallas": _dilution_pallas},
     "dilution_prefill": {"xla": _prefill_xla, "pallas": _prefill_pallas},
     "dilution_decode_step": {"xla": _decode_xla, "pallas": _decode_pallas},

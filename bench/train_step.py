@@ -1,0 +1,109 @@
+"""End-to-end training step time and MFU of the focal configs, one implementation after another.
+
+  python bench/train_step.py --sizes 400m,1.3b --impls cudnn,pallas,tokamax,xla --out step.json
+
+Synthetic batches (random tokens, one document per row) so only the step is timed: the same
+jitted, donated `trainer.train_step` that train.py runs, bf16 compute over float32 master
+weights, on one device. MFU against the device's dense bf16 peak (989 TFLOP/s on H100/H200).
+"""
+
+import argparse
+import functools
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from configs import base  # noqa: E402
+from focaljax import config as config_lib  # noqa: E402
+from focaljax import metrics, optim, trainer  # noqa: E402
+from focaljax import model as model_lib  # noqa: E402
+
+BATCH = {"400m": 16, "1.3b": 8, "small": 8, "tiny": 8}
+
+
+def run(size, impl, steps, seq_len, remat):
+  c = base.get_config(f"size={size},pattern=focal")
+  c.model.attention.implementation = impl
+  c.model.remat = remat
+  c.data.seq_len = seq_len
+  c.data.global_batch = BATCH.get(size, 8)
+  cfg = config_lib.model_config(c, c.model.vocab_size or 32000)
+  graphdef, _ = nnx.split(nnx.eval_shape(lambda: model_lib.Transformer(cfg, nnx.Rngs(0))))
+  params = jax.jit(lambda: nnx.to_pure_dict(nnx.split(model_lib.Transformer(cfg, nnx.Rngs(0)))[1]))()
+  tx = optim.make(config_lib.optim_config(c), params)
+  opt_state = jax.jit(tx.init)(params)
+  step_cfg = trainer.StepConfig(compute_dtype=jnp.bfloat16, grad_accum=1, skip_nonfinite=False)
+  step = jax.jit(functools.partial(trainer.train_step, graphdef=graphdef, tx=tx, cfg=step_cfg),
+                 donate_argnums=(0, 1))
+  B, T = c.data.global_batch, seq_len
+  rng = np.random.default_rng(0)
+  batch = {"inputs": jnp.asarray(rng.integers(0, cfg.vocab_size, (B, T)), jnp.int32),
+           "targets": jnp.asarray(rng.integers(0, cfg.vocab_size, (B, T)), jnp.int32),
+           "segment_ids": jnp.ones((B, T), jnp.int32),
+           "positions": jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)),
+           "weights": jnp.ones((B, T), jnp.float32)}
+  t0 = time.perf_counter()
+  params, opt_state, m = step(params, opt_state, batch)
+  jax.block_until_ready(m)
+  compile_s = time.perf_counter() - t0
+  for _ in range(2):
+    params, opt_state, m = step(params, opt_state, batch)
+  jax.block_until_ready(m)
+  times = []
+  for _ in range(steps):
+    t0 = time.perf_counter()
+    params, opt_state, m = step(params, opt_state, batch)
+    jax.block_until_ready(m)
+    times.append(time.perf_counter() - t0)
+  dt = float(np.median(times))
+  tokens = B * T
+  flops = metrics.flops_per_token(cfg) * tokens
+  peak = metrics.peak_flops_per_device()
+  return {"size": size, "impl": impl, "batch": B, "seq_len": T, "remat": remat,
+          "params": model_lib.param_count(cfg), "step_ms": dt * 1e3, "tokens_per_s": tokens / dt,
+          "tflops": flops / dt / 1e12, "mfu": (flops / dt / peak) if peak else None,
+          "compile_s": compile_s, "loss": float(m["loss"])}
+
+
+def main():
+  p = argparse.ArgumentParser()
+  p.add_argument("--sizes", default="400m,1.3b")
+  p.add_argument("--impls", default="cudnn,pallas,tokamax,xla")
+  p.add_argument("--steps", type=int, default=10)
+  p.add_argument("--seq_len", type=int, default=2048)
+  p.add_argument("--remat", action="store_true")
+  p.add_argument("--out", default="bench_train_step.json")
+  args = p.parse_args()
+  rows = []
+  print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}")
+  for size in args.sizes.split(","):
+    for impl in args.impls.split(","):
+      try:
+        r = run(size, impl, args.steps, args.seq_len, args.remat)
+      except Exception as e:  # one failing implementation must not lose the table
+        r = {"size": size, "impl": impl, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+      rows.append(r)
+      print(json.dumps(r), flush=True)
+  print(f"\n{'size':>6} {'impl':>8} {'step ms':>9} {'tok/s':>9} {'TFLOP/s':>8} {'MFU':>6}")
+  for r in rows:
+    if "error" in r:
+      print(f"{r['size']:>6} {r['impl']:>8}  error: {r['error'][:80]}")
+    else:
+      mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] else "n/a"
+      print(f"{r['size']:>6} {r['impl']:>8} {r['step_ms']:9.1f} {r['tokens_per_s']:9.0f} "
+            f"{r['tflops']:8.1f} {mfu:>6}")
+  with open(args.out, "w") as f:
+    json.dump({"jax": jax.__version__, "device": jax.devices()[0].device_kind, "rows": rows}, f,
+              indent=1)
+
+
+if __name__ == "__main__":
+  main()
