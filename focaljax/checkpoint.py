@@ -44,7 +44,7 @@ class Checkpointer:
   """Keeps the last `keep` checkpoints under workdir/checkpoints."""
 
   def __init__(self, workdir: str, *, keep: int = 3, async_save: bool = True):
-    self.directory = epath.Path(workdir) / "checkpoints"
+    self.directory = epath.Path(os.path.abspath(workdir)) / "checkpoints"  # Orbax wants absolute
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                            enable_async_checkpointing=async_save)
     self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=_ITEMS)
@@ -103,7 +103,8 @@ def write_config(workdir: str, config) -> None:
 def restore_params(workdir: str, step: int | None, abstract_params):
   """Params alone (no optimizer state) into `abstract_params` (ShapeDtypeStructs with shardings);
   returns (params, step)."""
-  manager = ocp.CheckpointManager(epath.Path(workdir) / "checkpoints", item_names=_ITEMS)
+  manager = ocp.CheckpointManager(epath.Path(os.path.abspath(workdir)) / "checkpoints",
+                                 item_names=_ITEMS)
   step = manager.latest_step() if step is None else step
   if step is None:
     raise FileNotFoundError(f"no checkpoint under {workdir}/checkpoints")

@@ -21,11 +21,12 @@ def _losses(workdir):
   return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
-def test_loss_falls(tmp_path):
+def test_loss_falls(tmp_path, monkeypatch):
   c = smoke.get_config()
   c.train.update(steps=30, log_every=5, eval_every=15, ckpt_every=30)
   c.optim.update(peak_lr=3e-3, warmup_steps=5)
-  out = trainer.train(c, str(tmp_path))
+  monkeypatch.chdir(tmp_path.parent)  # a relative workdir, as `python train.py` uses
+  out = trainer.train(c, tmp_path.name)
   losses = _losses(tmp_path)
   assert losses[30] < losses[5] - 0.5, losses
   assert out["val_loss"] < 8.0
