@@ -1,0 +1,182 @@
+"""Benchmark: Pallas dilution kernels vs cuDNN softmax attention vs the XLA dilution reference.
+
+  python bench/dilution.py --out dilution_bench.json          # GPU: the full table
+  python bench/dilution.py --smoke --out /tmp/smoke.json      # CPU: tiny shapes, interpret mode
+
+Entries: training forward and forward+backward at (B, H, T, D) = (8,8,4K,64), (2,12,16K,64),
+(1,16,8K,128); prefill at 32K/64K/128K (B1 H12 D64); one decode step against a 16K and a 128K
+cache. Each entry is jitted, warmed up, then timed as the median of --reps runs with
+block_until_ready. Memory: `temp_MiB` is XLA's compiled scratch for that function (per entry);
+`peak_MiB` is the device's process-lifetime peak_bytes_in_use after the entry (monotonic: read it
+as "at most"). Every entry is wrapped in try/except (OOM, unsupported) and reported as an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from pallas_kernels import dilution, reference  # pylint: disable=wrong-import-position
+
+TRAIN_SHAPES = [(8, 8, 4096, 64), (2, 12, 16384, 64), (1, 16, 8192, 128)]
+PREFILL_T = [32768, 65536, 131072]
+DECODE_S = [16384, 131072]
+SMOKE_BLOCKS = dilution.BlockSizes(block_q_stats=16, block_k_stats=16, block_q=16, block_k=32,
+                                   ckpt_rows=32, block_k_decode=16, split_k_decode=64)
+
+
+def _time(fn, args, reps):
+  """(median seconds, compiled temp bytes) of a jitted fn."""
+  jitted = jax.jit(fn)
+  compiled = jitted.lower(*args).compile()
+  try:
+    temp = compiled.memory_analysis().temp_size_in_bytes
+  except Exception:  # pylint: disable=broad-except
+    temp = None
+  jax.block_until_ready(compiled(*args))  # warm-up (autotuning, allocation)
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    jax.block_until_ready(compiled(*args))
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times), temp
+
+
+def _peak():
+  try:
+    return jax.devices()[0].memory_stats()["peak_bytes_in_use"]
+  except Exception:  # pylint: disable=broad-except
+    return None
+
+
+def _qkv(B, H, T, D, dtype, seed=0):
+  ks = jax.random.split(jax.random.PRNGKey(seed), 3)
+  return tuple(jax.random.normal(kk, (B, T, H, D), dtype) for kk in ks)
+
+
+def _attn_fns(impl, scale, interpret, bs):
+  if impl == "dilution":
+    return lambda q, k, v: dilution.dilution_attention(q, k, v, scale=scale, block_sizes=bs,
+                                                       interpret=interpret)
+  if impl == "xla":
+    return lambda q, k, v: reference.dilution_attention(q, k, v, scale=scale)[0]
+  if impl == "cudnn":
+    return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True,
+                                                        implementation="cudnn")
+  raise ValueError(impl)
+
+
+def _fwd_bwd(fn):
+  def loss(q, k, v):
+    return fn(q, k, v).astype(jnp.float32).sum()
+  return jax.grad(loss, (0, 1, 2))
+
+
+def _entry(rows, kind, impl, shape, thunk):
+  row = dict(kind=kind, impl=impl, shape=shape)
+  try:
+    sec, temp = thunk()
+    row.update(ms=1e3 * sec, temp_MiB=None if temp is None else temp / 2**20)
+  except Exception as e:  # pylint: disable=broad-except
+    row.update(error=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
+    if os.environ.get("BENCH_TRACEBACK"):
+      traceback.print_exc()
+  peak = _peak()
+  row["peak_MiB"] = None if peak is None else peak / 2**20
+  rows.append(row)
+  _print_row(row)
+
+
+def _print_row(r):
+  ms = f"{r['ms']:10.3f}" if "ms" in r else f"{'-':>10}"
+  tmp = f"{r['temp_MiB']:10.1f}" if r.get("temp_MiB") is not None else f"{'-':>10}"
+  pk = f"{r['peak_MiB']:10.1f}" if r.get("peak_MiB") is not None else f"{'-':>10}"
+  print(f"{r['kind']:<9} {r['impl']:<9} {str(r['shape']):<26} {ms} {tmp} {pk}  "
+        f"{r.get('error', '')}", flush=True)
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--out", default=None, help="write the rows as JSON here")
+  ap.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU)")
+  ap.add_argument("--reps", type=int, default=10, help="timed runs per entry (median)")
+  ap.add_argument("--impls", default="dilution,cudnn,xla",
+                  help="comma list for the training entries: dilution, cudnn, xla")
+  ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+  ap.add_argument("--skip", default="", help="comma list of sections to skip: train,prefill,decode")
+  args = ap.parse_args(argv)
+
+  dtype = jnp.dtype(args.dtype)
+  impls = [i for i in args.impls.split(",") if i]
+  skip = set(args.skip.split(","))
+  interpret = args.smoke or jax.default_backend() != "gpu"
+  bs = SMOKE_BLOCKS if args.smoke else None
+  train_shapes, prefill_t, decode_s = TRAIN_SHAPES, PREFILL_T, DECODE_S
+  reps = args.reps
+  if args.smoke:
+    train_shapes, prefill_t, decode_s = [(1, 2, 128, 64)], [128], [256]
+    impls = [i for i in impls if i != "cudnn" or jax.default_backend() == "gpu"]
+    reps = min(reps, 2)
+  print(f"backend={jax.default_backend()} device={jax.devices()[0].device_kind} "
+        f"jax={jax.__version__} dtype={dtype.name} interpret={interpret}")
+  print(f"{'kind':<9} {'impl':<9} {'(B, H, T, D)':<26} {'ms':>10} {'temp_MiB':>10} "
+        f"{'peak_MiB':>10}")
+  rows = []
+
+  if "train" not in skip:
+    for B, H, T, D in train_shapes:
+      q, k, v = _qkv(B, H, T, D, dtype)
+      for impl in impls:
+        fn = _attn_fns(impl, D**-0.5, interpret, bs)
+        _entry(rows, "fwd", impl, (B, H, T, D), lambda fn=fn: _time(fn, (q, k, v), reps))
+        _entry(rows, "fwd+bwd", impl, (B, H, T, D),
+               lambda fn=fn: _time(_fwd_bwd(fn), (q, k, v), reps))
+      del q, k, v
+
+  if "prefill" not in skip:
+    for T in prefill_t:
+      q, k, v = _qkv(1, 12, T, 64, dtype)
+      fn = lambda q, k, v: dilution.dilution_prefill(q, k, v, scale=0.125, block_sizes=bs,
+                                                     interpret=interpret)
+      _entry(rows, "prefill", "dilution", (1, 12, T, 64), lambda fn=fn: _time(fn, (q, k, v), reps))
+      if "cudnn" in impls:
+        _entry(rows, "prefill", "cudnn", (1, 12, T, 64),
+               lambda: _time(_attn_fns("cudnn", 0.125, False, None), (q, k, v), reps))
+      del q, k, v
+
+  if "decode" not in skip:
+    for S in decode_s:
+      B, H, D = 1, 12, 64
+      kc, vc, _ = _qkv(B, H, S, D, dtype, seed=1)
+      q = jax.random.normal(jax.random.PRNGKey(2), (B, H, D), dtype)
+      demand = jax.random.uniform(jax.random.PRNGKey(3), (B, H, S), jnp.float32)
+      length = jnp.array([S - 7], jnp.int32)
+      for impl in ("dilution", "xla"):
+        if impl == "dilution":
+          fn = lambda q, kc, vc, d, n: dilution.dilution_decode_step(
+              q, kc, vc, d, n, scale=0.125, block_sizes=bs, interpret=interpret)
+        else:
+          fn = lambda q, kc, vc, d, n: reference.dilution_decode_step(q, kc, vc, d, n, scale=0.125)
+        _entry(rows, "decode", impl, (B, H, S, D),
+               lambda fn=fn: _time(fn, (q, kc, vc, demand, length), reps))
+
+  if args.out:
+    meta = dict(backend=jax.default_backend(), device=jax.devices()[0].device_kind,
+                jax=jax.__version__, dtype=dtype.name, interpret=interpret, reps=reps)
+    with open(args.out, "w") as f:
+      json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    print(f"wrote {args.out}")
+  return rows
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# One device session: install the carried wheels (the GPU image lacks grain, ml_collections,
+# tokamax), then run the named stages, logging everything under $OUT.
+#   bash bench/gpu_session.sh tests attention dilution train_step
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl > "$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
+export PYTHONPATH=/tmp/site:.whl/stub:$PWD PYTHONUNBUFFERED=1
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+python3 -c "import jax; print('jax', jax.__version__, jax.devices())" 2>&1 | tee "$OUT/env.log"
+nvidia-smi --query-gpu=name,clocks.sm,memory.used --format=csv >> "$OUT/env.log" 2>&1
+for stage in "$@"; do
+  echo "=== $stage $(date +%T)"
+  case $stage in
+    tests) python3 -m pytest -q -x -p no:cacheprovider tests/test_focal_kernel.py \
+             tests/test_dilution_kernel.py -k "Compiled" 2>&1 | tail -25 | tee "$OUT/tests.log" ;;
+    attention) python3 bench/attention.py --out "$OUT/attention.json" 2>&1 | tail -40 | tee "$OUT/attention.log" ;;
+    dilution) python3 bench/dilution.py --impls dilution,cudnn --out "$OUT/dilution.json" 2>&1 | tail -40 | tee "$OUT/dilution.log" ;;
+    train_step) python3 bench/train_step.py --impls cudnn,pallas,tokamax --out "$OUT/train_step.json" 2>&1 | tail -20 | tee "$OUT/train_step.log" ;;
+    *) echo "unknown stage $stage" ;;
+  esac
+done

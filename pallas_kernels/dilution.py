@@ -1,0 +1,233 @@
+"""Dilution attention in Pallas: fused training forward + exact backward, prefill, cached decode.
+
+Operator (CONTRACT.md; notes/dilution.md §1; Royer, "DilutionAttention", 2026), causal, per head:
+    p = causal_softmax(scale · q kᵀ);  committed_ij = Σ_{r<i} p_rj;
+    share = p / (committed + p + eps);  A = share / (rowsum(share) + eps);  out = A v.
+Spec: `pallas_kernels.reference` (`dilution_attention`, `dilution_decode_step`).
+
+Layout q [B, T, Hq, D], k/v [B, T, Hkv, D] (GQA: query head h reads kv head h // (Hq/Hkv)),
+segment_ids int32 [B, T] (a query sees, and adds demand to, keys of its own segment only).
+Softmax, demand, share and every accumulator are float32; bf16/fp16 appear only as dot operands
+(fp32 inputs use IEEE dots). Head dim: a power of two ≥ 16 (64 and 128 are the tuned cases).
+
+Training (`dilution_attention`, jax.custom_vjp) — kernels in dilution_fwd.py / dilution_bwd.py,
+every grid (blocks, B, Hq) with the block axis first (CUDA caps grid axes 1-2 at 65,535):
+  F1 row_stats      grid (T/64, B, Hq), row-parallel flash-style online softmax:
+                    lse_i and pk_i = scale·Σ_j p_ij k_j                   [QKᵀ, PK]
+  F2 key_sweep      grid (T/64, B, Hq), key-parallel: a program owns 64 keys and their
+                    committed-demand carry (registers), walks 32-row tiles top-down;
+                    S_i, N_i by fp32 atomics; carry checkpoint every R rows  [QKᵀ, σV]
+  out = N / (S + eps)  (XLA elementwise)
+  B1 reverse_sweep  grid (T/64, B, Hq), key-parallel, R-row super-blocks bottom-up: a
+                    forward mini-sweep rebuilds the R/32 tile carries from the checkpoint
+                    into a register array, then the reverse pass carries the per-key
+                    g-suffix; dv, dk_main in registers; ĝ, dq_main by fp32 atomics
+                    [2 QKᵀ, dO·Vᵀ, AᵀdO, W·K, Wᵀ·Q, fp32 triangular suffix product]
+  B2 dk_correction  grid (T/64, B, Hq): corr_j = Σ_i p_ij ĝ_i q_i            [QKᵀ, (PĝᵀQ)]
+  dq = dq_main − ĝ ⊙ pk,  dk = scale·(dk_main − corr),  GQA groups summed  (XLA).
+  The gradient is exact (notes/dilution.md §3, §9.3): it flows through the cumulative demand
+  and the renormalisation; nothing is treated as a constant. Carries are only ever rebuilt by
+  forward summation from a checkpoint (never total − suffix, which cancels catastrophically in
+  fp32 for heavy keys), and the in-tile g-suffix is a strictly-triangular fp32 product, not
+  column total − cumsum (the first visible row of a key has g ≈ −dσ/p, huge for tiny p).
+
+Memory (no T×T tensor anywhere). Per (batch, query head), float32, T padded to a block multiple:
+  saved for backward: lse, S (2T) + out_f32, pk (2·T·D) + checkpoints ceil(T/R)·T
+  transient: forward N (T·D); backward dq, dk, dv, corr (4·T·D) + ĝ, dbar (2T)
+  → extra ≈ B·Hq·(6·T·D + 4·T + ceil(T/R)·T)·4 bytes, R = ckpt_rows (default 1024 ≥ 1024).
+  E.g. B2 Hq12 T16K D64: the 6·T·D terms 576 MiB, checkpoints 24·16·16K·4 B = 24 MiB per layer
+  (the released kernels' every-32-rows checkpoints: 768 MiB).
+  Registers: each B1 program holds an [R/32, 64] fp32 carry array (R = 1024: 8 KiB).
+
+Prefill (`dilution_prefill`): F1 without pk + F2 without checkpoints; returns out and the demand
+totals (F2's final carries). Extra memory B·Hq·(2·T·D + 3T)·4 bytes (N and the fp32 output, lse,
+S, totals), linear in T: B1 Hq12 T128K D64 → 768 MiB + 18 MiB, plus the q-sized output (and a
+padded copy of q, k, v when T is not a multiple of the largest block, 64 by default).
+
+Decode (`dilution_decode_step`): flash-decoding over key splits (dilution_decode.py): one launch
+for logits + per-split softmax stats, an XLA merge, one launch for shares, Σσv and the in-place
+demand update; keys at or beyond `length` are never read. Extra memory O(B·Hq·S_max) fp32 logits.
+Keep S_max a multiple of block_k_decode (128), or every step pads (copies) the cache.
+
+Backends: `interpret=True` runs every kernel in Pallas interpret mode (CPU tests). On GPU the
+kernels lower through Triton (explicit `pltriton.CompilerParams`; jax ≥ 0.11 warns that the Triton
+backend is deprecated). On TPU there is no Mosaic-TPU port (fp32 atomics): when
+`jax.default_backend() == "tpu"` and interpret is False, the functions fall back to the XLA
+reference in `pallas_kernels.reference` (T×T memory: short contexts only).
+Atomics make GPU results non-bitwise-deterministic (fp32 summation order).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import dilution_bwd, dilution_decode, dilution_fwd, reference
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Tile sizes (powers of two ≥ 16) and Triton launch parameters."""
+  block_q_stats: int = 64     # F1 rows per program
+  block_k_stats: int = 64     # F1 keys per loop step
+  block_q: int = 32           # row tile of the key-parallel sweeps F2, B1, B2
+  block_k: int = 64           # keys owned by one F2/B1/B2 program (its demand carry)
+  ckpt_rows: int = 1024       # R: rows between stored carry checkpoints (multiple of block_q)
+  block_k_decode: int = 128   # keys per decode loop step
+  split_k_decode: int = 2048  # keys per decode program (flash-decoding split)
+  num_warps: int | None = None  # None: 4 for D <= 64, else 8 (B1 keeps dk, dv [64, D] fp32 live)
+  num_stages_fwd: int = 2
+  num_stages_bwd: int = 1
+
+  def warps(self, D: int) -> int:
+    return self.num_warps or (4 if D <= 64 else 8)
+
+  def validate(self, D: int):
+    for f in dataclasses.fields(self):
+      x = getattr(self, f.name)
+      if f.name.startswith("block") or f.name in ("ckpt_rows", "split_k_decode"):
+        if x < 16 or x & (x - 1):
+          raise ValueError(f"BlockSizes.{f.name}={x} must be a power of two >= 16")
+    if self.ckpt_rows % self.block_q or self.split_k_decode % self.block_k_decode:
+      raise ValueError("ckpt_rows must be a multiple of block_q and split_k_decode of "
+                       "block_k_decode")
+    if D < 16 or D & (D - 1):
+      raise ValueError(f"head dim {D} must be a power of two >= 16 (64 and 128 are tuned)")
+
+
+def _use_reference(interpret: bool) -> bool:
+  return not interpret and jax.default_backend() == "tpu"
+
+
+def _check(q, k, v, scale, bs):
+  B, T, S, N, K, D = reference.check_qkv(q, k, v)
+  if T != S:
+    raise ValueError(f"dilution attention is causal self-attention: T ({T}) must equal S ({S})")
+  if not q.dtype == k.dtype == v.dtype:
+    raise ValueError(f"q, k, v must share a dtype (tensor-core operands); got {q.dtype}, "
+                     f"{k.dtype}, {v.dtype}")
+  if not isinstance(scale, (int, float)):
+    raise ValueError(f"scale must be a Python float for the Pallas kernels; got {type(scale)}")
+  bs.validate(D)
+  return B, T, D
+
+
+def _pad(q, k, v, seg, multiple):
+  """Pads T to a block multiple. Padded rows get their own segment id, so they neither see real
+  keys nor add demand to them (real rows never see them: they come later)."""
+  T = q.shape[1]
+  pad = -T % multiple
+  if not pad:
+    return q, k, v, seg
+  cfg = ((0, 0), (0, pad), (0, 0), (0, 0))
+  sentinel = jnp.iinfo(jnp.int32).min
+  seg = jnp.pad(seg, ((0, 0), (0, pad)), constant_values=sentinel)
+  return jnp.pad(q, cfg), jnp.pad(k, cfg), jnp.pad(v, cfg), seg
+
+
+def _forward(q, k, v, seg, scale, eps, bs, interpret, *, training):
+  lse, pk = dilution_fwd.row_stats(q, k, seg, scale=scale, bs=bs, with_pk=training,
+                                   interpret=interpret)
+  n, ssum, total, ckpt = dilution_fwd.key_sweep(q, k, v, seg, lse, scale=scale, eps=eps, bs=bs,
+                                                with_ckpt=training, interpret=interpret)
+  # Row normaliser; fp32 until the final cast to the activation dtype.
+  out_f32 = n / (ssum.transpose(0, 2, 1)[..., None] + eps)
+  return out_f32, (lse, pk, ssum, total, ckpt)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _dilution_core(q, k, v, seg, scale, eps, bs, interpret):
+  out_f32, _ = _forward(q, k, v, seg, scale, eps, bs, interpret, training=False)
+  return out_f32.astype(q.dtype)
+
+
+def _core_fwd(q, k, v, seg, scale, eps, bs, interpret):
+  out_f32, (lse, pk, ssum, _, ckpt) = _forward(q, k, v, seg, scale, eps, bs, interpret,
+                                               training=True)
+  return out_f32.astype(q.dtype), (q, k, v, seg, out_f32, lse, pk, ssum, ckpt)
+
+
+def _core_bwd(scale, eps, bs, interpret, res, do):
+  q, k, v, seg, out_f32, lse, pk, ssum, ckpt = res
+  B, T, N, D = q.shape
+  K = k.shape[2]
+  # dbar_i = dO_i·O_i with the fp32 output (exact identity Σ_k σ_ik dO_i·v_k/(S_i+eps)).
+  dbar = jnp.einsum("BTND,BTND->BNT", do.astype(jnp.float32), out_f32)
+  dq_main, ghat, dk_main, dv = dilution_bwd.reverse_sweep(
+      q, k, v, seg, lse, ssum, dbar, do.astype(q.dtype), ckpt, scale=scale, eps=eps, bs=bs,
+      interpret=interpret)
+  corr = dilution_bwd.dk_correction(q, k, seg, lse, ghat, scale=scale, bs=bs,
+                                    interpret=interpret)
+  dq = dq_main - ghat.transpose(0, 2, 1)[..., None] * pk
+  dk = scale * (dk_main - corr)
+  # GQA: a kv head's gradient is the sum over its query-head group.
+  dk = dk.reshape(B, T, K, N // K, D).sum(3)
+  dv = dv.reshape(B, T, K, N // K, D).sum(3)
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+
+
+_dilution_core.defvjp(_core_fwd, _core_bwd)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "eps", "block_sizes", "interpret"))
+def dilution_attention(q, k, v, *, scale=None, eps=1e-9, segment_ids=None, block_sizes=None,
+                       interpret=False):
+  """Causal dilution attention with an exact custom VJP; out [B, T, Hq, D] in q.dtype.
+
+  `scale` defaults to D**-0.5 (a Python float; static). `segment_ids` int32 [B, T] or None.
+  """
+  bs = block_sizes or BlockSizes()
+  scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+  if _use_reference(interpret):
+    return reference.dilution_attention(q, k, v, scale=scale, eps=eps,
+                                        segment_ids_BT=segment_ids)[0]
+  B, T, _ = _check(q, k, v, scale, bs)
+  seg = (jnp.zeros((B, T), jnp.int32) if segment_ids is None
+         else jnp.asarray(segment_ids, jnp.int32))
+  multiple = max(bs.block_q_stats, bs.block_k_stats, bs.block_q, bs.block_k)
+  qp, kp, vp, segp = _pad(q, k, v, seg, multiple)
+  return _dilution_core(qp, kp, vp, segp, scale, float(eps), bs, interpret)[:, :T]
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "eps", "block_sizes", "interpret"))
+def dilution_prefill(q, k, v, *, scale=None, eps=1e-9, block_sizes=None, interpret=False):
+  """Forward-only dilution over a prompt; returns (out [B,T,Hq,D], demand float32 [B,Hq,T]).
+
+  demand[b, h, j] = Σ_i p[i, j], the state `dilution_decode_step` continues from. Not
+  differentiable (use `dilution_attention` for training).
+  """
+  bs = block_sizes or BlockSizes()
+  scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+  if _use_reference(interpret):
+    return reference.dilution_attention(q, k, v, scale=scale, eps=eps)
+  B, T, _ = _check(q, k, v, scale, bs)
+  seg = jnp.zeros((B, T), jnp.int32)
+  multiple = max(bs.block_q_stats, bs.block_k_stats, bs.block_q, bs.block_k)
+  qp, kp, vp, segp = _pad(q, k, v, seg, multiple)
+  out_f32, (_, _, _, total, _) = _forward(qp, kp, vp, segp, scale, float(eps), bs, interpret,
+                                          training=False)
+  return out_f32[:, :T].astype(q.dtype), total[:, :, :T]
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "eps", "block_sizes", "interpret"))
+def dilution_decode_step(q, k_cache, v_cache, demand, length, *, scale=None, eps=1e-9,
+                         block_sizes=None, interpret=False):
+  """One cached step for the query at position length-1; returns (out [B,Hq,D], demand + p).
+
+  q [B, Hq, D]; k_cache, v_cache [B, S_max, Hkv, D] with positions < length filled (the new key
+  included); demand float32 [B, Hq, S_max] (zero beyond the filled part); length int or int32 [B].
+  """
+  bs = block_sizes or BlockSizes()
+  scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+  if _use_reference(interpret):
+    return reference.dilution_decode_step(q, k_cache, v_cache, demand, length, scale=scale,
+                                          eps=eps)
+  if q.ndim != 3:
+    raise ValueError(f"q must be [B, Hq, D] for a decode step; got {q.shape}")
+  reference.check_qkv(q[:, None], k_cache, v_cache)
+  bs.validate(q.shape[-1])
+  return dilution_decode.decode_step(q, k_cache, v_cache, demand, length, scale=float(scale),
+                                     eps=float(eps), bs=bs, interpret=interpret)

@@ -1,0 +1,199 @@
+"""Pallas dilution kernels == the XLA reference (pallas_kernels/reference.py).
+
+Invariants: forward and exact gradients (q, k, v) match the reference (fp32 tight, bf16/fp16 loose),
+with GQA, packed segments and a padded length; prefill demand == Σ_i p; prefill + decode steps
+reproduce whole-sequence dilution attention; causality by gradient. `TestInterpret` runs in Pallas
+interpret mode (CPU); `TestCompiledGPU` repeats the comparisons compiled (Triton) on a GPU.
+`test_lowers_to_triton` checks on any host that every kernel lowers to Triton IR for CUDA.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import dilution, reference
+
+# Small tiles so T = 64..96 spans several key blocks, row tiles and checkpoint super-blocks.
+SMALL = dilution.BlockSizes(block_q_stats=16, block_k_stats=16, block_q=16, block_k=32,
+                            ckpt_rows=32, block_k_decode=16, split_k_decode=32)
+TOL = {jnp.float32: dict(out=2e-5, grad=1e-4), jnp.bfloat16: dict(out=1e-2, grad=2e-2),
+       jnp.float16: dict(out=2e-3, grad=4e-3)}
+
+
+def _inputs(seed, B, T, N, K, D, dtype, *, segments=False):
+  ks = jax.random.split(jax.random.PRNGKey(seed), 4)
+  # ×1.5: sharper softmax, so tiny bids (the ill-conditioned part of the share) occur.
+  q = (1.5 * jax.random.normal(ks[0], (B, T, N, D))).astype(dtype)
+  k = (1.5 * jax.random.normal(ks[1], (B, T, K, D))).astype(dtype)
+  v = jax.random.normal(ks[2], (B, T, K, D)).astype(dtype)
+  seg = None
+  if segments:
+    # Three packed documents per row, boundaries not aligned to any tile.
+    pos = jnp.arange(T)[None, :]
+    cut = jnp.array([[T // 3, T // 2 + 5], [7, T - 9]])[:B]
+    seg = (pos >= cut[:, :1]).astype(jnp.int32) + (pos >= cut[:, 1:]).astype(jnp.int32)
+  return q, k, v, seg
+
+
+@pytest.fixture(autouse=True)
+def _strict_numerics():
+  # "highest": on GPU XLA would otherwise run the fp32 reference's einsums in TF32.
+  with jax.numpy_rank_promotion("raise"), jax.default_matmul_precision("highest"):
+    yield
+
+
+def _rel(a, b):
+  """Max abs error relative to the reference's largest magnitude."""
+  a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+  err = float(np.abs(a - b).max() / (np.abs(b).max() + 1e-30))
+  print(f"rel err {err:.3g}")
+  return err
+
+
+class _DilutionKernelChecks:
+  INTERPRET = True
+  BS = SMALL
+  T = 96
+
+  def setup_method(self):
+    if not self.INTERPRET and jax.default_backend() != "gpu":
+      pytest.skip("compiled kernels need a GPU; TestInterpret covers CPU")
+
+  def _attn(self, q, k, v, seg):
+    return dilution.dilution_attention(q, k, v, scale=q.shape[-1] ** -0.5, segment_ids=seg,
+                                       block_sizes=self.BS, interpret=self.INTERPRET)
+
+  # Shapes are shared between tests so interpret mode compiles each kernel only a few times.
+  @pytest.mark.parametrize("dtype, segments", [(jnp.float32, False), (jnp.float32, True),
+                                               (jnp.bfloat16, True), (jnp.float16, True)])
+  def test_forward_and_gradients_match_reference(self, dtype, segments):
+    q, k, v, seg = _inputs(1 + segments, 2, self.T, 4, 2, 64, dtype, segments=segments)
+    w = jax.random.normal(jax.random.PRNGKey(9), q.shape)
+    scale = q.shape[-1] ** -0.5
+
+    def loss_kernel(q, k, v):
+      return (self._attn(q, k, v, seg).astype(jnp.float32) * w).sum()
+
+    def loss_ref(q, k, v):
+      # The reference on the same (possibly bf16-rounded) values, in fp32.
+      q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+      out = reference.dilution_attention(q, k, v, scale=scale, segment_ids_BT=seg)[0]
+      return (out * w).sum()
+
+    out = self._attn(q, k, v, seg)
+    assert out.dtype == dtype and out.shape == q.shape
+    ref = reference.dilution_attention(*(x.astype(jnp.float32) for x in (q, k, v)), scale=scale,
+                                       segment_ids_BT=seg)[0]
+    assert _rel(out, ref) < TOL[dtype]["out"]
+    grads = jax.grad(loss_kernel, (0, 1, 2))(q, k, v)
+    grads_ref = jax.grad(loss_ref, (0, 1, 2))(q, k, v)
+    for name, g, gr in zip("qkv", grads, grads_ref):
+      assert g.dtype == dtype
+      assert _rel(g, gr) < TOL[dtype]["grad"], (name, _rel(g, gr))
+
+  @pytest.mark.parametrize("D", [128])
+  def test_head_dim_and_padding(self, D):
+    # T = 72 is not a block multiple: padded inside, padded rows must not change anything.
+    q, k, v, _ = _inputs(3, 1, 72, 2, 1, D, jnp.float32)
+    scale = D**-0.5
+    f = lambda q, k, v: self._attn(q, k, v, None).sum()
+    g = lambda q, k, v: reference.dilution_attention(q, k, v, scale=scale)[0].sum()
+    assert _rel(self._attn(q, k, v, None), reference.dilution_attention(q, k, v, scale=scale)[0]) < 2e-5
+    for a, b in zip(jax.grad(f, (0, 1, 2))(q, k, v), jax.grad(g, (0, 1, 2))(q, k, v)):
+      assert _rel(a, b) < 1e-4
+
+  def test_causality_by_gradient(self):
+    q, k, v, seg = _inputs(4, 2, self.T, 4, 2, 64, jnp.float32, segments=True)
+    t = 37
+    f = lambda q, k, v: self._attn(q, k, v, seg)[:, t].sum()
+    for g in jax.grad(f, (0, 1, 2))(q, k, v):
+      np.testing.assert_array_equal(np.asarray(g[:, t + 1:]), 0.0)
+      assert np.abs(np.asarray(g[:, :t + 1])).max() > 0
+
+  def test_prefill_demand_is_column_total(self):
+    q, k, v, _ = _inputs(5, 2, 64, 4, 2, 64, jnp.float32)
+    scale = 64**-0.5
+    out, demand = dilution.dilution_prefill(q, k, v, scale=scale, block_sizes=self.BS,
+                                            interpret=self.INTERPRET)
+    p = reference.softmax_probs(q, k, scale=scale)  # [B, K, G, T, S]
+    np.testing.assert_allclose(demand, p.sum(-2).reshape(2, 4, 64), rtol=1e-5, atol=1e-6)
+    assert demand.dtype == jnp.float32
+    assert _rel(out, reference.dilution_attention(q, k, v, scale=scale)[0]) < 2e-5
+
+  def test_prefill_then_decode_reproduces_attention(self):
+    B, T, N, K, D, n_prompt, s_max, dtype = 2, 80, 4, 2, 64, 64, 96, jnp.float32
+    q, k, v, _ = _inputs(6, B, T, N, K, D, dtype)
+    scale = D**-0.5
+    kw = dict(scale=scale, block_sizes=self.BS, interpret=self.INTERPRET)
+    out_p, dem_p = dilution.dilution_prefill(q[:, :n_prompt], k[:, :n_prompt], v[:, :n_prompt],
+                                             **kw)
+    k_cache = jnp.zeros((B, s_max, K, D), dtype).at[:, :T].set(k)
+    v_cache = jnp.zeros((B, s_max, K, D), dtype).at[:, :T].set(v)
+    demand = jnp.zeros((B, N, s_max), jnp.float32).at[:, :, :n_prompt].set(dem_p)
+    outs = [out_p]
+    for pos in range(n_prompt, T):
+      length = jnp.full((B,), pos + 1, jnp.int32)
+      o, demand = dilution.dilution_decode_step(q[:, pos], k_cache, v_cache, demand, length, **kw)
+      outs.append(o[:, None])
+    full, dem_full = reference.dilution_attention(*(x.astype(jnp.float32) for x in (q, k, v)),
+                                                  scale=scale)
+    assert _rel(jnp.concatenate(outs, 1), full) < TOL[dtype]["out"]
+    np.testing.assert_allclose(demand[:, :, :T], dem_full, rtol=1e-4, atol=1e-5)
+    np.testing.assert_array_equal(demand[:, :, T:], 0.0)
+
+  def test_decode_ragged_lengths_match_reference(self):
+    B, S, N, K, D = 2, 96, 4, 2, 64
+    q, k, v, _ = _inputs(7, B, S, N, K, D, jnp.float32)
+    # Nonzero demand beyond `length` too: the kernel must leave those keys untouched.
+    demand = jax.random.uniform(jax.random.PRNGKey(8), (B, N, S)) * 3.0
+    length = jnp.array([19, 64], jnp.int32)
+    scale = D**-0.5
+    out, dem = dilution.dilution_decode_step(q[:, 0], k, v, demand, length, scale=scale,
+                                             block_sizes=self.BS, interpret=self.INTERPRET)
+    ref_out, ref_dem = reference.dilution_decode_step(q[:, 0], k, v, demand, length, scale=scale)
+    assert _rel(out, ref_out) < 2e-5
+    np.testing.assert_allclose(dem, ref_dem, rtol=1e-5, atol=1e-6)
+
+
+class TestInterpret(_DilutionKernelChecks):
+  INTERPRET = True
+
+
+class TestCompiledGPU(_DilutionKernelChecks):
+  INTERPRET = False
+
+  def test_default_blocks_long(self):
+    # Default tiles and R = 1024 checkpoints: T = 2048 spans two super-blocks.
+    q, k, v, seg = _inputs(10, 1, 2048, 4, 2, 64, jnp.bfloat16, segments=True)
+    scale = 0.125
+    f = lambda q, k, v: dilution.dilution_attention(q, k, v, scale=scale, segment_ids=seg)
+    g = lambda q, k, v: reference.dilution_attention(
+        *(x.astype(jnp.float32) for x in (q, k, v)), scale=scale, segment_ids_BT=seg)[0]
+    assert _rel(f(q, k, v), g(q, k, v)) < 3e-2
+    w = jax.random.normal(jax.random.PRNGKey(0), q.shape)
+    ga = jax.grad(lambda *a: (f(*a).astype(jnp.float32) * w).sum(), (0, 1, 2))(q, k, v)
+    gb = jax.grad(lambda *a: (g(*a) * w).sum(), (0, 1, 2))(q, k, v)
+    for a, b in zip(ga, gb):
+      assert _rel(a, b) < 6e-2
+
+
+def test_lowers_to_triton():
+  """Every kernel (forward, backward, prefill, decode) lowers to Triton IR for CUDA, here too."""
+  q = jnp.zeros((1, 256, 2, 64), jnp.bfloat16)
+  kv = jnp.zeros((1, 256, 1, 64), jnp.bfloat16)
+  seg = jnp.zeros((1, 256), jnp.int32)
+  grad = jax.grad(lambda q, k, v: dilution.dilution_attention(
+      q, k, v, scale=0.125, segment_ids=seg).astype(jnp.float32).sum(), (0, 1, 2))
+  decode = lambda q, k, v: dilution.dilution_decode_step(q[:, 0], k, v,
+                                                         jnp.zeros((1, 2, 256)), 100, scale=0.125)
+  prefill = lambda q, k, v: dilution.dilution_prefill(q, k, v, scale=0.125)
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # jax >= 0.11 warns that Pallas-Triton is deprecated
+    for fn in (grad, prefill, decode):
+      text = jax.jit(fn).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+      assert "__gpu$xla.gpu.triton" in text
