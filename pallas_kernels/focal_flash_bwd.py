@@ -32,24 +32,25 @@ def _dkv_kernel(q_ref, k_ref, v_ref, s_ref, seg_ref, lse_ref, delta_ref, do_ref,
   seg_k = None if seg_ref is None else seg_ref[kv_slice]
 
   def body(i, carry, *, masked):
-    # Tiles are kv-major ([block_k, block_q], FA2 / Triton tutorial): p and dlogits then feed the
-    # dk/dv matmuls without a register transpose; only the loaded q/dO tiles are transposed.
+    # q-major tiles ([block_q, block_k]) as in jax's own Pallas flash backward: the per-query
+    # vectors (temperature, lse, delta) broadcast along columns, and the kv-side contractions
+    # contract over axis 0. (A kv-major variant matched in interpret mode but produced wrong
+    # dk/dv when compiled through Triton on the H200.)
     dk_KD, dv_KD = carry
     q_slice = pl.ds(i * block_q, block_q)
     q_QD, do_QD = q_ref[q_slice, :], do_ref[q_slice, :]
     s_Q = s_ref[q_slice]
-    x_KQ = ff.dot(k_KD, q_QD, 1, 1) * (s_Q * ff.LOG2E)[None, :]
+    x_QK = ff.dot(q_QD, k_KD, 1, 1) * (s_Q * ff.LOG2E)[:, None]
     if masked:
       seg_q = None if seg_ref is None else seg_ref[q_slice]
-      vis = ff.visible(i * block_q, j * block_k, block_q, block_k, causal, seg_q, seg_k,
-                       kv_major=True)
-      x_KQ = jnp.where(vis, x_KQ, -jnp.inf)
-    p_KQ = jnp.exp2(x_KQ - lse_ref[q_slice][None, :])
-    dv_KD = dv_KD + ff.dot(p_KQ.astype(do_QD.dtype), do_QD, 1, 0)
-    dp_KQ = ff.dot(v_KD, do_QD, 1, 1)
+      vis = ff.visible(i * block_q, j * block_k, block_q, block_k, causal, seg_q, seg_k)
+      x_QK = jnp.where(vis, x_QK, -jnp.inf)
+    p_QK = jnp.exp2(x_QK - lse_ref[q_slice][:, None])
+    dv_KD = dv_KD + ff.dot(p_QK.astype(do_QD.dtype), do_QD, 0, 0)
+    dp_QK = ff.dot(do_QD, v_KD, 1, 1)
     # The temperature multiplies dlogits per query before the q-side contraction.
-    dx_KQ = p_KQ * (dp_KQ - delta_ref[q_slice][None, :]) * s_Q[None, :]
-    dk_KD = dk_KD + ff.dot(dx_KQ.astype(q_QD.dtype), q_QD, 1, 0)
+    dx_QK = p_QK * (dp_QK - delta_ref[q_slice][:, None]) * s_Q[:, None]
+    dk_KD = dk_KD + ff.dot(dx_QK.astype(q_QD.dtype), q_QD, 0, 0)
     return dk_KD, dv_KD
 
   if causal:
