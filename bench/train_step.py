@@ -37,7 +37,9 @@ def run(size, impl, steps, seq_len, remat):
   c.data.global_batch = BATCH.get(size, 8)
   cfg = config_lib.model_config(c, c.model.vocab_size or 32000)
   graphdef, _ = nnx.split(nnx.eval_shape(lambda: model_lib.Transformer(cfg, nnx.Rngs(0))))
-  params = jax.jit(lambda: nnx.to_pure_dict(nnx.split(model_lib.Transformer(cfg, nnx.Rngs(0)))[1]))()
+  # The key is an argument: a jit with no inputs lets XLA constant-fold the whole RNG (minutes).
+  params = jax.jit(lambda key: nnx.to_pure_dict(nnx.split(
+      model_lib.Transformer(cfg, nnx.Rngs(params=key)))[1]))(jax.random.key(0))
   tx = optim.make(config_lib.optim_config(c), params)
   opt_state = jax.jit(tx.init)(params)
   step_cfg = trainer.StepConfig(compute_dtype=jnp.bfloat16, grad_accum=1, skip_nonfinite=False)

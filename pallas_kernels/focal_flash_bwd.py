@@ -27,9 +27,11 @@ def _dkv_kernel(q_ref, k_ref, v_ref, s_ref, seg_ref, lse_ref, delta_ref, do_ref,
                 *, causal, block_q, block_k):
   j = pl.program_id(0)
   n_q = q_ref.shape[0] // block_q
-  kv_slice = pl.ds(j * block_k, block_k)
-  k_KD, v_KD = k_ref[kv_slice, :], v_ref[kv_slice, :]
-  seg_k = None if seg_ref is None else seg_ref[kv_slice]
+  # k_ref/v_ref are already this program's [block_k, D] tiles (BlockSpec), while seg_ref spans
+  # the whole row. (Indexing the tiles at j·block_k read past them when compiled; interpret mode
+  # clamps out-of-range slices, which hid it on CPU.)
+  k_KD, v_KD = k_ref[...], v_ref[...]
+  seg_k = None if seg_ref is None else seg_ref[pl.ds(j * block_k, block_k)]
 
   def body(i, carry, *, masked):
     # q-major tiles ([block_q, block_k]) as in jax's own Pallas flash backward: the per-query
