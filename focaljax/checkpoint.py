@@ -24,19 +24,19 @@ from etils import epath
 
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.json"
-_ITEMS = ("params", "opt_state", "data", "meta")
+ITEMS = ("params", "opt_state", "data", "meta")
 
 
-def _to_str_keys(tree):
+def to_str_keys(tree):
   """Orbax stores dict keys as strings; nnx.List gives int keys. Stringify on the way in."""
   if isinstance(tree, dict):
-    return {str(k): _to_str_keys(v) for k, v in tree.items()}
+    return {str(k): to_str_keys(v) for k, v in tree.items()}
   return tree
 
 
-def _from_str_keys(tree, like):
+def from_str_keys(tree, like):
   if isinstance(like, dict):
-    return {k: _from_str_keys(tree[str(k)], v) for k, v in like.items()}
+    return {k: from_str_keys(tree[str(k)], v) for k, v in like.items()}
   return tree
 
 
@@ -47,14 +47,14 @@ class Checkpointer:
     self.directory = epath.Path(os.path.abspath(workdir)) / "checkpoints"  # Orbax wants absolute
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                            enable_async_checkpointing=async_save)
-    self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=_ITEMS)
+    self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
 
   def save(self, step: int, params, opt_state, data_iter, meta: dict, *, force=False) -> bool:
     return self.manager.save(step, force=force, args=ocp.args.Composite(
-        params=ocp.args.StandardSave(_to_str_keys(params)),
+        params=ocp.args.StandardSave(to_str_keys(params)),
         opt_state=ocp.args.StandardSave(opt_state),
         data=grain.checkpoint.CheckpointSave(data_iter),
         meta=ocp.args.JsonSave(meta)))
@@ -62,11 +62,11 @@ class Checkpointer:
   def restore(self, step: int, abstract_params, abstract_opt_state, data_iter):
     """Restores into the given abstract (sharded ShapeDtypeStruct) trees and the iterator."""
     out = self.manager.restore(step, args=ocp.args.Composite(
-        params=ocp.args.StandardRestore(_to_str_keys(abstract_params)),
+        params=ocp.args.StandardRestore(to_str_keys(abstract_params)),
         opt_state=ocp.args.StandardRestore(abstract_opt_state),
         data=grain.checkpoint.CheckpointRestore(data_iter),
         meta=ocp.args.JsonRestore()))
-    return _from_str_keys(out.params, abstract_params), out.opt_state, out.meta
+    return from_str_keys(out.params, abstract_params), out.opt_state, out.meta
 
   def wait(self):
     self.manager.wait_until_finished()
@@ -104,14 +104,14 @@ def restore_params(workdir: str, step: int | None, abstract_params):
   """Params alone (no optimizer state) into `abstract_params` (ShapeDtypeStructs with shardings);
   returns (params, step)."""
   manager = ocp.CheckpointManager(epath.Path(os.path.abspath(workdir)) / "checkpoints",
-                                 item_names=_ITEMS)
+                                 item_names=ITEMS)
   step = manager.latest_step() if step is None else step
   if step is None:
     raise FileNotFoundError(f"no checkpoint under {workdir}/checkpoints")
   out = manager.restore(step, args=ocp.args.Composite(
-      params=ocp.args.StandardRestore(_to_str_keys(abstract_params))))
+      params=ocp.args.StandardRestore(to_str_keys(abstract_params))))
   manager.close()
-  return _from_str_keys(out.params, abstract_params), step
+  return from_str_keys(out.params, abstract_params), step
 
 
 def abstract_like(tree, sharding=None):

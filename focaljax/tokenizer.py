@@ -9,6 +9,7 @@ exactly; there is no unknown token and no normalization. One special token,
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+import json
 import os
 import pathlib
 
@@ -17,20 +18,23 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 EOS_TOKEN = "<|endoftext|>"
 FILENAME = "tokenizer.json"
+CONFIG_FILENAME = "tokenizer_config.json"
 _ASSETS = pathlib.Path(__file__).parent / "assets"
 
 
 class Tokenizer:
   """Text <-> token ids. `eos_id` is the document separator."""
 
-  def __init__(self, hf: tokenizers.Tokenizer):
-    eos_id = hf.token_to_id(EOS_TOKEN)
+  def __init__(self, hf: tokenizers.Tokenizer, eos_token: str = EOS_TOKEN):
+    eos_id = hf.token_to_id(eos_token)
     if eos_id is None:
-      raise ValueError(f"tokenizer has no {EOS_TOKEN!r} special token; train it with train_bpe()")
+      raise ValueError(f"tokenizer has no {eos_token!r} special token; train it with train_bpe() "
+                       "or name its end-of-text token (tokenizer_config.json's eos_token)")
     # Specials are never parsed out of raw text: a document that happens to contain the literal
     # string "<|endoftext|>" must not inject a document boundary (and must still roundtrip).
     hf.encode_special_tokens = True
     self._hf = hf
+    self.eos_token = eos_token
     self.eos_id: int = eos_id
 
   @property
@@ -54,6 +58,9 @@ class Tokenizer:
     tmp = directory / f".{FILENAME}.{os.getpid()}.tmp"
     self._hf.save(str(tmp))
     os.replace(tmp, path)
+    if self.eos_token != EOS_TOKEN:  # imported tokenizers (LLaMA's </s>) name their own eos
+      with open(directory / CONFIG_FILENAME, "w") as f:
+        json.dump({"eos_token": self.eos_token}, f)
     return str(path)
 
   @classmethod
@@ -64,7 +71,14 @@ class Tokenizer:
       path = path / FILENAME
     if not path.is_file():
       raise FileNotFoundError(f"no tokenizer file at {path}")
-    return cls(tokenizers.Tokenizer.from_file(str(path)))
+    hf = tokenizers.Tokenizer.from_file(str(path))
+    eos = EOS_TOKEN
+    config = path.parent / CONFIG_FILENAME
+    if hf.token_to_id(EOS_TOKEN) is None and config.is_file():
+      # A Hugging Face tokenizer: its tokenizer_config.json names the end-of-text token.
+      eos = json.load(open(config)).get("eos_token", EOS_TOKEN)
+      eos = eos.get("content", EOS_TOKEN) if isinstance(eos, dict) else eos
+    return cls(hf, eos_token=eos)
 
   def __repr__(self) -> str:
     return f"Tokenizer(vocab_size={self.vocab_size}, eos_id={self.eos_id})"

@@ -83,3 +83,22 @@ def test_errors(tmp_path):
     tokenizer_lib.train_bpe(["abc"], vocab_size=100)
   with pytest.raises(FileNotFoundError):
     tokenizer_lib.Tokenizer.load(tmp_path)
+
+
+def test_imported_tokenizer_names_its_own_eos(tmp_path):
+  """A Hugging Face tokenizer (LLaMA's </s>) loads through tokenizer_config.json's eos_token."""
+  import json
+  import tokenizers
+  from tokenizers import models, pre_tokenizers
+  hf = tokenizers.Tokenizer(models.BPE())
+  hf.pre_tokenizer = pre_tokenizers.ByteLevel()
+  hf.add_special_tokens(["</s>"])
+  hf.save(str(tmp_path / "tokenizer.json"))
+  with pytest.raises(ValueError, match="<\\|endoftext\\|>"):
+    tokenizer_lib.Tokenizer.load(tmp_path)
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "</s>"}}))
+  tok = tokenizer_lib.Tokenizer.load(tmp_path)
+  assert tok.eos_id == hf.token_to_id("</s>")
+  out = tmp_path / "copy"
+  tok.save(out)
+  assert tokenizer_lib.Tokenizer.load(out).eos_id == tok.eos_id
