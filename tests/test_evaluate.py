@@ -145,7 +145,7 @@ def make_workdir(path, arg="size=small", step=3):
   model = model_lib.Transformer(config_lib.model_config(c, tok.vocab_size), nnx.Rngs(0))
   params = nnx.to_pure_dict(nnx.split(model)[1])
   manager = ocp.CheckpointManager(epath.Path(path) / "checkpoints", item_names=("params",))
-  str_keys = checkpoint._to_str_keys(params)  # pylint: disable=protected-access
+  str_keys = checkpoint.to_str_keys(params)
   manager.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(str_keys)))
   manager.wait_until_finished()
   manager.close()
