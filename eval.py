@@ -13,6 +13,7 @@ import os
 
 from absl import app
 from absl import flags
+from absl import logging
 
 from focaljax import evaluate
 
@@ -35,6 +36,8 @@ _PLOTS = flags.DEFINE_bool("plots", True, "write PNG plots (needs matplotlib)")
 
 def main(argv):
   del argv
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)  # Orbax logs every restore at INFO
   books = _BOOKS.value
   if books is None and os.path.isfile(_DEFAULT_BOOKS):
     books = os.path.normpath(_DEFAULT_BOOKS)

@@ -117,7 +117,7 @@ def write_all(results: dict, workdir: str, out_dir: str, log=print) -> list[str]
   try:
     _pyplot()
   except ImportError:
-    log("plots skipped: matplotlib is not installed (pip install 'focaljax[plots]')")
+    log("plots skipped: matplotlib is not installed (pip install matplotlib)")
     return []
   usable = {k: v for k, v in results.items() if isinstance(v, dict) and "skipped" not in v}
   written = []

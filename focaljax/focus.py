@@ -1,0 +1,355 @@
+"""FocusLLM (arXiv 2408.11745) around a frozen focaljax `Transformer`: orchestration, not a variant.
+
+Einsum letters as in model.py (B batch, T positions, S key positions, E d_model, N query heads,
+K kv heads, D head dim, V vocabulary, G query heads per kv head), plus C chunks, Q candidates per
+chunk (query points), R rows = B·C chunk sequences (or B·Q local rows), M memory tokens.
+
+The long input is memory (M tokens, split into C chunks of `chunk_size`) + a local window. Every
+chunk is run as the sequence [chunk | sep? | dynamic prompt], the dynamic prompt being the last
+min(prompt_len, chunk_size) local tokens. Every position runs through the frozen base, except the
+last prompt token (the candidate), which uses the adapter's own q/k/v/o (initialised as copies, so
+at init the candidate IS the base's hidden state there) with the frozen norms and MLP. The local
+decoder is the frozen base over the local window, with every chunk's candidate k/v prepended at
+every layer and visible to every local token. All chunks run as one batch (rows = B·C).
+
+Trainability is data: `params = {"base": ..., "adapter": ...}` and `trainable_mask(params)` is
+True on adapter leaves only; `optim.make(cfg, params, trainable=mask)` gives the base exactly zero
+updates. The model has no `if frozen` branch.
+
+Position ids (no RoPE position ever exceeds the base's trained context, whatever M is):
+  chunk sequence   chunk tokens 0..s-1, the optional separator s, prompt tokens from s(+1); the
+                   candidate is the last prompt token (position s+sep+P-1, then +1 per generated
+                   token), i.e. every chunk is positioned as if it started the document.
+  local decoder    local tokens 0..T-1 (+1 per generated token); every candidate's key is rotated
+                   at position 0 (CANDIDATE_POSITION), i.e. all memory sits "at the start" of the
+                   local window with the same phase, independently of the number of chunks.
+  The largest position is max(s + sep + P - 1, T - 1) + generated tokens; both must stay below the
+  base's `max_seq_len` and `check_positions` raises (naming the field) when they would not. The
+  official code puts the k candidates at 0..k-1 and the local tokens after them, so its positions
+  grow with the number of chunks; ours do not, and RoPE never NTK-scales (theta = rope_theta).
+
+Leak-free objective (`target_nll`, `loss`): the paper's Eq. 6 scores every local token, but the
+candidates are condensed with a dynamic prompt that ends at the LAST local token, so the
+prediction at position i would see x_{i+1}.. through the candidates. We score the last Q input
+positions i_1 < ... < i_Q (query points) and give each its own candidates. The chunk sequence is
+[chunk | sep? | x_a .. x_{i_Q - 1}] (frozen, causal, one batched pass; a = i_1 - P + 1), and
+candidate q is x_{i_q} through the adapter at its own position, attending to the frozen keys
+strictly before it and to itself. So candidate q sees exactly the dynamic prompt x_a..x_{i_q}
+that generation uses at the step where x_{i_q} is the newest token (the prompt grows by one token
+per step). Local row q is the frozen decoder over the local window with candidates_q visible to
+all its tokens; its logits at i_q score the target x_{i_q+1}. Every target is predicted exactly
+as generation would predict it (teacher forced), nothing at or after the target reaches its
+prediction (tests/test_focus.py checks the gradient is exactly zero), and one chunk pass serves
+all Q targets; the local decoder costs Q rows.
+
+Supported bases: softmax and focal (constant temperature) layers, RoPE or no positions, QK-norm.
+Dilution layers (their running demand has no candidate analogue) and learned-τ focal layers (the
+τ prefix mean over a sequence the candidate is not part of) raise NotImplementedError.
+Generation lives in focus_generate.py.
+
+Cost notes: the frozen chunk prefill goes through the base's fused attention (`Block.cached`);
+candidate and local-decoder attention (explicit prefix/per-query visibility) use the einsum
+`_attend` below, which materialises [rows, heads, T, S] float32 probabilities. Differentiate
+w.r.t. the adapter only (close over the base params): the frozen stream then keeps no residuals.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from focaljax import attention as attn_lib
+from focaljax import loaded
+from focaljax import model as model_lib
+
+CANDIDATE_POSITION = 0   # the RoPE position of every candidate key in the local decoder
+_PROJ = ("wq", "wk", "wv", "wo")
+_MASKED = -1e30          # finite: masked logits give exactly zero probability and zero gradient
+
+
+@dataclasses.dataclass(frozen=True)
+class FocusConfig:
+  chunk_size: int                   # memory tokens per chunk (s); memory length must divide by it
+  prompt_len: int = 512             # dynamic prompt: the last min(prompt_len, chunk_size) tokens
+  sep_id: int | None = None         # token between chunk and prompt (the official code: BOS)
+
+  def __post_init__(self):
+    if self.chunk_size < 1 or self.prompt_len < 1:
+      raise ValueError(f"FocusConfig: chunk_size ({self.chunk_size}) and prompt_len "
+                       f"({self.prompt_len}) must be >= 1")
+
+  def prompt_tokens(self, available: int) -> int:
+    return min(self.prompt_len, self.chunk_size, available)
+
+  @property
+  def prefix(self) -> int:
+    """Position of the first prompt token in a chunk sequence."""
+    return self.chunk_size + (self.sep_id is not None)
+
+
+# ------------------------------------------------------------------------- adapter and masks
+
+
+def check_base(base: model_lib.Transformer) -> None:
+  for i, block in enumerate(base.blocks):
+    if block.attn.family.demand:
+      raise NotImplementedError(f"focus: layer {i} uses dilution attention, whose running demand "
+                                "has no candidate-token analogue; use softmax or focal layers")
+    if hasattr(block.attn, "w_tau"):
+      raise NotImplementedError(f"focus: layer {i} is focal with a learned τ "
+                                "(model.attention.learned); only a constant temperature works")
+
+
+def init_adapter(base: model_lib.Transformer) -> dict:
+  """{layer: {wq, wk, wv, wo}}: copies (not ties) of the frozen projections."""
+  check_base(base)
+  return {i: {n: jnp.array(getattr(b.attn, n)[...]) for n in _PROJ}
+          for i, b in enumerate(base.blocks)}
+
+
+def trainable_mask(params: dict):
+  """params = {"base": ..., "adapter": ...} -> the same tree of bools, True on the adapter."""
+  return {"base": jax.tree.map(lambda _: False, params["base"]),
+          "adapter": jax.tree.map(lambda _: True, params["adapter"])}
+
+
+def save_adapter(directory: str, adapter: dict, cfg: FocusConfig, base_workdir: str = "") -> None:
+  """The adapter alone (numpy .npz) + focus.json; the base stays in its own workdir."""
+  os.makedirs(directory, exist_ok=True)
+  np.savez(os.path.join(directory, "adapter.npz"),
+           **{f"{i}/{n}": np.asarray(w) for i, ws in adapter.items() for n, w in ws.items()})
+  with open(os.path.join(directory, "focus.json"), "w") as f:
+    json.dump({"config": dataclasses.asdict(cfg), "base_workdir": base_workdir}, f, indent=2)
+
+
+def load_adapter(directory: str) -> tuple[dict, FocusConfig, str]:
+  """(adapter, FocusConfig, base_workdir) written by `save_adapter`."""
+  with np.load(os.path.join(directory, "adapter.npz")) as z:
+    adapter = {}
+    for key in z.files:
+      i, n = key.split("/")
+      adapter.setdefault(int(i), {})[n] = jnp.asarray(z[key])
+  with open(os.path.join(directory, "focus.json")) as f:
+    meta = json.load(f)
+  return dict(sorted(adapter.items())), FocusConfig(**meta["config"]), meta["base_workdir"]
+
+
+def from_workdir(path: str, adapter_dir: str | None = None):
+  """(LoadedModel of the frozen base, adapter): a fresh copy-initialised adapter unless
+  `adapter_dir` names one saved by `save_adapter`."""
+  base = loaded.load(path)
+  adapter = init_adapter(base.model) if adapter_dir is None else load_adapter(adapter_dir)[0]
+  return base, adapter
+
+
+def check_positions(base_cfg: model_lib.ModelConfig, cfg: FocusConfig, local_len: int,
+                    prompt_len: int, extra: int = 0) -> None:
+  """Raises unless every RoPE position (see the module docstring) is < base max_seq_len."""
+  limit = base_cfg.max_seq_len
+  chunk_max = cfg.prefix + prompt_len - 1 + extra
+  if chunk_max >= limit:
+    raise ValueError(f"focus: chunk_size ({cfg.chunk_size}) + separator + dynamic prompt "
+                     f"({prompt_len}) + new tokens ({extra}) = {chunk_max + 1} exceeds the base's "
+                     f"trained context max_seq_len={limit}; lower chunk_size or prompt_len")
+  if local_len - 1 + extra >= limit:
+    raise ValueError(f"focus: the local window ({local_len}) + new tokens ({extra}) exceeds the "
+                     f"base's trained context max_seq_len={limit}; move tokens into memory")
+
+
+# ---------------------------------------------------------------------------- attention math
+
+
+def _attend(attn, q_RTND, k_RSKD, v_RSKD, visible_RTS):
+  """softmax(scale·q·kᵀ) v over an explicit visibility (prefix-visible candidates, per-query
+  candidate masks): float32 logits and probabilities, cast back to q's dtype."""
+  scale = attn.family.scale(attn.cfg.attention, attn.cfg.head_dim, None)
+  R, T, N, D = q_RTND.shape
+  K = k_RSKD.shape[2]
+  q_RTKGD = q_RTND.reshape(R, T, K, N // K, D)
+  logits_RKGTS = jnp.einsum("RTKGD,RSKD->RKGTS", q_RTKGD, k_RSKD,
+                            preferred_element_type=jnp.float32) * scale
+  logits_RKGTS = jnp.where(visible_RTS[:, None, None], logits_RKGTS, _MASKED)
+  probs_RKGTS = jax.nn.softmax(logits_RKGTS, axis=-1)
+  out_RTKGD = jnp.einsum("RKGTS,RSKD->RTKGD", probs_RKGTS, v_RSKD.astype(jnp.float32))
+  return out_RTKGD.reshape(R, T, N, D).astype(q_RTND.dtype)
+
+
+def _rope(attn, x_RTKD, positions_RT, theta):
+  if attn.spec.position is attn_lib.Position.ROPE:
+    return model_lib.apply_rope(x_RTKD, positions_RT, theta)
+  return x_RTKD
+
+
+def _candidate_project(attn, w, x_RQE, positions_RQ, theta):
+  """Attention._project with the adapter's wq/wk/wv (frozen QK-norm); k also before RoPE."""
+  dt = x_RQE.dtype
+  q = jnp.einsum("RQE,END->RQND", x_RQE, w["wq"].astype(dt))
+  k = jnp.einsum("RQE,EKD->RQKD", x_RQE, w["wk"].astype(dt))
+  v = jnp.einsum("RQE,EKD->RQKD", x_RQE, w["wv"].astype(dt))
+  if attn.cfg.qk_norm:
+    q, k = attn.q_norm(q), attn.k_norm(k)
+  return _rope(attn, q, positions_RQ, theta), _rope(attn, k, positions_RQ, theta), k, v
+
+
+def frozen_prefill(base, tokens_RT, max_len: int, theta: float):
+  """Frozen K/V caches of the chunk sequences (positions 0..T-1) with room for `max_len`."""
+  caches = base.init_cache(tokens_RT.shape[0], max_len)
+  x_RTE = base.embed[...][tokens_RT]
+  new = []
+  for block, cache in zip(base.blocks, caches):
+    x_RTE, cache = block.cached(x_RTE, cache, 0, theta)
+    new.append(cache)
+  return new
+
+
+def frozen_step(base, caches, token_R, position: int, theta: float):
+  """Appends one token (frozen path) at `position` to every chunk cache."""
+  x_RTE = base.embed[...][token_R[:, None]]
+  new = []
+  for block, cache in zip(base.blocks, caches):
+    x_RTE, cache = block.cached(x_RTE, cache, position, theta)
+    new.append(cache)
+  return new
+
+
+def candidates(adapter, base, caches, tokens_RQ, positions_RQ, theta: float):
+  """Q candidates per chunk row, each at its position: it sees the cached frozen keys strictly
+  before it and itself (never the other candidates). Returns (h [R, Q, E], per layer
+  (k before RoPE, v) [R, Q, K, D]) -- k is re-rotated in the local decoder."""
+  R, Q = tokens_RQ.shape
+  S = caches[0]["k"].shape[1]
+  visible_RQS = jnp.concatenate([
+      jnp.arange(S)[None, None, :] < positions_RQ[:, :, None],
+      jnp.broadcast_to(jnp.eye(Q, dtype=bool), (R, Q, Q))], axis=-1)
+  x_RQE = base.embed[...][tokens_RQ]
+  kv = []
+  for i, (block, cache) in enumerate(zip(base.blocks, caches)):
+    w = adapter[i]
+    q, k, k_pre, v = _candidate_project(block.attn, w, block.attn_norm(x_RQE), positions_RQ, theta)
+    out = _attend(block.attn, q, jnp.concatenate([cache["k"].astype(k.dtype), k], 1),
+                  jnp.concatenate([cache["v"].astype(v.dtype), v], 1), visible_RQS)
+    x_RQE = x_RQE + jnp.einsum("RQND,NDE->RQE", out, w["wo"].astype(out.dtype))
+    x_RQE = x_RQE + block.mlp(block.mlp_norm(x_RQE))
+    kv.append((k_pre, v))
+  return x_RQE, kv
+
+
+def local_logits(base, tokens_BT, cand_kv, theta: float):
+  """The frozen decoder over the local window (positions 0..T-1) with the C candidates of each
+  row (per layer (k before RoPE, v) [B, C, K, D]) prepended and visible to every token."""
+  B, T = tokens_BT.shape
+  C = cand_kv[0][0].shape[1]
+  positions_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
+  cand_BC = jnp.full((B, C), CANDIDATE_POSITION)
+  visible_BTS = jnp.broadcast_to(jnp.concatenate(
+      [jnp.ones((T, C), bool), jnp.tril(jnp.ones((T, T), bool))], axis=1), (B, T, C + T))
+  x_BTE = base.embed[...][tokens_BT]
+  for block, (kc_BCKD, vc_BCKD) in zip(base.blocks, cand_kv):
+    attn = block.attn
+    q, k, v = attn._project(  # pylint: disable=protected-access
+        block.attn_norm(x_BTE), positions_BT, theta)
+    kc_BCKD = _rope(attn, kc_BCKD.astype(k.dtype), cand_BC, theta)
+    out = _attend(attn, q, jnp.concatenate([kc_BCKD, k], 1),
+                  jnp.concatenate([vc_BCKD.astype(v.dtype), v], 1), visible_BTS)
+    x_BTE = x_BTE + jnp.einsum("BTND,NDE->BTE", out, attn.wo[...].astype(out.dtype))
+    x_BTE = x_BTE + block.mlp(block.mlp_norm(x_BTE))
+  return base._logits(x_BTE)  # pylint: disable=protected-access
+
+
+# --------------------------------------------------------------------------- orchestration
+
+
+def chunk_rows(memory_BM, cfg: FocusConfig):
+  """[B, M] -> [B·C, s] chunk rows (B-major)."""
+  B, M = memory_BM.shape
+  if M % cfg.chunk_size:
+    raise ValueError(f"focus: memory length {M} is not a multiple of chunk_size "
+                     f"{cfg.chunk_size}; drop or pad the oldest tokens")
+  return memory_BM.reshape(B * (M // cfg.chunk_size), cfg.chunk_size)
+
+
+def chunk_sequences(memory_BM, span_BP, cfg: FocusConfig):
+  """[chunk | sep? | span] for every chunk: int32 [B·C, s + sep + P]."""
+  chunks_RS = chunk_rows(memory_BM, cfg)
+  C = chunks_RS.shape[0] // memory_BM.shape[0]
+  parts = [chunks_RS]
+  if cfg.sep_id is not None:
+    parts.append(jnp.full((chunks_RS.shape[0], 1), cfg.sep_id, chunks_RS.dtype))
+  parts.append(jnp.repeat(span_BP.astype(chunks_RS.dtype), C, axis=0))
+  return jnp.concatenate(parts, axis=1)
+
+
+def condense(adapter, base, memory_BM, span_BP, num_candidates: int, cfg: FocusConfig,
+             extra: int = 0):
+  """Candidates for the last `num_candidates` tokens of the dynamic prompt span, all chunks in one
+  batch. Returns (h [B, C, Q, E], per layer (k, v) [B, C, Q, K, D], caches [B·C rows])."""
+  B, M = memory_BM.shape
+  if M == 0:
+    raise ValueError("focus.condense: the memory is empty; use no_candidates(base, B, Q)")
+  Q = num_candidates
+  theta = base.cfg.rope_theta   # positions stay inside the trained context: no NTK scaling
+  seq_RN = chunk_sequences(memory_BM, span_BP, cfg)
+  R, n = seq_RN.shape
+  C = R // B
+  caches = frozen_prefill(base, seq_RN[:, :-1], n - 1 + extra, theta)
+  positions_RQ = jnp.broadcast_to(jnp.arange(n - Q, n), (R, Q))
+  h_RQE, kv = candidates(adapter, base, caches, seq_RN[:, n - Q:], positions_RQ, theta)
+  split = lambda x: x.reshape(B, C, *x.shape[1:])
+  return split(h_RQE), [(split(k), split(v)) for k, v in kv], caches
+
+
+def no_candidates(base, B: int, Q: int):
+  """Zero-chunk candidate k/v per layer, [B, 0, Q, K, D] (no memory: the plain base)."""
+  c = base.cfg
+  z = jnp.zeros((B, 0, Q, c.num_kv_heads, c.head_dim), jnp.float32)
+  return [(z, z) for _ in base.blocks]
+
+
+def logits(adapter, base, memory_BM, local_BT, cfg: FocusConfig):
+  """Inference forward: float32 [B, T, V]. Only the last position is a FocusLLM prediction (the
+  candidates were condensed with a prompt ending at the last token; earlier positions see it)."""
+  B, T = local_BT.shape
+  P = cfg.prompt_tokens(T)
+  check_positions(base.cfg, cfg, T, P)
+  if memory_BM.shape[1] == 0:
+    kv = no_candidates(base, B, 1)
+  else:
+    _, kv, _ = condense(adapter, base, memory_BM, local_BT[:, T - P:], 1, cfg)
+  return local_logits(base, local_BT, [(k[:, :, 0], v[:, :, 0]) for k, v in kv],
+                      base.cfg.rope_theta)
+
+
+def target_nll(adapter, base, memory_BM, tokens_BT, cfg: FocusConfig, num_targets: int):
+  """Leak-free per-target NLL, float32 [B, Q]: the last Q tokens of `tokens_BT` are the targets,
+  each predicted from its own candidates (module docstring)."""
+  B, T1 = tokens_BT.shape
+  T, Q = T1 - 1, num_targets
+  if not 1 <= Q <= T:
+    raise ValueError(f"focus: num_targets ({Q}) must be in [1, {T}] (local tokens - 1)")
+  inputs_BT = tokens_BT[:, :-1]
+  first = T - Q                                   # index of the first query point
+  P = cfg.prompt_tokens(first + 1)
+  check_positions(base.cfg, cfg, first + 1, P, extra=Q - 1)
+  if memory_BM.shape[1] == 0:
+    kv = no_candidates(base, B, Q)
+  else:
+    _, kv, _ = condense(adapter, base, memory_BM, inputs_BT[:, first - P + 1:], Q, cfg)
+  C = kv[0][0].shape[1]
+  # Row (b, q) carries candidates_q of every chunk; B-major like the repeated local tokens.
+  rows = lambda x: x.transpose(0, 2, 1, 3, 4).reshape(B * Q, C, *x.shape[3:])
+  logits_RTV = local_logits(base, jnp.repeat(inputs_BT, Q, axis=0),
+                            [(rows(k), rows(v)) for k, v in kv], base.cfg.rope_theta)
+  at_RV = logits_RTV.reshape(B, Q, T, -1)[:, jnp.arange(Q), first + jnp.arange(Q)]
+  target_BQ = tokens_BT[:, first + 1:]
+  picked = jnp.take_along_axis(at_RV, target_BQ[..., None], axis=-1)[..., 0]
+  return jax.nn.logsumexp(at_RV, axis=-1) - picked
+
+
+def loss(adapter, base, memory_BM, tokens_BT, cfg: FocusConfig, num_targets: int):
+  """Mean leak-free NLL over B·Q targets (float32 scalar)."""
+  return target_nll(adapter, base, memory_BM, tokens_BT, cfg, num_targets).mean()

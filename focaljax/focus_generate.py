@@ -1,0 +1,108 @@
+"""Greedy FocusLLM generation: chunk caches built once at prefill, extended by one token per step.
+
+Prefill: every chunk sequence [chunk | sep? | last P prompt tokens] except its last token runs
+through the frozen base into a per-chunk KV cache with room for the new tokens; the last prompt
+token is condensed as the candidate (adapter path) against that cache. Each step:
+  1. the local decoder (frozen) over the local window + generated tokens, with the current
+     candidates prepended at every layer, gives the next token. It is recomputed every step:
+     every local token attends to the candidates, and those change every step;
+  2. every chunk cache is extended by the previous newest token (now an ordinary frozen token,
+     `focus.frozen_step`), and the new token is condensed as the next candidate against it.
+So the dynamic prompt grows by one token per step (its start stays fixed: shifting it would
+invalidate every cached key), and step t equals `focus.logits` with prompt_len = P + t on the
+tokens so far (tests/test_focus.py checks this against recomputation from scratch). All positions
+stay inside the base's trained context; `focus.check_positions` raises before generating if not.
+
+Shapes are fixed for the whole generation (a token buffer [B, T + new - 1] whose unwritten tail
+is causally invisible), so prefill and step each compile once; the graphdef is a static argument
+as in generate.py.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from focaljax import focus
+
+
+def _local_at(base, state, index):
+  """Next-token logits float32 [B, V] read at buffer position `index` (a traced scalar)."""
+  logits_BTV = focus.local_logits(base, state["tokens"], state["kv"], base.cfg.rope_theta)
+  return jax.lax.dynamic_index_in_dim(logits_BTV, index, axis=1, keepdims=False)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "max_new_tokens"))
+def _prefill(graphdef, base_state, adapter, memory_BM, prompt_BT, cfg, max_new_tokens):
+  base = nnx.merge(graphdef, base_state)
+  B, T = prompt_BT.shape
+  P = cfg.prompt_tokens(T)
+  if memory_BM.shape[1] == 0:
+    kv, caches, n = focus.no_candidates(base, B, 1), None, 1
+  else:
+    _, kv, caches = focus.condense(adapter, base, memory_BM, prompt_BT[:, T - P:], 1, cfg,
+                                   extra=max_new_tokens - 1)
+    n = cfg.prefix + P                      # chunk sequence length; the candidate sits at n - 1
+  tokens_BL = jnp.zeros((B, T + max_new_tokens - 1), jnp.int32).at[:, :T].set(prompt_BT)
+  state = {"tokens": tokens_BL, "length": jnp.int32(T), "caches": caches,
+           "kv": [(k[:, :, 0], v[:, :, 0]) for k, v in kv], "candidate_pos": jnp.int32(n - 1)}
+  return state, _local_at(base, state, T - 1)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _step(graphdef, base_state, adapter, state, token_B):
+  base = nnx.merge(graphdef, base_state)
+  theta = base.cfg.rope_theta
+  length, pos, caches = state["length"], state["candidate_pos"], state["caches"]
+  prev_B = jax.lax.dynamic_index_in_dim(state["tokens"], length - 1, axis=1, keepdims=False)
+  tokens_BL = jax.lax.dynamic_update_slice(state["tokens"], token_B[:, None].astype(jnp.int32),
+                                           (0, length))
+  kv = state["kv"]
+  if caches is not None:
+    B, C = kv[0][0].shape[:2]
+    # The old candidate token becomes an ordinary frozen token of every chunk's dynamic prompt.
+    caches = focus.frozen_step(base, caches, jnp.repeat(prev_B, C), pos, theta)
+    pos = pos + 1
+    _, kv_R = focus.candidates(adapter, base, caches, jnp.repeat(token_B, C)[:, None],
+                               jnp.full((B * C, 1), pos), theta)
+    kv = [(k[:, 0].reshape(B, C, *k.shape[2:]), v[:, 0].reshape(B, C, *v.shape[2:]))
+          for k, v in kv_R]
+  state = {"tokens": tokens_BL, "length": length + 1, "caches": caches, "kv": kv,
+           "candidate_pos": pos}
+  return state, _local_at(base, state, length)
+
+
+def prefill(adapter, base, memory_BM, prompt_BT, cfg: focus.FocusConfig, max_new_tokens: int):
+  """(state, next-token logits float32 [B, V]); `state` feeds `step`. `state["tokens"][:, :
+  state["length"]]` are the tokens so far."""
+  if max_new_tokens < 1:
+    raise ValueError(f"focus generate: max_new_tokens must be >= 1; got {max_new_tokens}")
+  focus.check_base(base)
+  prompt_BT = jnp.asarray(prompt_BT, jnp.int32)
+  T = prompt_BT.shape[1]
+  focus.check_positions(base.cfg, cfg, T, cfg.prompt_tokens(T), extra=max_new_tokens - 1)
+  graphdef, base_state = nnx.split(base)
+  return _prefill(graphdef, base_state, adapter, jnp.asarray(memory_BM, jnp.int32), prompt_BT,
+                  cfg, max_new_tokens)
+
+
+def step(adapter, base, state, token_B):
+  """Appends `token_B`: extends every chunk cache by the previous newest token, condenses the new
+  candidate, and returns (state, next-token logits float32 [B, V]). At most max_new_tokens - 1
+  steps follow one prefill (the buffer and the caches are sized for that)."""
+  if int(state["length"]) >= state["tokens"].shape[1]:
+    raise ValueError("focus generate: more steps than prefill's max_new_tokens - 1")
+  graphdef, base_state = nnx.split(base)
+  return _step(graphdef, base_state, adapter, state, jnp.asarray(token_B, jnp.int32))
+
+
+def generate(adapter, base, memory_BM, prompt_BT, cfg: focus.FocusConfig, max_new_tokens: int):
+  """Greedy decoding: int32 [B, T + max_new_tokens]."""
+  state, logits_BV = prefill(adapter, base, memory_BM, prompt_BT, cfg, max_new_tokens)
+  for _ in range(max_new_tokens - 1):
+    state, logits_BV = step(adapter, base, state, jnp.argmax(logits_BV, -1).astype(jnp.int32))
+  last_B1 = jnp.argmax(logits_BV, -1)[:, None].astype(jnp.int32)
+  return jnp.concatenate([state["tokens"], last_B1], axis=1)

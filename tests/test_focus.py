@@ -1,0 +1,206 @@
+"""FocusLLM wrapper: identities at init, positions in range, no leakage, masked optimizer,
+batched = sequential chunks, incremental generation = recomputation."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from focaljax import attention as attn_lib
+from focaljax import focus
+from focaljax import focus_generate
+from focaljax import generate as gen_lib
+from focaljax import model as model_lib
+from focaljax import optim
+
+V = 97
+
+
+def tiny_base(pattern="softmax:rope,focal:rope", max_seq_len=32, qk_norm=False, seed=0):
+  cfg = model_lib.ModelConfig(
+      vocab_size=V, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, d_ff=64,
+      max_seq_len=max_seq_len, qk_norm=qk_norm,
+      attention=attn_lib.AttentionConfig(layers=attn_lib.parse_pattern(pattern, 2)))
+  return model_lib.Transformer(cfg, nnx.Rngs(seed))
+
+
+def perturbed(adapter, scale=0.3, seed=5):
+  """An adapter that differs from the base copy, so the candidate path matters."""
+  leaves, tree = jax.tree.flatten(adapter)
+  keys = jax.random.split(jax.random.key(seed), len(leaves))
+  return jax.tree.unflatten(tree, [w + scale * jnp.std(w) * jax.random.normal(k, w.shape)
+                                   for w, k in zip(leaves, keys)])
+
+
+def tokens(seed, shape, lo=1, hi=V):
+  return jax.random.randint(jax.random.key(seed), shape, lo, hi)
+
+
+def split(base, adapter):
+  """(graphdef, params): params = {"base": pure dict, "adapter": adapter}, the trainer's view."""
+  graphdef, state = nnx.split(base)
+  return graphdef, {"base": nnx.to_pure_dict(state), "adapter": adapter}
+
+
+def jitted(graphdef, fn, **kwargs):
+  """fn(adapter, base, *args, **kwargs) -> jitted f(params, *args): one compile per shape."""
+  return jax.jit(lambda p, *a: fn(p["adapter"], nnx.merge(graphdef, p["base"]), *a, **kwargs))
+
+
+def test_no_memory_equals_base():
+  base = tiny_base(qk_norm=True)
+  adapter = perturbed(focus.init_adapter(base))
+  local = tokens(1, (2, 12))
+  cfg = focus.FocusConfig(chunk_size=8)
+  graphdef, params = split(base, adapter)
+  no_memory = jnp.zeros((2, 0), jnp.int32)
+  got = jitted(graphdef, focus.logits, cfg=cfg)(params, no_memory, local)
+  np.testing.assert_allclose(got, gen_lib.logits(base, local), atol=1e-5, rtol=1e-5)
+  nll = jitted(graphdef, focus.target_nll, cfg=cfg, num_targets=5)(params, no_memory, local)
+  ref = gen_lib.logits(base, local[:, :-1])[:, -5:]
+  ref_nll = jax.nn.logsumexp(ref, -1) - jnp.take_along_axis(ref, local[:, -5:, None], -1)[..., 0]
+  np.testing.assert_allclose(nll, ref_nll, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("sep_id,pattern", [(None, "softmax:rope,focal:rope"),
+                                            (3, "focal:rope,softmax:none")])
+def test_copy_init_candidate_is_base_hidden_state(sep_id, pattern):
+  base = tiny_base(pattern, qk_norm=True)
+  adapter = focus.init_adapter(base)
+  cfg = focus.FocusConfig(chunk_size=8, prompt_len=6, sep_id=sep_id)
+  memory, prompt = tokens(2, (2, 24)), tokens(3, (2, 6))
+  graphdef, params = split(base, adapter)
+  h_BCQE, _, _ = jitted(graphdef, focus.condense, num_candidates=1, cfg=cfg)(
+      params, memory, prompt)
+  for c in range(3):
+    sep = [] if sep_id is None else [jnp.full((2, 1), sep_id)]
+    seq = jnp.concatenate([memory[:, 8 * c: 8 * c + 8], *sep, prompt], 1)
+    np.testing.assert_allclose(base._logits(h_BCQE[:, c])[:, 0], base(seq)[:, -1],
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_positions_stay_inside_trained_context(monkeypatch):
+  base = tiny_base(max_seq_len=32)
+  adapter = perturbed(focus.init_adapter(base))
+  seen = []
+  rope = model_lib.apply_rope
+
+  def recording_rope(x, positions, theta):
+    # Runs inside jit: the callback reports the traced positions' maximum at run time.
+    jax.debug.callback(lambda m: seen.append(int(m)), jnp.max(positions))
+    assert theta == base.cfg.rope_theta   # never NTK-scaled
+    return rope(x, positions, theta)
+
+  monkeypatch.setattr(model_lib, "apply_rope", recording_rope)
+  cfg = focus.FocusConfig(chunk_size=16, prompt_len=8)
+  memory = tokens(4, (1, 32 * 32))       # 32× the trained context: 64 chunks
+  local = tokens(5, (1, 24))
+  graphdef, params = split(base, adapter)
+  jitted(graphdef, focus.logits, cfg=cfg)(params, memory, local)
+  jitted(graphdef, focus.target_nll, cfg=cfg, num_targets=4)(params, memory, local)
+  # A prompt length no other test uses, so the jitted generation traces with the recording RoPE.
+  focus_generate.generate(adapter, base, memory, local[:, :19], cfg, max_new_tokens=4)
+  jax.effects_barrier()
+  assert len(seen) > 20 and max(seen) < base.cfg.max_seq_len, (len(seen), max(seen))
+  with pytest.raises(ValueError, match="chunk_size"):
+    focus.logits(adapter, base, memory, local, focus.FocusConfig(chunk_size=32, prompt_len=8))
+  with pytest.raises(ValueError, match="local window"):
+    focus.logits(adapter, base, memory, tokens(6, (1, 40)), cfg)
+
+
+def test_objective_does_not_leak_targets():
+  base = tiny_base()
+  graphdef, params = split(base, perturbed(focus.init_adapter(base)))
+  cfg = focus.FocusConfig(chunk_size=8, prompt_len=6)
+  memory = tokens(7, (1, 16), hi=40)                  # memory ids < 40, local ids unique >= 40
+  seq = (40 + jax.random.permutation(jax.random.key(8), V - 40)[:15])[None]
+  T, Q = 14, 6
+  first = T - Q
+
+  nll = jitted(graphdef, focus.target_nll, cfg=cfg, num_targets=Q)
+  # d nll_q / d embedding table, for every target q at once: [Q, V, E].
+  jac = jax.jit(jax.jacrev(lambda p: nll(p, memory, seq)[0]))(params)["base"]["embed"]
+  for q in range(Q):
+    g_embed = jac[q]
+    i = first + q                                    # the query point; target seq[i + 1]
+    later = np.asarray(seq[0, i + 1:])
+    seen = np.asarray(seq[0, i - 3: i + 1])           # the dynamic prompt's last tokens
+    assert np.all(np.asarray(g_embed)[later] == 0.0), (q, later)
+    assert np.all(np.abs(np.asarray(g_embed)[seen]).sum(-1) > 0), q
+
+  # The paper's objective (score every local position with the final candidates) does leak: the
+  # prediction at position i moves with the embedding of its own target x_{i+1}.
+  logits = jitted(graphdef, focus.logits, cfg=cfg)
+  i = T - 3
+  g_embed = jax.jit(jax.grad(lambda p: logits(p, memory, seq[:, :T])[0, i].sum()))(
+      params)["base"]["embed"]
+  assert np.abs(np.asarray(g_embed)[int(seq[0, i + 1])]).sum() > 0
+
+
+def test_optimizer_mask_updates_only_the_adapter():
+  base = tiny_base()
+  graphdef, params = split(base, focus.init_adapter(base))
+  cfg = focus.FocusConfig(chunk_size=8, prompt_len=4)
+  memory, seq = tokens(9, (2, 16)), tokens(10, (2, 10))
+  tx = optim.make(optim.OptimConfig(peak_lr=1e-2, warmup_steps=1, total_steps=10), params,
+                  trainable=focus.trainable_mask(params))
+  opt_state = tx.init(params)
+
+  loss = jitted(graphdef, focus.loss, cfg=cfg, num_targets=3)
+  grad = jax.jit(jax.grad(lambda p: loss(p, memory, seq)))
+  new = params
+  for _ in range(2):                                  # step 0 has lr 0 (warmup from zero)
+    updates, opt_state = tx.update(grad(new), opt_state, new)
+    new = jax.tree.map(jnp.add, new, updates)
+  jax.tree.map(np.testing.assert_array_equal, new["base"], params["base"])
+  changed = jax.tree.map(lambda a, b: bool(jnp.any(a != b)), new["adapter"], params["adapter"])
+  assert all(jax.tree.leaves(changed)), changed
+
+
+def test_batched_chunks_equal_one_at_a_time():
+  base = tiny_base()
+  adapter = perturbed(focus.init_adapter(base))
+  cfg = focus.FocusConfig(chunk_size=8, prompt_len=4)
+  memory, span = tokens(11, (2, 32)), tokens(12, (2, 6))
+  graphdef, params = split(base, adapter)
+  condense = jitted(graphdef, focus.condense, num_candidates=3, cfg=cfg)
+  h, kv, _ = condense(params, memory, span)
+  for c in range(4):
+    h_c, kv_c, _ = condense(params, memory[:, 8 * c: 8 * c + 8], span)
+    np.testing.assert_allclose(h[:, c], h_c[:, 0], atol=1e-5, rtol=1e-5)
+    for (k, v), (k_c, v_c) in zip(kv, kv_c):
+      np.testing.assert_allclose(k[:, c], k_c[:, 0], atol=1e-5, rtol=1e-5)
+      np.testing.assert_allclose(v[:, c], v_c[:, 0], atol=1e-5, rtol=1e-5)
+
+
+def test_incremental_generation_equals_recomputation():
+  base = tiny_base(qk_norm=True)
+  adapter = perturbed(focus.init_adapter(base), scale=1.0)
+  cfg = focus.FocusConfig(chunk_size=8, prompt_len=4)
+  memory, prompt = tokens(13, (2, 24)), tokens(14, (2, 10))
+  graphdef, params = split(base, adapter)
+  state, logits_BV = focus_generate.prefill(adapter, base, memory, prompt, cfg, max_new_tokens=4)
+  for t in range(4):
+    # From scratch: the dynamic prompt is the last 4 + t tokens (it grows; its start is fixed).
+    so_far = state["tokens"][:, :10 + t]
+    ref = jitted(graphdef, focus.logits, cfg=focus.FocusConfig(chunk_size=8, prompt_len=4 + t))(
+        params, memory, so_far)[:, -1]
+    np.testing.assert_allclose(logits_BV, ref, atol=1e-5, rtol=1e-5)
+    if t < 3:
+      state, logits_BV = focus_generate.step(adapter, base, state, jnp.argmax(logits_BV, -1))
+  out = focus_generate.generate(adapter, base, memory, prompt, cfg, max_new_tokens=4)
+  np.testing.assert_array_equal(out[:, :13], state["tokens"])
+  assert out.shape == (2, 14) and out.dtype == jnp.int32
+
+
+def test_adapter_round_trip_and_unsupported_layers(tmp_path):
+  base = tiny_base()
+  adapter = perturbed(focus.init_adapter(base))
+  cfg = focus.FocusConfig(chunk_size=8, prompt_len=4, sep_id=1)
+  focus.save_adapter(str(tmp_path), adapter, cfg, base_workdir="/base")
+  loaded, cfg2, workdir = focus.load_adapter(str(tmp_path))
+  assert cfg2 == cfg and workdir == "/base"
+  jax.tree.map(np.testing.assert_array_equal, loaded, adapter)
+  with pytest.raises(NotImplementedError, match="dilution"):
+    focus.init_adapter(tiny_base("softmax:rope,dilution:none"))
