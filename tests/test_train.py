@@ -92,3 +92,22 @@ def test_sigterm_saves_before_exit(tmp_path):
   assert b"SIGTERM: saved step" in out
   steps = [int(d) for d in os.listdir(os.path.join(tmp_path, "checkpoints")) if d.isdigit()]
   assert steps and max(steps) >= 3
+
+
+def test_bf16_compute_with_float32_master_weights(tmp_path):
+  import jax
+  from flax import nnx
+  from focaljax import checkpoint
+  c = smoke.get_config("pattern=softmax:rope,dilution:none")
+  c.train.update(steps=3, log_every=1, eval_every=0, compute_dtype="bfloat16")
+  out = trainer.train(c, str(tmp_path))
+  assert out["step"] == 3 and out["loss"] < 20
+  abstract = checkpoint.abstract_like(nnx.to_pure_dict(trainer.build(c, None)[3]))
+  params, _ = checkpoint.restore_params(str(tmp_path), None, abstract)
+  assert {x.dtype.name for x in jax.tree.leaves(params)} == {"float32"}
+
+
+def test_dry_run_compiles_without_training(tmp_path, capsys):
+  out = trainer.train(smoke.get_config(), str(tmp_path), dry_run=True)
+  assert out["dry_run"] and "memory" in out
+  assert not os.path.exists(os.path.join(tmp_path, "checkpoints"))
