@@ -3,6 +3,7 @@ tensor parallel), and on 2 processes with CPU collectives."""
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -82,3 +83,16 @@ def test_mesh_sizes_are_checked():
     sharding.make_mesh(-1, -1, 1)
   with pytest.raises(ValueError, match="devices"):
     sharding.make_mesh(len(jax.devices()) + 1, 1, 1)
+
+
+def test_resume_across_a_mesh_change(single, tmp_path):
+  """Saved under FSDP x tensor on 8 devices, resumed data-parallel on 2: the curve continues."""
+  workdir = tmp_path / "run"
+  _train(workdir, devices=8, extra=["--config.mesh.data=1", "--config.mesh.fsdp=4",
+                                    "--config.mesh.tensor=2", "--config.train.ckpt_every=2"])
+  # Drop the last checkpoint so the second run resumes mid-way on another mesh.
+  shutil.rmtree(workdir / "checkpoints" / str(STEPS))
+  lines = open(workdir / "metrics.jsonl").read().splitlines()[:2]
+  open(workdir / "metrics.jsonl", "w").write("\n".join(lines) + "\n")
+  losses = _train(workdir, devices=2, extra=["--config.mesh.data=2"])
+  np.testing.assert_allclose(losses, single, rtol=2e-5)
