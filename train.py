@@ -16,7 +16,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from focaljax import config as config_lib
-from focaljax import trainer
+from focaljax import focus_train, trainer
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _CONFIG = config_flags.DEFINE_config_file(
@@ -31,8 +31,10 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # Orbax and Grain log every save at INFO
+  # A FocusLLM config (configs/focus.py) trains a candidate adapter over a frozen base.
+  run = focus_train.train if "focus" in _CONFIG.value else trainer.train
   try:
-    trainer.train(_CONFIG.value, _WORKDIR.value, dry_run=_DRY_RUN.value)
+    run(_CONFIG.value, _WORKDIR.value, dry_run=_DRY_RUN.value)
   except config_lib.ConfigError as e:
     sys.exit(f"error: {e}")
 

@@ -1,0 +1,343 @@
+"""FocusLLM training (configs/focus.py): the candidate adapter learns, the base stays frozen.
+
+Samples (one chunk size s per step, drawn from `focus.chunk_sizes`; every sample of the step uses
+it, so each size compiles once). Documents shorter than `doc_min_tokens` are skipped, longer ones
+cropped to their first `doc_max_tokens`. The memory has a fixed length per chunk size,
+M_s = s·⌊(doc_min_tokens − local_len − 1) / s⌋, so shapes depend on s alone (longer documents give
+other windows, not longer memories). With local_len = T:
+  continuation     a random window of M_s + T + 1 tokens: memory = its first M_s, local tokens =
+                   the rest (the text right after the memory).
+  reconstruction   a random window of M_s tokens is the memory; the local tokens are T + 1
+                   consecutive tokens copied from inside it (probability `p_reconstruction`).
+The seed's summary says the chunks are the tokens "before and after" the span; the official code
+(shared/notes/focus_focal.md §1.6) keeps the span and its targets in the memory, which is what
+teaches copying (the ablation's passkey result), and the brief's "repeats a span" agrees: we do
+the same. The loss is `focus.target_nll`'s leak-free objective over the last `num_targets` local
+tokens (the official code supervises one token per sample; the paper's Eq. 6 all of them).
+
+The step differentiates w.r.t. the adapter only: the base params are an argument closed over by
+the loss, never in the optimizer (so `optim.make` on the adapter alone; focus.py's docstring), and
+they are cast once to `train.compute_dtype` since no float32 master copy is needed for them.
+
+Workdir layout: config.json, metrics.jsonl (+ tb/), and adapter/<step>/ = `focus.save_adapter`
+(adapter.npz, focus.json) + opt_state.npz. The base workdir is only read. Sampling is a pure
+function of (seed, step, process), so resuming from adapter/<latest> replays the same stream
+without any iterator state. Saves go to a temporary directory renamed into place (a kill mid-save
+never leaves a partial latest); the newest `train.keep_ckpts` are kept.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from focaljax import checkpoint, distributed, focus, metrics, optim, sharding, trainer
+from focaljax import config as config_lib
+from focaljax import data as data_lib
+
+ADAPTER_DIR = "adapter"
+_MAX_DRAWS = 1000   # document draws per sample before concluding the source has no long documents
+
+
+def _fail(field: str, msg: str):
+  raise config_lib.ConfigError(f"config field focus.{field}: {msg}")
+
+
+def chunk_sizes(config) -> tuple[int, ...]:
+  try:
+    sizes = tuple(int(s) for s in config.focus.chunk_sizes.split(","))
+  except ValueError:
+    sizes = ()
+  if not sizes or min(sizes) < 1:
+    _fail("chunk_sizes", f"{config.focus.chunk_sizes!r} must be a comma list of positive ints")
+  return sizes
+
+
+def memory_len(config, chunk: int) -> int:
+  f = config.focus
+  return chunk * ((f.doc_min_tokens - f.local_len - 1) // chunk)
+
+
+def base_context(config) -> int:
+  """The base's trained context (its data.seq_len), after checking the workdir is trained."""
+  path = config.focus.base_workdir
+  if not path:
+    _fail("base_workdir", "is required: a trained focaljax workdir (python train.py ...)")
+  try:
+    workdir, step = checkpoint.resolve(path)
+  except FileNotFoundError as e:
+    _fail("base_workdir", str(e))
+  ckpts = os.path.join(workdir, "checkpoints")
+  if step is None and not (os.path.isdir(ckpts) and any(d.isdigit() for d in os.listdir(ckpts))):
+    _fail("base_workdir", f"{workdir} has no checkpoint under checkpoints/ (train it first)")
+  return checkpoint.read_config(workdir).data.seq_len
+
+
+def validate(config, context: int) -> None:
+  """Raises ConfigError naming the first invalid focus.* field; `context` = base max_seq_len."""
+  f = config.focus
+  sizes = chunk_sizes(config)
+  for name in ("prompt_len", "doc_min_tokens"):
+    if f[name] < 1:
+      _fail(name, f"must be >= 1, got {f[name]}")
+  if not 0.0 <= f.p_reconstruction <= 1.0:
+    _fail("p_reconstruction", f"must be in [0, 1], got {f.p_reconstruction}")
+  if f.doc_max_tokens < f.doc_min_tokens:
+    _fail("doc_max_tokens", f"{f.doc_max_tokens} < focus.doc_min_tokens={f.doc_min_tokens}")
+  if not 2 <= f.local_len <= context:
+    _fail("local_len", f"{f.local_len} must be in [2, {context}] (the base's trained context "
+          f"data.seq_len={context}: local positions run 0..local_len-1)")
+  if not 1 <= f.num_targets <= f.local_len:
+    _fail("num_targets", f"{f.num_targets} must be in [1, focus.local_len={f.local_len}]")
+  for s in sizes:
+    # focus.check_positions for target_nll: chunk + prompt + the Q-1 later query points.
+    prompt = min(f.prompt_len, s, f.local_len - f.num_targets + 1)
+    if s + prompt + f.num_targets - 1 > context:
+      _fail("chunk_sizes", f"chunk {s} + dynamic prompt {prompt} + num_targets-1 "
+            f"({f.num_targets - 1}) = {s + prompt + f.num_targets - 1} positions exceed the "
+            f"base's trained context data.seq_len={context} ({f.base_workdir}); use chunks <= "
+            f"{context - prompt - f.num_targets + 1} or lower focus.prompt_len")
+    if memory_len(config, s) < max(s, f.local_len + 1):
+      _fail("doc_min_tokens", f"{f.doc_min_tokens} leaves a memory of {memory_len(config, s)} "
+            f"tokens for chunk {s} after the local window (local_len + 1 = {f.local_len + 1}); "
+            f"need >= {max(s, f.local_len + 1)} (one chunk, and room for a reconstruction span)")
+
+
+class Sampler:
+  """Batches as a pure function of (seed, step, process): resumable without iterator state."""
+
+  def __init__(self, config, tokenizer, process_index: int, local_batch: int):
+    self.f, self.seed, self.pidx = config.focus, config.seed, process_index
+    self.local_batch = local_batch
+    self.sizes = chunk_sizes(config)
+    self.docs = data_lib.documents(config_lib.data_config(config), "train")
+    self.mem = {s: memory_len(config, s) for s in self.sizes}
+    # Documents are re-drawn many times: keep their token ids (the crop bounds the memory use).
+    # Books run to 1M tokens: cut the text first (a BPE token spans far fewer than 16 chars).
+    n = self.f.doc_max_tokens
+    self._tokens = functools.lru_cache(maxsize=512)(
+        lambda i: np.asarray(tokenizer.encode(self.docs[i][:16 * n])[:n], np.int32))
+
+  def chunk_size(self, step: int) -> int:
+    """The same on every process: all of them must build the same shapes."""
+    return self.sizes[np.random.default_rng([self.seed, step]).integers(len(self.sizes))]
+
+  def _document(self, rng) -> np.ndarray:
+    for _ in range(_MAX_DRAWS):
+      ids = self._tokens(int(rng.integers(len(self.docs))))
+      if len(ids) >= self.f.doc_min_tokens:
+        return ids
+    _fail("doc_min_tokens", f"{_MAX_DRAWS} random documents of data.source were all shorter than "
+          f"{self.f.doc_min_tokens} tokens; lower it or use a source with longer documents")
+
+  def batch(self, step: int) -> dict[str, np.ndarray]:
+    """memory int32 [b, M_s], tokens int32 [b, local_len + 1], reconstruction float32 [b]."""
+    s, T = self.chunk_size(step), self.f.local_len
+    M = self.mem[s]
+    rng = np.random.default_rng([self.seed, step, self.pidx, 1])
+    memory, tokens, recon = [], [], []
+    for _ in range(self.local_batch):
+      ids = self._document(rng)
+      is_recon = rng.random() < self.f.p_reconstruction
+      n = M if is_recon else M + T + 1
+      window = ids[(o := rng.integers(len(ids) - n + 1)):o + n]
+      memory.append(window[:M])
+      if is_recon:
+        tokens.append(window[(r := rng.integers(M - T)):r + T + 1])
+      else:
+        tokens.append(window[M:])
+      recon.append(float(is_recon))
+    return {"memory": np.stack(memory), "tokens": np.stack(tokens),
+            "reconstruction": np.asarray(recon, np.float32)}
+
+
+def train_step(adapter, opt_state, base_params, batch, *, graphdef, tx, cfg: focus.FocusConfig,
+               num_targets: int, skip_nonfinite: bool):
+  """One optimizer step on the adapter; the base is read, never returned. Pure."""
+  base = nnx.merge(graphdef, base_params)
+
+  def loss_fn(adapter):
+    nll_BQ = focus.target_nll(adapter, base, batch["memory"], batch["tokens"], cfg, num_targets)
+    return nll_BQ.mean(), nll_BQ.mean(axis=1)
+
+  (loss, nll_B), grads = jax.value_and_grad(loss_fn, has_aux=True)(adapter)
+  grad_norm = optax.tree.norm(grads)
+  updates, new_opt = tx.update(grads, opt_state, adapter)
+  new_adapter = optax.apply_updates(adapter, updates)
+  finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+  if skip_nonfinite:
+    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+    new_adapter, new_opt = keep(new_adapter, adapter), keep(new_opt, opt_state)
+  r_B = batch["reconstruction"]
+  # Per-task sums (not means): a batch may hold no sample of one task; the host divides.
+  out = {"loss": loss, "grad_norm": grad_norm, "finite": finite,
+         "recon_sum": (nll_B * r_B).sum(), "recon_n": r_B.sum(),
+         "cont_sum": (nll_B * (1 - r_B)).sum(), "cont_n": (1 - r_B).sum()}
+  return new_adapter, new_opt, out
+
+
+def _save(workdir: str, step: int, adapter, opt_state, cfg: focus.FocusConfig, base_wd: str,
+          keep: int) -> str:
+  root = os.path.join(workdir, ADAPTER_DIR)
+  final, tmp = os.path.join(root, str(step)), os.path.join(root, f".tmp.{step}")
+  shutil.rmtree(tmp, ignore_errors=True)
+  focus.save_adapter(tmp, jax.device_get(adapter), cfg, base_workdir=base_wd)
+  np.savez(os.path.join(tmp, "opt_state.npz"),
+           *[np.asarray(x) for x in jax.tree.leaves(jax.device_get(opt_state))])
+  shutil.rmtree(final, ignore_errors=True)
+  os.replace(tmp, final)
+  for old in saved_steps(workdir)[:-keep]:
+    shutil.rmtree(os.path.join(root, str(old)), ignore_errors=True)
+  return final
+
+
+def _dry_run(config, step_fns, state, batch_sh, mesh) -> dict:
+  B, T = config.data.global_batch, config.focus.local_len
+  out = {"dry_run": True}
+  for s, fn in step_fns.items():
+    shapes = {"memory": (B, memory_len(config, s)), "tokens": (B, T + 1), "reconstruction": (B,)}
+    batch = {k: jax.ShapeDtypeStruct(v, jnp.float32 if k == "reconstruction" else jnp.int32,
+                                     sharding=batch_sh[k]) for k, v in shapes.items()}
+    with jax.set_mesh(mesh):
+      out[s] = str(fn.lower(*state, batch).compile().memory_analysis())
+    print(f"dry run: chunk {s}, memory {shapes['memory'][1]}: {out[s]}")
+  return out
+
+
+def saved_steps(workdir: str) -> list[int]:
+  root = os.path.join(workdir, ADAPTER_DIR)
+  return sorted(int(d) for d in os.listdir(root) if d.isdigit()) if os.path.isdir(root) else []
+
+
+def train(config, workdir: str, *, dry_run: bool = False, stop_at: int | None = None) -> dict:
+  """Trains the adapter per `config` in `workdir`, resuming from its latest adapter save.
+  Returns a summary (start_step, step, loss, adapter_dir). `stop_at` as in trainer.train;
+  `dry_run` compiles every chunk size's step on abstract inputs and reports memory."""
+  distributed.initialize()
+  config_lib.validate(config, process_count=jax.process_count())
+  validate(config, base_context(config))
+  f, primary = config.focus, distributed.is_primary()
+  pcount = jax.process_count()
+  if config.data.global_batch % pcount:
+    raise config_lib.ConfigError(f"config field data.global_batch: {config.data.global_batch} "
+                                 f"must be divisible by the {pcount} processes")
+  base_wd = checkpoint.resolve(f.base_workdir)[0]
+  start = (saved_steps(workdir) or [0])[-1]
+  resume_dir = os.path.join(workdir, ADAPTER_DIR, str(start)) if start else None
+  if resume_dir:
+    saved_base = focus.load_adapter(resume_dir)[2]
+    if os.path.abspath(saved_base) != base_wd:
+      raise config_lib.ConfigError(f"config field focus.base_workdir: {base_wd} differs from "
+                                   f"{saved_base}, the base of the adapter in {resume_dir}")
+  loaded, adapter = focus.from_workdir(f.base_workdir, adapter_dir=resume_dir)
+  if primary:
+    checkpoint.write_config(workdir, config)
+  sizes = chunk_sizes(config)
+  save_cfg = focus.FocusConfig(chunk_size=max(sizes), prompt_len=f.prompt_len)  # inference default
+
+  mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+  graphdef, base_state = nnx.split(loaded.model)
+  base_sh = sharding.param_shardings(base_state, mesh)
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  batch_sh = {"memory": sharding.batch_sharding(mesh), "tokens": sharding.batch_sharding(mesh),
+              "reconstruction": jax.sharding.NamedSharding(mesh, sharding.spec(("batch",)))}
+  dtype = jnp.dtype(config.train.compute_dtype)
+  base_params = jax.device_put(jax.tree.map(lambda p: jnp.asarray(p, dtype),
+                                            nnx.to_pure_dict(base_state)), base_sh)
+  optim_cfg = config_lib.optim_config(config)
+  tx = optim.make(optim_cfg, adapter)
+  adapter = jax.device_put(adapter, replicated)
+  opt_state = jax.device_put(tx.init(adapter), replicated)
+  if resume_dir:
+    with np.load(os.path.join(resume_dir, "opt_state.npz")) as z:
+      leaves = [z[f"arr_{i}"] for i in range(len(z.files))]
+    opt_state = jax.device_put(jax.tree.unflatten(jax.tree.structure(opt_state), leaves),
+                               replicated)
+
+  def step_fn(s: int):
+    return jax.jit(functools.partial(
+        train_step, graphdef=graphdef, tx=tx, cfg=focus.FocusConfig(s, prompt_len=f.prompt_len),
+        num_targets=f.num_targets, skip_nonfinite=config.train.nonfinite == "skip"),
+        in_shardings=(replicated, replicated, base_sh, batch_sh),
+        out_shardings=(replicated, replicated, replicated), donate_argnums=(0, 1))
+  step_fns = {s: step_fn(s) for s in sizes}   # jit compiles each on its first call
+  if dry_run:
+    return _dry_run(config, step_fns, (adapter, opt_state, base_params), batch_sh, mesh)
+
+  sampler = Sampler(config, loaded.tokenizer, jax.process_index(),
+                    config.data.global_batch // pcount)
+  steps = config.train.steps
+  writer = metrics.Writer(workdir, steps, start, enabled=primary)
+  if start:
+    writer.message(f"resumed the adapter from step {start} in {workdir}")
+  lr_at = optim.schedule(optim_cfg)
+  preempt = trainer._Preemption()  # pylint: disable=protected-access
+  summary = {"start_step": start}
+  acc, t_last, step, pending = [], time.perf_counter(), start, None
+
+  def finish(pending):
+    nonlocal acc, t_last
+    pstep, chunk, tokens, m = pending
+    m = jax.device_get(m)
+    if not m["finite"]:
+      if config.train.nonfinite != "skip":
+        raise trainer.NonFiniteLoss(f"non-finite loss ({m['loss']}) at step {pstep} (chunk "
+                                    f"{chunk}); stopping (train.nonfinite=skip skips such steps)")
+      writer.message(f"step {pstep}: non-finite loss ({m['loss']}); update skipped")
+    summary["loss"] = float(m["loss"])
+    acc.append((m, tokens))
+    if pstep % config.train.log_every == 0 or pstep == steps:
+      # Means over the logging interval: each step draws its own chunk size, so one is noisy.
+      now = time.perf_counter()
+      sums = {k: sum(float(a[k]) for a, _ in acc) for k in acc[0][0] if k != "finite"}
+      scalars = {"loss": sums["loss"] / len(acc), "grad_norm": sums["grad_norm"] / len(acc),
+                 "lr": lr_at(pstep - 1), "chunk_size": chunk,
+                 "tokens_per_s": sum(t for _, t in acc) / max(now - t_last, 1e-9)}
+      for task, key in (("continuation", "cont"), ("reconstruction", "recon")):
+        if sums[f"{key}_n"]:
+          scalars[f"loss_{task}"] = sums[f"{key}_sum"] / sums[f"{key}_n"]
+      writer.write(pstep, scalars)
+      writer.progress(pstep, scalars)
+      acc, t_last = [], now
+
+  try:
+    with jax.set_mesh(mesh):
+      while step < steps:
+        chunk = sampler.chunk_size(step)
+        local = sampler.batch(step)
+        batch = {k: jax.make_array_from_process_local_data(batch_sh[k], v)
+                 for k, v in local.items()}
+        adapter, opt_state, m = step_fns[chunk](adapter, opt_state, base_params, batch)
+        step += 1
+        if pending is not None:
+          finish(pending)   # after dispatching this step: the device never waits for the host
+        pending = (step, chunk, config.data.global_batch * (sampler.mem[chunk] + f.local_len), m)
+        stopping = preempt.requested or step == stop_at
+        if step % config.train.ckpt_every == 0 or step == steps or stopping:
+          if primary:
+            summary["adapter_dir"] = _save(workdir, step, adapter, opt_state, save_cfg, base_wd,
+                                           config.train.keep_ckpts)
+        if preempt.requested:
+          writer.message(f"SIGTERM: saved the adapter at step {step} to {workdir}; exiting")
+          summary["preempted"] = True
+          break
+        if stopping:
+          break
+      if pending is not None:
+        finish(pending)
+  finally:
+    writer.close()
+    preempt.restore()
+  summary["step"] = step
+  if primary and not summary.get("preempted"):
+    print(f"trained the FocusLLM adapter {step} steps; loss "
+          f"{summary.get('loss', float('nan')):.4f}; adapter in {workdir}/{ADAPTER_DIR}/{step}")
+  return summary

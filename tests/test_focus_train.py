@@ -1,0 +1,148 @@
+"""FocusLLM training end to end on a hand-made tiny base: the adapter learns and is saved apart,
+the base stays bitwise untouched, resume continues, and chunks past the base context are refused."""
+
+import hashlib
+import json
+import os
+import signal
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from etils import epath
+from flax import nnx
+
+from configs import focus as focus_config
+from focaljax import checkpoint
+from focaljax import config as config_lib
+from focaljax import focus
+from focaljax import focus_train
+from focaljax import loaded
+from focaljax import model as model_lib
+from focaljax import tokenizer as tokenizer_lib
+
+
+def make_base(path):
+  """A trainer-shaped workdir (config.json, tokenizer.json, checkpoints/1/params), random init:
+  the smoke size with softmax layers (focus supports no dilution) and a 64-token context."""
+  from configs import smoke  # pylint: disable=import-outside-toplevel
+  c = smoke.get_config()
+  tok = tokenizer_lib.bundled()
+  checkpoint.write_config(str(path), c)
+  tok.save(path)
+  model = model_lib.Transformer(config_lib.model_config(c, tok.vocab_size), nnx.Rngs(0))
+  manager = ocp.CheckpointManager(epath.Path(path) / "checkpoints", item_names=("params",))
+  params = checkpoint.to_str_keys(nnx.to_pure_dict(nnx.split(model)[1]))
+  manager.save(1, args=ocp.args.Composite(params=ocp.args.StandardSave(params)))
+  manager.wait_until_finished()
+  manager.close()
+  return c.data.seq_len
+
+
+def focus_cfg(base_wd, **focus_overrides):
+  c = focus_config.get_config("size=small")
+  c.seed = 1                  # draws chunk 8 then 16 at steps 0-1, 16 then 8 at steps 2-3
+  c.train.update(steps=4, log_every=1, ckpt_every=2, keep_ckpts=2)
+  c.optim.update(peak_lr=1e-2, warmup_steps=1)
+  c.data.global_batch = 2
+  c.focus.update({**dict(base_workdir=str(base_wd), chunk_sizes="8,16", prompt_len=8,
+                         local_len=16, num_targets=4, doc_min_tokens=64, doc_max_tokens=600),
+                  **focus_overrides})
+  return c
+
+
+def digest(path):
+  h = hashlib.sha256()
+  for root, _, files in sorted(os.walk(path)):
+    for name in sorted(files):
+      h.update(os.path.join(root, name).encode())
+      h.update(open(os.path.join(root, name), "rb").read())
+  return h.hexdigest()
+
+
+def test_sampler_builds_both_tasks_from_documents(tmp_path):
+  make_base(tmp_path / "base")
+  cfg = focus_cfg(tmp_path / "base", p_reconstruction=0.5)
+  sampler = focus_train.Sampler(cfg, tokenizer_lib.bundled(), 0, 16)
+  docs = [sampler._tokens(i) for i in range(len(sampler.docs))]  # pylint: disable=protected-access
+  for step in range(4):
+    chunk, b = sampler.chunk_size(step), sampler.batch(step)
+    M = 64 - 17 - (64 - 17) % chunk           # doc_min - local_len - 1, whole chunks
+    assert b["memory"].shape == (16, M) and b["tokens"].shape == (16, 17)
+    assert 0 < b["reconstruction"].sum() < 16
+    for memory, tokens, recon in zip(b["memory"], b["tokens"], b["reconstruction"]):
+      # Continuation: memory + tokens is one contiguous stretch of a document. Reconstruction:
+      # the tokens are a contiguous span of the memory (the copy target sits in the memory).
+      hay, needle = (memory, tokens) if recon else (
+          np.concatenate([memory, tokens]), np.concatenate([memory, tokens]))
+      assert any(_contains(d, needle) for d in docs) and _contains(hay, needle)
+    np.testing.assert_array_equal(sampler.batch(step)["tokens"], b["tokens"])  # resumable
+
+
+def _contains(hay, needle):
+  n = len(needle)
+  return any(np.array_equal(hay[i:i + n], needle) for i in range(len(hay) - n + 1))
+
+
+def test_train_saves_adapter_keeps_base_and_resumes(tmp_path, monkeypatch):
+  base_wd, wd = tmp_path / "base", tmp_path / "focus"
+  assert make_base(base_wd) == 64
+  before, base_digest = loaded.load(str(base_wd)), digest(base_wd)
+  init = focus.init_adapter(before.model)
+  cfg = focus_cfg(base_wd)
+
+  # SIGTERM while step 2's batch is built: the loop saves step 2 and exits.
+  batch = focus_train.Sampler.batch
+  def batch_then_sigterm(self, step):
+    if step == 1:
+      os.kill(os.getpid(), signal.SIGTERM)
+    return batch(self, step)
+  monkeypatch.setattr(focus_train.Sampler, "batch", batch_then_sigterm)
+  first = focus_train.train(cfg, str(wd))
+  monkeypatch.setattr(focus_train.Sampler, "batch", batch)
+  assert first["preempted"] and first["step"] == 2 and np.isfinite(first["loss"])
+  assert focus_train.saved_steps(str(wd)) == [2]
+  second = focus_train.train(cfg, str(wd))
+  assert second["start_step"] == 2 and second["step"] == 4 and np.isfinite(second["loss"])
+  assert focus_train.saved_steps(str(wd)) == [2, 4]
+  logged = [json.loads(line) for line in open(wd / "metrics.jsonl")]
+  assert [m["step"] for m in logged] == [1, 2, 3, 4]
+  assert {m["chunk_size"] for m in logged} == {8, 16}    # both buckets compiled and ran
+  assert all(np.isfinite(m["loss"]) for m in logged)
+  assert (wd / "config.json").is_file()
+
+  # The base: its workdir bytes and its params are exactly as before.
+  assert digest(base_wd) == base_digest
+  after = loaded.load(str(base_wd))
+  jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(nnx.split(after.model)[1]),
+               nnx.to_pure_dict(nnx.split(before.model)[1]))
+
+  # The adapter: saved under the workdir, reloadable, trained away from its copy-init.
+  adapter, saved_cfg, saved_base = focus.load_adapter(second["adapter_dir"])
+  assert second["adapter_dir"] == str(wd / "adapter" / "4")
+  assert saved_base == str(base_wd) and saved_cfg.chunk_size == 16 and saved_cfg.prompt_len == 8
+  changed = jax.tree.map(lambda a, b: bool(np.any(np.asarray(a) != np.asarray(b))), adapter, init)
+  # The last layer's candidate q and o shape only the candidate's final hidden state, which
+  # nothing reads (candidates contribute keys/values): they get no gradient. All else trains.
+  last = max(changed)
+  assert not changed[last]["wq"] and not changed[last]["wo"], changed
+  del changed[last]["wq"], changed[last]["wo"]
+  assert all(jax.tree.leaves(changed)), changed
+  # Resume continued from step 2's adapter, not from the copy: step 2's save differs from both.
+  at_2 = focus.load_adapter(str(wd / "adapter" / "2"))[0]
+  assert any(jax.tree.leaves(jax.tree.map(lambda a, b: bool(np.any(a != b)), at_2, adapter)))
+
+
+def test_refuses_chunks_past_the_base_context_and_dry_runs(tmp_path):
+  make_base(tmp_path / "base")
+  # 64 + prompt 8 + 3 later query points = 75 positions > the base's 64.
+  with pytest.raises(config_lib.ConfigError, match="focus.chunk_sizes.*data.seq_len=64"):
+    focus_train.train(focus_cfg(tmp_path / "base", chunk_sizes="8,64"), str(tmp_path / "wd"))
+  with pytest.raises(config_lib.ConfigError, match="focus.base_workdir"):
+    focus_train.train(focus_cfg(tmp_path / "nowhere"), str(tmp_path / "wd"))
+  assert not (tmp_path / "wd").exists()
+  out = focus_train.train(focus_cfg(tmp_path / "base", chunk_sizes="8"), str(tmp_path / "wd"),
+                          dry_run=True)
+  assert out["dry_run"] and set(out) == {"dry_run", 8}
+  assert focus_train.saved_steps(str(tmp_path / "wd")) == []
