@@ -80,17 +80,31 @@ def eval_step(params, batch, *, graphdef, dtype):
 
 
 class _Preemption:
-  """SIGTERM sets a flag; the loop saves a checkpoint at the next step boundary and exits."""
+  """SIGTERM -> save a checkpoint at the next step boundary and exit.
+
+  One process: a Python signal handler sets a flag. Several: every host must stop at the same
+  step (Orbax saves collectively), so the decision comes from jax's preemption sync point, which
+  the distributed runtime's coordination service agrees on across hosts.
+  """
 
   def __init__(self):
+    self.multi = jax.process_count() > 1
     self.requested = False
-    self._old = signal.signal(signal.SIGTERM, self._handle)
+    if not self.multi:
+      self._old = signal.signal(signal.SIGTERM, self._handle)
 
   def _handle(self, *_):
     self.requested = True
 
+  def reached(self, step: int) -> bool:
+    if self.multi:
+      from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+      self.requested = multihost_utils.reached_preemption_sync_point(step)
+    return self.requested
+
   def restore(self):
-    signal.signal(signal.SIGTERM, self._old)
+    if not self.multi:
+      signal.signal(signal.SIGTERM, self._old)
 
 
 def build(config, workdir: str | None):
@@ -221,10 +235,11 @@ def train(config, workdir: str, *, dry_run: bool = False, stop_at: int | None = 
           summary["val_loss"] = val
           writer.write(step, {"val_loss": val})
           writer.message(f"step {step}: validation loss {val:.4f}")
-        stopping = preempt.requested or step == stop_at
+        preempted = preempt.reached(step)
+        stopping = preempted or step == stop_at
         if step % config.train.ckpt_every == 0 or step == steps or stopping:
           ckpt.save(step, params, opt_state, train_iter, {"step": step}, force=True)
-        if preempt.requested:
+        if preempted:
           writer.message(f"SIGTERM: saved step {step} to {workdir}; exiting")
           summary["preempted"] = True
           break
