@@ -108,20 +108,15 @@ def dot(a, b, contract_a: int, contract_b: int):
                          precision=precision, preferred_element_type=jnp.float32)
 
 
-def visible(q_start, k_start, block_q: int, block_k: int, causal: bool, seg_q, seg_k, *,
-            kv_major: bool = False):
-  """Boolean visibility of one tile (causal and/or same segment): [block_q, block_k], or
-  [block_k, block_q] with kv_major (the dk/dv pass works on transposed tiles)."""
+def visible(q_start, k_start, block_q: int, block_k: int, causal: bool, seg_q, seg_k):
+  """Boolean [block_q, block_k] visibility of one tile (causal and/or same segment)."""
   t = q_start + jnp.arange(block_q, dtype=jnp.int32)
   s = k_start + jnp.arange(block_k, dtype=jnp.int32)
-  # Broadcast q positions/segments along one axis and kv ones along the other.
-  q_axis, k_axis = ((None, slice(None)), (slice(None), None)) if kv_major else (
-      (slice(None), None), (None, slice(None)))
   vis = None
   if causal:
-    vis = s[k_axis] <= t[q_axis]
+    vis = s[None, :] <= t[:, None]
   if seg_q is not None:
-    same = seg_q[q_axis] == seg_k[k_axis]
+    same = seg_q[:, None] == seg_k[None, :]
     vis = same if vis is None else jnp.logical_and(vis, same)
   return vis
 
