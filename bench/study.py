@@ -1,0 +1,399 @@
+"""Issue 7: the seeds' headline claims at small scale on the real corpus, with one command.
+
+  python bench/study.py --root runs/study --steps 900 --seeds 0,1 --out docs/results/study.json
+  python bench/study.py --root runs/study --arms softmax_rope,dilution_nope --time_limit 540
+  python bench/study.py --root runs/study --print             # the commands, for a cluster
+
+Stages, each skipped once its output exists (re-running the same command resumes):
+  tokenizer  one byte-level BPE (--vocab) trained on the train split: ROOT/tokenizer/, read by
+             every arm.
+  train      `train.py` per arm and seed in ROOT/<arm>-s<seed>: configs/base.py at --size, the same
+             data, schedule, token budget and seed (hence data order); only the attention differs.
+             Done at the final step's checkpoint; an interrupted run resumes from its latest.
+  eval       `eval.py --books <longeval>`: validation loss, loss by position and passkey/keyword
+             retrieval to 8x the trained context. Done when eval/results.json has the final step.
+  collect    one JSON (--out), markdown tables and the per-claim comparisons.
+
+--time_limit: past it the running child gets SIGTERM (train.py saves and exits) and the study exits
+3; the same command continues later. Arguments after `--` go to every train.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CORPUS = os.path.normpath(os.path.join(REPO, "..", "shared", "data", "corpus"))
+# arm: (model.attention.pattern, model.attention.learned). Focal's t=0.4 is base.py's default.
+ARMS = {"softmax_rope": ("softmax:rope", False), "focal": ("focal:rope", False),
+        "focal_learned": ("focal:rope", True), "softmax_nope": ("softmax:none", False),
+        "dilution_nope": ("dilution:none", False),
+        "hybrid": ("softmax:rope,dilution:none", False)}
+# Seeds: dilution 0.036 nats behind softmax+RoPE at 209M / 1K; up to this counts as "small".
+GAP_TOLERANCE = 0.1
+# (claim, arm, reference arm | "best other", key, sign of a supporting Δ (0: <= tolerance), note)
+CLAIMS = (
+    ("focal t=0.4: lower val loss than softmax+RoPE", "focal", "softmax_rope", "val_loss", -1, ""),
+    ("focal learned: lower val loss than softmax+RoPE", "focal_learned", "softmax_rope",
+     "val_loss", -1, ""),
+    ("dilution-NoPE: lower long-book NLL than softmax-NoPE past the trained context",
+     "dilution_nope", "softmax_nope", "longdoc_beyond", -1, "mean of the ranges past 1x"),
+    ("dilution-NoPE: better keyword retrieval than softmax-NoPE past the trained context",
+     "dilution_nope", "softmax_nope", "keyword_beyond", 1, "mean accuracy at 2x..8x"),
+    ("dilution-NoPE: better passkey retrieval than softmax-NoPE past the trained context",
+     "dilution_nope", "softmax_nope", "passkey_beyond", 1, "mean accuracy at 2x..8x"),
+    (f"dilution-NoPE's in-domain cost vs softmax+RoPE is small (val loss gap <= {GAP_TOLERANCE})",
+     "dilution_nope", "softmax_rope", "val_loss", 0, "seeds: +0.036 nats at 209M / 1K context"),
+    ("the alternating hybrid has the lowest validation loss of all arms", "hybrid", "best other",
+     "val_loss", -1, "reference: the best other arm of the same seed"),
+)
+
+
+class OutOfTime(Exception):
+  """--time_limit ran out."""
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  add = p.add_argument
+  add("--root", required=True, help="parent of the tokenizer and every arm's workdir")
+  add("--arms", default=",".join(ARMS), help=f"comma list of {list(ARMS)}")
+  add("--seeds", default="0", help="comma list, e.g. 0,1")
+  add("--size", default="100m", help="configs/sizes.py preset")
+  for name in ("steps", "seq_len", "global_batch"):  # train.steps, data.*; default: the preset's
+    add(f"--{name}", type=int)
+  add("--warmup_steps", type=int, help="optim.warmup_steps (with --steps: min(500, steps/10))")
+  add("--implementation", default="auto", help="model.attention.implementation")
+  add("--vocab", type=int, default=16384, help="BPE vocabulary size")
+  for name, file in (("train", "train"), ("valid", "valid"), ("books", "longeval")):
+    add(f"--{name}", default=os.path.join(CORPUS, f"{file}.jsonl.xz"))
+  add("--suites", help="eval.py --suites (default: all)")
+  add("--max_multiplier", type=int, default=8, help="eval lengths up to this x the context")
+  add("--val_batches", type=int, default=1000, help="default: the whole valid split")
+  add("--no_plots", action="store_true", help="eval.py --noplots")
+  add("--out", help="results JSON (default ROOT/study.json)")
+  add("--stage", default="all", choices=("all", "tokenizer", "collect"))
+  add("--time_limit", type=float, help="seconds for this invocation (see above)")
+  add("--print", dest="print_only", action="store_true", help="print the commands, run nothing")
+  args, extra = p.parse_known_args(argv)
+  args.extra = [e for e in extra if e != "--"]
+  args.arms = [a for a in args.arms.split(",") if a]
+  if set(args.arms) - set(ARMS):
+    p.error(f"--arms: unknown {sorted(set(args.arms) - set(ARMS))}; allowed {list(ARMS)}")
+  args.seeds = [int(s) for s in args.seeds.split(",") if s]
+  args.out = args.out or os.path.join(args.root, "study.json")
+  # Absolute: eval.py re-reads them from config.json, possibly from another directory.
+  args.train, args.valid, args.books = map(os.path.abspath, (args.train, args.valid, args.books))
+  return args
+
+
+def tokenizer_file(args) -> str:
+  return os.path.join(args.root, "tokenizer", "tokenizer.json")
+
+
+def workdir(args, arm: str, seed: int) -> str:
+  return os.path.join(args.root, f"{arm}-s{seed}")
+
+
+def train_argv(args, arm: str, seed: int) -> list[str]:
+  pattern, learned = ARMS[arm]
+  warmup = args.warmup_steps
+  if warmup is None and args.steps is not None:
+    warmup = min(500, args.steps // 10)  # a short study must still reach its peak LR
+  # Scripts relative to the working directory: short printed commands, run from anywhere.
+  argv = [sys.executable, os.path.relpath(os.path.join(REPO, "train.py")),
+          f"--config={os.path.relpath(os.path.join(REPO, 'configs', 'base.py'))}:size={args.size}",
+          f"--workdir={workdir(args, arm, seed)}", f"--config.seed={seed}",
+          f"--config.data.source=text:{args.train}",
+          f"--config.data.valid_source=text:{args.valid}",
+          f"--config.data.tokenizer={tokenizer_file(args)}",
+          f"--config.model.attention.pattern={pattern}",
+          f"--config.model.attention.learned={learned}",
+          f"--config.model.attention.implementation={args.implementation}"]
+  fields = {"train.steps": args.steps, "data.seq_len": args.seq_len,
+            "data.global_batch": args.global_batch, "optim.warmup_steps": warmup}
+  return argv + [f"--config.{k}={v}" for k, v in fields.items() if v is not None] + args.extra
+
+
+def eval_argv(args, arm: str, seed: int) -> list[str]:
+  return [sys.executable, os.path.relpath(os.path.join(REPO, "eval.py")),
+          f"--workdir={workdir(args, arm, seed)}", f"--books={args.books}",
+          f"--max_multiplier={args.max_multiplier}", f"--val_batches={args.val_batches}"] + (
+              [f"--suites={args.suites}"] if args.suites else []) + (
+                  ["--noplots"] if args.no_plots else [])
+
+
+def _read_json(path: str):
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except (FileNotFoundError, json.JSONDecodeError):
+    return None
+
+
+def final_step(wd: str) -> int | None:
+  """train.steps as the run was configured (train.py writes config.json when it starts)."""
+  config = _read_json(os.path.join(wd, "config.json"))
+  return config["train"]["steps"] if config else None
+
+
+def trained(wd: str) -> bool:
+  return os.path.isdir(os.path.join(wd, "checkpoints", str(final_step(wd))))
+
+
+def evaluated(args, wd: str) -> bool:
+  results = _read_json(os.path.join(wd, "eval", "results.json"))
+  if not results or results["meta"]["step"] != final_step(wd):
+    return False
+  return not args.suites or set(args.suites.split(",")) <= set(results["meta"]["suites"])
+
+
+def train_tokenizer(args) -> str:
+  path = tokenizer_file(args)
+  if os.path.isfile(path):
+    print(f"tokenizer: reusing {path}", flush=True)
+    return path
+  from focaljax import data  # pylint: disable=import-outside-toplevel
+  cfg = data.DataConfig(source=f"text:{args.train}", valid_source=f"text:{args.valid}",
+                        tokenizer=f"train:{args.vocab}", seq_len=1, global_batch=1)
+  t0 = time.time()
+  tok = data.load_tokenizer(cfg, os.path.dirname(path))  # trains on the train split only
+  print(f"tokenizer: {tok.vocab_size} tokens in {time.time() - t0:.0f} s -> {path}", flush=True)
+  return path
+
+
+def _run(argv: list[str], deadline: float | None) -> int:
+  """Runs argv; past the deadline sends it SIGTERM (train.py saves and exits) and raises."""
+  print("+ " + shlex.join(argv), flush=True)
+  proc = subprocess.Popen(argv)
+  try:
+    return proc.wait(None if deadline is None else max(1.0, deadline - time.time()))
+  except subprocess.TimeoutExpired:
+    proc.send_signal(signal.SIGTERM)
+    try:
+      proc.wait(300)  # a 100M checkpoint takes seconds; a slow filesystem gets minutes
+    except subprocess.TimeoutExpired:
+      proc.kill()  # reaped when the study exits, right after
+    raise OutOfTime from None
+
+
+def _add_time(wd: str, key: str, seconds: float) -> None:
+  path = os.path.join(wd, "study_times.json")
+  times = _read_json(path) or {}
+  times[key] = round(times.get(key, 0.0) + seconds, 1)  # a resumed run's parts add up
+  os.makedirs(wd, exist_ok=True)
+  with open(path, "w") as f:
+    json.dump(times, f)
+
+
+def run_all(args) -> int:
+  deadline = None if args.time_limit is None else time.time() + args.time_limit
+  train_tokenizer(args)
+  failed = []
+  try:
+    for seed in args.seeds:
+      for arm in args.arms:
+        wd = workdir(args, arm, seed)
+        for stage, argv in (("train", train_argv(args, arm, seed)),
+                            ("eval", eval_argv(args, arm, seed))):
+          if trained(wd) if stage == "train" else evaluated(args, wd):
+            print(f"{arm} seed {seed}: {stage} done, skipped", flush=True)
+            continue
+          t0 = time.time()
+          try:
+            rc = _run(argv, deadline)
+          finally:
+            _add_time(wd, f"{stage}_s", time.time() - t0)
+          if rc != 0:
+            failed.append(f"{arm} seed {seed} ({stage}, exit {rc})")
+            break  # no eval of a failed training run
+  except OutOfTime:
+    print(f"time limit {args.time_limit:.0f} s reached; run the same command to resume")
+    return 3  # incomplete (module docstring)
+  collect_and_print(args)
+  print("".join(f"FAILED: {f}\n" for f in failed), end="")
+  return 1 if failed else 0
+
+
+def collect_run(args, arm: str, seed: int) -> dict | None:
+  """One arm and seed's numbers from its workdir (None before training started)."""
+  wd = workdir(args, arm, seed)
+  config = _read_json(os.path.join(wd, "config.json"))
+  if config is None:
+    return None
+  # Lazy: --print and the tokenizer stage need no jax.
+  from focaljax import checkpoint, model  # pylint: disable=import-outside-toplevel
+  from focaljax import config as config_lib, tokenizer  # pylint: disable=import-outside-toplevel
+  vocab = tokenizer.Tokenizer.load(wd).vocab_size
+  path = pathlib.Path(wd, "metrics.jsonl")
+  log = [json.loads(l) for l in path.read_text().splitlines() if l.strip()] if path.exists() else []
+  tps, losses, val_log = ([m[k] for m in log if k in m]
+                           for k in ("tokens_per_s", "loss", "val_loss"))
+  steps, T, B = config["train"]["steps"], config["data"]["seq_len"], config["data"]["global_batch"]
+  a = config["model"]["attention"]
+  results = _read_json(os.path.join(wd, "eval", "results.json")) or {}
+  r = {"arm": arm, "seed": seed, "workdir": wd, "pattern": a["pattern"], "learned": a["learned"],
+       "implementation": a["implementation"], "trained": trained(wd), "steps": steps,
+       "seq_len": T, "global_batch": B, "tokens": steps * B * T, "vocab": vocab,
+       "params": model.param_count(config_lib.model_config(checkpoint.read_config(wd), vocab)),
+       "train_loss": losses[-1] if losses else None,
+       # The first logged interval includes compilation (and a resume's restore): the median.
+       "tokens_per_s": statistics.median(tps[1:] or tps) if tps else None,
+       # eval.py's loss over the valid split; before eval, the last in-training estimate.
+       "val_loss": results.get("val", {}).get("loss", val_log[-1] if val_log else None),
+       "val_tokens": results.get("val", {}).get("tokens"),
+       **(_read_json(os.path.join(wd, "study_times.json")) or {})}
+  if "ranges" in results.get("longdoc", {}):
+    ld = results["longdoc"]
+    # RoPE arms: the §5 protocol's doubling curve (NTK per pass); NoPE arms have one pass.
+    curve = "doubling" if "doubling" in ld["curves"] else "full"
+    mean = ld["curves"][curve]["mean"]
+    beyond = [m for (lo, _), m in zip(ld["ranges"], mean) if lo >= T]
+    r["longdoc"] = {"curve": curve, "ranges": ld["ranges"], "mean": mean,
+                    "in_context": ld["in_context"]["mean"],
+                    "curves": {k: v["mean"] for k, v in ld["curves"].items()}}
+    r["longdoc_beyond"] = statistics.fmean(beyond) if beyond else None
+  for suite in ("passkey", "keyword"):
+    if "lengths" in results.get(suite, {}):
+      s = results[suite]
+      r[suite] = {"lengths": s["lengths"], "by_length": s["accuracy_by_length"],
+                  "chance": s.get("chance")}
+      acc = [x for n, x in zip(s["lengths"], s["accuracy_by_length"]) if n > T and x is not None]
+      r[f"{suite}_beyond"] = statistics.fmean(acc) if acc else None
+  return r
+
+
+def claims(runs: dict) -> list[dict]:
+  """Each claim of CLAIMS paired by seed: Δ = arm's value − the reference's, and a verdict."""
+  out = []
+  for text, arm, other, key, sign, note in CLAIMS:
+    deltas = {}
+    for seed in sorted({s for _, s in runs}):
+      mine = runs.get((arm, seed), {}).get(key)
+      refs = ([r.get(key) for (a, s), r in runs.items() if s == seed and a != arm]
+              if other == "best other" else [runs.get((other, seed), {}).get(key)])
+      theirs = min((v for v in refs if v is not None), default=None)
+      if mine is not None and theirs is not None:
+        deltas[str(seed)] = mine - theirs
+    n = sum((d <= GAP_TOLERANCE) if sign == 0 else (d * sign > 0) for d in deltas.values())
+    verdict = ("n/a (arm or result missing)" if not deltas else "held" if n == len(deltas)
+               else "did not hold" if n == 0 else f"mixed ({n}/{len(deltas)} seeds)")
+    out.append({"claim": text, "arm": arm, "reference": other, "key": key, "deltas": deltas,
+                "verdict": verdict, "note": note})
+  return out
+
+
+def _seeds(vals: list, fmt="{:.3f}") -> str:
+  """"a / b (mean m)" over seeds."""
+  ok = [v for v in vals if v is not None]
+  return " / ".join("–" if v is None else fmt.format(v) for v in vals) + (
+      f" (mean {fmt.format(statistics.fmean(ok))})" if len(ok) > 1 else "")
+
+
+def _table(title: str, header: list[str], rows: list[list[str]]) -> list[str]:
+  row = lambda cells: "| " + " | ".join(cells) + " |"
+  return [title, "", row(header), row(["---"] * len(header)), *map(row, rows), ""]
+
+
+def markdown(study: dict) -> str:
+  by_arm: dict[str, list[dict]] = {}
+  for r in study["runs"]:
+    by_arm.setdefault(r["arm"], []).append(r)
+  mil = lambda n: f"{n / 1e6:.1f}M" if n >= 1e5 else f"{n:,}"
+  out = _table("Runs (values per seed)", ["arm", "pattern", "params", "train tokens", "val loss",
+                                           "final train loss", "tokens/s", "train min", "eval min"],
+               [[arm, f"`{rs[0]['pattern']}`" + (" learned τ" if rs[0]["learned"] else ""),
+                 mil(rs[0]["params"]), mil(rs[0]["tokens"]),
+                 *(_seeds([r.get(k) for r in rs]) for k in ("val_loss", "train_loss")),
+                 _seeds([r.get("tokens_per_s") for r in rs], "{:,.0f}"),
+                 *(_seeds([r.get(k, 0) / 60 for r in rs], "{:.1f}") for k in ("train_s", "eval_s"))]
+                for arm, rs in by_arm.items()])
+  long = {arm: [r for r in rs if "longdoc" in r] for arm, rs in by_arm.items()}
+  if any(long.values()):
+    first = next(rs[0] for rs in long.values() if rs)
+    T, ranges = first["seq_len"], first["longdoc"]["ranges"]
+    out += _table(f"Long-book NLL by position range (nats/token, mean over seeds; * = past the "
+                  f"trained {T}; RoPE arms: NTK doubling passes)",
+                  ["arm", "curve", "in-context"] + [f"[{a},{b}){'*' if a >= T else ''}"
+                                                    for a, b in ranges],
+                  [[arm, rs[0]["longdoc"]["curve"],
+                    f"{statistics.fmean(r['longdoc']['in_context'] for r in rs):.3f}"]
+                   + [f"{statistics.fmean(c):.3f}"
+                      for c in zip(*(r["longdoc"]["mean"] for r in rs))]
+                   for arm, rs in long.items() if rs])
+  for suite in ("passkey", "keyword"):
+    have = {arm: [r for r in rs if suite in r] for arm, rs in by_arm.items()}
+    if not any(have.values()):
+      continue
+    first = next(rs[0] for rs in have.values() if rs)
+    chance = first[suite]["chance"]
+    out += _table(f"{suite} accuracy by length (mean over seeds"
+                  + (f"; chance {chance:.3f})" if chance else ")"),
+                  ["arm"] + [f"{n} ({n // first['seq_len']}x)" for n in first[suite]["lengths"]],
+                  [[arm] + ["–" if None in c else f"{statistics.fmean(c):.2f}"
+                            for c in zip(*(r[suite]["by_length"] for r in rs))]
+                   for arm, rs in have.items() if rs])
+  out += _table("Claims (Δ = arm − reference, paired by seed)",
+                ["claim", "Δ per seed", "verdict", "note"],
+                [[c["claim"], ", ".join(f"s{s}: {d:+.3f}" for s, d in c["deltas"].items()) or "–",
+                  f"**{c['verdict']}**", c["note"]] for c in study["claims"]])
+  return "\n".join(out)
+
+
+def collect_and_print(args) -> dict:
+  runs = {(arm, seed): r for seed in args.seeds for arm in args.arms
+          if (r := collect_run(args, arm, seed)) is not None}
+  import jax  # pylint: disable=import-outside-toplevel
+  study = {"collected_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+           "device": f"{jax.device_count()} x {jax.devices()[0].device_kind}",
+           "jax": jax.__version__, "root": os.path.abspath(args.root),
+           "tokenizer": tokenizer_file(args), "train": args.train, "valid": args.valid,
+           "books": args.books, "size": args.size, "arms": args.arms, "seeds": args.seeds,
+           "runs": list(runs.values()), "claims": claims(runs),
+           "commands": commands(args)}
+  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+  with open(args.out, "w") as f:
+    json.dump(study, f, indent=1)
+  print(markdown(study) + f"\nresults: {args.out}")
+  return study
+
+
+def commands(args) -> list[str]:
+  """Each arm and seed's train.py and eval.py command lines, as a shell would take them."""
+  return [shlex.join(["python"] + f(args, a, s)[1:])
+          for s in args.seeds for a in args.arms for f in (train_argv, eval_argv)]
+
+
+def print_commands(args, argv: list[str]) -> None:
+  # The stage goes first: anything after a `--` in argv belongs to train.py.
+  own = lambda stage: (["python", os.path.relpath(os.path.abspath(__file__)), "--stage", stage]
+                       + [a for a in argv if a != "--print"])
+  print("\n".join([shlex.join(own("tokenizer")), *commands(args), shlex.join(own("collect"))]))
+
+
+def main(argv=None) -> int:
+  argv = sys.argv[1:] if argv is None else list(argv)
+  args = parse_args(argv)
+  if args.print_only:
+    print_commands(args, argv)
+  elif args.stage == "tokenizer":
+    train_tokenizer(args)
+  elif args.stage == "collect":
+    collect_and_print(args)
+  else:
+    return run_all(args)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.path.insert(0, REPO)  # focaljax importable when run as bench/study.py without an install
+  sys.exit(main())
