@@ -279,7 +279,7 @@ def train(config, workdir: str, *, dry_run: bool = False, stop_at: int | None = 
   if start:
     writer.message(f"resumed the adapter from step {start} in {workdir}")
   lr_at = optim.schedule(optim_cfg)
-  preempt = trainer._Preemption()  # pylint: disable=protected-access
+  preempt = trainer.Preemption()
   summary = {"start_step": start}
   acc, t_last, step, pending = [], time.perf_counter(), start, None
 
@@ -320,12 +320,13 @@ def train(config, workdir: str, *, dry_run: bool = False, stop_at: int | None = 
         if pending is not None:
           finish(pending)   # after dispatching this step: the device never waits for the host
         pending = (step, chunk, config.data.global_batch * (sampler.mem[chunk] + f.local_len), m)
-        stopping = preempt.requested or step == stop_at
+        preempted = preempt.reached(step)  # one agreed step on every host
+        stopping = preempted or step == stop_at
         if step % config.train.ckpt_every == 0 or step == steps or stopping:
           if primary:
             summary["adapter_dir"] = _save(workdir, step, adapter, opt_state, save_cfg, base_wd,
                                            config.train.keep_ckpts)
-        if preempt.requested:
+        if preempted:
           writer.message(f"SIGTERM: saved the adapter at step {step} to {workdir}; exiting")
           summary["preempted"] = True
           break

@@ -121,13 +121,7 @@ def _impl(op: str, implementation: str) -> Callable:
 
 
 def _call(op, implementation, *args, **kwargs):
-  try:
-    return _impl(op, implementation)(*args, **kwargs)
-  except ModuleNotFoundError as e:
-    if e.name and e.name.startswith("pallas_kernels"):
-      raise NotImplementedError(f"{op}: implementation={implementation!r} is not built yet "
-                                f"({e.name} missing); use 'xla'") from e
-    raise
+  return _impl(op, implementation)(*args, **kwargs)
 
 
 def _default_scale(q, scale):

@@ -79,7 +79,7 @@ def eval_step(params, batch, *, graphdef, dtype):
   return loss_sums(params, batch, graphdef, dtype)
 
 
-class _Preemption:
+class Preemption:
   """SIGTERM -> save a checkpoint at the next step boundary and exit.
 
   One process: a Python signal handler sets a flag. Several: every host must stop at the same
@@ -193,7 +193,7 @@ def train(config, workdir: str, *, dry_run: bool = False, stop_at: int | None = 
   tokens_per_step = config.data.global_batch * config.data.seq_len
   peak = metrics.peak_flops_per_device()
   flops_tok = metrics.flops_per_token(model_cfg)
-  preempt = _Preemption()
+  preempt = Preemption()
   pending, t_last, step = None, time.perf_counter(), start
   summary = {"start_step": start}
 
