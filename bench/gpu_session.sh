@@ -14,10 +14,13 @@ for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
     tests) python3 -m pytest -q -x -p no:cacheprovider tests/test_focal_kernel.py \
-             tests/test_dilution_kernel.py -k "Compiled" 2>&1 | tail -25 | tee "$OUT/tests.log" ;;
-    attention) python3 bench/attention.py --out "$OUT/attention.json" 2>&1 | tail -40 | tee "$OUT/attention.log" ;;
-    dilution) python3 bench/dilution.py --impls dilution,cudnn --out "$OUT/dilution.json" 2>&1 | tail -40 | tee "$OUT/dilution.log" ;;
-    train_step) python3 bench/train_step.py --impls cudnn,pallas,tokamax --out "$OUT/train_step.json" 2>&1 | tail -20 | tee "$OUT/train_step.log" ;;
+             tests/test_dilution_kernel.py -k "Compiled" 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
+    attention) python3 bench/attention.py --out "$OUT/attention.json" 2>&1 | tee "$OUT/attention.log" | tail -40 ;;
+    dilution) python3 bench/dilution.py --impls dilution,cudnn --out "$OUT/dilution.json" 2>&1 | tee "$OUT/dilution.log" | tail -40 ;;
+    train_step) python3 bench/train_step.py --impls cudnn,pallas,tokamax ${TRAIN_STEP_ARGS:-} --out "$OUT/train_step.json" 2>&1 | grep -v -i autotun | tee "$OUT/train_step.log" | tail -20 ;;
+    jaxsrc) J=$(python3 -c "import jax,os;print(os.path.dirname(jax.__file__))")
+            tar czf "$OUT/jax_mgpu_src.tgz" -C "$J" _src/pallas/mosaic_gpu experimental/pallas/mosaic_gpu.py \
+              experimental/pallas/ops/gpu _src/pallas/core.py _src/pallas/pallas_call.py _src/pallas/primitives.py ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

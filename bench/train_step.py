@@ -29,12 +29,12 @@ from focaljax import model as model_lib  # noqa: E402
 BATCH = {"400m": 16, "1.3b": 8, "small": 8, "tiny": 8}
 
 
-def run(size, impl, steps, seq_len, remat):
+def run(size, impl, steps, seq_len, remat, batch=None):
   c = base.get_config(f"size={size},pattern=focal")
   c.model.attention.implementation = impl
   c.model.remat = remat
   c.data.seq_len = seq_len
-  c.data.global_batch = BATCH.get(size, 8)
+  c.data.global_batch = batch or BATCH.get(size, 8)
   cfg = config_lib.model_config(c, c.model.vocab_size or 32000)
   graphdef, _ = nnx.split(nnx.eval_shape(lambda: model_lib.Transformer(cfg, nnx.Rngs(0))))
   # The key is an argument: a jit with no inputs lets XLA constant-fold the whole RNG (minutes).
@@ -82,6 +82,7 @@ def main():
   p.add_argument("--steps", type=int, default=10)
   p.add_argument("--seq_len", type=int, default=2048)
   p.add_argument("--remat", action="store_true")
+  p.add_argument("--batch", type=int, default=0, help="global batch (0: the per-size default)")
   p.add_argument("--out", default="bench_train_step.json")
   args = p.parse_args()
   rows = []
@@ -89,7 +90,7 @@ def main():
   for size in args.sizes.split(","):
     for impl in args.impls.split(","):
       try:
-        r = run(size, impl, args.steps, args.seq_len, args.remat)
+        r = run(size, impl, args.steps, args.seq_len, args.remat, args.batch or None)
       except Exception as e:  # one failing implementation must not lose the table
         r = {"size": size, "impl": impl, "error": f"{type(e).__name__}: {str(e)[:300]}"}
       rows.append(r)
