@@ -17,7 +17,7 @@ for stage in "$@"; do
              tests/test_dilution_kernel.py -k "Compiled" 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
     attention) python3 bench/attention.py --out "$OUT/attention.json" 2>&1 | tee "$OUT/attention.log" | tail -40 ;;
     dilution) python3 bench/dilution.py --impls dilution,cudnn --out "$OUT/dilution.json" 2>&1 | tee "$OUT/dilution.log" | tail -40 ;;
-    train_step) python3 bench/train_step.py --impls cudnn,pallas,tokamax ${TRAIN_STEP_ARGS:-} --out "$OUT/train_step.json" 2>&1 | grep -v -i autotun | tee "$OUT/train_step.log" | tail -20 ;;
+    train_step) python3 bench/train_step.py --impls cudnn,pallas,tokamax ${TRAIN_STEP_ARGS:-} --out "$OUT/train_step.json" 2>&1 | grep --line-buffered -v -i autotun | tee "$OUT/train_step.log" | tail -20 ;;
     jaxsrc) J=$(python3 -c "import jax,os;print(os.path.dirname(jax.__file__))")
             tar czf "$OUT/jax_mgpu_src.tgz" -C "$J" _src/pallas/mosaic_gpu experimental/pallas/mosaic_gpu.py \
               experimental/pallas/ops/gpu _src/pallas/core.py _src/pallas/pallas_call.py _src/pallas/primitives.py ;;

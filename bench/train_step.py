@@ -29,10 +29,11 @@ from focaljax import model as model_lib  # noqa: E402
 BATCH = {"400m": 16, "1.3b": 8, "small": 8, "tiny": 8}
 
 
-def run(size, impl, steps, seq_len, remat, batch=None):
+def run(size, impl, steps, seq_len, remat, batch=None, fuse=True):
   c = base.get_config(f"size={size},pattern=focal")
   c.model.attention.implementation = impl
   c.model.remat = remat
+  c.model.fuse_matmuls = fuse
   c.data.seq_len = seq_len
   c.data.global_batch = batch or BATCH.get(size, 8)
   cfg = config_lib.model_config(c, c.model.vocab_size or 32000)
@@ -69,7 +70,7 @@ def run(size, impl, steps, seq_len, remat, batch=None):
   tokens = B * T
   flops = metrics.flops_per_token(cfg) * tokens
   peak = metrics.peak_flops_per_device()
-  return {"size": size, "impl": impl, "batch": B, "seq_len": T, "remat": remat,
+  return {"size": size, "impl": impl, "batch": B, "seq_len": T, "remat": remat, "fuse_matmuls": fuse,
           "params": model_lib.param_count(cfg), "step_ms": dt * 1e3, "tokens_per_s": tokens / dt,
           "tflops": flops / dt / 1e12, "mfu": (flops / dt / peak) if peak else None,
           "compile_s": compile_s, "loss": float(m["loss"])}
@@ -82,6 +83,7 @@ def main():
   p.add_argument("--steps", type=int, default=10)
   p.add_argument("--seq_len", type=int, default=2048)
   p.add_argument("--remat", action="store_true")
+  p.add_argument("--unfused", action="store_true", help="separate q/k/v and gate/up GEMMs")
   p.add_argument("--batch", type=int, default=0, help="global batch (0: the per-size default)")
   p.add_argument("--out", default="bench_train_step.json")
   args = p.parse_args()
@@ -90,7 +92,8 @@ def main():
   for size in args.sizes.split(","):
     for impl in args.impls.split(","):
       try:
-        r = run(size, impl, args.steps, args.seq_len, args.remat, args.batch or None)
+        r = run(size, impl, args.steps, args.seq_len, args.remat, args.batch or None,
+                not args.unfused)
       except Exception as e:  # one failing implementation must not lose the table
         r = {"size": size, "impl": impl, "error": f"{type(e).__name__}: {str(e)[:300]}"}
       rows.append(r)

@@ -105,6 +105,7 @@ def model_config(c: ml_collections.ConfigDict, vocab_size: int) -> model_lib.Mod
       num_kv_heads=m.num_kv_heads, head_dim=m.head_dim or m.d_model // m.num_heads,
       d_ff=m.d_ff, max_seq_len=c.data.seq_len, tie_embeddings=m.tie_embeddings,
       qk_norm=m.qk_norm, rope_theta=m.rope_theta, norm_eps=m.norm_eps, remat=m.remat,
+      fuse_matmuls=m.fuse_matmuls,
       attention=attn_lib.AttentionConfig(
           layers=attn_lib.parse_pattern(a.pattern, m.num_layers),
           implementation=a.implementation, temperature=a.temperature, learned=a.learned,

@@ -39,6 +39,9 @@ class ModelConfig:
   norm_eps: float = 1e-5
   remat: bool = False
   init_std: float = 0.02
+  # One GEMM for q/k/v (when N == K) and one for gate/up, over weights stacked at run time: the
+  # parameters (and checkpoints, conversion, sharding) stay separate; only the matmul is shared.
+  fuse_matmuls: bool = True
 
 
 def _param(rngs, shape, std, axes):
@@ -127,9 +130,16 @@ class Attention(nnx.Module):
       self.w_tau = nnx.Param(jnp.zeros((E,), jnp.float32), axes=("embed",))
 
   def _project(self, x_BTE, positions_BT, theta):
-    q = jnp.einsum("BTE,END->BTND", x_BTE, self.wq[...].astype(x_BTE.dtype))
-    k = jnp.einsum("BTE,EKD->BTKD", x_BTE, self.wk[...].astype(x_BTE.dtype))
-    v = jnp.einsum("BTE,EKD->BTKD", x_BTE, self.wv[...].astype(x_BTE.dtype))
+    dt = x_BTE.dtype
+    if self.cfg.fuse_matmuls and self.cfg.num_heads == self.cfg.num_kv_heads:
+      # Stacked on a new axis (not concatenated on heads) so a tensor-sharded heads axis stays put.
+      w_ECND = jnp.stack([self.wq[...], self.wk[...], self.wv[...]], axis=1).astype(dt)
+      qkv = jnp.einsum("BTE,ECND->BTCND", x_BTE, w_ECND)
+      q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    else:
+      q = jnp.einsum("BTE,END->BTND", x_BTE, self.wq[...].astype(dt))
+      k = jnp.einsum("BTE,EKD->BTKD", x_BTE, self.wk[...].astype(dt))
+      v = jnp.einsum("BTE,EKD->BTKD", x_BTE, self.wv[...].astype(dt))
     if self.cfg.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
     if self.spec.position is attn_lib.Position.ROPE:
@@ -182,11 +192,17 @@ class Mlp(nnx.Module):
     self.w_gate = _param(rngs, (E, F), E**-0.5, ("embed", "mlp"))
     self.w_up = _param(rngs, (E, F), E**-0.5, ("embed", "mlp"))
     self.w_down = _param(rngs, (F, E), cfg.init_std / (2 * cfg.num_layers) ** 0.5, ("mlp", "embed"))
+    self.fused = cfg.fuse_matmuls
 
   def __call__(self, x_BTE):
     dt = x_BTE.dtype
-    gate = jnp.einsum("BTE,EF->BTF", x_BTE, self.w_gate[...].astype(dt))
-    up = jnp.einsum("BTE,EF->BTF", x_BTE, self.w_up[...].astype(dt))
+    if self.fused:
+      w_ECF = jnp.stack([self.w_gate[...], self.w_up[...]], axis=1).astype(dt)
+      gu = jnp.einsum("BTE,ECF->BTCF", x_BTE, w_ECF)
+      gate, up = gu[:, :, 0], gu[:, :, 1]
+    else:
+      gate = jnp.einsum("BTE,EF->BTF", x_BTE, self.w_gate[...].astype(dt))
+      up = jnp.einsum("BTE,EF->BTF", x_BTE, self.w_up[...].astype(dt))
     return jnp.einsum("BTF,FE->BTE", jax.nn.silu(gate) * up, self.w_down[...].astype(dt))
 
 

@@ -59,8 +59,11 @@ def train_step(params, opt_state, batch, *, graphdef, tx, cfg: StepConfig):
     (l, w), g = grad_fn(params, mb, graphdef, cfg.compute_dtype)
     return (jax.tree.map(jnp.add, g_acc, g), l_acc + l, w_acc + w), None
 
-  zeros = jax.tree.map(jnp.zeros_like, params)
-  (g_sum, l_sum, w_sum), _ = jax.lax.scan(body, (zeros, 0.0, 0.0), micro)
+  if cfg.grad_accum == 1:  # no scan, no zero-filled accumulator pass over every gradient
+    (l_sum, w_sum), g_sum = grad_fn(params, batch, graphdef, cfg.compute_dtype)
+  else:
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    (g_sum, l_sum, w_sum), _ = jax.lax.scan(body, (zeros, 0.0, 0.0), micro)
   denom = jnp.maximum(w_sum, 1.0)
   grads = jax.tree.map(lambda g: g / denom, g_sum)
   loss = l_sum / denom

@@ -95,3 +95,12 @@ def test_every_param_has_logical_axes_with_rules():
     sharding.spec(tuple(a))  # raises if a name has no rule
   with pytest.raises(KeyError, match="no rule"):
     sharding.spec(("nonexistent",))
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_fused_matmuls_equal_separate(kv_heads):
+  """The stacked q/k/v and gate/up GEMMs compute the same function over the same parameters."""
+  fused = M.Transformer(_cfg(num_kv_heads=kv_heads, fuse_matmuls=True), nnx.Rngs(3))
+  plain = M.Transformer(_cfg(num_kv_heads=kv_heads, fuse_matmuls=False), nnx.Rngs(3))
+  tokens = jax.random.randint(jax.random.key(4), (2, 12), 0, 96)
+  np.testing.assert_allclose(fused(tokens), plain(tokens), rtol=1e-5, atol=1e-5)
