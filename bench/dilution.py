@@ -30,6 +30,12 @@ from pallas_kernels import dilution, reference  # pylint: disable=wrong-import-p
 TRAIN_SHAPES = [(8, 8, 4096, 64), (2, 12, 16384, 64), (1, 16, 8192, 128)]
 PREFILL_T = [32768, 65536, 131072]
 DECODE_S = [16384, 131072]
+# --sweep: tile variants for the key-parallel sweeps at (2,12,16K,64) (the first is the default).
+# F2/B1 add every (row tile, key block) σV and dq product into global memory with fp32 atomics, so
+# larger key blocks cut the atomic traffic (T²·D/block_k per head) at the cost of registers.
+SWEEP = [dict(), dict(block_k=128), dict(block_q=64), dict(block_q=16, block_k=128),
+         dict(block_q=64, block_k=128, num_warps=8), dict(num_warps=8), dict(num_stages_fwd=3),
+         dict(block_q_stats=128, block_k_stats=64)]
 SMOKE_BLOCKS = dilution.BlockSizes(block_q_stats=16, block_k_stats=16, block_q=16, block_k=32,
                                    ckpt_rows=32, block_k_decode=16, split_k_decode=64)
 
@@ -112,6 +118,8 @@ def main(argv=None):
   ap.add_argument("--impls", default="dilution,cudnn,xla",
                   help="comma list for the training entries: dilution, cudnn, xla")
   ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+  ap.add_argument("--sweep", action="store_true",
+                  help="only time the SWEEP tile variants (fwd, fwd+bwd, F1 alone) at (2,12,16K,64)")
   ap.add_argument("--skip", default="", help="comma list of sections to skip: train,prefill,decode")
   args = ap.parse_args(argv)
 
@@ -131,6 +139,22 @@ def main(argv=None):
   print(f"{'kind':<9} {'impl':<9} {'(B, H, T, D)':<26} {'ms':>10} {'temp_MiB':>10} "
         f"{'peak_MiB':>10}")
   rows = []
+
+  if args.sweep:
+    from pallas_kernels import dilution_fwd  # pylint: disable=import-outside-toplevel
+    shape = (1, 2, 128, 64) if args.smoke else (2, 12, 16384, 64)
+    q, k, v = _qkv(*shape, dtype)
+    seg = jnp.zeros(shape[:1] + shape[2:3], jnp.int32)
+    for kw in SWEEP:
+      b = dilution.BlockSizes(**kw) if not args.smoke else SMOKE_BLOCKS
+      name = ",".join(f"{a}={x}" for a, x in kw.items()) or "default"
+      fn = _attn_fns("dilution", shape[3]**-0.5, interpret, b)
+      f1 = lambda q, k, b=b: dilution_fwd.row_stats(q, k, seg, scale=0.125, bs=b, with_pk=True,
+                                                    interpret=interpret)
+      _entry(rows, "F1", name, shape, lambda f1=f1: _time(f1, (q, k), reps))
+      _entry(rows, "fwd", name, shape, lambda fn=fn: _time(fn, (q, k, v), reps))
+      _entry(rows, "fwd+bwd", name, shape, lambda fn=fn: _time(_fwd_bwd(fn), (q, k, v), reps))
+    skip |= {"train", "prefill", "decode"}
 
   if "train" not in skip:
     for B, H, T, D in train_shapes:
