@@ -1,4 +1,5 @@
-"""Causal bf16 attention throughput: focal_flash (Pallas/Triton) against cuDNN, jax's bundled Pallas
+"""Causal bf16 attention throughput: focal_flash (`mosaic`: the Hopper Mosaic GPU kernel that
+"auto" picks on H100/H200; `pallas`: the Triton kernel) against cuDNN, jax's bundled Pallas
 Triton `mha`, the XLA reference and (if importable) tokamax.
 
 FLOPs: forward 4·B·H·T²·D / 2 (causal); forward+backward 3.5× that. Timing: jit, 2 warm-up calls,
@@ -49,11 +50,11 @@ SWEEP = [
 
 def _impls(interpret: bool, sweep: bool):
   """name -> attend(q, k, v, temp_BHT) with q/k/v [B, T, H, D] bf16, causal."""
-  def pallas(blocks=None, temp=False):
+  def pallas(blocks=None, temp=False, kernel="triton"):
     def attend(q, k, v, t):
       scale = t if temp else q.shape[-1] ** -0.5
       return focal_flash.focal_attention(q, k, v, scale=scale, causal=True, interpret=interpret,
-                                         block_sizes=blocks)
+                                         block_sizes=blocks, kernel=kernel)
     return attend
 
   def cudnn(temp=False):
@@ -80,7 +81,8 @@ def _impls(interpret: bool, sweep: bool):
 
   # References first: `err` of later rows is measured against them.
   impls = {"cudnn": cudnn(), "xla": xla(), "cudnn_temp": cudnn(temp=True),
-           "xla_temp": xla(temp=True), "pallas": pallas(),
+           "xla_temp": xla(temp=True), "mosaic": pallas(kernel="mosaic"),
+           "mosaic_temp": pallas(temp=True, kernel="mosaic"), "pallas": pallas(),
            "pallas_temp": pallas(temp=True), "jax_triton": jax_triton, "tokamax": tokamax_}
   if sweep:
     for b in SWEEP:

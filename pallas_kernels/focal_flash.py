@@ -272,19 +272,44 @@ def _check(q, k, v, segment_ids, blocks: BlockSizes):
   return B, T, S, N, K, D
 
 
+KERNELS = ("auto", "triton", "mosaic")
+
+
+def hopper() -> bool:
+  """Compiling for an sm_90 GPU (H100/H200), where the Mosaic GPU kernel applies."""
+  if jax.default_backend() != "gpu":
+    return False
+  return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9.")
+
+
 def focal_attention(q, k, v, *, scale, causal: bool = True, segment_ids=None,
-                    interpret: bool = False, block_sizes: BlockSizes | None = None):
+                    interpret: bool = False, block_sizes: BlockSizes | None = None,
+                    kernel: str = "auto"):
   """softmax(scale · q·kᵀ) · v over the visible keys; see the module docstring.
 
   q [B, T, Hq, D]; k, v [B, S, Hkv, D], one dtype (f32/bf16/f16); `scale` a float or an array
   broadcastable to [B, Hq, T] (differentiable); `segment_ids` int32 [B, T] (needs T == S).
   `interpret=True` runs the Pallas interpreter (CPU). Returns [B, T, Hq, D] in q.dtype.
+
+  `kernel`: "auto" compiles for Hopper through `focal_mgpu` (Mosaic GPU, wgmma/TMA) whenever
+  `focal_mgpu.supported` accepts the call (bf16/fp16, D 64/128, no segment ids, tile-aligned T),
+  and through this module's Triton kernels otherwise; "triton" / "mosaic" force one (a call
+  "mosaic" cannot take raises its reason).
   """
+  if kernel not in KERNELS:
+    raise ValueError(f"kernel={kernel!r}: expected one of {KERNELS}")
   if jax.default_backend() == "tpu" and not interpret:
     # Dispatch before jit so the TPU route still sees a Python-float scale as a float.
     from pallas_kernels import focal_tpu  # pylint: disable=import-outside-toplevel
     return focal_tpu.focal_attention(q, k, v, scale=scale, causal=causal,
                                      segment_ids=segment_ids)
+  if kernel == "mosaic" or (kernel == "auto" and not interpret and hopper()):
+    from pallas_kernels import focal_mgpu  # pylint: disable=import-outside-toplevel
+    why = focal_mgpu.supported(q, k, v, segment_ids, causal)
+    if why is None:
+      return focal_mgpu.focal_attention(q, k, v, scale=scale, causal=causal, interpret=interpret)
+    if kernel == "mosaic":
+      raise ValueError(f"kernel='mosaic': {why}")
   return _attention(q, k, v, scale, segment_ids, causal=causal, interpret=interpret,
                     block_sizes=block_sizes or BlockSizes.default(q.shape[-1], q.dtype))
 

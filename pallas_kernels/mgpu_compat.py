@@ -1,0 +1,182 @@
+"""Mosaic GPU helpers shared by the Hopper kernels: jax-version shims and GPU-interpret fallbacks.
+
+Two jax versions must run the same kernel source: 0.10.2 (CI, CPU) and 0.11.2 (the H200).
+What differs for the APIs we call, checked against both sources:
+  * `plgpu.load(ref, idx, layout=...)`: 0.10.2 requires `idx`; 0.11.2 deprecates it (the ref is
+    indexed with `.at` first). `load` below picks the spelling the installed version wants.
+  * `plgpu.transpose_ref(ref, perm)` is deprecated in 0.11.2; `ref.transpose(perm)` works in both
+    (0.10.2's transpose_ref is that call), so kernels use the method directly and need no shim.
+
+GPU interpret mode (`InterpretGPUParams`, CPU) simulates threads, SMEM, TMA copies and barriers
+(with race detection), but on 0.10.2 it cannot run: wgmma with a transposed operand (no transform
+but indexing), wgmma with a register operand, `pl.run_state`, `plgpu.layout_cast` or
+`plgpu.broadcasted_iota(layout=...)` (no CPU lowering). The helpers below take `interpret` and
+replace exactly those with plain jnp on the same SMEM refs; everything else (copies, barriers,
+loops, masks, softmax) is interpreted as written. The matmul fallbacks read their SMEM operands
+when the wgmma is issued, the earliest point the hardware may read them, so a missing barrier
+wait still shows up as a race or a wrong answer.
+
+Test helpers: `cached_interpreter_threads` (compile each simulated thread once, ~5x faster
+interpret tests) and `interpret_races_found` (the race detector's flag).
+
+Only ADD functions here: both the forward (focal_mgpu) and backward (focal_mgpu_bwd) kernels
+import this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+# 0.11.2 gives `idx` a default (api.NotSpecified) and warns when it is passed.
+_LOAD_IDX = inspect.signature(plgpu.load).parameters.get("idx")
+_LOAD_NEEDS_IDX = _LOAD_IDX is not None and _LOAD_IDX.default is inspect.Parameter.empty
+
+
+def interpret_params(detect_races: bool = True):
+  """GPU-interpret parameters: NaN-filled fresh buffers (an unwritten output shows up as NaN)
+  and the happens-before race detector on. 0.11 exports the class from plgpu; 0.10.2 only has
+  the private module (imported lazily, so compiled use never depends on it)."""
+  cls = getattr(plgpu, "InterpretGPUParams", None)
+  if cls is None:
+    from jax._src.pallas.mosaic_gpu.interpret import params  # lazy: private module
+    cls = params.InterpretGPUParams
+  return cls(detect_races=detect_races, uninitialized_memory="nan")
+
+
+def load(ref, *, layout, interpret: bool):
+  """Whole-ref SMEM load into `layout` (e.g. a row vector in Layout.WGMMA.reduce(1))."""
+  if interpret:
+    return ref[...]
+  if _LOAD_NEEDS_IDX:
+    return plgpu.load(ref, (), layout=layout)
+  return plgpu.load(ref, layout=layout)
+
+
+def layout_cast(x, layout, *, interpret: bool):
+  return x if interpret else plgpu.layout_cast(x, layout)
+
+
+def iota(dtype, shape, dim: int, layout, *, interpret: bool):
+  if interpret:
+    return lax.broadcasted_iota(dtype, shape, dim)
+  return plgpu.broadcasted_iota(dtype, shape, dim, layout=layout)
+
+
+def is_ref(x) -> bool:
+  """True for a kernel ref (plain or `.at`/`.transpose`-transformed), False for a value."""
+  from jax._src.state import types  # lazy: private module, only needed when interpreting
+  return isinstance(x, types.TransformedRef) or isinstance(jax.typeof(x), types.AbstractRef)
+
+
+def _dot(a, b):
+  return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def mma(a, b_ref, *, acc=None, transpose_b: bool = False, during=None, interpret: bool):
+  """float32 acc + a @ b on the tensor cores (one warpgroup's wgmma).
+
+  a: an SMEM ref or a register array (Layout.WGMMA, 16-bit); b_ref: an SMEM ref [K, N], or [N, K]
+  read transposed with transpose_b. acc: None (zeros) or a float32 Layout.WGMMA array.
+  `during()` runs after the wgmma is issued and before its result is awaited: the place to
+  overlap barrier traffic with the matmul.
+  """
+  if interpret:
+    a_val = a[...] if is_ref(a) else a
+    b_val = b_ref[...]
+    out = _dot(a_val, b_val.T if transpose_b else b_val)
+    if during is not None:
+      during()
+    return out if acc is None else acc + out
+  b_op = b_ref.transpose((1, 0)) if transpose_b else b_ref
+
+  def body(acc_ref):
+    plgpu.wgmma(acc_ref, a, b_op)
+    if during is not None:
+      during()
+
+  if acc is None:
+    m = a.shape[0]
+    n = b_op.shape[1]
+
+    def scoped(acc_ref):
+      body(acc_ref)
+      return acc_ref[...]
+
+    return pl.run_scoped(scoped, plgpu.ACC((m, n), jnp.float32))
+  return pl.run_state(body)(plgpu.ACC.init(acc))
+
+
+def mma_pair(first, second, *, interpret: bool):
+  """Two independent wgmmas issued together and awaited once: (acc1 + a1 @ b1, acc2 + a2 @ b2).
+
+  first, second: (a, b_ref, acc, transpose_b) with the meanings of `mma` (acc None = zeros).
+  One run_state over both accumulators (jax's attention_mgpu dk/dv kernel does the same for dV
+  and dPᵀ): the second matmul is queued behind the first instead of waiting for it.
+  """
+  if interpret:
+    return tuple(mma(a, b, acc=acc, transpose_b=tb, interpret=True)
+                 for a, b, acc, tb in (first, second))
+  ops, inits = [], []
+  for a, b_ref, acc, transpose_b in (first, second):
+    b_op = b_ref.transpose((1, 0)) if transpose_b else b_ref
+    if acc is None:
+      acc = layout_cast(jnp.zeros((a.shape[0], b_op.shape[1]), jnp.float32),
+                        plgpu.Layout.WGMMA, interpret=False)
+    ops.append((a, b_op))
+    inits.append(plgpu.ACC.init(acc))
+
+  def body(acc_refs):
+    for acc_ref, (a, b_op) in zip(acc_refs, ops):
+      plgpu.wgmma(acc_ref, a, b_op)
+
+  return tuple(pl.run_state(body)(tuple(inits)))
+
+
+def interpret_races_found() -> bool:
+  """Whether the last GPU-interpreted kernel tripped the race detector (it prints the racing
+  accesses; this is the flag tests assert on). Private jax state, 0.10.2 layout."""
+  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks  # lazy: private module
+  return bool(gpu_callbacks.get_races().races_found)
+
+
+@contextlib.contextmanager
+def cached_interpreter_threads():
+  """Test speed-up for GPU interpret mode: compile each simulated thread's program once.
+
+  0.10.2's thread_map re-traces, lowers and XLA-compiles the per-thread program for every grid
+  point and thread (a fresh jit per call), ~1 s each; caching the executable per (jaxpr, argument
+  types) makes a T=256 attention forward ~5x faster. Semantics are unchanged: the same jaxpr runs
+  on the same arguments. A no-op where the private hook is missing.
+  """
+  try:
+    from jax._src.pallas.mosaic.interpret import thread_map  # lazy: private module
+  except ImportError:
+    yield
+    return
+  original = getattr(thread_map, "_run_jaxpr", None)
+  if original is None:
+    yield
+    return
+  cache = {}
+
+  def run_jaxpr(jaxpr, consts, *args):
+    key = (jaxpr, tuple((jnp.shape(a), jnp.result_type(a)) for a in args))
+    exe = cache.get(key)
+    if exe is None:
+      def run(consts, *args):
+        jax.core.eval_jaxpr(jaxpr, consts, *args)
+      exe = cache[key] = jax.jit(run).trace(consts, *args).lower().compile()
+    exe(consts, *args)
+
+  thread_map._run_jaxpr = run_jaxpr
+  try:
+    yield
+  finally:
+    thread_map._run_jaxpr = original

@@ -1,0 +1,261 @@
+"""focal_mgpu (Hopper Mosaic GPU flash-attention forward, fused temperature) == reference.attention.
+
+Invariants: on fresh random inputs the kernel's output equals `reference.attention` and its lse
+equals log2 Σ_s exp2(log2(e)·scale·q·k) over the visible keys, for causal / non-causal, GQA,
+bf16 / fp16, D = 64 / 128, float and per-query temperatures; gradients through the custom_vjp
+(with focal_mgpu_bwd) equal the reference's; every output element is written
+(interpret mode fills fresh buffers with NaN); the interpreter's race detector stays quiet;
+`supported` names the reason for every input it rejects; the kernel lowers to Mosaic GPU for CUDA
+without a GPU. On CPU the kernel runs in GPU interpret mode (threads, TMA, barriers simulated;
+wgmma replaced by jnp matmuls, see mgpu_compat). `TestCompiledGPU` repeats the comparison compiled
+at realistic shapes on a Hopper GPU.
+
+Run: python -m pytest -q tests/test_focal_mgpu.py          (CI subset, ~1 min on 2 cores)
+     python -m pytest -q tests/test_focal_mgpu.py -m slow  (the remaining interpret cases)
+     python -m pytest -q tests/test_focal_mgpu.py -k Compiled   (H100/H200)
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import focal_mgpu, mgpu_compat, reference
+
+ON_GPU = jax.default_backend() == "gpu"
+ON_HOPPER = ON_GPU and str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9")
+TOL = {jnp.bfloat16: 1e-2, jnp.float16: 2e-3}  # ‖out − ref‖ / ‖ref‖
+LSE_TOL = 2e-3  # max |lse − ref| in log2 units (GPU exp2/log run with approx_math)
+
+
+@pytest.fixture(autouse=True)
+def _strict_ranks():
+  with jax.numpy_rank_promotion("raise"):
+    yield
+
+
+@pytest.fixture(scope="module")
+def _fast_interpreter():
+  with mgpu_compat.cached_interpreter_threads():
+    yield
+
+
+def _inputs(seed, *, B, T, S, N, K, D, dtype, scale):
+  kq, kk, kv, ks = jax.random.split(jax.random.key(seed), 4)
+  q = jax.random.normal(kq, (B, T, N, D), jnp.float32).astype(dtype)
+  k = jax.random.normal(kk, (B, S, K, D), jnp.float32).astype(dtype)
+  v = jax.random.normal(kv, (B, S, K, D), jnp.float32).astype(dtype)
+  if scale == "float":
+    s = 0.7 * D**-0.5
+  else:  # a positive temperature of the given broadcast shape, spread over ~e^±1
+    shape = {"BNT": (B, N, T), "B11": (B, 1, 1)}[scale]
+    s = D**-0.5 * jnp.exp(0.5 * jax.random.normal(ks, shape, jnp.float32))
+  return q, k, v, s
+
+
+def _lse_reference(q, k, s_BNT, causal):
+  """log2 Σ_s exp2(log2(e)·s_t·q_t·k_s) over visible keys, float32 [B, N, T]."""
+  B, T, N, D = q.shape
+  S, K = k.shape[1], k.shape[2]
+  k_BSND = jnp.repeat(k, N // K, axis=2).astype(jnp.float32)
+  logits = jnp.einsum("BTND,BSND->BNTS", q.astype(jnp.float32), k_BSND,
+                      precision=jax.lax.Precision.HIGHEST) * s_BNT[..., None]
+  vis = reference.visible_BTS(B, T, S, causal=causal)[:, None]
+  return jax.nn.logsumexp(jnp.where(vis, logits, -jnp.inf), axis=-1) / np.log(2.0)
+
+
+def _rel_norm_err(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def _compare(seed, *, causal, dtype, scale, B=1, T=256, S=None, N=4, K=2, D=64, blocks=None,
+             interpret=True):
+  S = T if S is None else S
+  q, k, v, s = _inputs(seed, B=B, T=T, S=S, N=N, K=K, D=D, dtype=dtype, scale=scale)
+  blocks = blocks or focal_mgpu.BlockSizes.default(D, dtype)
+  s_BNT = reference.scale_BNT(s, B, N, T)
+  fwd = jax.jit(lambda q, k, v, s_BNT: focal_mgpu.forward(
+      q, k, v, s_BNT, causal=causal, blocks=blocks, interpret=interpret))
+  out, lse = fwd(q, k, v, s_BNT)
+  if interpret:
+    assert not mgpu_compat.interpret_races_found(), "GPU interpreter reported a data race"
+  # The public entry point (jit + custom_vjp) must give the same forward.
+  out_api = focal_mgpu.focal_attention(q, k, v, scale=s, causal=causal, interpret=interpret,
+                                       block_sizes=blocks)
+  with jax.default_matmul_precision("highest"):  # the GPU reference must not use TF32
+    want = reference.attention(q, k, v, scale=s, causal=causal)
+    want_lse = _lse_reference(q, k, s_BNT, causal)
+  assert out.dtype == q.dtype and out.shape == q.shape
+  assert lse.dtype == jnp.float32 and lse.shape == (B, N, T)
+  # NaN here means an output tile was never written (fresh buffers are NaN-filled / poisoned).
+  assert np.isfinite(np.asarray(out, np.float32)).all() and np.isfinite(np.asarray(lse)).all()
+  np.testing.assert_array_equal(np.asarray(out_api, np.float32), np.asarray(out, np.float32))
+  err = _rel_norm_err(out, want)
+  assert err < TOL[dtype], f"‖out − ref‖/‖ref‖ = {err:.2e} > {TOL[dtype]}"
+  lse_err = float(np.max(np.abs(np.asarray(lse) - np.asarray(want_lse))))
+  assert lse_err < LSE_TOL, f"max |lse − ref| = {lse_err:.2e}"
+
+
+# (causal, dtype, scale, kwargs); defaults B=1, T=S=256, Hq=4, Hkv=2, D=64, default blocks.
+CI_CASES = [
+    # Causal GQA with a 4-block K/V ring of 3 slots: wrap-around, diagonal and skipped blocks.
+    (True, jnp.bfloat16, "BNT",
+     dict(blocks=focal_mgpu.BlockSizes(block_kv=64, max_concurrent_steps=3))),
+    (False, jnp.float16, "float", dict(N=2, K=1, D=128)),  # MQA, default D=128 tiles
+]
+SLOW_CASES = [
+    (True, jnp.float16, "B11", dict(N=2, K=2, D=128)),  # MHA
+    (False, jnp.bfloat16, "BNT", dict(T=128, S=384, N=2, K=1)),  # T != S, 3 kv blocks, 2 slots
+    (True, jnp.bfloat16, "BNT", dict(T=384, S=256, N=2, K=1, D=128,
+                                     blocks=focal_mgpu.BlockSizes(block_kv=64))),  # causal T > S
+    (True, jnp.float16, "float", dict(B=2, T=128, S=384, N=2, K=1)),  # causal T < S: s <= t
+    (True, jnp.bfloat16, "BNT", dict(T=512, N=2, K=1,
+                                     blocks=focal_mgpu.BlockSizes(block_q=128, block_kv=64))),
+]
+
+
+@pytest.mark.usefixtures("_fast_interpreter")
+@pytest.mark.parametrize("i", range(len(CI_CASES)))
+def test_matches_reference_interpret(i):
+  causal, dtype, scale, kw = CI_CASES[i]
+  _compare(100 + i, causal=causal, dtype=dtype, scale=scale, **kw)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("_fast_interpreter")
+@pytest.mark.parametrize("i", range(len(SLOW_CASES)))
+def test_matches_reference_interpret_slow(i, request):
+  # CI runs `pytest tests` with no marker filter: slow cases run only when asked for (-m slow).
+  if "slow" not in (request.config.getoption("markexpr") or ""):
+    pytest.skip("slow interpret case: select with -m slow")
+  causal, dtype, scale, kw = SLOW_CASES[i]
+  _compare(200 + i, causal=causal, dtype=dtype, scale=scale, **kw)
+
+
+def _compare_grads(seed, *, interpret, B=1, T=256, N=2, K=1, D=64, dtype=jnp.bfloat16):
+  """out and the vjp (dq, dk, dv, d_scale) of focal_attention (custom_vjp: this forward plus
+  focal_mgpu_bwd.backward) against jax.vjp of the reference; causal, array temperature."""
+  pytest.importorskip("pallas_kernels.focal_mgpu_bwd")
+  q, k, v, s = _inputs(seed, B=B, T=T, S=T, N=N, K=K, D=D, dtype=dtype, scale="BNT")
+  do = jax.random.normal(jax.random.key(seed + 1), q.shape, jnp.float32).astype(dtype)
+
+  def out_and_grads(attend):
+    out, vjp = jax.vjp(attend, q, k, v, s)
+    return (out,) + vjp(do)
+
+  got = jax.jit(lambda: out_and_grads(lambda q, k, v, s: focal_mgpu.focal_attention(
+      q, k, v, scale=s, causal=True, interpret=interpret)))()
+  with jax.default_matmul_precision("highest"):
+    want = out_and_grads(lambda q, k, v, s: reference.attention(q, k, v, scale=s, causal=True))
+  errs = {n: _rel_norm_err(g, w) for n, g, w in zip(["out", "dq", "dk", "dv", "ds"], got, want)}
+  bad = {n: e for n, e in errs.items() if not e < 2 * TOL[dtype]}
+  assert not bad, f"relative errors above {2 * TOL[dtype]}: {bad} (all: {errs})"
+
+
+@pytest.mark.usefixtures("_fast_interpreter")
+def test_gradients_through_custom_vjp_interpret():
+  _compare_grads(150, interpret=True)
+
+
+def _arrays(B=1, T=256, S=256, N=4, K=2, D=64, dtype=jnp.bfloat16, dtype_k=None):
+  q = jax.ShapeDtypeStruct((B, T, N, D), dtype)
+  k = jax.ShapeDtypeStruct((B, S, K, D), dtype_k or dtype)
+  v = jax.ShapeDtypeStruct((B, S, K, D), dtype)
+  return q, k, v
+
+
+@pytest.mark.parametrize("kwargs, segments, reason", [
+    (dict(), True, "segment ids"),
+    (dict(dtype=jnp.float32), False, "bfloat16/float16"),
+    (dict(dtype_k=jnp.float16), False, "share one dtype"),
+    (dict(D=32), False, "head dim D=32"),
+    (dict(D=256), False, "head dim D=256"),
+    (dict(T=192), False, "T=192 must be a multiple of 2·block_q=128"),
+    (dict(S=320), False, "S=320 must be a multiple of block_kv=128"),
+    (dict(N=3, K=2), False, "multiple of kv heads"),
+])
+def test_supported_gives_reasons(kwargs, segments, reason):
+  q, k, v = _arrays(**kwargs)
+  seg = jax.ShapeDtypeStruct((q.shape[0], q.shape[1]), jnp.int32) if segments else None
+  why = focal_mgpu.supported(q, k, v, seg, True)
+  assert why is not None and reason in why, why
+  if not segments:  # the public entry point refuses with the same reason
+    with pytest.raises(ValueError, match="focal_mgpu"):
+      jax.eval_shape(lambda q, k, v: focal_mgpu.focal_attention(q, k, v, scale=0.1), q, k, v)
+
+
+def test_supported_accepts_contract_shapes():
+  for D, dtype in [(64, jnp.bfloat16), (128, jnp.float16)]:
+    for causal in (True, False):
+      assert focal_mgpu.supported(*_arrays(D=D, dtype=dtype, N=8, K=2), None, causal) is None
+
+
+@pytest.mark.parametrize("field, value", [
+    ("block_q", 32), ("block_kv", 96), ("max_concurrent_steps", 1), ("block_kv_dkv", 0)])
+def test_block_sizes_validate(field, value):
+  with pytest.raises(ValueError, match=f"BlockSizes.{field}={value}"):
+    focal_mgpu.BlockSizes(**{field: value})
+
+
+@pytest.mark.parametrize("causal, dtype, D", [(True, jnp.bfloat16, 64), (False, jnp.float16, 128)])
+def test_lowers_to_mosaic_gpu(causal, dtype, D):
+  """Lowers through Pallas' Mosaic GPU backend for CUDA without a GPU: catches layouts and
+  primitives the lowering rejects and shared-memory overflow before the H200 sees them (ptxas
+  is not run). Checks the installed jax only (0.10.2 in CI)."""
+  q, k, v = _arrays(B=2, T=1024, S=1024, N=8, K=2, D=D, dtype=dtype)
+  s = jax.ShapeDtypeStruct((2, 8, 1024), jnp.float32)
+  fwd = jax.jit(lambda q, k, v, s: focal_mgpu.forward(
+      q, k, v, s, causal=causal, blocks=focal_mgpu.BlockSizes.default(D, dtype), interpret=False))
+  text = fwd.trace(q, k, v, s).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
+
+
+def test_shared_memory_overflow_is_reported():
+  # Three 128-row K/V slots at D=128 need ~227 KiB: Mosaic GPU refuses at lowering time.
+  q, k, v = _arrays(T=1024, S=1024, D=128)
+  s = jax.ShapeDtypeStruct((1, 4, 1024), jnp.float32)
+  blocks = focal_mgpu.BlockSizes(max_concurrent_steps=3)
+  fwd = jax.jit(lambda q, k, v, s: focal_mgpu.forward(
+      q, k, v, s, causal=True, blocks=blocks, interpret=False))
+  with pytest.raises(ValueError, match="shared memory"):
+    fwd.trace(q, k, v, s).lower(lowering_platforms=("cuda",))
+
+
+def _poison_allocator(*shapes_dtypes):
+  """Leaves NaN in device memory of the output sizes, so an unwritten output tile (which the
+  allocator is likely to hand back from this freed memory) shows up as NaN, not stale zeros."""
+  for shape, dtype in shapes_dtypes:
+    x = jnp.full(shape, jnp.nan, dtype)
+    x.block_until_ready()
+    x.delete()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_HOPPER, reason="compiled Mosaic GPU kernels need a Hopper GPU (sm_90)")
+class TestCompiledGPU:
+  """The comparison compiled for the GPU at realistic shapes, default and alternative tiles."""
+
+  @pytest.mark.parametrize("D", [64, 128])
+  @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+  @pytest.mark.parametrize("causal", [True, False])
+  def test_matches_reference(self, D, dtype, causal):
+    B, T, N, K = 2, 2048, 8, 2
+    _poison_allocator(((B, T, N, D), dtype), ((B, N, T), jnp.float32))
+    _compare(300 + D, causal=causal, dtype=dtype, scale="BNT", B=B, T=T, N=N, K=K, D=D,
+             interpret=False)
+
+  @pytest.mark.parametrize("D", [64, 128])
+  def test_gradients_through_custom_vjp(self, D):
+    _compare_grads(500 + D, interpret=False, B=2, T=2048, N=8, K=2, D=D)
+
+  @pytest.mark.parametrize("blocks, D", [
+      (focal_mgpu.BlockSizes(block_kv=64, max_concurrent_steps=4), 128),
+      (focal_mgpu.BlockSizes(block_q=128, block_kv=64, max_concurrent_steps=2), 64),
+  ])
+  def test_other_tiles(self, blocks, D):
+    _poison_allocator(((2, 2048, 8, D), jnp.bfloat16), ((2, 8, 2048), jnp.float32))
+    _compare(400, causal=True, dtype=jnp.bfloat16, scale="BNT", B=2, T=2048, N=8, K=2, D=D,
+             blocks=blocks, interpret=False)
