@@ -28,6 +28,8 @@ def get_config(arg=None):
       doc_max_tokens=8000,      # longer documents are cropped to their first doc_max_tokens
       local_len=512,            # local-window tokens the frozen decoder reads (<= base context)
       num_targets=16,           # supervised query points per sample: the window's last tokens
+      implementation="xla",     # candidate/local attention: "xla" (einsum spec) | "pallas"
+                                # (pallas_kernels/condense.py; compiled on GPU, interpreted on CPU)
   ))
   c.data.global_batch = 8       # the paper's; the local decoder runs global_batch·num_targets rows
   c.train.eval_every = 0        # no FocusLLM validation loop yet

@@ -48,9 +48,12 @@ Dilution layers (their running demand has no candidate analogue) and learned-τ 
 Generation lives in focus_generate.py.
 
 Cost notes: the frozen chunk prefill goes through the base's fused attention (`Block.cached`);
-candidate and local-decoder attention (explicit prefix/per-query visibility) use the einsum
-`_attend` below, which materialises [rows, heads, T, S] float32 probabilities. Differentiate
-w.r.t. the adapter only (close over the base params): the frozen stream then keeps no residuals.
+candidate and local-decoder attention (explicit prefix/per-query visibility) go through
+focus_attention.py, switched by `FocusConfig.implementation`: "xla" (einsums materialising
+[rows, heads, T, S] float32 probabilities) or "pallas" (pallas_kernels/condense.py: split-K over
+every chunk cache in one launch, and a flash local attention with its backward). Differentiate
+w.r.t. the adapter only (close over the base params): the frozen stream then keeps no residuals
+(and the kernels skip the cache's dk/dv).
 """
 
 from __future__ import annotations
@@ -64,12 +67,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from focaljax import attention as attn_lib
+from focaljax import focus_attention
 from focaljax import loaded
 from focaljax import model as model_lib
 
 CANDIDATE_POSITION = 0   # the RoPE position of every candidate key in the local decoder
 _PROJ = ("wq", "wk", "wv", "wo")
-_MASKED = -1e30          # finite: masked logits give exactly zero probability and zero gradient
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,11 +80,13 @@ class FocusConfig:
   chunk_size: int                   # memory tokens per chunk (s); memory length must divide by it
   prompt_len: int = 512             # dynamic prompt: the last min(prompt_len, chunk_size) tokens
   sep_id: int | None = None         # token between chunk and prompt (the official code: BOS)
+  implementation: str = "xla"       # candidate/local attention: "xla" | "pallas" (focus_attention)
 
   def __post_init__(self):
     if self.chunk_size < 1 or self.prompt_len < 1:
       raise ValueError(f"FocusConfig: chunk_size ({self.chunk_size}) and prompt_len "
                        f"({self.prompt_len}) must be >= 1")
+    focus_attention.check(self.implementation)
 
   def prompt_tokens(self, available: int) -> int:
     return min(self.prompt_len, self.chunk_size, available)
@@ -164,21 +169,6 @@ def check_positions(base_cfg: model_lib.ModelConfig, cfg: FocusConfig, local_len
 # ---------------------------------------------------------------------------- attention math
 
 
-def _attend(attn, q_RTND, k_RSKD, v_RSKD, visible_RTS):
-  """softmax(scale·q·kᵀ) v over an explicit visibility (prefix-visible candidates, per-query
-  candidate masks): float32 logits and probabilities, cast back to q's dtype."""
-  scale = attn.family.scale(attn.cfg.attention, attn.cfg.head_dim, None)
-  R, T, N, D = q_RTND.shape
-  K = k_RSKD.shape[2]
-  q_RTKGD = q_RTND.reshape(R, T, K, N // K, D)
-  logits_RKGTS = jnp.einsum("RTKGD,RSKD->RKGTS", q_RTKGD, k_RSKD,
-                            preferred_element_type=jnp.float32) * scale
-  logits_RKGTS = jnp.where(visible_RTS[:, None, None], logits_RKGTS, _MASKED)
-  probs_RKGTS = jax.nn.softmax(logits_RKGTS, axis=-1)
-  out_RTKGD = jnp.einsum("RKGTS,RSKD->RTKGD", probs_RKGTS, v_RSKD.astype(jnp.float32))
-  return out_RTKGD.reshape(R, T, N, D).astype(q_RTND.dtype)
-
-
 def _rope(attn, x_RTKD, positions_RT, theta):
   if attn.spec.position is attn_lib.Position.ROPE:
     return model_lib.apply_rope(x_RTKD, positions_RT, theta)
@@ -217,45 +207,38 @@ def frozen_step(base, caches, token_R, position: int, theta: float):
   return new
 
 
-def candidates(adapter, base, caches, tokens_RQ, positions_RQ, theta: float):
+def candidates(adapter, base, caches, tokens_RQ, positions_RQ, theta: float, *,
+               implementation: str = "xla"):
   """Q candidates per chunk row, each at its position: it sees the cached frozen keys strictly
   before it and itself (never the other candidates). Returns (h [R, Q, E], per layer
   (k before RoPE, v) [R, Q, K, D]) -- k is re-rotated in the local decoder."""
-  R, Q = tokens_RQ.shape
-  S = caches[0]["k"].shape[1]
-  visible_RQS = jnp.concatenate([
-      jnp.arange(S)[None, None, :] < positions_RQ[:, :, None],
-      jnp.broadcast_to(jnp.eye(Q, dtype=bool), (R, Q, Q))], axis=-1)
   x_RQE = base.embed[...][tokens_RQ]
   kv = []
   for i, (block, cache) in enumerate(zip(base.blocks, caches)):
     w = adapter[i]
     q, k, k_pre, v = _candidate_project(block.attn, w, block.attn_norm(x_RQE), positions_RQ, theta)
-    out = _attend(block.attn, q, jnp.concatenate([cache["k"].astype(k.dtype), k], 1),
-                  jnp.concatenate([cache["v"].astype(v.dtype), v], 1), visible_RQS)
+    out = focus_attention.candidates(implementation, block.attn, q, cache["k"], cache["v"], k, v,
+                                     positions_RQ)
     x_RQE = x_RQE + jnp.einsum("RQND,NDE->RQE", out, w["wo"].astype(out.dtype))
     x_RQE = x_RQE + block.mlp(block.mlp_norm(x_RQE))
     kv.append((k_pre, v))
   return x_RQE, kv
 
 
-def local_logits(base, tokens_BT, cand_kv, theta: float):
+def local_logits(base, tokens_BT, cand_kv, theta: float, *, implementation: str = "xla"):
   """The frozen decoder over the local window (positions 0..T-1) with the C candidates of each
   row (per layer (k before RoPE, v) [B, C, K, D]) prepended and visible to every token."""
   B, T = tokens_BT.shape
   C = cand_kv[0][0].shape[1]
   positions_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
   cand_BC = jnp.full((B, C), CANDIDATE_POSITION)
-  visible_BTS = jnp.broadcast_to(jnp.concatenate(
-      [jnp.ones((T, C), bool), jnp.tril(jnp.ones((T, T), bool))], axis=1), (B, T, C + T))
   x_BTE = base.embed[...][tokens_BT]
   for block, (kc_BCKD, vc_BCKD) in zip(base.blocks, cand_kv):
     attn = block.attn
     q, k, v = attn._project(  # pylint: disable=protected-access
         block.attn_norm(x_BTE), positions_BT, theta)
     kc_BCKD = _rope(attn, kc_BCKD.astype(k.dtype), cand_BC, theta)
-    out = _attend(attn, q, jnp.concatenate([kc_BCKD, k], 1),
-                  jnp.concatenate([vc_BCKD.astype(v.dtype), v], 1), visible_BTS)
+    out = focus_attention.local(implementation, attn, q, k, v, kc_BCKD, vc_BCKD)
     x_BTE = x_BTE + jnp.einsum("BTND,NDE->BTE", out, attn.wo[...].astype(out.dtype))
     x_BTE = x_BTE + block.mlp(block.mlp_norm(x_BTE))
   return base._logits(x_BTE)  # pylint: disable=protected-access
@@ -296,9 +279,11 @@ def condense(adapter, base, memory_BM, span_BP, num_candidates: int, cfg: FocusC
   seq_RN = chunk_sequences(memory_BM, span_BP, cfg)
   R, n = seq_RN.shape
   C = R // B
-  caches = frozen_prefill(base, seq_RN[:, :-1], n - 1 + extra, theta)
+  cache_len = focus_attention.cache_len(cfg.implementation, n - 1 + extra)
+  caches = frozen_prefill(base, seq_RN[:, :-1], cache_len, theta)
   positions_RQ = jnp.broadcast_to(jnp.arange(n - Q, n), (R, Q))
-  h_RQE, kv = candidates(adapter, base, caches, seq_RN[:, n - Q:], positions_RQ, theta)
+  h_RQE, kv = candidates(adapter, base, caches, seq_RN[:, n - Q:], positions_RQ, theta,
+                         implementation=cfg.implementation)
   split = lambda x: x.reshape(B, C, *x.shape[1:])
   return split(h_RQE), [(split(k), split(v)) for k, v in kv], caches
 
@@ -321,7 +306,7 @@ def logits(adapter, base, memory_BM, local_BT, cfg: FocusConfig):
   else:
     _, kv, _ = condense(adapter, base, memory_BM, local_BT[:, T - P:], 1, cfg)
   return local_logits(base, local_BT, [(k[:, :, 0], v[:, :, 0]) for k, v in kv],
-                      base.cfg.rope_theta)
+                      base.cfg.rope_theta, implementation=cfg.implementation)
 
 
 def target_nll(adapter, base, memory_BM, tokens_BT, cfg: FocusConfig, num_targets: int):
@@ -343,7 +328,8 @@ def target_nll(adapter, base, memory_BM, tokens_BT, cfg: FocusConfig, num_target
   # Row (b, q) carries candidates_q of every chunk; B-major like the repeated local tokens.
   rows = lambda x: x.transpose(0, 2, 1, 3, 4).reshape(B * Q, C, *x.shape[3:])
   logits_RTV = local_logits(base, jnp.repeat(inputs_BT, Q, axis=0),
-                            [(rows(k), rows(v)) for k, v in kv], base.cfg.rope_theta)
+                            [(rows(k), rows(v)) for k, v in kv], base.cfg.rope_theta,
+                            implementation=cfg.implementation)
   at_RV = logits_RTV.reshape(B, Q, T, -1)[:, jnp.arange(Q), first + jnp.arange(Q)]
   target_BQ = tokens_BT[:, first + 1:]
   picked = jnp.take_along_axis(at_RV, target_BQ[..., None], axis=-1)[..., 0]

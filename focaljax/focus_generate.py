@@ -15,7 +15,9 @@ stay inside the base's trained context; `focus.check_positions` raises before ge
 
 Shapes are fixed for the whole generation (a token buffer [B, T + new - 1] whose unwritten tail
 is causally invisible), so prefill and step each compile once; the graphdef is a static argument
-as in generate.py.
+as in generate.py. `cfg.implementation` ("xla" | "pallas", focus_attention.py) is chosen at
+prefill and rides in `state["implementation"]` (a static string, outside the jitted arrays), so
+every step uses the same attention code.
 """
 
 from __future__ import annotations
@@ -29,9 +31,10 @@ from flax import nnx
 from focaljax import focus
 
 
-def _local_at(base, state, index):
+def _local_at(base, state, index, implementation):
   """Next-token logits float32 [B, V] read at buffer position `index` (a traced scalar)."""
-  logits_BTV = focus.local_logits(base, state["tokens"], state["kv"], base.cfg.rope_theta)
+  logits_BTV = focus.local_logits(base, state["tokens"], state["kv"], base.cfg.rope_theta,
+                                  implementation=implementation)
   return jax.lax.dynamic_index_in_dim(logits_BTV, index, axis=1, keepdims=False)
 
 
@@ -49,11 +52,11 @@ def _prefill(graphdef, base_state, adapter, memory_BM, prompt_BT, cfg, max_new_t
   tokens_BL = jnp.zeros((B, T + max_new_tokens - 1), jnp.int32).at[:, :T].set(prompt_BT)
   state = {"tokens": tokens_BL, "length": jnp.int32(T), "caches": caches,
            "kv": [(k[:, :, 0], v[:, :, 0]) for k, v in kv], "candidate_pos": jnp.int32(n - 1)}
-  return state, _local_at(base, state, T - 1)
+  return state, _local_at(base, state, T - 1, cfg.implementation)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",))
-def _step(graphdef, base_state, adapter, state, token_B):
+@functools.partial(jax.jit, static_argnames=("graphdef", "implementation"))
+def _step(graphdef, base_state, adapter, state, token_B, implementation):
   base = nnx.merge(graphdef, base_state)
   theta = base.cfg.rope_theta
   length, pos, caches = state["length"], state["candidate_pos"], state["caches"]
@@ -67,12 +70,12 @@ def _step(graphdef, base_state, adapter, state, token_B):
     caches = focus.frozen_step(base, caches, jnp.repeat(prev_B, C), pos, theta)
     pos = pos + 1
     _, kv_R = focus.candidates(adapter, base, caches, jnp.repeat(token_B, C)[:, None],
-                               jnp.full((B * C, 1), pos), theta)
+                               jnp.full((B * C, 1), pos), theta, implementation=implementation)
     kv = [(k[:, 0].reshape(B, C, *k.shape[2:]), v[:, 0].reshape(B, C, *v.shape[2:]))
           for k, v in kv_R]
   state = {"tokens": tokens_BL, "length": length + 1, "caches": caches, "kv": kv,
            "candidate_pos": pos}
-  return state, _local_at(base, state, length)
+  return state, _local_at(base, state, length, implementation)
 
 
 def prefill(adapter, base, memory_BM, prompt_BT, cfg: focus.FocusConfig, max_new_tokens: int):
@@ -85,8 +88,9 @@ def prefill(adapter, base, memory_BM, prompt_BT, cfg: focus.FocusConfig, max_new
   T = prompt_BT.shape[1]
   focus.check_positions(base.cfg, cfg, T, cfg.prompt_tokens(T), extra=max_new_tokens - 1)
   graphdef, base_state = nnx.split(base)
-  return _prefill(graphdef, base_state, adapter, jnp.asarray(memory_BM, jnp.int32), prompt_BT,
-                  cfg, max_new_tokens)
+  state, logits_BV = _prefill(graphdef, base_state, adapter, jnp.asarray(memory_BM, jnp.int32),
+                              prompt_BT, cfg, max_new_tokens)
+  return {**state, "implementation": cfg.implementation}, logits_BV
 
 
 def step(adapter, base, state, token_B):
@@ -96,7 +100,10 @@ def step(adapter, base, state, token_B):
   if int(state["length"]) >= state["tokens"].shape[1]:
     raise ValueError("focus generate: more steps than prefill's max_new_tokens - 1")
   graphdef, base_state = nnx.split(base)
-  return _step(graphdef, base_state, adapter, state, jnp.asarray(token_B, jnp.int32))
+  arrays = {k: v for k, v in state.items() if k != "implementation"}
+  arrays, logits_BV = _step(graphdef, base_state, adapter, arrays, jnp.asarray(token_B, jnp.int32),
+                            implementation=state["implementation"])
+  return {**arrays, "implementation": state["implementation"]}, logits_BV
 
 
 def generate(adapter, base, memory_BM, prompt_BT, cfg: focus.FocusConfig, max_new_tokens: int):

@@ -39,7 +39,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from focaljax import checkpoint, distributed, focus, metrics, optim, sharding, trainer
+from focaljax import checkpoint, distributed, focus, focus_attention, metrics, optim, sharding
+from focaljax import trainer
 from focaljax import config as config_lib
 from focaljax import data as data_lib
 
@@ -84,6 +85,9 @@ def base_context(config) -> int:
 def validate(config, context: int) -> None:
   """Raises ConfigError naming the first invalid focus.* field; `context` = base max_seq_len."""
   f = config.focus
+  if f.implementation not in focus_attention.IMPLEMENTATIONS:
+    _fail("implementation", f"{f.implementation!r} must be one of "
+          f"{sorted(focus_attention.IMPLEMENTATIONS)}")
   sizes = chunk_sizes(config)
   for name in ("prompt_len", "doc_min_tokens"):
     if f[name] < 1:
@@ -241,7 +245,8 @@ def train(config, workdir: str, *, dry_run: bool = False, stop_at: int | None = 
   if primary:
     checkpoint.write_config(workdir, config)
   sizes = chunk_sizes(config)
-  save_cfg = focus.FocusConfig(chunk_size=max(sizes), prompt_len=f.prompt_len)  # inference default
+  save_cfg = focus.FocusConfig(chunk_size=max(sizes), prompt_len=f.prompt_len,  # inference default
+                               implementation=f.implementation)
 
   mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
   graphdef, base_state = nnx.split(loaded.model)
@@ -264,7 +269,8 @@ def train(config, workdir: str, *, dry_run: bool = False, stop_at: int | None = 
 
   def step_fn(s: int):
     return jax.jit(functools.partial(
-        train_step, graphdef=graphdef, tx=tx, cfg=focus.FocusConfig(s, prompt_len=f.prompt_len),
+        train_step, graphdef=graphdef, tx=tx,
+        cfg=focus.FocusConfig(s, prompt_len=f.prompt_len, implementation=f.implementation),
         num_targets=f.num_targets, skip_nonfinite=config.train.nonfinite == "skip"),
         in_shardings=(replicated, replicated, base_sh, batch_sh),
         out_shardings=(replicated, replicated, replicated), donate_argnums=(0, 1))
