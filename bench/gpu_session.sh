@@ -10,25 +10,31 @@ export PYTHONPATH=/tmp/site:.whl/stub:$PWD PYTHONUNBUFFERED=1
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())" 2>&1 | tee "$OUT/env.log"
 nvidia-smi --query-gpu=name,clocks.sm,memory.used --format=csv >> "$OUT/env.log" 2>&1
-for stage in "$@"; do
+# A stage may be given a wall limit as name:seconds (default 900), so one stuck stage cannot eat
+# the whole call; each stage tees its full log under $OUT as it goes.
+for spec in "$@"; do
+  stage=${spec%%:*}; limit=${spec#*:}; [ "$limit" = "$spec" ] && limit=900
+  RUN="timeout $limit"
   echo "=== $stage $(date +%T)"
   case $stage in
-    tests) python3 -m pytest -q -x -p no:cacheprovider tests/test_focal_kernel.py \
+    tests) $RUN python3 -m pytest -q -x -p no:cacheprovider tests/test_focal_kernel.py \
              tests/test_dilution_kernel.py -k "Compiled" 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
-    mgpu_tests) python3 -m pytest -q -p no:cacheprovider tests/test_focal_mgpu.py \
+    mgpu_tests) $RUN python3 -m pytest -q -p no:cacheprovider tests/test_focal_mgpu.py \
              tests/test_focal_mgpu_bwd.py tests/test_condense.py -k "Compiled" 2>&1 \
              | tee "$OUT/mgpu_tests.log" | tail -40 ;;
-    dilution_sweep) python3 bench/dilution.py --sweep --out "$OUT/dilution_sweep.json" 2>&1 \
+    dilution_sweep) $RUN python3 bench/dilution.py --sweep --out "$OUT/dilution_sweep.json" 2>&1 \
              | tee "$OUT/dilution_sweep.log" | tail -30 ;;
-    mgpu_fwd) python3 bench/focal_mgpu_fwd.py 2>&1 | tee "$OUT/mgpu_fwd.log" | tail -30 ;;
-    mgpu_bwd) python3 bench/focal_mgpu_bwd.py 2>&1 | tee "$OUT/mgpu_bwd.log" | tail -30 ;;
-    condense) python3 bench/condense.py --out "$OUT/condense.json" 2>&1 | tee "$OUT/condense.log" | tail -20 ;;
-    attention) python3 bench/attention.py ${ATTN_IMPLS:+--impls $ATTN_IMPLS} --out "$OUT/attention.json" 2>&1 | tee "$OUT/attention.log" | tail -40 ;;
-    dilution) python3 bench/dilution.py --impls dilution,cudnn --out "$OUT/dilution.json" 2>&1 | tee "$OUT/dilution.log" | tail -40 ;;
-    train_step) python3 bench/train_step.py --impls cudnn,pallas,tokamax ${TRAIN_STEP_ARGS:-} --out "$OUT/train_step.json" 2>&1 | grep --line-buffered -v -i autotun | tee "$OUT/train_step.log" | tail -20 ;;
+    mgpu_fwd) $RUN python3 bench/focal_mgpu_fwd.py ${MGPU_FWD_ARGS:-} 2>&1 | tee "$OUT/mgpu_fwd.log" | tail -30 ;;
+    mgpu_bwd) $RUN python3 bench/focal_mgpu_bwd.py 2>&1 | tee "$OUT/mgpu_bwd.log" | tail -30 ;;
+    condense) $RUN python3 bench/condense.py --out "$OUT/condense.json" 2>&1 | tee "$OUT/condense.log" | tail -20 ;;
+    attention) $RUN python3 bench/attention.py ${ATTN_IMPLS:+--impls $ATTN_IMPLS} --out "$OUT/attention.json" 2>&1 | tee "$OUT/attention.log" | tail -40 ;;
+    dilution) $RUN python3 bench/dilution.py --impls dilution,cudnn --out "$OUT/dilution.json" 2>&1 | tee "$OUT/dilution.log" | tail -40 ;;
+    train_step) $RUN python3 bench/train_step.py --impls cudnn,pallas,tokamax ${TRAIN_STEP_ARGS:-} --out "$OUT/train_step.json" 2>&1 | grep --line-buffered -v -i autotun | tee "$OUT/train_step.log" | tail -20 ;;
     jaxsrc) J=$(python3 -c "import jax,os;print(os.path.dirname(jax.__file__))")
             tar czf "$OUT/jax_mgpu_src.tgz" -C "$J" _src/pallas/mosaic_gpu experimental/pallas/mosaic_gpu.py \
               experimental/pallas/ops/gpu _src/pallas/core.py _src/pallas/pallas_call.py _src/pallas/primitives.py ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
+# The device returns at most 8 files: pack everything into one archive.
+(cd "$OUT" && tar czf /tmp/session.tgz ./* && rm -rf ./* && mv /tmp/session.tgz .)
