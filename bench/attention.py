@@ -159,12 +159,16 @@ def main(argv=None):
   parser.add_argument("--sweep", action="store_true", help="also time Pallas tile configs")
   parser.add_argument("--impls", default="",
                       help="comma-separated names or globs, e.g. 'cudnn,pallas*' (default: all)")
+  parser.add_argument("--shapes", default="",
+                      help="B,H,T,D shapes separated by ';' (default: the issue's five)")
   parser.add_argument("--iters", type=int, default=10)
   parser.add_argument("--out", default="bench_attention.json")
   args = parser.parse_args(argv)
 
   interpret = jax.default_backend() not in ("gpu", "tpu")
   shapes = SMOKE if args.smoke else QUICK if args.quick else SHAPES
+  if args.shapes:
+    shapes = [tuple(int(x) for x in sh.split(",")) for sh in args.shapes.split(";")]
   iters = 2 if args.smoke else max(args.iters, 10)
   impls = _impls(interpret, args.sweep)
   if args.smoke and not args.impls:

@@ -19,6 +19,8 @@ for spec in "$@"; do
   case $stage in
     tests) $RUN python3 -m pytest -q -x -p no:cacheprovider tests/test_focal_kernel.py \
              tests/test_dilution_kernel.py -k "Compiled" 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
+    bwd_tests) $RUN python3 -m pytest -q -p no:cacheprovider tests/test_focal_mgpu_bwd.py \
+             tests/test_condense.py -k "Compiled" 2>&1 | tee "$OUT/bwd_tests.log" | tail -40 ;;
     mgpu_tests) $RUN python3 -m pytest -q -p no:cacheprovider tests/test_focal_mgpu.py \
              tests/test_focal_mgpu_bwd.py tests/test_condense.py -k "Compiled" 2>&1 \
              | tee "$OUT/mgpu_tests.log" | tail -40 ;;
@@ -27,7 +29,7 @@ for spec in "$@"; do
     mgpu_fwd) $RUN python3 bench/focal_mgpu_fwd.py ${MGPU_FWD_ARGS:-} 2>&1 | tee "$OUT/mgpu_fwd.log" | tail -30 ;;
     mgpu_bwd) $RUN python3 bench/focal_mgpu_bwd.py 2>&1 | tee "$OUT/mgpu_bwd.log" | tail -30 ;;
     condense) $RUN python3 bench/condense.py --out "$OUT/condense.json" 2>&1 | tee "$OUT/condense.log" | tail -20 ;;
-    attention) $RUN python3 bench/attention.py ${ATTN_IMPLS:+--impls $ATTN_IMPLS} --out "$OUT/attention.json" 2>&1 | tee "$OUT/attention.log" | tail -40 ;;
+    attention) $RUN python3 bench/attention.py ${ATTN_IMPLS:+--impls $ATTN_IMPLS} ${ATTN_SHAPES:+--shapes $ATTN_SHAPES} --out "$OUT/attention.json" 2>&1 | tee "$OUT/attention.log" | tail -40 ;;
     dilution) $RUN python3 bench/dilution.py --impls dilution,cudnn --out "$OUT/dilution.json" 2>&1 | tee "$OUT/dilution.log" | tail -40 ;;
     train_step) $RUN python3 bench/train_step.py --impls cudnn,pallas,tokamax ${TRAIN_STEP_ARGS:-} --out "$OUT/train_step.json" 2>&1 | grep --line-buffered -v -i autotun | tee "$OUT/train_step.log" | tail -20 ;;
     jaxsrc) J=$(python3 -c "import jax,os;print(os.path.dirname(jax.__file__))")
