@@ -29,7 +29,7 @@ from focaljax import model as model_lib  # noqa: E402
 BATCH = {"400m": 16, "1.3b": 8, "small": 8, "tiny": 8}
 
 
-def run(size, impl, steps, seq_len, remat, batch=None, fuse=True):
+def run(size, impl, steps, seq_len, remat, batch=None, fuse=False):
   c = base.get_config(f"size={size},pattern=focal")
   c.model.attention.implementation = impl
   c.model.remat = remat
@@ -83,7 +83,7 @@ def main():
   p.add_argument("--steps", type=int, default=10)
   p.add_argument("--seq_len", type=int, default=2048)
   p.add_argument("--remat", action="store_true")
-  p.add_argument("--unfused", action="store_true", help="separate q/k/v and gate/up GEMMs")
+  p.add_argument("--fused", action="store_true", help="one GEMM for q/k/v and one for gate/up")
   p.add_argument("--batch", type=int, default=0, help="global batch (0: the per-size default)")
   p.add_argument("--out", default="bench_train_step.json")
   args = p.parse_args()
@@ -93,7 +93,7 @@ def main():
     for impl in args.impls.split(","):
       try:
         r = run(size, impl, args.steps, args.seq_len, args.remat, args.batch or None,
-                not args.unfused)
+                args.fused)
       except Exception as e:  # one failing implementation must not lose the table
         r = {"size": size, "impl": impl, "error": f"{type(e).__name__}: {str(e)[:300]}"}
       rows.append(r)

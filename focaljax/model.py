@@ -41,7 +41,7 @@ class ModelConfig:
   init_std: float = 0.02
   # One GEMM for q/k/v (when N == K) and one for gate/up, over weights stacked at run time: the
   # parameters (and checkpoints, conversion, sharding) stay separate; only the matmul is shared.
-  fuse_matmuls: bool = True
+  fuse_matmuls: bool = False
 
 
 def _param(rngs, shape, std, axes):
