@@ -36,7 +36,7 @@ DECODE_S = [16384, 131072]
 SWEEP = [dict(), dict(block_k=128), dict(block_q=64), dict(block_q=16, block_k=128),
          dict(block_q=64, block_k=128, num_warps=8), dict(num_warps=8), dict(num_stages_fwd=3),
          dict(block_q_stats=128, block_k_stats=64)]
-SMOKE_BLOCKS = dilution.BlockSizes(block_q_stats=16, block_k_stats=16, block_q=16, block_k=32,
+SMOKE_BLOCKS = dilution.BlockSizes(block_q_stats=16, block_k_stats=16, block_q=16, block_k=32, block_k_fwd=32,
                                    ckpt_rows=32, block_k_decode=16, split_k_decode=64)
 
 

@@ -74,7 +74,11 @@ class BlockSizes:
   block_q_stats: int = 64     # F1 rows per program
   block_k_stats: int = 64     # F1 keys per loop step
   block_q: int = 32           # row tile of the key-parallel sweeps F2, B1, B2
-  block_k: int = 64           # keys owned by one F2/B1/B2 program (its demand carry)
+  block_k: int = 64           # keys owned by one B1/B2 program (its demand carry)
+  # F2's key block: larger tiles cut its fp32 atomics (T²·D/block_k per head). On the H200 at
+  # (2,12,16K,64) 128 took the forward from 21.7 to 18.0 ms, while B1 with 128 slowed 100→173 ms.
+  # Carries and checkpoints are per key, so F2 and B1/B2 may tile the keys differently.
+  block_k_fwd: int = 128
   ckpt_rows: int = 1024       # R: rows between stored carry checkpoints (multiple of block_q)
   block_k_decode: int = 128   # keys per decode loop step
   split_k_decode: int = 2048  # keys per decode program (flash-decoding split)
@@ -187,7 +191,7 @@ def dilution_attention(q, k, v, *, scale=None, eps=1e-9, segment_ids=None, block
   B, T, _ = _check(q, k, v, scale, bs)
   seg = (jnp.zeros((B, T), jnp.int32) if segment_ids is None
          else jnp.asarray(segment_ids, jnp.int32))
-  multiple = max(bs.block_q_stats, bs.block_k_stats, bs.block_q, bs.block_k)
+  multiple = max(bs.block_q_stats, bs.block_k_stats, bs.block_q, bs.block_k, bs.block_k_fwd)
   qp, kp, vp, segp = _pad(q, k, v, seg, multiple)
   return _dilution_core(qp, kp, vp, segp, scale, float(eps), bs, interpret)[:, :T]
 
@@ -205,7 +209,7 @@ def dilution_prefill(q, k, v, *, scale=None, eps=1e-9, block_sizes=None, interpr
     return reference.dilution_attention(q, k, v, scale=scale, eps=eps)
   B, T, _ = _check(q, k, v, scale, bs)
   seg = jnp.zeros((B, T), jnp.int32)
-  multiple = max(bs.block_q_stats, bs.block_k_stats, bs.block_q, bs.block_k)
+  multiple = max(bs.block_q_stats, bs.block_k_stats, bs.block_q, bs.block_k, bs.block_k_fwd)
   qp, kp, vp, segp = _pad(q, k, v, seg, multiple)
   out_f32, (_, _, _, total, _) = _forward(qp, kp, vp, segp, scale, float(eps), bs, interpret,
                                           training=False)

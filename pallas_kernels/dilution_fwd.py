@@ -4,7 +4,7 @@ F1 `row_stats` (grid T/block_q_stats × B × Hq, row-parallel, flash-style): onl
 over the visible keys of a row block → lse_i = m_i + log l_i, and optionally
 pk_i = scale · Σ_j p_ij k_j (online, rescaled with the running max) for the backward's dq epilogue.
 
-F2 `key_sweep` (grid T/block_k × B × Hq, key-parallel): a program owns one key block J (K_J, V_J
+F2 `key_sweep` (grid T/block_k_fwd × B × Hq, key-parallel): a program owns one key block J (K_J, V_J
 and the per-key committed demand `carry_J` stay in registers) and walks the row tiles I that can
 see it, top to bottom:
     P = exp(scale·Q_I K_Jᵀ − lse_I)  (causal, same segment)
@@ -173,7 +173,7 @@ def key_sweep(q, k, v, seg, lse, *, scale, eps, bs, with_ckpt, interpret):
   """
   B, T, N, D = q.shape
   G = N // k.shape[2]
-  bq, bk = bs.block_q, bs.block_k
+  bq, bk = bs.block_q, bs.block_k_fwd
   ckpt_tiles = bs.ckpt_rows // bq
   n_super = -(-(T // bq) // ckpt_tiles)
   n0 = jnp.zeros((B, T, N, D), jnp.float32)

@@ -18,9 +18,10 @@ import pytest
 
 from pallas_kernels import dilution, reference
 
-# Small tiles so T = 64..96 spans several key blocks, row tiles and checkpoint super-blocks.
+# Small tiles so T = 64..96 spans several key blocks, row tiles and checkpoint super-blocks; F2
+# tiles the keys unlike B1/B2 (16 vs 32), as the defaults do (128 vs 64).
 SMALL = dilution.BlockSizes(block_q_stats=16, block_k_stats=16, block_q=16, block_k=32,
-                            ckpt_rows=32, block_k_decode=16, split_k_decode=32)
+                            block_k_fwd=16, ckpt_rows=32, block_k_decode=16, split_k_decode=32)
 TOL = {jnp.float32: dict(out=2e-5, grad=1e-4), jnp.bfloat16: dict(out=1e-2, grad=2e-2),
        jnp.float16: dict(out=2e-3, grad=4e-3)}
 
