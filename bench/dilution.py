@@ -36,8 +36,8 @@ DECODE_S = [16384, 131072]
 SWEEP = [dict(), dict(block_k=128), dict(block_q=64), dict(block_q=16, block_k=128),
          dict(block_q=64, block_k=128, num_warps=8), dict(num_warps=8), dict(num_stages_fwd=3),
          dict(block_q_stats=128, block_k_stats=64)]
-SMOKE_BLOCKS = dilution.BlockSizes(block_q_stats=16, block_k_stats=16, block_q=16, block_k=32, block_k_fwd=32,
-                                   ckpt_rows=32, block_k_decode=16, split_k_decode=64)
+SMOKE_BLOCKS = dilution.BlockSizes(block_q_stats=16, block_k_stats=16, block_q=16, block_k=32,
+                                   block_k_fwd=32, ckpt_rows=32, block_k_decode=16, split_k_decode=64)
 
 
 def _time(fn, args, reps):
@@ -119,7 +119,7 @@ def main(argv=None):
                   help="comma list for the training entries: dilution, cudnn, xla")
   ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
   ap.add_argument("--sweep", action="store_true",
-                  help="only time the SWEEP tile variants (fwd, fwd+bwd, F1 alone) at (2,12,16K,64)")
+                  help="only the SWEEP tile variants (fwd, fwd+bwd, F1 alone) at (2,12,16K,64)")
   ap.add_argument("--skip", default="", help="comma list of sections to skip: train,prefill,decode")
   args = ap.parse_args(argv)
 

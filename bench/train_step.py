@@ -70,7 +70,8 @@ def run(size, impl, steps, seq_len, remat, batch=None, fuse=False):
   tokens = B * T
   flops = metrics.flops_per_token(cfg) * tokens
   peak = metrics.peak_flops_per_device()
-  return {"size": size, "impl": impl, "batch": B, "seq_len": T, "remat": remat, "fuse_matmuls": fuse,
+  return {"size": size, "impl": impl, "batch": B, "seq_len": T, "remat": remat,
+          "fuse_matmuls": fuse,
           "params": model_lib.param_count(cfg), "step_ms": dt * 1e3, "tokens_per_s": tokens / dt,
           "tflops": flops / dt / 1e12, "mfu": (flops / dt / peak) if peak else None,
           "compile_s": compile_s, "loss": float(m["loss"])}
