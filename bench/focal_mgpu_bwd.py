@@ -2,13 +2,17 @@
 
 Ours: `focal_mgpu_bwd.backward` on residuals (out, base-2 lse) from `focal_mgpu.forward` when it
 imports and runs, else from a chunked XLA forward. Also its two kernels separately (dq+d_scale,
-dk+dv). cuDNN: jax.nn.dot_product_attention(implementation="cudnn"), time(fwd+bwd) − time(fwd).
+dk+dv). --fused adds `focal_mgpu_bwd_fused.backward` (one FA3-style kernel, dq by TMA reduce-add,
+5 matmuls per tile; it reads block_q_dkv, block_kv_dkv, max_concurrent_steps from --blocks), its
+kernel alone, and the ratios two-kernel/fused and cuDNN/fused.
+cuDNN: jax.nn.dot_product_attention(implementation="cudnn"), time(fwd+bwd) − time(fwd).
 FLOPs: backward = 2.5 × forward = 2.5 · 4·B·H·T²·D / 2 (causal), the usual FlashAttention count
 (our kernels really do 7 T²-sized matmuls, cuDNN 5). Timing: jit, 2 warm-up calls, median of
 --iters calls each ended by block_until_ready. Hq = Hkv = H (no GQA), array temperature for ours.
 
   python bench/focal_mgpu_bwd.py [--iters 10] [--blocks 64,64,64,64,2] [--shapes 2,16,4096,128]
-  python bench/focal_mgpu_bwd.py --smoke        # CPU, GPU interpret mode, tiny shape
+  python bench/focal_mgpu_bwd.py --fused [--shapes ...]   # + the single-pass backward
+  python bench/focal_mgpu_bwd.py --smoke [--fused]        # CPU, GPU interpret mode, tiny shape
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from jax import lax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from pallas_kernels import focal_mgpu_bwd as fb  # noqa: E402
+from pallas_kernels import focal_mgpu_bwd_fused as ff  # noqa: E402
 
 SHAPES = [(2, 16, 4096, 128), (1, 16, 8192, 128), (1, 8, 16384, 128), (2, 12, 16384, 64)]
 SMOKE = [(1, 2, 256, 64)]
@@ -93,7 +98,7 @@ def _residuals(q, k, v, s_BNT, *, blocks, interpret):
     return (*jax.jit(_xla_residuals)(q, k, v, s_BNT), "xla")
 
 
-def _row(shape, *, blocks, iters, interpret):
+def _row(shape, *, blocks, iters, interpret, fused):
   B, H, T, D = shape
   kq, kk, kv, ks, kdo = jax.random.split(jax.random.key(0), 5)
   dtype = jnp.bfloat16
@@ -107,6 +112,10 @@ def _row(shape, *, blocks, iters, interpret):
   rows = (q, k, v, do, c_BNT, lse, delta_BNT)
   res["dq"] = _median_ms(jax.jit(lambda *a: fb.dq_call(*a, **kw)), *rows, iters=iters)
   res["dkv"] = _median_ms(jax.jit(lambda *a: fb.dkv_call(*a, **kw)), *rows, iters=iters)
+  if fused:
+    res["fused"] = _median_ms(jax.jit(lambda *a: ff.backward(*a, **kw)), q, k, v, s_BNT, out, lse,
+                              do, iters=iters)
+    res["fused_kernel"] = _median_ms(lambda *a: ff.fused_call(*a, **kw), *rows, iters=iters)
   if not interpret:
     attend = lambda q, k, v: jax.nn.dot_product_attention(
         q, k, v, scale=D**-0.5, is_causal=True, implementation="cudnn")
@@ -124,6 +133,8 @@ def main():
                   help="block_q_dq,block_kv_dq,block_q_dkv,block_kv_dkv,max_concurrent_steps")
   ap.add_argument("--shapes", nargs="*", help="B,H,T,D ... (default: the four cuDNN rows)")
   ap.add_argument("--smoke", action="store_true", help="CPU interpret mode, one tiny shape")
+  ap.add_argument("--fused", action="store_true",
+                  help="also time focal_mgpu_bwd_fused (single-pass, dq by TMA reduce-add)")
   a = ap.parse_args()
   blocks = Blocks(*map(int, a.blocks.split(",")))
   shapes = [tuple(map(int, s.split(","))) for s in a.shapes] if a.shapes else (
@@ -134,15 +145,21 @@ def main():
     WARMUP = 0  # interpreted runs are slow; this only checks the script end to end
   print(f"jax {jax.__version__} {jax.devices()[0].device_kind}  blocks {blocks}")
   print(f"{'(B,H,T,D)':>20} {'resid':>10} {'ours ms':>8} {'TF/s':>6} {'dq ms':>7} {'dkv ms':>7} "
-        f"{'cuDNN ms':>8} {'TF/s':>6} {'cuDNN/ours':>10}")
+        f"{'cuDNN ms':>8} {'TF/s':>6} {'cuDNN/ours':>10}"
+        + (f" {'fused ms':>8} {'TF/s':>6} {'kernel':>7} {'2k/fused':>8} {'cuDNN/fused':>11}"
+           if a.fused else ""))
   for shape in shapes:
     B, H, T, D = shape
     flops = 2.5 * 4 * B * H * T * T * D / 2
-    r = _row(shape, blocks=blocks, iters=iters, interpret=a.smoke)
+    r = _row(shape, blocks=blocks, iters=iters, interpret=a.smoke, fused=a.fused)
     tf = lambda ms: flops / (ms * 1e-3) / 1e12
     cudnn = r.get("cudnn")
     tail = (f"{cudnn:8.3f} {tf(cudnn):6.0f} {cudnn / r['bwd']:10.2f}" if cudnn
             else f"{'-':>8} {'-':>6} {'-':>10}")
+    if a.fused:
+      fz = r["fused"]
+      tail += (f" {fz:8.3f} {tf(fz):6.0f} {r['fused_kernel']:7.3f} {r['bwd'] / fz:8.2f} "
+               + (f"{cudnn / fz:11.2f}" if cudnn else f"{'-':>11}"))
     print(f"{str(shape):>20} {r['source']:>10} {r['bwd']:8.3f} {tf(r['bwd']):6.0f} "
           f"{r['dq']:7.3f} {r['dkv']:7.3f} {tail}", flush=True)
 

@@ -21,6 +21,9 @@ for spec in "$@"; do
              tests/test_dilution_kernel.py -k "Compiled" 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
     bwd_tests) $RUN python3 -m pytest -q -p no:cacheprovider tests/test_focal_mgpu_bwd.py \
              tests/test_condense.py -k "Compiled" 2>&1 | tee "$OUT/bwd_tests.log" | tail -40 ;;
+    fused_bwd) $RUN python3 -m pytest -q -p no:cacheprovider tests/test_focal_mgpu_bwd_fused.py \
+             -k Compiled 2>&1 | tee "$OUT/fused_bwd_tests.log" | tail -20
+             $RUN python3 bench/focal_mgpu_bwd.py --fused 2>&1 | tee "$OUT/fused_bwd.log" | tail -20 ;;
     mgpu_tests) $RUN python3 -m pytest -q -p no:cacheprovider tests/test_focal_mgpu.py \
              tests/test_focal_mgpu_bwd.py tests/test_condense.py -k "Compiled" 2>&1 \
              | tee "$OUT/mgpu_tests.log" | tail -40 ;;

@@ -180,3 +180,50 @@ def cached_interpreter_threads():
     yield
   finally:
     thread_map._run_jaxpr = original
+
+
+def mma_t(a_ref, b_ref, *, acc=None, transpose_b: bool = False, interpret: bool):
+  """As `mma` with the SMEM operand a_ref [K, M] read transposed: acc + a_refᵀ @ b.
+
+  wgmma takes a transposed 16-bit lhs from SMEM in 0.10.2 and 0.11.2 alike (`lhs_transpose` in
+  both lowerings); the interpreter cannot read through a transposed ref, hence the jnp fallback.
+  """
+  if interpret:
+    b_val = b_ref[...]
+    out = _dot(a_ref[...].T, b_val.T if transpose_b else b_val)
+    return out if acc is None else acc + out
+  return mma(a_ref.transpose((1, 0)), b_ref, acc=acc, transpose_b=transpose_b, interpret=False)
+
+
+def copy_smem_to_gmem_add(src, dst, *, interpret: bool):
+  """dst += src through a TMA reduce-add (cp.reduce.async.bulk.tensor .add, float32 atomic per
+  element in L2, so concurrent CTAs may add into the same rows); awaited like any SMEM->GMEM copy.
+
+  0.10.2 and 0.11.2 both accept `copy_smem_to_gmem(..., reduction_op="add")` in compiled kernels,
+  but both GPU interpreters raise NotImplementedError for it: interpreted, this is a plain copy, so
+  the caller gives every writer its own zero-initialised destination and sums them afterwards.
+  """
+  if interpret:
+    plgpu.copy_smem_to_gmem(src, dst)
+  else:
+    plgpu.copy_smem_to_gmem(src, dst, reduction_op="add")
+
+
+def ref_kernel(body, *, out_type, scratch_types, grid, grid_names, num_threads, thread_name,
+               compiler_params, interpret, name):
+  """`plgpu.kernel` for bodies that also take mutable Refs
+  (`jax.new_ref(x, memory_space=plgpu.GMEM)`) among their operands, updated in place (aliased in
+  and out). plgpu.kernel wraps itself in custom_vmap, which rejects Ref operands on 0.10.2
+  ("JaxprInputEffect ... does not have a corresponding jaxpr input"); this is its body without
+  the vmap rule (so no batching), over the same `pl.kernel` both versions use underneath.
+  Operand refs, then output refs, then `scratch_types` reach `body` in that order.
+  """
+  mesh = plgpu.Mesh(grid=grid, grid_names=grid_names, num_threads=num_threads,
+                    thread_name=thread_name)
+
+  def kernel_body(*refs):
+    pl.run_scoped(lambda *scratch: body(*refs, *scratch), *scratch_types,
+                  collective_axes=thread_name)
+
+  return pl.kernel(kernel_body, out_type=out_type, mesh=mesh, compiler_params=compiler_params,
+                   interpret=interpret, name=name)

@@ -1,0 +1,260 @@
+"""Single-pass Hopper (Mosaic GPU) backward of focal flash attention: dq, dk, dv and d_scale.
+
+FlashAttention-3 (Shah et al. 2024, arXiv 2407.08608) §3 / Algorithm 3: one kernel over kv
+blocks that also produces dq, by adding each tile's dq contribution into a float32 accumulator in
+global memory. 5 matmuls per tile pair instead of the 7 of focal_mgpu_bwd's two kernels (which
+recompute q·kᵀ and dO·vᵀ in their dq pass). Same signature and math as `focal_mgpu_bwd.backward`
+(r = q·kᵀ float32, c = LOG2E·s, lse in base 2, delta = rowsum(dO·O) from `backward_rows`):
+  p = exp2(c·r − lse), dP = dO·vᵀ, dx = p ⊙ (dP − delta)     (dx = dL/dlogits)
+  dv_s = Σ_t p_ts dO_t;  dk_s = Σ_t s_t dx_ts q_t;  acc_t = Σ_s dx_ts k_s   (in the kernel)
+  dq_t = s_t·acc_t;  d_scale_t = Σ_s dx_ts r_ts = q_t·acc_t               (XLA epilogue)
+The epilogue reads acc once for both: d_scale costs the kernel nothing. acc sums the 16-bit dx
+that the tensor cores see, so d_scale carries that rounding (focal_mgpu_bwd's dq kernel sums
+dx·r in float32 instead; both stay within the tests' tolerance).
+
+Kernel `_kernel`, grid (Hkv, S / (W·block_kv_dkv), B), W = 2 compute warpgroups + 1 TMA producer
+(FA3 §3.1 warp specialisation, 232 / 40 registers). Compute warpgroup w keeps its k, v tile
+[bkv, D] in SMEM and dk, dv [bkv, D] float32 in registers; the producer streams q, dO [bq, D] and
+the rows (c, lse, delta) through a ring of `max_concurrent_steps` slots, for each of the G query
+heads of this kv head in turn, from the first q block at or below the CTA's diagonal (causal) to
+the end (the ring, skip and mask logic of focal_mgpu_bwd's dk/dv kernel). Per step, [bkv, bq]
+tiles ("KQ"):
+  r = k·qᵀ;  dv += p·dO and dP = v·dOᵀ (issued together);  dk += (s ⊙ dx)·q (dx from registers);
+  dx → SMEM tile ds (16-bit, stored while the dk wgmma runs);  acc_QD = dsᵀ·k (transposed SMEM
+  lhs) → float32 SMEM tile → TMA reduce-add into acc[b, q block, n] (`mgpu_compat.
+  copy_smem_to_gmem_add`). The reduce of step j reads its SMEM tile while step j+1 computes; the
+  warpgroup waits for that read only before overwriting the tile (wait_read_only).
+Both warpgroups of a CTA, and the CTAs of every kv block, add into the same dq rows: the TMA
+reduce is atomic per element, but the order of the float32 additions is not fixed, so dq and
+d_scale are not bitwise reproducible (dk, dv are). acc is zero-filled by XLA and handed to the
+kernel as a GMEM Ref (aliased in place), which is why the launch goes through
+`mgpu_compat.ref_kernel`.
+
+SMEM (16-bit inputs, C = max_concurrent_steps): W·2·bkv·D·2 (k, v) + C·(2·bq·D·2 + 3·bq·4) (ring)
++ W·bkv·bq·2 (ds) + W·bq·D·4 (float32 dq tile). D=128, bq = bkv = 64, C = 2: 210 KB of the 227 KB
+a CTA may use; C = 3 does not fit at D = 128 (ValueError). D=64, C = 3: 130 KB.
+Registers per compute warpgroup: dk + dv (2·bkv·D/128 per thread, 128 at D=128) plus the [bkv, bq]
+tiles; the dq tile (bq·D/128) is live only after dk's wgmma, when p and dP are dead.
+
+Contract: focal_mgpu_bwd's (`_check`; this kernel reads blocks.block_q_dkv, blocks.block_kv_dkv
+and blocks.max_concurrent_steps) plus the SMEM budget above. Causal: s visible to t iff s <= t.
+
+On CPU pass interpret=True (GPU interpret mode, race detector on). The interpreters of 0.10.2 and
+0.11.2 have no TMA reductions, so there acc gets a leading axis with one slab per kv tile
+(S / bkv): each warpgroup copies its dq tiles into its own slab (every (slab, q block, head) at
+most once) and XLA sums the slabs. Everything else is the compiled code path, race-checked; but
+0.10.2's interpreter performs SMEM->GMEM copies synchronously, so it cannot flag a missing
+wait_read_only before the dq tile is reused (0.11.2's tracks those reads).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from pallas_kernels import focal_mgpu_bwd as fb
+from pallas_kernels import mgpu_compat as mc
+
+W = fb.W  # compute warpgroups per CTA
+# 227 KB per CTA on Hopper, less the ~3 KB Mosaic keeps for itself (focal_mgpu's docstring).
+SMEM_BUDGET = 224 * 1024
+
+
+def smem_bytes(*, bq: int, bkv: int, D: int, steps: int, itemsize: int = 2) -> int:
+  """SMEM the fused kernel allocates (barriers aside); see the module docstring."""
+  return (W * 2 * bkv * D * itemsize + steps * (2 * bq * D * itemsize + 3 * bq * 4)
+          + W * bkv * bq * itemsize + W * bq * D * 4)
+
+
+def _kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, acc_ref, dk_ref, dv_ref,
+            k_s, v_s, q_s, do_s, c_s, lse_s, delta_s, ds_s, dq_s, res_bar, q_bar, q_free,
+            *, causal, bq, bkv, n_q, group, steps, interpret):
+  b, kv_head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
+  cta_k0 = lax.axis_index("kv_seq") * (W * bkv)
+  # First q block that sees any key of this CTA (causal); per head the CTA visits [i_lo, n_q).
+  i_lo = jnp.minimum(lax.div(cta_k0, jnp.int32(bq)), n_q) if causal else jnp.int32(0)
+  per_head = n_q - i_lo
+  wgmma_layout = plgpu.Layout.WGMMA
+  col_layout = wgmma_layout.reduce(0)  # per-query vectors run along axis 1 of [bkv, bq] tiles
+
+  @pl.when(wg < W)
+  def _compute():
+    plgpu.set_max_registers(232, action="increase")
+    k0 = cta_k0 + wg * bkv
+    rows = (b, pl.ds(k0, bkv), kv_head)
+    bar = res_bar.at[wg]
+    plgpu.copy_gmem_to_smem(k_ref.at[rows], k_s.at[wg], bar)
+    plgpu.copy_gmem_to_smem(v_ref.at[rows], v_s.at[wg], bar)
+    plgpu.barrier_wait(bar)
+    # Interpreted: this warpgroup's own slab (no TMA reduction there; module docstring).
+    acc = acc_ref.at[lax.div(k0, jnp.int32(bkv))] if interpret else acc_ref
+    ds_KQ_s, dq_QD_s = ds_s.at[wg], dq_s.at[wg]
+    shape_KQ = (bkv, bq)
+
+    def step(t, carry, *, g, masked):
+      dk_KD, dv_KD = carry
+      i = i_lo + t
+      slot = lax.rem(g * per_head + t, steps)
+      plgpu.barrier_wait(q_bar.at[slot])
+      r_KQ = mc.mma(k_s.at[wg], q_s.at[slot], transpose_b=True, interpret=interpret)
+      c_Q = mc.load(c_s.at[slot], layout=col_layout, interpret=interpret)
+      lse_Q = mc.load(lse_s.at[slot], layout=col_layout, interpret=interpret)
+      x_KQ = r_KQ * fb._bcast(c_Q, shape_KQ, 1) - fb._bcast(lse_Q, shape_KQ, 1)
+      if masked:
+        s = mc.iota(jnp.int32, shape_KQ, 0, wgmma_layout, interpret=interpret) + k0
+        tq = mc.iota(jnp.int32, shape_KQ, 1, wgmma_layout, interpret=interpret) + i * bq
+        x_KQ = jnp.where(s <= tq, x_KQ, -jnp.inf)
+      p_KQ = jnp.exp2(x_KQ)
+      dv_KD, dp_KQ = mc.mma_pair((p_KQ.astype(q_s.dtype), do_s.at[slot], dv_KD, False),
+                                 (v_s.at[wg], do_s.at[slot], None, True), interpret=interpret)
+      delta_Q = mc.load(delta_s.at[slot], layout=col_layout, interpret=interpret)
+      dx_KQ = p_KQ * (dp_KQ - fb._bcast(delta_Q, shape_KQ, 1))
+
+      def store_ds():  # overlapped with the dk wgmma; the last step's dsᵀ·k was awaited
+        ds_KQ_s[...] = dx_KQ.astype(ds_KQ_s.dtype)
+        plgpu.commit_smem()  # visible to the wgmma below (async proxy)
+
+      # dk contracts over queries: the temperature scales each query's column first.
+      dxs_KQ = (dx_KQ * fb._bcast(c_Q * fb.LN2, shape_KQ, 1)).astype(q_s.dtype)
+      dk_KD = mc.mma(dxs_KQ, q_s.at[slot], acc=dk_KD, during=store_ds, interpret=interpret)
+      plgpu.barrier_arrive(q_free.at[slot])  # q, dO and rows of this slot are no longer read
+      acc_QD = mc.mma_t(ds_KQ_s, k_s.at[wg], interpret=interpret)
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous reduce has read dq_QD_s
+      dq_QD_s[...] = acc_QD
+      plgpu.commit_smem()
+      n = kv_head * group + g
+      mc.copy_smem_to_gmem_add(dq_QD_s, acc.at[b, pl.ds(i * bq, bq), n], interpret=interpret)
+      return dk_KD, dv_KD
+
+    def skip(t, carry, *, g):
+      # The other warpgroup still needs the slot; keep this one's barrier phases in step.
+      slot = lax.rem(g * per_head + t, steps)
+      plgpu.barrier_wait(q_bar.at[slot])
+      plgpu.barrier_arrive(q_free.at[slot])
+      return carry
+
+    def head(g, carry):
+      unmasked = functools.partial(step, g=g, masked=False)
+      if not causal:
+        return lax.fori_loop(0, per_head, unmasked, carry)
+      # q blocks [i_lo, i_vis) lie wholly above this warpgroup's keys, [i_vis, i_full) cross
+      # its diagonal, [i_full, n_q) see all of its keys.
+      t_vis = jnp.clip(lax.div(k0, jnp.int32(bq)) - i_lo, 0, per_head)
+      t_full = jnp.clip(pl.cdiv(k0 + bkv, jnp.int32(bq)) - i_lo, 0, per_head)
+      carry = lax.fori_loop(0, t_vis, functools.partial(skip, g=g), carry)
+      carry = lax.fori_loop(t_vis, t_full, functools.partial(step, g=g, masked=True), carry)
+      return lax.fori_loop(t_full, per_head, unmasked, carry)
+
+    zeros = mc.layout_cast(jnp.zeros((bkv, k_s.shape[-1]), jnp.float32), wgmma_layout,
+                           interpret=interpret)
+    dk_KD, dv_KD = lax.fori_loop(0, group, head, (zeros, zeros))
+    # k, v tiles are free: the last dsᵀ·k wgmma was awaited.
+    k_s.at[wg][...] = dk_KD.astype(k_s.dtype)
+    v_s.at[wg][...] = dv_KD.astype(v_s.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(k_s.at[wg], dk_ref.at[rows])
+    plgpu.copy_smem_to_gmem(v_s.at[wg], dv_ref.at[rows])
+    plgpu.wait_smem_to_gmem(0)  # also the last dq reduce
+
+  @pl.when(wg == W)
+  def _producer():
+    plgpu.set_max_registers(40, action="decrease")
+    total = group * per_head
+
+    def issue(st):
+      slot = lax.rem(st, steps)
+      g, i = lax.div(st, per_head), i_lo + lax.rem(st, per_head)
+      n = kv_head * group + g
+      rows, vec = (b, pl.ds(i * bq, bq), n), (b, n, pl.ds(i * bq, bq))
+      bar = q_bar.at[slot]
+      plgpu.copy_gmem_to_smem(q_ref.at[rows], q_s.at[slot], bar)
+      plgpu.copy_gmem_to_smem(do_ref.at[rows], do_s.at[slot], bar)
+      for src, dst in ((c_ref, c_s), (lse_ref, lse_s), (delta_ref, delta_s)):
+        plgpu.copy_gmem_to_smem(src.at[vec], dst.at[slot], bar)
+
+    for st in range(steps):
+      pl.when(st < total)(functools.partial(issue, jnp.int32(st)))
+
+    @pl.loop(steps, total)
+    def _(st):
+      plgpu.barrier_wait(q_free.at[lax.rem(st, steps)])  # both warpgroups released step st - C
+      issue(st)
+
+    fb._drain(q_free, total, steps)
+
+
+def _check_smem(q, blocks):
+  D, itemsize = q.shape[-1], jnp.dtype(q.dtype).itemsize
+  need = smem_bytes(bq=blocks.block_q_dkv, bkv=blocks.block_kv_dkv, D=D,
+                    steps=blocks.max_concurrent_steps, itemsize=itemsize)
+  if need > SMEM_BUDGET:
+    raise ValueError(
+        f"fused backward needs {need / 1024:.1f} KB of SMEM > {SMEM_BUDGET // 1024} KB at D={D} "
+        f"with blocks.block_q_dkv={blocks.block_q_dkv}, blocks.block_kv_dkv="
+        f"{blocks.block_kv_dkv}, blocks.max_concurrent_steps={blocks.max_concurrent_steps}; "
+        f"lower max_concurrent_steps or the blocks")
+
+
+# jit: a Ref with a memory space exists only while tracing (NotImplementedError eagerly).
+@functools.partial(jax.jit, static_argnames=("causal", "blocks", "interpret"))
+def fused_call(q, k, v, do, c_BNT, lse_BNT, delta_BNT, *, causal: bool, blocks, interpret):
+  """The kernel: (acc [B,T,Hq,D] float32 = Σ_s dx_ts k_s, dk, dv [B,S,Hkv,D] k.dtype).
+  Inputs as `backward`'s after `focal_mgpu_bwd.backward_rows`; do in q.dtype; blocks hashable."""
+  B, T, N, D = q.shape
+  S, K = k.shape[1], k.shape[2]
+  flag, params = fb._launch_params(interpret)
+  bq, bkv = blocks.block_q_dkv, blocks.block_kv_dkv
+  n_q = T // bq
+  steps = max(1, min(blocks.max_concurrent_steps, n_q))  # more slots than blocks load nothing
+  acc_shape = (S // bkv, *q.shape) if flag else q.shape  # interpreted: one slab per kv tile
+  acc_ref = jax.new_ref(jnp.zeros(acc_shape, jnp.float32), memory_space=plgpu.GMEM)
+  # 128-byte swizzle: 64 16-bit or 32 float32 elements per row (the wgmma / TMA tile).
+  f32_tile = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
+  dk, dv = mc.ref_kernel(
+      functools.partial(_kernel, causal=causal, bq=bq, bkv=bkv, n_q=n_q, group=N // K,
+                        steps=steps, interpret=flag),
+      out_type=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+      scratch_types=[
+          fb._tile_smem((W, bkv, D), k.dtype), fb._tile_smem((W, bkv, D), k.dtype),  # k, v → dk, dv
+          fb._tile_smem((steps, bq, D), q.dtype), fb._tile_smem((steps, bq, D), q.dtype),  # q, dO
+          *[plgpu.SMEM((steps, bq), jnp.float32) for _ in range(3)],     # c, lse, delta ring
+          fb._tile_smem((W, bkv, bq), q.dtype),                          # ds = dx, 16-bit
+          plgpu.SMEM((W, bq, D), jnp.float32, transforms=f32_tile),      # dq tile to reduce
+          plgpu.Barrier(num_arrivals=2, num_barriers=W),          # resident tiles landed
+          plgpu.Barrier(num_arrivals=5, num_barriers=steps),      # q, dO, rows slot landed
+          plgpu.Barrier(num_arrivals=W, num_barriers=steps),      # slot released by both wgs
+      ],
+      grid=(K, S // (W * bkv), B), grid_names=("heads", "kv_seq", "batch"),
+      num_threads=W + 1, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=params, name="focal_mgpu_bwd_fused")(q, k, v, do, c_BNT, lse_BNT, delta_BNT,
+                                                      acc_ref)
+  acc = acc_ref[...]
+  return (acc.sum(axis=0) if flag else acc), dk, dv
+
+
+def epilogue(q, s_BNT, acc_BTND):
+  """(dq [B,T,Hq,D] q.dtype, d_scale [B,Hq,T] float32) from the kernel's float32 acc: one
+  memory-bound XLA fusion. Multiply-and-sum, not einsum, so no TF32 dot touches d_scale."""
+  s_BTN = jnp.swapaxes(s_BNT, 1, 2)
+  dq = (acc_BTND * s_BTN[..., None]).astype(q.dtype)
+  ds_BTN = jnp.sum(q.astype(jnp.float32) * acc_BTND, axis=-1)
+  return dq, jnp.swapaxes(ds_BTN, 1, 2)
+
+
+def backward(q, k, v, s_BNT, out, lse_BNT, do, *, causal: bool, blocks, interpret):
+  """Returns (dq [B,T,Hq,D] q.dtype, dk, dv [B,S,Hkv,D] k.dtype, d_scale [B,Hq,T] float32),
+  as `focal_mgpu_bwd.backward` (same arguments; blocks e.g. focal_mgpu.BlockSizes, of which this
+  kernel uses block_q_dkv, block_kv_dkv and max_concurrent_steps; hashable, e.g. frozen)."""
+  fb._check(q, k, v, s_BNT, lse_BNT, do, blocks)
+  _check_smem(q, blocks)
+  c_BNT, delta_BNT = fb.backward_rows(s_BNT, out, do)
+  acc_BTND, dk, dv = fused_call(q, k, v, do.astype(q.dtype), c_BNT, lse_BNT, delta_BNT,
+                                causal=causal, blocks=blocks, interpret=interpret)
+  dq, ds_BNT = epilogue(q, s_BNT, acc_BTND)
+  return dq, dk, dv, ds_BNT
