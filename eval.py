@@ -4,9 +4,19 @@
   python eval.py --workdir runs/default/checkpoints/250 --suites val,longdoc --max_multiplier 4
   python eval.py --workdir runs/default --books path/to/books.jsonl.xz --max_books 16
 
+  python eval.py --workdir runs/default --focus_adapter runs/focus          # FocusLLM suites
+  python eval.py --workdir runs/default --focus_adapter runs/focus/adapter/2000 \
+      --suites focus_passkey --focus_multipliers 2,8 --passkey_seeds 10
+
 Suites: val, longdoc, passkey, keyword, attention, sample (default: all). Long documents default
 to ../shared/data/corpus/longeval.jsonl.xz next to the repository when it exists, else the
 validation split's documents concatenated (the output says which).
+
+FocusLLM suites (focaljax/focus_eval.py): focus_passkey, focus_longdoc, on the base --workdir with
+the adapter --focus_adapter (a focus run workdir: its latest adapter/<step>; or one adapter
+directory); the default suites with --focus_adapter are these two. Their JSON goes under the focus
+run's eval/ (eval/adapter_<step> for an explicit step). --max_multiplier (default 32 for them),
+--passkey_seeds (default 10 for them), --max_books and --books apply to them too.
 """
 
 import os
@@ -16,13 +26,15 @@ from absl import flags
 from absl import logging
 
 from focaljax import evaluate
+from focaljax import focus_eval
 
 _REPO = os.path.dirname(os.path.abspath(__file__))
 _DEFAULT_BOOKS = os.path.join(_REPO, "..", "shared", "data", "corpus", "longeval.jsonl.xz")
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "training workdir or its checkpoints/<step>",
                                required=True)
-_SUITES = flags.DEFINE_list("suites", list(evaluate.SUITES), "suites to run")
+_SUITES = flags.DEFINE_list("suites", list(evaluate.SUITES),
+                            "suites to run; also focus_passkey, focus_longdoc (--focus_adapter)")
 _BOOKS = flags.DEFINE_string("books", None, "long documents (.jsonl[.xz] with `text`, or .txt); "
                              "default: shared longeval corpus if present, else validation docs")
 _MAX_MULTIPLIER = flags.DEFINE_integer("max_multiplier", 8, "longest length / trained context")
@@ -32,6 +44,17 @@ _SEEDS = flags.DEFINE_integer("passkey_seeds", 4, "passkey trials (random keys) 
 _VAL_BATCHES = flags.DEFINE_integer("val_batches", None, "default: config train.eval_batches")
 _OUT_DIR = flags.DEFINE_string("out_dir", None, "default: WORKDIR/eval")
 _PLOTS = flags.DEFINE_bool("plots", True, "write PNG plots (needs matplotlib)")
+_FOCUS_ADAPTER = flags.DEFINE_string("focus_adapter", None, "FocusLLM adapter of the --workdir "
+                                     "base: a focus run workdir or one adapter/<step> directory")
+_FOCUS_MULTIPLIERS = flags.DEFINE_list("focus_multipliers",
+                                       [str(m) for m in focus_eval.DEFAULT_MULTIPLIERS],
+                                       "focus_passkey lengths / the base's trained context")
+_FOCUS_LOCAL_LEN = flags.DEFINE_integer("focus_local_len", None,
+                                        "local window tokens; default: trained context // 2")
+_FOCUS_CHUNK_SIZE = flags.DEFINE_integer("focus_chunk_size", None,
+                                         "memory chunk size; default: the adapter's focus.json")
+_FOCUS_IMPLEMENTATION = flags.DEFINE_enum("focus_implementation", None, ["xla", "pallas"],
+                                          "candidate/local attention; default: the adapter's")
 
 
 def main(argv):
@@ -41,10 +64,28 @@ def main(argv):
   books = _BOOKS.value
   if books is None and os.path.isfile(_DEFAULT_BOOKS):
     books = os.path.normpath(_DEFAULT_BOOKS)
-  evaluate.run(_WORKDIR.value, suites=_SUITES.value, books=books,
-               max_multiplier=_MAX_MULTIPLIER.value, max_books=_MAX_BOOKS.value,
-               depths=[float(d) for d in _DEPTHS.value], passkey_seeds=_SEEDS.value,
-               val_batches=_VAL_BATCHES.value, out_dir=_OUT_DIR.value, plots=_PLOTS.value)
+  suites = _SUITES.value
+  if _FOCUS_ADAPTER.value and not flags.FLAGS["suites"].present:
+    suites = list(focus_eval.FOCUS_SUITES)
+  focus_suites = [s for s in suites if s in focus_eval.FOCUS_SUITES]
+  base_suites = [s for s in suites if s not in focus_eval.FOCUS_SUITES]
+  if focus_suites and not _FOCUS_ADAPTER.value:
+    raise app.UsageError(f"--suites {','.join(focus_suites)} needs --focus_adapter")
+  if base_suites:
+    evaluate.run(_WORKDIR.value, suites=base_suites, books=books,
+                 max_multiplier=_MAX_MULTIPLIER.value, max_books=_MAX_BOOKS.value,
+                 depths=[float(d) for d in _DEPTHS.value], passkey_seeds=_SEEDS.value,
+                 val_batches=_VAL_BATCHES.value, out_dir=_OUT_DIR.value, plots=_PLOTS.value)
+  if focus_suites:
+    # The base suites' defaults suit a 1-8x sweep; FocusLLM's protocol goes to 32x and 10 seeds.
+    present = lambda name: flags.FLAGS[name].present
+    focus_eval.run(
+        _WORKDIR.value, _FOCUS_ADAPTER.value, suites=focus_suites, books=books,
+        max_multiplier=_MAX_MULTIPLIER.value if present("max_multiplier") else 32,
+        max_books=_MAX_BOOKS.value, multipliers=[int(m) for m in _FOCUS_MULTIPLIERS.value],
+        seeds=_SEEDS.value if present("passkey_seeds") else 10,
+        local_len=_FOCUS_LOCAL_LEN.value, chunk_size=_FOCUS_CHUNK_SIZE.value,
+        implementation=_FOCUS_IMPLEMENTATION.value, out_dir=_OUT_DIR.value)
 
 
 if __name__ == "__main__":
