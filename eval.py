@@ -55,6 +55,8 @@ _FOCUS_CHUNK_SIZE = flags.DEFINE_integer("focus_chunk_size", None,
                                          "memory chunk size; default: the adapter's focus.json")
 _FOCUS_IMPLEMENTATION = flags.DEFINE_enum("focus_implementation", None, ["xla", "pallas"],
                                           "candidate/local attention; default: the adapter's")
+_FOCUS_DTYPE = flags.DEFINE_enum("focus_dtype", "float32", ["float32", "bfloat16"],
+                                 "cast base and adapter for the FocusLLM suites")
 
 
 def main(argv):
@@ -85,7 +87,8 @@ def main(argv):
         max_books=_MAX_BOOKS.value, multipliers=[int(m) for m in _FOCUS_MULTIPLIERS.value],
         seeds=_SEEDS.value if present("passkey_seeds") else 10,
         local_len=_FOCUS_LOCAL_LEN.value, chunk_size=_FOCUS_CHUNK_SIZE.value,
-        implementation=_FOCUS_IMPLEMENTATION.value, out_dir=_OUT_DIR.value)
+        implementation=_FOCUS_IMPLEMENTATION.value, dtype=_FOCUS_DTYPE.value,
+        out_dir=_OUT_DIR.value)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,179 @@
+"""FocusLLM evaluation: the passkey protocol's inputs and scoring, loss-by-position ranges,
+eval.py's --focus_adapter end to end, and the decode benchmark's smoke run."""
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import test_focus_train  # tests/ is on sys.path under pytest: its hand-made base workdir
+from focaljax import attention as attn_lib
+from focaljax import checkpoint
+from focaljax import focus
+from focaljax import focus_eval
+from focaljax import focus_generate
+from focaljax import model as model_lib
+from focaljax import retrieval
+from focaljax import tokenizer as tokenizer_lib
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+CTX = 64
+
+
+@pytest.fixture(scope="module")
+def tok():
+  return tokenizer_lib.bundled()
+
+
+@pytest.fixture(scope="module")
+def tiny(tok):
+  """(base, adapter, cfg): a 64-token-context base over the bundled vocabulary, a perturbed
+  adapter (so the candidate path matters), chunks of 16."""
+  cfg = model_lib.ModelConfig(
+      vocab_size=tok.vocab_size, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
+      head_dim=8, d_ff=64, max_seq_len=CTX,
+      attention=attn_lib.AttentionConfig(layers=attn_lib.parse_pattern("softmax:rope", 2)))
+  base = model_lib.Transformer(cfg, nnx.Rngs(0))
+  leaves, tree = jax.tree.flatten(focus.init_adapter(base))
+  keys = jax.random.split(jax.random.key(5), len(leaves))
+  adapter = jax.tree.unflatten(tree, [w + 0.3 * jnp.std(w) * jax.random.normal(k, w.shape)
+                                      for w, k in zip(leaves, keys)])
+  return base, adapter, focus.FocusConfig(chunk_size=16, prompt_len=8)
+
+
+def test_local_window_leaves_whole_chunks():
+  assert focus_eval.local_len_for(4096, 1024, 1024) == 1024
+  assert focus_eval.local_len_for(200, 16, 32) == 24 and (200 - 24) % 16 == 0
+  assert focus_eval.local_len_for(20, 16, 32) == 20   # all local, no memory
+  # 2x a 2K context with 1K chunks and a 512-token window: only 1024 leaves whole chunks.
+  assert focus_eval.local_len_for(4096, 1024, 512, min_len=12, max_len=2042) == 1024
+  with pytest.raises(ValueError, match="chunk_size 1024"):
+    focus_eval.local_len_for(4096, 1024, 512, min_len=12, max_len=1000)
+
+
+def test_with_attention_swaps_the_implementation_only(tiny):
+  base = tiny[0]
+  swapped = focus_eval.with_attention(base, "cudnn")
+  assert swapped.blocks[0].attn.cfg.attention.implementation == "cudnn"
+  assert base.blocks[0].attn.cfg.attention.implementation == "xla"
+  jax.tree.map(np.testing.assert_array_equal, nnx.state(swapped), nnx.state(base))
+
+
+def test_passkey_feeds_the_official_prompt_and_scores_exact_keys(tiny, tok, monkeypatch):
+  base, adapter, cfg = tiny
+  seen = []
+
+  def oracle(adapter, base, memory_BM, prompt_BT, cfg, max_new_tokens):
+    # Answers with the key written in the memory: checks the split and the scoring, not a model.
+    seen.append((np.asarray(memory_BM), np.asarray(prompt_BT)))
+    key = re.search(r"\nThe pass key is (\d+)\. Remember it\. \1 is the pass key\.\n",
+                    tok.decode(np.asarray(memory_BM)[0].tolist()))
+    answer = tok.encode(f" {key.group(1) if key else '0'}.")[:max_new_tokens]
+    new = np.zeros((1, max_new_tokens), np.int32)
+    new[0, :len(answer)] = answer
+    return jnp.asarray(np.concatenate([prompt_BT, new], 1))
+
+  monkeypatch.setattr(focus_generate, "generate", oracle)
+  r = focus_eval.passkey(adapter, base, cfg, tok, multipliers=(2, 3), seeds=4)
+  assert r["lengths"] == [2 * CTX, 3 * CTX] and len(seen) == 8
+  trials = [(row, t) for row in r["rows"] for t in row["trials"]]
+  for (memory, local), (row, t) in zip(seen, trials):
+    assert memory.shape[1] + local.shape[1] == row["length"]
+    assert local.shape[1] == row["local_len"] <= CTX // 2 and memory.shape[1] % 16 == 0
+    assert tok.decode(local[0].tolist()).endswith(retrieval.PASSKEY_QUESTION)
+    text = tok.decode(np.concatenate([memory, local], 1)[0].tolist())
+    needle = retrieval.PASSKEY_NEEDLE.format(key=t["key"])
+    assert text.count(needle) == 1 and text.startswith(retrieval.PASSKEY_HEAD)
+    # Without the needle the text is the task, the official filler repeated, and the question.
+    assert retrieval.PASSKEY_FILLER in text.replace(needle, "")
+  for row in r["rows"]:
+    for t in row["trials"]:
+      assert 10_000 <= t["key"] < 100_000 and 0 <= t["depth"] < 1 and t["needle_at"] >= 0
+      # Where the needle sits in the memory the oracle finds the key; exact match scores it.
+      assert t["correct"] == t["needle_in_memory"], t
+  assert r["seeds"] == [0, 1, 2, 3] and any(t["needle_in_memory"] for t in r["rows"][1]["trials"])
+  assert all(a in (None, 1.0) for a in r["accuracy_needle_in_memory"])
+
+
+def test_passkey_with_a_model_is_well_formed(tiny, tok):
+  base, adapter, cfg = tiny
+  r = focus_eval.passkey(adapter, base, cfg, tok, multipliers=(2,), seeds=2)
+  row = r["rows"][0]
+  assert row["length"] == 128 and row["num_chunks"] * 16 == row["memory_len"] == 96
+  assert [t["seed"] for t in row["trials"]] == [0, 1]
+  assert all(isinstance(t["output"], str) and isinstance(t["correct"], bool)
+             for t in row["trials"])
+  assert 0 <= r["accuracy_by_length"][0] <= 1 and r["overall"] == r["accuracy_by_length"][0]
+  assert "focus_passkey" in focus_eval.format_suite("focus_passkey", r)
+  json.dumps(r)
+
+
+def test_loss_by_position_ranges(tiny):
+  base, adapter, cfg = tiny
+  rng = np.random.default_rng(0)
+  docs = [rng.integers(1, 4000, n).tolist() for n in (256, 100, 300)]   # 100 is too short
+  r = focus_eval.loss_by_position(adapter, base, cfg, docs, max_multiplier=4, num_targets=4,
+                                  windows=1)
+  assert r["num_books"] == 2 and r["max_len"] == 256 and r["local_len"] == 32
+  assert r["ranges"] == [[0, 64], [64, 128], [128, 256]]
+  for (a, b), ends, chunks in zip(r["ranges"], r["window_ends"], r["memory_chunks"]):
+    assert ends and all(a <= p - 3 and p < b and p >= 32 for p in ends)   # targets in range
+    assert chunks == [(p - 32) // 16 for p in ends]
+  c = r["curves"]
+  for name in ("focus", "base", "gain"):
+    assert np.isfinite(np.asarray(c[name]["per_book"])).all()
+    assert len(c[name]["mean"]) == len(c[name]["stderr"]) == 3
+  np.testing.assert_allclose(c["gain"]["mean"], np.subtract(c["base"]["mean"],
+                                                            c["focus"]["mean"]), atol=1e-6)
+  assert abs(c["base"]["mean"][0] - np.log(base.cfg.vocab_size)) < 1.5   # random init
+  json.dumps(r)
+  with pytest.raises(ValueError, match="max_multiplier"):
+    focus_eval.loss_by_position(adapter, base, cfg, docs, max_multiplier=8)
+
+
+def test_eval_py_focus_adapter_end_to_end(tmp_path, tiny):
+  test_focus_train.make_base(tmp_path / "base")
+  from focaljax import loaded  # pylint: disable=import-outside-toplevel
+  run = tmp_path / "focus_run"   # what focus_train writes: its config and adapter/<step>/
+  checkpoint.write_config(str(run), test_focus_train.focus_cfg(tmp_path / "base"))   # local 16
+  focus.save_adapter(str(run / "adapter" / "1"), focus.init_adapter(
+      loaded.load(str(tmp_path / "base")).model), tiny[2], base_workdir=str(tmp_path / "base"))
+  books = tmp_path / "books.jsonl"
+  text = "It was the best of times, it was the worst of times, it was the age of wisdom. " * 40
+  books.write_text(json.dumps({"text": text}))
+  cmd = [sys.executable, str(REPO / "eval.py"), f"--workdir={tmp_path / 'base'}",
+         f"--focus_adapter={run}", "--focus_multipliers=2", "--passkey_seeds=2",
+         "--max_multiplier=2", "--max_books=1", f"--books={books}"]
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  results = json.loads((run / "eval" / "focus_results.json").read_text())
+  assert results["meta"]["suites"] == list(focus_eval.FOCUS_SUITES)
+  for suite in focus_eval.FOCUS_SUITES:
+    assert "skipped" not in results[suite], results[suite]
+    assert (run / "eval" / f"{suite}.json").exists() and f"== {suite}" in proc.stdout
+  assert results["focus_passkey"]["lengths"] == [128] and results["meta"]["local_len"] == 16
+  assert results["focus_passkey"]["rows"][0]["local_len"] == 16   # the adapter's training window
+  assert results["focus_longdoc"]["ranges"] == [[0, 64], [64, 128]]
+  assert not (tmp_path / "base" / "eval").exists()   # the base workdir stays untouched
+
+
+def test_decode_bench_smoke(tmp_path):
+  out = tmp_path / "bench.json"
+  cmd = [sys.executable, str(REPO / "bench" / "focus_decode.py"), "--smoke", "--multipliers=8",
+         "--new_tokens=3", f"--out={out}"]
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  rows = json.loads(out.read_text())["rows"]
+  assert [r["mode"] for r in rows] == ["batched", "sequential", "base"]
+  for r in rows:
+    assert "error" not in r and r["tok_per_s"] > 0 and r["length"] == 8 * 64, r
