@@ -22,7 +22,7 @@ prefill, which also yields the first new token's logits) and tok_per_s = batch x
 peak_GiB is the device's peak_bytes_in_use (None on CPU); with --isolate (default unless --smoke)
 every entry runs in a fresh process so the peak is its own, otherwise it is the process peak so
 far. Note focus.frozen_prefill allocates the chunk caches in float32 whatever --dtype is, so the
-focus modes' chunk prefill runs the base with --chunk_attention (default xla; cudnn rejects them).
+focus modes' chunk prefill runs the base with --chunk_attention (default xla; cudnn needs 16-bit).
 """
 
 from __future__ import annotations
@@ -248,7 +248,7 @@ def main(argv=None):
                   help="model.attention.implementation of the base mode")
   ap.add_argument("--chunk_attention", default="xla",
                   help="the same for the focus modes' frozen chunk prefill (focus_eval."
-                  "with_attention: its float32 caches rule out cudnn)")
+                  "with_attention: cudnn needs a 16-bit --dtype)")
   ap.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
                   help="one process per entry (default: on unless --smoke)")
   ap.add_argument("--entry", default=None, help=argparse.SUPPRESS)  # mode:multiplier (child)

@@ -188,8 +188,9 @@ def _candidate_project(attn, w, x_RQE, positions_RQ, theta):
 
 def frozen_prefill(base, tokens_RT, max_len: int, theta: float):
   """Frozen K/V caches of the chunk sequences (positions 0..T-1) with room for `max_len`."""
-  caches = base.init_cache(tokens_RT.shape[0], max_len)
   x_RTE = base.embed[...][tokens_RT]
+  # Caches in the activations' dtype: fused attention (cuDNN, the kernels) wants q, k, v alike.
+  caches = base.init_cache(tokens_RT.shape[0], max_len, x_RTE.dtype)
   new = []
   for block, cache in zip(base.blocks, caches):
     x_RTE, cache = block.cached(x_RTE, cache, 0, theta)

@@ -251,9 +251,9 @@ def cast(tree, dtype):
 def with_attention(model, implementation: str):
   """The same weights with the base's attention implementation replaced (a `how`, not a `what`).
 
-  focus.frozen_prefill allocates float32 chunk caches and the frozen chunk prefill attends the
-  queries against them (model.Attention.cached); cuDNN wants q, k, v of one 16-bit dtype, so a
-  base trained with implementation cudnn/auto cannot condense on a GPU. "xla" promotes."""
+  The chunk caches take the activations' dtype (focus.frozen_prefill); cuDNN accepts only 16-bit
+  q, k, v, so a base trained with cudnn/auto cannot be evaluated in float32 on a GPU unless its
+  attention runs as "xla" (the default here) or "pallas"."""
   cfg = dataclasses.replace(model.cfg, attention=dataclasses.replace(
       model.cfg.attention, implementation=implementation))
   graphdef, _ = loaded_lib.abstract_model(cfg)
@@ -308,7 +308,7 @@ def run(base_path: str, adapter_path: str, *, suites=FOCUS_SUITES, books: str | 
   the adapter (resolve_adapter), writes <suite>.json and focus_results.json under out_dir
   (default: the focus run's eval/, or eval/adapter_<step> for an explicit adapter/<step>).
   `local_len` defaults to the focus run's config focus.local_len, else context // 2. `dtype`
-  casts base and adapter once (bfloat16: faster on GPU; the chunk caches stay float32).
+  casts base and adapter once (bfloat16: faster on GPU; the chunk caches follow it).
   `base_attention` replaces the base's attention implementation (with_attention says why)."""
   unknown = set(suites) - set(FOCUS_SUITES)
   if unknown:
