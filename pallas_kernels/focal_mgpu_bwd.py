@@ -216,6 +216,39 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, dq_ref, d
     _drain(kv_free, n_kv_cta, steps)
 
 
+def stream_q_rows(gmem, smem, q_bar, q_free, *, b, kv_head, group, i_lo, per_head, bq, steps):
+  """Producer warpgroup of the key-resident backward passes (this file's dk/dv kernel and
+  focal_mgpu_bwd_fused): TMA-streams q, dO and the rows (LOG2E·s, lse, delta) of the `group`
+  query heads of kv head `kv_head`, q blocks i_lo .. i_lo + per_head - 1 per head, through a ring
+  of `steps` slots. A slot is refilled once both compute warpgroups arrived on its q_free
+  barrier. gmem = (q, dO, c, lse, delta) refs; smem = their ring buffers, in the same order."""
+  q_ref, do_ref, c_ref, lse_ref, delta_ref = gmem
+  q_s, do_s, c_s, lse_s, delta_s = smem
+  plgpu.set_max_registers(40, action="decrease")
+  total = group * per_head
+
+  def issue(st):
+    slot = lax.rem(st, steps)
+    g, i = lax.div(st, per_head), i_lo + lax.rem(st, per_head)
+    n = kv_head * group + g
+    rows, vec = (b, pl.ds(i * bq, bq), n), (b, n, pl.ds(i * bq, bq))
+    bar = q_bar.at[slot]
+    plgpu.copy_gmem_to_smem(q_ref.at[rows], q_s.at[slot], bar)
+    plgpu.copy_gmem_to_smem(do_ref.at[rows], do_s.at[slot], bar)
+    for src, dst in ((c_ref, c_s), (lse_ref, lse_s), (delta_ref, delta_s)):
+      plgpu.copy_gmem_to_smem(src.at[vec], dst.at[slot], bar)
+
+  for st in range(steps):
+    pl.when(st < total)(functools.partial(issue, jnp.int32(st)))
+
+  @pl.loop(steps, total)
+  def _(st):
+    plgpu.barrier_wait(q_free.at[lax.rem(st, steps)])  # both warpgroups released step st - steps
+    issue(st)
+
+  _drain(q_free, total, steps)
+
+
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, dk_ref, dv_ref,
                 k_s, v_s, q_s, do_s, c_s, lse_s, delta_s, res_bar, q_bar, q_free,
                 *, causal, bq, bkv, n_q, group, steps, interpret):
@@ -292,29 +325,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, dk_ref, 
 
   @pl.when(wg == W)
   def _producer():
-    plgpu.set_max_registers(40, action="decrease")
-    total = group * per_head
-
-    def issue(st):
-      slot = lax.rem(st, steps)
-      g, i = lax.div(st, per_head), i_lo + lax.rem(st, per_head)
-      n = kv_head * group + g
-      rows, vec = (b, pl.ds(i * bq, bq), n), (b, n, pl.ds(i * bq, bq))
-      bar = q_bar.at[slot]
-      plgpu.copy_gmem_to_smem(q_ref.at[rows], q_s.at[slot], bar)
-      plgpu.copy_gmem_to_smem(do_ref.at[rows], do_s.at[slot], bar)
-      for src, dst in ((c_ref, c_s), (lse_ref, lse_s), (delta_ref, delta_s)):
-        plgpu.copy_gmem_to_smem(src.at[vec], dst.at[slot], bar)
-
-    for st in range(steps):
-      pl.when(st < total)(functools.partial(issue, jnp.int32(st)))
-
-    @pl.loop(steps, total)
-    def _(st):
-      plgpu.barrier_wait(q_free.at[lax.rem(st, steps)])
-      issue(st)
-
-    _drain(q_free, total, steps)
+    stream_q_rows((q_ref, do_ref, c_ref, lse_ref, delta_ref), (q_s, do_s, c_s, lse_s, delta_s),
+                  q_bar, q_free, b=b, kv_head=kv_head, group=group, i_lo=i_lo,
+                  per_head=per_head, bq=bq, steps=steps)
 
 
 def _launch_params(interpret):

@@ -163,29 +163,9 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, acc_ref, dk_
 
   @pl.when(wg == W)
   def _producer():
-    plgpu.set_max_registers(40, action="decrease")
-    total = group * per_head
-
-    def issue(st):
-      slot = lax.rem(st, steps)
-      g, i = lax.div(st, per_head), i_lo + lax.rem(st, per_head)
-      n = kv_head * group + g
-      rows, vec = (b, pl.ds(i * bq, bq), n), (b, n, pl.ds(i * bq, bq))
-      bar = q_bar.at[slot]
-      plgpu.copy_gmem_to_smem(q_ref.at[rows], q_s.at[slot], bar)
-      plgpu.copy_gmem_to_smem(do_ref.at[rows], do_s.at[slot], bar)
-      for src, dst in ((c_ref, c_s), (lse_ref, lse_s), (delta_ref, delta_s)):
-        plgpu.copy_gmem_to_smem(src.at[vec], dst.at[slot], bar)
-
-    for st in range(steps):
-      pl.when(st < total)(functools.partial(issue, jnp.int32(st)))
-
-    @pl.loop(steps, total)
-    def _(st):
-      plgpu.barrier_wait(q_free.at[lax.rem(st, steps)])  # both warpgroups released step st - C
-      issue(st)
-
-    fb._drain(q_free, total, steps)
+    fb.stream_q_rows((q_ref, do_ref, c_ref, lse_ref, delta_ref), (q_s, do_s, c_s, lse_s, delta_s),
+                     q_bar, q_free, b=b, kv_head=kv_head, group=group, i_lo=i_lo,
+                     per_head=per_head, bq=bq, steps=steps)
 
 
 def _check_smem(q, blocks):
