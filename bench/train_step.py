@@ -1,6 +1,8 @@
 """End-to-end training step time and MFU of the focal configs, one implementation after another.
 
   python bench/train_step.py --sizes 400m,1.3b --impls cudnn,pallas,tokamax,xla --out step.json
+  python bench/train_step.py --sizes 209m --seq_len 16384 --batch 1 --impls pallas \
+      --patterns "softmax:rope;dilution:none" --out dilution_step.json   # issue 4's step ratio
 
 Synthetic batches (random tokens, one document per row) so only the step is timed: the same
 jitted, donated `trainer.train_step` that train.py runs, bf16 compute over float32 master
@@ -29,8 +31,9 @@ from focaljax import model as model_lib  # noqa: E402
 BATCH = {"400m": 16, "1.3b": 8, "small": 8, "tiny": 8}
 
 
-def run(size, impl, steps, seq_len, remat, batch=None, fuse=False):
-  c = base.get_config(f"size={size},pattern=focal")
+def run(size, impl, steps, seq_len, remat, batch=None, fuse=False, pattern="focal"):
+  c = base.get_config(f"size={size}")
+  c.model.attention.pattern = pattern
   c.model.attention.implementation = impl
   c.model.remat = remat
   c.model.fuse_matmuls = fuse
@@ -70,7 +73,7 @@ def run(size, impl, steps, seq_len, remat, batch=None, fuse=False):
   tokens = B * T
   flops = metrics.flops_per_token(cfg) * tokens
   peak = metrics.peak_flops_per_device()
-  return {"size": size, "impl": impl, "batch": B, "seq_len": T, "remat": remat,
+  return {"size": size, "impl": impl, "pattern": pattern, "batch": B, "seq_len": T, "remat": remat,
           "fuse_matmuls": fuse,
           "params": model_lib.param_count(cfg), "step_ms": dt * 1e3, "tokens_per_s": tokens / dt,
           "tflops": flops / dt / 1e12, "mfu": (flops / dt / peak) if peak else None,
@@ -86,27 +89,33 @@ def main():
   p.add_argument("--remat", action="store_true")
   p.add_argument("--fused", action="store_true", help="one GEMM for q/k/v and one for gate/up")
   p.add_argument("--batch", type=int, default=0, help="global batch (0: the per-size default)")
+  p.add_argument("--patterns", default="focal",
+                  help="model.attention.pattern values separated by ';', e.g. "
+                  "'softmax:rope;dilution:none' (issue 4: the 209M models at 16K, --batch 1)")
   p.add_argument("--out", default="bench_train_step.json")
   args = p.parse_args()
   rows = []
   print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}")
-  for size in args.sizes.split(","):
-    for impl in args.impls.split(","):
-      try:
-        r = run(size, impl, args.steps, args.seq_len, args.remat, args.batch or None,
-                args.fused)
-      except Exception as e:  # one failing implementation must not lose the table
-        r = {"size": size, "impl": impl, "error": f"{type(e).__name__}: {str(e)[:300]}"}
-      rows.append(r)
-      print(json.dumps(r), flush=True)
-  print(f"\n{'size':>6} {'impl':>8} {'step ms':>9} {'tok/s':>9} {'TFLOP/s':>8} {'MFU':>6}")
+  runs = [(s, i, pat) for s in args.sizes.split(",") for pat in args.patterns.split(";")
+          for i in args.impls.split(",")]
+  for size, impl, pattern in runs:
+    try:
+      r = run(size, impl, args.steps, args.seq_len, args.remat, args.batch or None,
+              args.fused, pattern)
+    except Exception as e:  # one failing implementation must not lose the table
+      r = {"size": size, "impl": impl, "pattern": pattern,
+           "error": f"{type(e).__name__}: {str(e)[:300]}"}
+    rows.append(r)
+    print(json.dumps(r), flush=True)
+  print(f"\n{'size':>6} {'pattern':>26} {'impl':>8} {'step ms':>9} {'tok/s':>9} {'TFLOP/s':>8} "
+        f"{'MFU':>6}")
   for r in rows:
+    head = f"{r['size']:>6} {r['pattern']:>26} {r['impl']:>8}"
     if "error" in r:
-      print(f"{r['size']:>6} {r['impl']:>8}  error: {r['error'][:80]}")
+      print(f"{head}  error: {r['error'][:80]}")
     else:
       mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] else "n/a"
-      print(f"{r['size']:>6} {r['impl']:>8} {r['step_ms']:9.1f} {r['tokens_per_s']:9.0f} "
-            f"{r['tflops']:8.1f} {mfu:>6}")
+      print(f"{head} {r['step_ms']:9.1f} {r['tokens_per_s']:9.0f} {r['tflops']:8.1f} {mfu:>6}")
   with open(args.out, "w") as f:
     json.dump({"jax": jax.__version__, "device": jax.devices()[0].device_kind, "rows": rows}, f,
               indent=1)
