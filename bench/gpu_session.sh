@@ -24,6 +24,10 @@ for spec in "$@"; do
     fused_bwd) $RUN python3 -m pytest -q -p no:cacheprovider tests/test_focal_mgpu_bwd_fused.py \
              -k Compiled 2>&1 | tee "$OUT/fused_bwd_tests.log" | tail -20
              $RUN python3 bench/focal_mgpu_bwd.py --fused 2>&1 | tee "$OUT/fused_bwd.log" | tail -20 ;;
+    dilution_step) $RUN python3 bench/train_step.py --sizes 209m --seq_len 16384 --batch 1 \
+             --impls pallas,cudnn --patterns "softmax:rope;dilution:none" --steps 6 \
+             --out "$OUT/dilution_step.json" 2>&1 | grep --line-buffered -v -i autotun \
+             | tee "$OUT/dilution_step.log" | tail -12 ;;
     mgpu_tests) $RUN python3 -m pytest -q -p no:cacheprovider tests/test_focal_mgpu.py \
              tests/test_focal_mgpu_bwd.py tests/test_condense.py -k "Compiled" 2>&1 \
              | tee "$OUT/mgpu_tests.log" | tail -40 ;;
