@@ -70,6 +70,7 @@ from focaljax import attention as attn_lib
 from focaljax import focus_attention
 from focaljax import loaded
 from focaljax import model as model_lib
+from focaljax import sharding
 
 CANDIDATE_POSITION = 0   # the RoPE position of every candidate key in the local decoder
 _PROJ = ("wq", "wk", "wv", "wo")
@@ -277,7 +278,9 @@ def condense(adapter, base, memory_BM, span_BP, num_candidates: int, cfg: FocusC
     raise ValueError("focus.condense: the memory is empty; use no_candidates(base, B, Q)")
   Q = num_candidates
   theta = base.cfg.rope_theta   # positions stay inside the trained context: no NTK scaling
-  seq_RN = chunk_sequences(memory_BM, span_BP, cfg)
+  # Rows (B·C chunk sequences) split over every data-like mesh axis, so even one long document
+  # (B = 1) spreads its chunks across devices; a no-op without an ambient mesh.
+  seq_RN = sharding.constrain(chunk_sequences(memory_BM, span_BP, cfg), ("batch", "seq"))
   R, n = seq_RN.shape
   C = R // B
   cache_len = focus_attention.cache_len(cfg.implementation, n - 1 + extra)
