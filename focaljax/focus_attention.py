@@ -12,9 +12,15 @@ Both compute the same function (tests/test_condense.py). Letters as in focus.py.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from typing import Callable
 
+import jax
+from jax.sharding import PartitionSpec as P
+
 from focaljax import ops
+from focaljax import sharding
 from pallas_kernels import condense
 
 _interpret = ops._interpret  # pylint: disable=protected-access
@@ -24,6 +30,27 @@ def _candidate_xla(q, k, v, visible_len, self_k, self_v, *, scale):
   return condense.candidate_attention_reference(q, k, v, visible_len, self_k, self_v, scale=scale)
 
 
+def _rows_local(kernel):
+  """Under an ambient mesh, runs `kernel` on each device's rows (shard_map over the batch rule's
+  axes): a pallas_call has no partitioning rule, so XLA would otherwise gather every operand onto
+  every device. Every operand is row-major [R, ...]; rows not divisible by the devices that split
+  them (or no mesh) run the kernel as is."""
+  @functools.wraps(kernel)
+  def wrapped(*args, scale):
+    mesh = jax.sharding.get_abstract_mesh()
+    axes = sharding.spec(("batch",))[0]
+    if mesh.empty or axes is None:
+      return kernel(*args, scale=scale)
+    axes = axes if isinstance(axes, tuple) else (axes,)
+    if args[0].shape[0] % math.prod(mesh.shape[a] for a in axes):
+      return kernel(*args, scale=scale)
+    specs = tuple(P(axes, *([None] * (a.ndim - 1))) for a in args)
+    return jax.shard_map(functools.partial(kernel, scale=scale), in_specs=specs,
+                         out_specs=P(axes), check_vma=False)(*args)
+  return wrapped
+
+
+@_rows_local
 def _candidate_pallas(q, k, v, visible_len, self_k, self_v, *, scale):
   return condense.candidate_attention(q, k, v, visible_len, self_k, self_v, scale=scale,
                                       interpret=_interpret())
@@ -33,6 +60,7 @@ def _local_xla(q, k, v, cand_k, cand_v, *, scale):
   return condense.local_attention_reference(q, k, v, cand_k, cand_v, scale=scale)
 
 
+@_rows_local
 def _local_pallas(q, k, v, cand_k, cand_v, *, scale):
   return condense.local_attention(q, k, v, cand_k, cand_v, scale=scale,
                                   interpret=_interpret())

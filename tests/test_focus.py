@@ -22,9 +22,11 @@ from focaljax import optim
 V = 97
 
 
-def tiny_base(pattern="softmax:rope,focal:rope", max_seq_len=32, qk_norm=False, seed=0):
+def tiny_base(pattern="softmax:rope,focal:rope", max_seq_len=32, qk_norm=False, seed=0,
+              head_dim=8):
   cfg = model_lib.ModelConfig(
-      vocab_size=V, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, d_ff=64,
+      vocab_size=V, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=head_dim,
+      d_ff=64,
       max_seq_len=max_seq_len, qk_norm=qk_norm,
       attention=attn_lib.AttentionConfig(layers=attn_lib.parse_pattern(pattern, 2)))
   return model_lib.Transformer(cfg, nnx.Rngs(seed))
@@ -217,29 +219,34 @@ from flax import nnx
 import jax, jax.numpy as jnp
 from focaljax import focus, sharding
 from test_focus import tiny_base, perturbed, tokens, split, jitted
-base = tiny_base(qk_norm=True)
+base = tiny_base(qk_norm=True, head_dim=16)  # the kernels take head dims >= 16
 graphdef, params = split(base, perturbed(focus.init_adapter(base)))
 memory, local = tokens(2, (1, 64)), tokens(3, (1, 12))
-cfg = focus.FocusConfig(chunk_size=8)
+cfg = focus.FocusConfig(chunk_size=8, implementation=sys.argv[1])
 ref = jitted(graphdef, focus.logits, cfg=cfg)(params, memory, local)
 cond = jax.jit(lambda p, m, s: focus.condense(p["adapter"], nnx.merge(graphdef, p["base"]), m, s,
                                               1, cfg))
 with jax.set_mesh(sharding.make_mesh(-1, 1, 1)):
   got = jitted(graphdef, focus.logits, cfg=cfg)(params, memory, local)
   k = cond(params, memory, local[:, -4:])[2][0]["k"]
-print(json.dumps({"err": float(jnp.abs(got - ref).max()),
+  jaxpr = str(jax.make_jaxpr(lambda p: focus.logits(p["adapter"], nnx.merge(graphdef, p["base"]),
+                                                    memory, local, cfg))(params))
+print(json.dumps({"err": float(jnp.abs(got - ref).max()), "shard_map": "shard_map" in jaxpr,
                   "shards": len({str(s.index) for s in k.addressable_shards})}))
 """
 
 
-def test_chunks_of_one_document_spread_over_a_mesh():
-  """B = 1 with 8 chunks on 8 simulated devices: each device condenses one chunk, same logits."""
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def test_chunks_of_one_document_spread_over_a_mesh(implementation):
+  """B = 1 with 8 chunks on 8 simulated devices: each device condenses one chunk, same logits
+  (the Pallas kernels through shard_map, in interpret mode here)."""
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
              JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([root, os.path.join(root, "tests")]))
-  out = subprocess.run([sys.executable, "-c", _SHARDED], env=env, cwd=root, capture_output=True,
+  out = subprocess.run([sys.executable, "-c", _SHARDED, implementation], env=env, cwd=root, capture_output=True,
                        text=True, timeout=300)
   assert out.returncode == 0, out.stderr[-3000:]
   result = json.loads(out.stdout.strip().splitlines()[-1])
   assert result["shards"] == 8
   assert result["err"] < 1e-4
+  assert result["shard_map"] == (implementation == "pallas")  # kernels run per device
