@@ -54,8 +54,8 @@ IMPLEMENTATIONS = ("xla", "pallas", "cudnn", "tokamax", "auto")
 
 # `auto`: the fastest implementation measured per platform (docs/BENCHMARKS.md). Dilution has
 # only the reference and the fused kernels; a library name falls back to "pallas" there. On the
-# H200 cuDNN stays the focal choice at every shape measured: the Mosaic kernel ties it at 2K-4K
-# in isolation but the 1.3B/2K training step ran 299 ms with cuDNN against 328 ms with it.
+# H200 cuDNN stays the focal choice: the Mosaic kernel ties it at 2K-4K in isolation, but training
+# passes segment ids, which send "pallas" to the Triton kernel (1.3B/2K step: 328 ms vs 299 ms).
 _AUTO = {"gpu": ("cudnn", "pallas"), "tpu": ("pallas", "pallas"), "cpu": ("xla", "xla")}
 
 
