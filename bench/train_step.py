@@ -31,7 +31,8 @@ from focaljax import model as model_lib  # noqa: E402
 BATCH = {"400m": 16, "1.3b": 8, "small": 8, "tiny": 8}
 
 
-def run(size, impl, steps, seq_len, remat, batch=None, fuse=False, pattern="focal"):
+def run(size, impl, steps, seq_len, remat, batch=None, fuse=False, pattern="focal",
+        segments=True):
   c = base.get_config(f"size={size}")
   c.model.attention.pattern = pattern
   c.model.attention.implementation = impl
@@ -53,9 +54,10 @@ def run(size, impl, steps, seq_len, remat, batch=None, fuse=False, pattern="foca
   rng = np.random.default_rng(0)
   batch = {"inputs": jnp.asarray(rng.integers(0, cfg.vocab_size, (B, T)), jnp.int32),
            "targets": jnp.asarray(rng.integers(0, cfg.vocab_size, (B, T)), jnp.int32),
-           "segment_ids": jnp.ones((B, T), jnp.int32),
            "positions": jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)),
            "weights": jnp.ones((B, T), jnp.float32)}
+  if segments:  # what packed training passes (one segment per synthetic row, but a mask to apply)
+    batch["segment_ids"] = jnp.ones((B, T), jnp.int32)
   t0 = time.perf_counter()
   params, opt_state, m = step(params, opt_state, batch)
   jax.block_until_ready(m)
@@ -73,7 +75,8 @@ def run(size, impl, steps, seq_len, remat, batch=None, fuse=False, pattern="foca
   tokens = B * T
   flops = metrics.flops_per_token(cfg) * tokens
   peak = metrics.peak_flops_per_device()
-  return {"size": size, "impl": impl, "pattern": pattern, "batch": B, "seq_len": T, "remat": remat,
+  return {"size": size, "impl": impl, "pattern": pattern, "segments": segments, "batch": B,
+          "seq_len": T, "remat": remat,
           "fuse_matmuls": fuse,
           "params": model_lib.param_count(cfg), "step_ms": dt * 1e3, "tokens_per_s": tokens / dt,
           "tflops": flops / dt / 1e12, "mfu": (flops / dt / peak) if peak else None,
@@ -92,6 +95,9 @@ def main():
   p.add_argument("--patterns", default="focal",
                   help="model.attention.pattern values separated by ';', e.g. "
                   "'softmax:rope;dilution:none' (issue 4: the 209M models at 16K, --batch 1)")
+  p.add_argument("--no_segments", action="store_true",
+                  help="no segment ids in the batch (unpacked rows): no attention mask, and the "
+                  "Mosaic kernel is eligible; the plain-JAX anchor's setting")
   p.add_argument("--out", default="bench_train_step.json")
   args = p.parse_args()
   rows = []
@@ -101,7 +107,7 @@ def main():
   for size, impl, pattern in runs:
     try:
       r = run(size, impl, args.steps, args.seq_len, args.remat, args.batch or None,
-              args.fused, pattern)
+              args.fused, pattern, not args.no_segments)
     except Exception as e:  # one failing implementation must not lose the table
       r = {"size": size, "impl": impl, "pattern": pattern,
            "error": f"{type(e).__name__}: {str(e)[:300]}"}

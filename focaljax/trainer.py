@@ -40,8 +40,9 @@ class StepConfig:
 def loss_sums(params, batch, graphdef, dtype):
   """(Σ weight·nll, Σ weight) over a batch; float32."""
   model = nnx.merge(graphdef, jax.tree.map(lambda p: p.astype(dtype), params))
+  # No "segment_ids": every row is one document (unpacked data), so attention needs no mask.
   logits_BTV = model(batch["inputs"], positions_BT=batch["positions"],
-                     segment_ids_BT=batch["segment_ids"], dtype=dtype)
+                     segment_ids_BT=batch.get("segment_ids"), dtype=dtype)
   nll_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, batch["targets"])
   w_BT = batch["weights"].astype(jnp.float32)
   return (nll_BT * w_BT).sum(), w_BT.sum()
