@@ -32,6 +32,7 @@ from jax import lax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from pallas_kernels import focal_mgpu_bwd as fb  # noqa: E402
+from pallas_kernels import focal_mgpu_dkv  # noqa: E402
 from pallas_kernels import focal_mgpu_bwd_fused as ff  # noqa: E402
 
 SHAPES = [(2, 16, 4096, 128), (1, 16, 8192, 128), (1, 8, 16384, 128), (2, 12, 16384, 64)]
@@ -111,7 +112,7 @@ def _row(shape, *, blocks, iters, interpret, fused):
   c_BNT, delta_BNT = jax.jit(fb.backward_rows)(s_BNT, out, do)
   rows = (q, k, v, do, c_BNT, lse, delta_BNT)
   res["dq"] = _median_ms(jax.jit(lambda *a: fb.dq_call(*a, **kw)), *rows, iters=iters)
-  res["dkv"] = _median_ms(jax.jit(lambda *a: fb.dkv_call(*a, **kw)), *rows, iters=iters)
+  res["dkv"] = _median_ms(jax.jit(lambda *a: focal_mgpu_dkv.dkv_call(*a, **kw)), *rows, iters=iters)
   if fused:
     res["fused"] = _median_ms(jax.jit(lambda *a: ff.backward(*a, **kw)), q, k, v, s_BNT, out, lse,
                               do, iters=iters)

@@ -2,37 +2,41 @@
 
   out[b, t, n] = Σ_s softmax_s(scale[b, n, t] · q[b, t, n]·k[b, s, n // G]) · v[b, s, n // G]
 
-over the visible keys (causal: s <= t), G = Hq // Hkv. Same math, layouts and lse convention as
-`focal_flash` (the Triton kernel, which keeps segment ids and float32); the spec is
-`reference.attention`. This is the H100/H200 fast path: FlashAttention-3 (Shah et al. 2024,
+over the visible keys (causal: s <= t; packed `segment_ids`: same segment), G = Hq // Hkv. Same
+math, layouts and lse convention as `focal_flash` (the Triton kernel, which keeps float32); the
+spec is `reference.attention`. This is the H100/H200 fast path: FlashAttention-3 (Shah et al. 2024,
 arXiv 2407.08608) §3.1 warp specialization + §3.2 ping-pong scheduling, following the structure of
 jax's `pallas/ops/gpu/attention_mgpu.py`.
 
 Kernel `_kernel`, grid (Hq, T / (2·block_q), B), 3 warpgroups per CTA:
-  wg 0, 1  compute: each owns block_q query rows (one TMA copy of its q tile and of its scale row),
+  wg 0, 1  compute: each owns block_q query rows (one TMA copy of its q tile, its scale row and,
+           with segments, its segment ids),
            loops over kv blocks: S = q·kᵀ (wgmma, SMEM×SMEM), x = S · c_t with c_t = scale_t·log2(e)
            (so the loop uses exp2), online softmax, acc += p·v (wgmma, p from registers). Carries
            acc [block_q, D] f32 and the running max m / sum l [block_q] f32 (base-2 units).
            A schedule barrier alternates the two warpgroups: one runs softmax while the other's
            matmuls hold the tensor cores.
-  wg 2     producer (40 registers): TMA-loads K and V blocks into a ring of
+  wg 2     producer (40 registers): TMA-loads K (with its block's segment ids) and V into a ring of
            `max_concurrent_steps` slots, refilling a slot once both compute warpgroups arrived on
            its "consumed" barrier.
 Causal: blocks wholly below the diagonal run unmasked, only blocks crossing it build the mask,
-blocks above it are never loaded. Warpgroup 0 (earlier rows) has fewer blocks; it keeps arriving
-on the consumed and schedule barriers for warpgroup 1's extra blocks so neither stalls. q tiles are
-visited last-first so the heaviest CTAs start first.
+blocks above it are never loaded. Segment ids mask every visited block (seg_q[:, None] ==
+seg_k[None, :]; no per-document block skipping); without them (static None) the kernel has no
+extra loads, barrier arrivals or selects. Warpgroup 0 (earlier rows) has fewer blocks; it keeps
+arriving on the consumed and schedule barriers for warpgroup 1's extra blocks so neither stalls.
+q tiles are visited last-first so the heaviest CTAs start first.
 
 Shared memory: q/out tile 2·block_q·D·2 B (the output reuses it), K and V rings
-2·stages·block_kv·D·2 B, scale/lse rows 2·block_q·4 B, barriers, and ~3 KiB Mosaic keeps for
-itself, of the 227 KiB an H100/H200 block may use. Defaults: D=128 (64, 128, 2 stages) 32 + 128
-KiB; D=64 (64, 128, 3 stages) 16 + 96 KiB. D=128 with 3 stages of 128 keys overflows (by 136 B);
-Mosaic rejects an overflowing config at lowering time with "exceeds available shared memory".
+2·stages·block_kv·D·2 B, scale/lse rows 2·block_q·4 B (segment ids add 2·block_q·4 +
+stages·block_kv·4 B), barriers, and ~3 KiB Mosaic keeps for itself, of the 227 KiB an H100/H200
+block may use. Defaults: D=128 (64, 128, 2 stages) 32 + 128 KiB; D=64 (64, 128, 3 stages) 16 + 96
+KiB. D=128 with 3 stages of 128 keys overflows (by 136 B); Mosaic rejects an overflowing config at
+lowering time with "exceeds available shared memory".
 
 Outputs: out [B, T, Hq, D] in q.dtype; lse [B, Hq, T] f32 in base 2 (log2 Σ_s exp2(x_ts)), the
 backward's residual. The backward is `focal_mgpu_bwd.backward`.
 
-Not supported (`supported` says why; callers route to focal_flash): segment ids, float32 inputs,
+Not supported (`supported` says why; callers route to focal_flash): float32 inputs,
 head dims other than 64 and 128, T not a multiple of 2·block_q or S not a multiple of block_kv.
 Logits are computed and masked in float32; p is rounded to the input dtype for the p·v matmul
 (as in FA2/FA3). CPU testing: `interpret=True` runs GPU interpret mode, where the wgmma calls are
@@ -63,6 +67,7 @@ _HEAD_DIMS = (64, 128)
 _COMPUTE_WGS = 2
 _WGMMA = plgpu.Layout.WGMMA
 _ROW = plgpu.Layout.WGMMA.reduce(1)  # a [block_q] vector aligned with the rows of a WGMMA tile
+_COL = plgpu.Layout.WGMMA.reduce(0)  # a [block_kv] vector aligned with its columns
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,8 +107,6 @@ def supported(q, k, v, segment_ids, causal, *, blocks: BlockSizes | None = None)
   """None if this kernel handles the call, else why not (shapes and dtypes only, no device query).
   `blocks` defaults to BlockSizes.default(D, dtype), what focal_attention would use."""
   del causal  # both handled; causal with T != S means s <= t, as in reference.attention
-  if segment_ids is not None:
-    return "segment ids are not supported (use focal_flash)"
   if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
     return f"q, k, v must be rank 4; got shapes {q.shape}, {k.shape}, {v.shape}"
   B, T, N, D = q.shape
@@ -118,6 +121,12 @@ def supported(q, k, v, segment_ids, causal, *, blocks: BlockSizes | None = None)
             f"{v.dtype}")
   if D not in _HEAD_DIMS:
     return f"head dim D={D} must be one of {_HEAD_DIMS}"
+  if segment_ids is not None:
+    if S != T:
+      return f"segment_ids need T == S (self-attention); got T={T}, S={S}"
+    if tuple(segment_ids.shape) != (B, T) or jnp.dtype(segment_ids.dtype) != jnp.int32:
+      return (f"segment_ids must be int32 [B, T] = {(B, T)}; got {segment_ids.dtype} "
+              f"{tuple(segment_ids.shape)}")
   blocks = blocks or BlockSizes.default(D, q.dtype)
   rows = _COMPUTE_WGS * blocks.block_q
   if T % rows:
@@ -129,7 +138,7 @@ def supported(q, k, v, segment_ids, causal, *, blocks: BlockSizes | None = None)
 
 def _kernel(q_ref, k_ref, v_ref, s_ref, out_ref, lse_ref, qo_smem2, k_smem, v_smem, rows_smem2,
             q_barriers, s_barriers, k_barriers, v_barriers, k_consumed, v_consumed, schedule,
-            *, causal, group, block_q, block_kv, n_kv, n_q_tiles, stages, interpret):
+            *, seg, causal, group, block_q, block_kv, n_kv, n_q_tiles, stages, interpret):
   b = lax.axis_index("batch")
   h = lax.axis_index("heads")
   # Causal: the last q tiles see the most keys; starting them first shortens the tail.
@@ -155,6 +164,10 @@ def _kernel(q_ref, k_ref, v_ref, s_ref, out_ref, lse_ref, qo_smem2, k_smem, v_sm
     plgpu.barrier_arrive(schedule)
     plgpu.barrier_wait(schedule)
 
+  # seg: None, or (segment ids [B, T] int32 in GMEM, per-wg q ids [W, block_q], K-ring ids
+  # [stages, block_kv]); the ids travel on the scale / K barriers.
+  seg_ref, segq_smem2, segk_smem = seg or (None, None, None)
+
   @pl.when(wg < _COMPUTE_WGS)
   def _compute():
     plgpu.set_max_registers(232, action="increase")
@@ -164,11 +177,16 @@ def _kernel(q_ref, k_ref, v_ref, s_ref, out_ref, lse_ref, qo_smem2, k_smem, v_sm
     plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_start, block_q), h], qo_smem, q_barriers.at[wg])
     plgpu.copy_gmem_to_smem(s_ref.at[b, h, pl.ds(q_start, block_q)], rows_smem,
                             s_barriers.at[wg])
+    if seg:
+      plgpu.copy_gmem_to_smem(seg_ref.at[b, pl.ds(q_start, block_q)], segq_smem2.at[wg],
+                              s_barriers.at[wg])
     kv_steps = kv_blocks_until(q_start + block_q)
     # Blocks entirely at or below the first query row need no mask.
     full_steps = jnp.minimum(lax.div(q_start, block_kv), kv_steps) if causal else n_kv
     plgpu.barrier_wait(s_barriers.at[wg])
     c_Q = mc.load(rows_smem, layout=_ROW, interpret=interpret) * LOG2E
+    if seg:
+      segq_Q = mc.load(segq_smem2.at[wg], layout=_ROW, interpret=interpret)
     plgpu.barrier_wait(q_barriers.at[wg])
 
     acc_QD = mc.layout_cast(jnp.zeros(qo_smem.shape, jnp.float32), _WGMMA, interpret=interpret)
@@ -185,6 +203,8 @@ def _kernel(q_ref, k_ref, v_ref, s_ref, out_ref, lse_ref, qo_smem2, k_smem, v_sm
     def step(j, carry, *, masked):
       acc_QD, m_Q, l_Q = carry
       slot = slot_of(j)
+      if seg:  # read before the arrival below lets the producer refill the slot
+        segk_K = mc.load(segk_smem.at[slot], layout=_COL, interpret=interpret)
       s_QK = mc.mma(qo_smem, k_smem.at[slot], transpose_b=True, during=schedule_barrier,
                     interpret=interpret)
       plgpu.barrier_arrive(k_consumed.at[slot])
@@ -193,6 +213,10 @@ def _kernel(q_ref, k_ref, v_ref, s_ref, out_ref, lse_ref, qo_smem2, k_smem, v_sm
         t_QK = mc.iota(jnp.int32, s_QK.shape, 0, _WGMMA, interpret=interpret) + q_start
         s_idx_QK = mc.iota(jnp.int32, s_QK.shape, 1, _WGMMA, interpret=interpret) + j * block_kv
         x_QK = jnp.where(s_idx_QK <= t_QK, x_QK, -jnp.inf)
+      if seg:
+        same_QK = (lax.broadcast_in_dim(segq_Q, s_QK.shape, [0])
+                   == lax.broadcast_in_dim(segk_K, s_QK.shape, [1]))
+        x_QK = jnp.where(same_QK, x_QK, -jnp.inf)
       m_new = jnp.maximum(m_Q, x_QK.max(axis=1))
       alpha_Q = jnp.exp2(m_Q - m_new)
       p_QK = jnp.exp2(x_QK - lax.broadcast_in_dim(m_new, x_QK.shape, [0]))
@@ -253,14 +277,17 @@ def _kernel(q_ref, k_ref, v_ref, s_ref, out_ref, lse_ref, qo_smem2, k_smem, v_sm
     plgpu.set_max_registers(40, action="decrease")
     kv_h = lax.div(h, group)
 
-    def load(src_ref, dst_smem, barriers, step, slot):
+    def load(src_ref, dst_smem, barriers, step, slot, ids=False):
       src = src_ref.at[b, pl.ds(step * block_kv, block_kv), kv_h]
       plgpu.copy_gmem_to_smem(src, dst_smem.at[slot], barriers.at[slot])
+      if seg and ids:  # the block's key ids ride with K
+        plgpu.copy_gmem_to_smem(seg_ref.at[b, pl.ds(step * block_kv, block_kv)],
+                                segk_smem.at[slot], barriers.at[slot])
 
     for i in range(stages):
       @pl.when(i < max_steps)
       def _():
-        load(k_ref, k_smem, k_barriers, i, i)
+        load(k_ref, k_smem, k_barriers, i, i, ids=True)
         load(v_ref, v_smem, v_barriers, i, i)
 
     @pl.loop(0, jnp.maximum(max_steps - stages, 0))
@@ -268,7 +295,7 @@ def _kernel(q_ref, k_ref, v_ref, s_ref, out_ref, lse_ref, qo_smem2, k_smem, v_sm
       slot = slot_of(j)
       # K is released after q·kᵀ, V only after p·v: refill K first so it lands sooner.
       plgpu.barrier_wait(k_consumed.at[slot])
-      load(k_ref, k_smem, k_barriers, j + stages, slot)
+      load(k_ref, k_smem, k_barriers, j + stages, slot, ids=True)
       plgpu.barrier_wait(v_consumed.at[slot])
       load(v_ref, v_smem, v_barriers, j + stages, slot)
 
@@ -280,11 +307,12 @@ def _kernel(q_ref, k_ref, v_ref, s_ref, out_ref, lse_ref, qo_smem2, k_smem, v_sm
 
 
 def forward(q_BTHD, k_BSKD, v_BSKD, s_BNT, *, causal: bool, blocks: BlockSizes | None,
-            interpret: bool):
-  """(out [B, T, Hq, D] in q.dtype, lse [B, Hq, T] f32 base 2). s_BNT: f32 [B, Hq, T].
-  blocks None: BlockSizes.default(D, dtype). Raises ValueError on calls `supported` rejects."""
+            interpret: bool, segment_ids=None):
+  """(out [B, T, Hq, D] in q.dtype, lse [B, Hq, T] f32 base 2). s_BNT: f32 [B, Hq, T];
+  segment_ids: None or int32 [B, T] (T == S). blocks None: BlockSizes.default(D, dtype).
+  Raises ValueError on calls `supported` rejects."""
   blocks = blocks or BlockSizes.default(q_BTHD.shape[-1], q_BTHD.dtype)
-  why = supported(q_BTHD, k_BSKD, v_BSKD, None, causal, blocks=blocks)
+  why = supported(q_BTHD, k_BSKD, v_BSKD, segment_ids, causal, blocks=blocks)
   if why:
     raise ValueError(f"focal_mgpu.forward: {why}")
   B, T, N, D = q_BTHD.shape
@@ -300,22 +328,31 @@ def forward(q_BTHD, k_BSKD, v_BSKD, s_BNT, *, causal: bool, blocks: BlockSizes |
   dtype = q_BTHD.dtype
   # (8, 64) tiles with a 128-byte swizzle: the wgmma operand layout for 16-bit types.
   transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+  segments = segment_ids is not None
+  # With segments the ids are one more TMA copy on the scale and K barriers.
+  arrivals = 2 if segments else 1
   scratch = [
       plgpu.SMEM((_COMPUTE_WGS, bq, D), dtype, transforms=transforms),  # q, then out
       plgpu.SMEM((stages, bkv, D), dtype, transforms=transforms),  # K ring
       plgpu.SMEM((stages, bkv, D), dtype, transforms=transforms),  # V ring
       plgpu.SMEM((_COMPUTE_WGS, bq), jnp.float32),  # scale row in, lse row out
       plgpu.Barrier(num_barriers=_COMPUTE_WGS),  # q landed
-      plgpu.Barrier(num_barriers=_COMPUTE_WGS),  # scale landed
-      plgpu.Barrier(num_barriers=stages),  # K slot landed
+      plgpu.Barrier(num_arrivals=arrivals, num_barriers=_COMPUTE_WGS),  # scale (+ q ids) landed
+      plgpu.Barrier(num_arrivals=arrivals, num_barriers=stages),  # K (+ key ids) slot landed
       plgpu.Barrier(num_barriers=stages),  # V slot landed
       plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),  # K slot released
       plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),  # V slot released
       plgpu.Barrier(num_arrivals=_COMPUTE_WGS),  # ping-pong schedule
   ]
-  kernel = functools.partial(
+  operands = (q_BTHD, k_BSKD, v_BSKD, s_BNT)
+  if segments:
+    operands += (segment_ids,)
+    scratch += [plgpu.SMEM((_COMPUTE_WGS, bq), jnp.int32),  # q ids per compute warpgroup
+                plgpu.SMEM((stages, bkv), jnp.int32)]  # key ids ring, beside K
+  kernel = mc.with_segments(functools.partial(
       _kernel, causal=causal, group=N // K, block_q=bq, block_kv=bkv, n_kv=n_kv,
-      n_q_tiles=n_q_tiles, stages=stages, interpret=interpret)
+      n_q_tiles=n_q_tiles, stages=stages, interpret=interpret),
+      n_in=len(operands), n_seg_scratch=2, segments=segments)
   out_types = (jax.ShapeDtypeStruct(q_BTHD.shape, dtype),
                jax.ShapeDtypeStruct((B, N, T), jnp.float32))
   return plgpu.kernel(
@@ -324,7 +361,7 @@ def forward(q_BTHD, k_BSKD, v_BSKD, s_BNT, *, causal: bool, blocks: BlockSizes |
       num_threads=_COMPUTE_WGS + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=mc.interpret_params() if interpret else None,
-  )(q_BTHD, k_BSKD, v_BSKD, s_BNT)
+  )(*operands)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -335,41 +372,45 @@ class _Static:
   interpret: bool
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _attend(q, k, v, s_BNT, st: _Static):
-  return forward(q, k, v, s_BNT, causal=st.causal, blocks=st.blocks, interpret=st.interpret)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _attend(q, k, v, s_BNT, seg_BT, st: _Static):
+  return forward(q, k, v, s_BNT, causal=st.causal, blocks=st.blocks, interpret=st.interpret,
+                 segment_ids=seg_BT)[0]
 
 
-def _attend_fwd(q, k, v, s_BNT, st: _Static):
+def _attend_fwd(q, k, v, s_BNT, seg_BT, st: _Static):
   out, lse_BNT = forward(q, k, v, s_BNT, causal=st.causal, blocks=st.blocks,
-                         interpret=st.interpret)
-  return out, (q, k, v, s_BNT, out, lse_BNT)
+                         interpret=st.interpret, segment_ids=seg_BT)
+  return out, (q, k, v, s_BNT, seg_BT, out, lse_BNT)
 
 
 def _attend_bwd(st: _Static, res, do):
   # Imported here so the forward works before the backward module exists.
   from pallas_kernels import focal_mgpu_bwd  # pylint: disable=import-outside-toplevel
-  q, k, v, s_BNT, out, lse_BNT = res
-  return focal_mgpu_bwd.backward(q, k, v, s_BNT, out, lse_BNT, do, causal=st.causal,
-                                 blocks=st.blocks, interpret=st.interpret)
+  q, k, v, s_BNT, seg_BT, out, lse_BNT = res
+  grads = focal_mgpu_bwd.backward(q, k, v, s_BNT, out, lse_BNT, do, causal=st.causal,
+                                  blocks=st.blocks, interpret=st.interpret, seg_BT=seg_BT)
+  return (*grads, None)  # integer segment ids: no cotangent
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "interpret", "block_sizes"))
-def focal_attention(q, k, v, *, scale, causal: bool = True, interpret: bool = False,
-                    block_sizes: BlockSizes | None = None):
+def focal_attention(q, k, v, *, scale, causal: bool = True, segment_ids=None,
+                    interpret: bool = False, block_sizes: BlockSizes | None = None):
   """softmax(scale · q·kᵀ) · v over the visible keys; see the module docstring.
 
   q [B, T, Hq, D]; k, v [B, S, Hkv, D], one dtype (bf16/f16); `scale` a float or an array
-  broadcastable to [B, Hq, T] (differentiable). Calls `supported` rejects raise ValueError with
-  its reason. `interpret=True` runs GPU interpret mode on CPU. Returns [B, T, Hq, D] in q.dtype.
+  broadcastable to [B, Hq, T] (differentiable); `segment_ids` None or int32 [B, T] (packed
+  documents, T == S: query t sees key s only within its own segment). Calls `supported` rejects
+  raise ValueError with its reason. `interpret=True` runs GPU interpret mode on CPU. Returns
+  [B, T, Hq, D] in q.dtype.
   """
   blocks = block_sizes or BlockSizes.default(q.shape[-1], q.dtype)
-  why = supported(q, k, v, None, causal, blocks=blocks)
+  why = supported(q, k, v, segment_ids, causal, blocks=blocks)
   if why:
     raise ValueError(f"focal_mgpu.focal_attention: {why}")
   B, T, N, _ = q.shape
   s_BNT = reference.scale_BNT(scale, B, N, T)  # broadcast's transpose sums d_scale back
-  return _attend(q, k, v, s_BNT, _Static(causal, blocks, interpret))
+  return _attend(q, k, v, s_BNT, segment_ids, _Static(causal, blocks, interpret))

@@ -15,7 +15,7 @@ dq buffer; FlashAttention-3's fused single pass with TMA reduce-add of dq is the
 
 Two kernels, each one CTA = W = 2 compute warpgroups + 1 TMA producer warpgroup
 (FlashAttention-3 §3.1 warp specialisation; the producer holds 40 registers, consumers 232):
-  dk/dv `_dkv_kernel`, grid (Hkv, S / (W·block_kv_dkv), B). Warpgroup w keeps its k, v tile
+  dk/dv `focal_mgpu_dkv._dkv_kernel`, grid (Hkv, S / (W·block_kv_dkv), B). Warpgroup w keeps its k, v tile
         [block_kv_dkv, D] in SMEM and the float32 dk, dv accumulators in registers; the producer
         streams q, dO [block_q_dkv, D] and the per-query rows (LOG2E·s, lse, delta) through a ring
         of `max_concurrent_steps` slots, for each of the G = Hq/Hkv query heads of this kv head
@@ -39,8 +39,12 @@ three [bkv, bq] tiles; dq holds dq (bq·D/128) plus three [bq, bkv] tiles. bq = 
 Contract (ValueError otherwise, no padding): q, k, v share one 16-bit dtype; D ∈ {64, 128};
 block sizes multiples of 64; T divisible by 2·block_q_dq and block_q_dkv, S by 2·block_kv_dkv and
 block_kv_dq. Causal means key s is visible to query t iff s <= t (no offset; T != S allowed).
-Unsupported: segment ids, float32 inputs, D=256 (register budget), dropout, second-order
-gradients. Deterministic (no atomics).
+Segment ids (optional int32 [B, T], T == S; chosen statically, so without them nothing below is
+traced): key s is visible to query t only if seg[t] == seg[s], masked on every visited tile. The
+dq kernel keeps its q tile's ids resident and streams each kv block's ids beside k, v; the dk/dv
+kernel keeps its key tile's ids resident and streams the q blocks' ids with the other per-query
+rows (`stream_q_rows`). Unsupported: float32 inputs, D=256 (register budget), dropout,
+second-order gradients. Deterministic (no atomics).
 
 On CPU pass interpret=True: the kernels then run in jax's GPU interpret mode (threads, SMEM, TMA,
 barriers and the race detector simulated); the few primitives it cannot run (register-operand
@@ -87,7 +91,7 @@ def _drain(free_bar, total, steps: int):
     plgpu.barrier_wait(free_bar.at[lax.rem(st, steps)])
 
 
-def _check(q, k, v, s_BNT, lse_BNT, do, blocks):
+def _check(q, k, v, s_BNT, lse_BNT, do, blocks, seg_BT=None):
   B, T, N, D = q.shape
   S, K = k.shape[1], k.shape[2]
   if k.shape != v.shape or k.shape[0] != B or k.shape[3] != D or N % K:
@@ -103,6 +107,9 @@ def _check(q, k, v, s_BNT, lse_BNT, do, blocks):
       raise ValueError(f"{name} must be float32 [B, Hq, T] = {(B, N, T)}; got {x.dtype} {x.shape}")
   if do.shape != q.shape:
     raise ValueError(f"do must have q's shape {q.shape}; got {do.shape}")
+  if seg_BT is not None and (seg_BT.shape != (B, T) or seg_BT.dtype != jnp.int32 or S != T):
+    raise ValueError(f"seg_BT must be int32 [B, T] = {(B, T)} with T == S={S}; got "
+                     f"{seg_BT.dtype} {seg_BT.shape}")
   sizes = {f: getattr(blocks, f) for f in _BLOCK_FIELDS}
   for f, b in sizes.items():
     if b % 64 or b <= 0:
@@ -118,7 +125,7 @@ def _check(q, k, v, s_BNT, lse_BNT, do, blocks):
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, dq_ref, ds_ref,
                q_s, do_s, c_s, lse_s, delta_s, ds_s, k_s, v_s, res_bar, kv_bar, kv_free,
-               *, causal, bq, bkv, n_kv, n_cta, group, steps, interpret):
+               *, seg, causal, bq, bkv, n_kv, n_cta, group, steps, interpret):
   b, n, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
   cta = lax.axis_index("q_seq")
   if causal:  # the last q tiles see the most keys: start them first
@@ -129,6 +136,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, dq_ref, d
   n_kv_cta = jnp.minimum(pl.cdiv(cta_q0 + W * bq, jnp.int32(bkv)), n_kv) if causal else n_kv
   wgmma_layout = plgpu.Layout.WGMMA
   row_layout = wgmma_layout.reduce(1)
+  # seg: None or (ids [B, T] GMEM, resident q ids [W, bq], ring of key ids [steps, bkv]).
+  seg_ref, segq_s, segk_s = seg or (None, None, None)
 
   @pl.when(wg < W)
   def _compute():
@@ -141,7 +150,11 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, dq_ref, d
     plgpu.copy_gmem_to_smem(do_ref.at[rows], do_s.at[wg], bar)
     for src, dst in ((c_ref, c_s), (lse_ref, lse_s), (delta_ref, delta_s)):
       plgpu.copy_gmem_to_smem(src.at[vec], dst.at[wg], bar)
+    if seg:
+      plgpu.copy_gmem_to_smem(seg_ref.at[b, pl.ds(q0, bq)], segq_s.at[wg], bar)
     plgpu.barrier_wait(bar)
+    if seg:
+      segq_Q = mc.load(segq_s.at[wg], layout=row_layout, interpret=interpret)
     c_Q = mc.load(c_s.at[wg], layout=row_layout, interpret=interpret)
     lse_Q = mc.load(lse_s.at[wg], layout=row_layout, interpret=interpret)
     delta_Q = mc.load(delta_s.at[wg], layout=row_layout, interpret=interpret)
@@ -159,6 +172,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, dq_ref, d
         t = mc.iota(jnp.int32, shape_QK, 0, wgmma_layout, interpret=interpret) + q0
         s = mc.iota(jnp.int32, shape_QK, 1, wgmma_layout, interpret=interpret) + j * bkv
         x_QK = jnp.where(s <= t, x_QK, -jnp.inf)
+      if seg:
+        segk_K = mc.load(segk_s.at[slot], layout=wgmma_layout.reduce(0), interpret=interpret)
+        same_QK = _bcast(segq_Q, shape_QK, 0) == _bcast(segk_K, shape_QK, 1)
+        x_QK = jnp.where(same_QK, x_QK, -jnp.inf)
       p_QK = jnp.exp2(x_QK)
       dx_QK = p_QK * (dp_QK - _bcast(delta_Q, shape_QK, 0))
       ds_Q = ds_Q + jnp.sum(dx_QK * r_QK, axis=1)
@@ -204,6 +221,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, dq_ref, d
       src = (b, pl.ds(j * bkv, bkv), kv_head)
       plgpu.copy_gmem_to_smem(k_ref.at[src], k_s.at[slot], kv_bar.at[slot])
       plgpu.copy_gmem_to_smem(v_ref.at[src], v_s.at[slot], kv_bar.at[slot])
+      if seg:
+        plgpu.copy_gmem_to_smem(seg_ref.at[b, pl.ds(j * bkv, bkv)], segk_s.at[slot],
+                                kv_bar.at[slot])
 
     for j in range(steps):  # fill the ring
       pl.when(j < n_kv_cta)(functools.partial(issue, jnp.int32(j)))
@@ -214,120 +234,6 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, dq_ref, d
       issue(j)
 
     _drain(kv_free, n_kv_cta, steps)
-
-
-def stream_q_rows(gmem, smem, q_bar, q_free, *, b, kv_head, group, i_lo, per_head, bq, steps):
-  """Producer warpgroup of the key-resident backward passes (this file's dk/dv kernel and
-  focal_mgpu_bwd_fused): TMA-streams q, dO and the rows (LOG2E·s, lse, delta) of the `group`
-  query heads of kv head `kv_head`, q blocks i_lo .. i_lo + per_head - 1 per head, through a ring
-  of `steps` slots. A slot is refilled once both compute warpgroups arrived on its q_free
-  barrier. gmem = (q, dO, c, lse, delta) refs; smem = their ring buffers, in the same order."""
-  q_ref, do_ref, c_ref, lse_ref, delta_ref = gmem
-  q_s, do_s, c_s, lse_s, delta_s = smem
-  plgpu.set_max_registers(40, action="decrease")
-  total = group * per_head
-
-  def issue(st):
-    slot = lax.rem(st, steps)
-    g, i = lax.div(st, per_head), i_lo + lax.rem(st, per_head)
-    n = kv_head * group + g
-    rows, vec = (b, pl.ds(i * bq, bq), n), (b, n, pl.ds(i * bq, bq))
-    bar = q_bar.at[slot]
-    plgpu.copy_gmem_to_smem(q_ref.at[rows], q_s.at[slot], bar)
-    plgpu.copy_gmem_to_smem(do_ref.at[rows], do_s.at[slot], bar)
-    for src, dst in ((c_ref, c_s), (lse_ref, lse_s), (delta_ref, delta_s)):
-      plgpu.copy_gmem_to_smem(src.at[vec], dst.at[slot], bar)
-
-  for st in range(steps):
-    pl.when(st < total)(functools.partial(issue, jnp.int32(st)))
-
-  @pl.loop(steps, total)
-  def _(st):
-    plgpu.barrier_wait(q_free.at[lax.rem(st, steps)])  # both warpgroups released step st - steps
-    issue(st)
-
-  _drain(q_free, total, steps)
-
-
-def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, dk_ref, dv_ref,
-                k_s, v_s, q_s, do_s, c_s, lse_s, delta_s, res_bar, q_bar, q_free,
-                *, causal, bq, bkv, n_q, group, steps, interpret):
-  b, kv_head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
-  cta_k0 = lax.axis_index("kv_seq") * (W * bkv)
-  # First q block that sees any key of this CTA (causal); per head the CTA visits [i_lo, n_q).
-  i_lo = jnp.minimum(lax.div(cta_k0, jnp.int32(bq)), n_q) if causal else jnp.int32(0)
-  per_head = n_q - i_lo
-  wgmma_layout = plgpu.Layout.WGMMA
-  col_layout = wgmma_layout.reduce(0)  # per-query vectors run along axis 1 of [bkv, bq] tiles
-
-  @pl.when(wg < W)
-  def _compute():
-    plgpu.set_max_registers(232, action="increase")
-    k0 = cta_k0 + wg * bkv
-    rows = (b, pl.ds(k0, bkv), kv_head)
-    bar = res_bar.at[wg]
-    plgpu.copy_gmem_to_smem(k_ref.at[rows], k_s.at[wg], bar)
-    plgpu.copy_gmem_to_smem(v_ref.at[rows], v_s.at[wg], bar)
-    plgpu.barrier_wait(bar)
-    shape_KQ = (bkv, bq)
-
-    def step(t, carry, *, base, masked):
-      dk_KD, dv_KD = carry
-      i = i_lo + t
-      slot = lax.rem(base + t, steps)
-      plgpu.barrier_wait(q_bar.at[slot])
-      r_KQ = mc.mma(k_s.at[wg], q_s.at[slot], transpose_b=True, interpret=interpret)
-      c_Q = mc.load(c_s.at[slot], layout=col_layout, interpret=interpret)
-      lse_Q = mc.load(lse_s.at[slot], layout=col_layout, interpret=interpret)
-      x_KQ = r_KQ * _bcast(c_Q, shape_KQ, 1) - _bcast(lse_Q, shape_KQ, 1)
-      if masked:
-        s = mc.iota(jnp.int32, shape_KQ, 0, wgmma_layout, interpret=interpret) + k0
-        tq = mc.iota(jnp.int32, shape_KQ, 1, wgmma_layout, interpret=interpret) + i * bq
-        x_KQ = jnp.where(s <= tq, x_KQ, -jnp.inf)
-      p_KQ = jnp.exp2(x_KQ)
-      dv_KD, dp_KQ = mc.mma_pair((p_KQ.astype(q_s.dtype), do_s.at[slot], dv_KD, False),
-                                 (v_s.at[wg], do_s.at[slot], None, True), interpret=interpret)
-      delta_Q = mc.load(delta_s.at[slot], layout=col_layout, interpret=interpret)
-      # The temperature multiplies dlogits per query before the q-side contraction.
-      dx_KQ = (p_KQ * (dp_KQ - _bcast(delta_Q, shape_KQ, 1))) * _bcast(c_Q * LN2, shape_KQ, 1)
-      dk_KD = mc.mma(dx_KQ.astype(q_s.dtype), q_s.at[slot], acc=dk_KD, interpret=interpret)
-      plgpu.barrier_arrive(q_free.at[slot])
-      return dk_KD, dv_KD
-
-    def skip(t, carry, *, base):
-      slot = lax.rem(base + t, steps)
-      plgpu.barrier_wait(q_bar.at[slot])
-      plgpu.barrier_arrive(q_free.at[slot])
-      return carry
-
-    def head(g, carry):
-      base = g * per_head  # producer step index of this head's first q block
-      unmasked = functools.partial(step, base=base, masked=False)
-      if not causal:
-        return lax.fori_loop(0, per_head, unmasked, carry)
-      # q blocks [i_lo, i_vis) lie wholly above this warpgroup's keys, [i_vis, i_full) cross
-      # its diagonal, [i_full, n_q) see all of its keys.
-      t_vis = jnp.clip(lax.div(k0, jnp.int32(bq)) - i_lo, 0, per_head)
-      t_full = jnp.clip(pl.cdiv(k0 + bkv, jnp.int32(bq)) - i_lo, 0, per_head)
-      carry = lax.fori_loop(0, t_vis, functools.partial(skip, base=base), carry)
-      carry = lax.fori_loop(t_vis, t_full, functools.partial(step, base=base, masked=True), carry)
-      return lax.fori_loop(t_full, per_head, unmasked, carry)
-
-    zeros = mc.layout_cast(jnp.zeros((bkv, k_s.shape[-1]), jnp.float32), wgmma_layout,
-                           interpret=interpret)
-    dk_KD, dv_KD = lax.fori_loop(0, group, head, (zeros, zeros))
-    k_s.at[wg][...] = dk_KD.astype(k_s.dtype)
-    v_s.at[wg][...] = dv_KD.astype(v_s.dtype)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(k_s.at[wg], dk_ref.at[rows])
-    plgpu.copy_smem_to_gmem(v_s.at[wg], dv_ref.at[rows])
-    plgpu.wait_smem_to_gmem(0)
-
-  @pl.when(wg == W)
-  def _producer():
-    stream_q_rows((q_ref, do_ref, c_ref, lse_ref, delta_ref), (q_s, do_s, c_s, lse_s, delta_s),
-                  q_bar, q_free, b=b, kv_head=kv_head, group=group, i_lo=i_lo,
-                  per_head=per_head, bq=bq, steps=steps)
 
 
 def _launch_params(interpret):
@@ -345,7 +251,8 @@ def backward_rows(s_BNT, out, do):
   return s_BNT * LOG2E, delta_BNT
 
 
-def dq_call(q, k, v, do, c_BNT, lse_BNT, delta_BNT, *, causal: bool, blocks, interpret):
+def dq_call(q, k, v, do, c_BNT, lse_BNT, delta_BNT, *, causal: bool, blocks, interpret,
+            seg_BT=None):
   """The dq kernel: (dq [B,T,Hq,D] q.dtype, d_scale [B,Hq,T] float32). Inputs as `backward`'s,
   after `backward_rows`; do in q.dtype."""
   B, T, N, D = q.shape
@@ -355,63 +262,47 @@ def dq_call(q, k, v, do, c_BNT, lse_BNT, delta_BNT, *, causal: bool, blocks, int
   n_kv = S // bkv
   steps = max(1, min(blocks.max_concurrent_steps, n_kv))  # more slots than blocks load nothing
   n_cta = T // (W * bq)
+  segments = seg_BT is not None
+  operands = (q, k, v, do, c_BNT, lse_BNT, delta_BNT) + ((seg_BT,) if segments else ())
+  seg_scratch = [plgpu.SMEM((W, bq), jnp.int32),              # resident q ids
+                 plgpu.SMEM((steps, bkv), jnp.int32)] if segments else []  # key ids ring
   return plgpu.kernel(
-      functools.partial(_dq_kernel, causal=causal, bq=bq, bkv=bkv, n_kv=n_kv, n_cta=n_cta,
-                        group=N // K, steps=steps, interpret=flag),
+      mc.with_segments(
+          functools.partial(_dq_kernel, causal=causal, bq=bq, bkv=bkv, n_kv=n_kv, n_cta=n_cta,
+                            group=N // K, steps=steps, interpret=flag),
+          n_in=len(operands), n_seg_scratch=2, segments=segments),
       out_type=[jax.ShapeDtypeStruct(q.shape, q.dtype),
                 jax.ShapeDtypeStruct((B, N, T), jnp.float32)],
       scratch_types=[
           _tile_smem((W, bq, D), q.dtype), _tile_smem((W, bq, D), q.dtype),  # q (then dq), dO
           *[plgpu.SMEM((W, bq), jnp.float32) for _ in range(4)],          # c, lse, delta, ds
           _tile_smem((steps, bkv, D), k.dtype), _tile_smem((steps, bkv, D), k.dtype),  # k, v
-          plgpu.Barrier(num_arrivals=5, num_barriers=W),          # resident tiles landed
-          plgpu.Barrier(num_arrivals=2, num_barriers=steps),      # k, v slot landed
+          # One arrival per TMA copy; segment ids add one copy to each.
+          plgpu.Barrier(num_arrivals=5 + segments, num_barriers=W),   # resident tiles landed
+          plgpu.Barrier(num_arrivals=2 + segments, num_barriers=steps),  # k, v slot landed
           plgpu.Barrier(num_arrivals=W, num_barriers=steps),      # slot released by both wgs
+          *seg_scratch,
       ],
       grid=(N, n_cta, B), grid_names=("heads", "q_seq", "batch"),
       num_threads=W + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
-      interpret=params, kernel_name="focal_mgpu_dq")(q, k, v, do, c_BNT, lse_BNT, delta_BNT)
+      interpret=params, kernel_name="focal_mgpu_dq")(*operands)
 
 
-def dkv_call(q, k, v, do, c_BNT, lse_BNT, delta_BNT, *, causal: bool, blocks, interpret):
-  """The dk/dv kernel: (dk, dv [B,S,Hkv,D] k.dtype), summed over each kv head's G query heads."""
-  B, T, N, D = q.shape
-  S, K = k.shape[1], k.shape[2]
-  flag, params = _launch_params(interpret)
-  bq, bkv = blocks.block_q_dkv, blocks.block_kv_dkv
-  n_q = T // bq
-  steps = max(1, min(blocks.max_concurrent_steps, n_q))
-  return plgpu.kernel(
-      functools.partial(_dkv_kernel, causal=causal, bq=bq, bkv=bkv, n_q=n_q, group=N // K,
-                        steps=steps, interpret=flag),
-      out_type=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-      scratch_types=[
-          _tile_smem((W, bkv, D), k.dtype), _tile_smem((W, bkv, D), k.dtype),  # k, v (then dk, dv)
-          _tile_smem((steps, bq, D), q.dtype), _tile_smem((steps, bq, D), q.dtype),  # q, dO ring
-          *[plgpu.SMEM((steps, bq), jnp.float32) for _ in range(3)],     # c, lse, delta ring
-          plgpu.Barrier(num_arrivals=2, num_barriers=W),          # resident tiles landed
-          plgpu.Barrier(num_arrivals=5, num_barriers=steps),      # q, dO, rows slot landed
-          plgpu.Barrier(num_arrivals=W, num_barriers=steps),      # slot released by both wgs
-      ],
-      grid=(K, S // (W * bkv), B), grid_names=("heads", "kv_seq", "batch"),
-      num_threads=W + 1, thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
-      interpret=params, kernel_name="focal_mgpu_dkv")(q, k, v, do, c_BNT, lse_BNT, delta_BNT)
-
-
-def backward(q, k, v, s_BNT, out, lse_BNT, do, *, causal: bool, blocks, interpret):
+def backward(q, k, v, s_BNT, out, lse_BNT, do, *, causal: bool, blocks, interpret, seg_BT=None):
   """Returns (dq [B,T,Hq,D] q.dtype, dk, dv [B,S,Hkv,D] k.dtype, d_scale [B,Hq,T] float32).
 
   s_BNT: float32 per-query temperature; lse_BNT: float32 base-2 row log-sum-exp of the forward;
   blocks: any object with block_q_dq, block_kv_dq, block_q_dkv, block_kv_dkv and
   max_concurrent_steps (e.g. focal_mgpu.BlockSizes). interpret: False (compiled, Hopper), True
   (GPU interpret mode on CPU with `mgpu_compat.interpret_params()`), or an InterpretGPUParams.
+  seg_BT: None or int32 segment ids [B, T] (T == S), as given to the forward.
   """
-  _check(q, k, v, s_BNT, lse_BNT, do, blocks)
+  _check(q, k, v, s_BNT, lse_BNT, do, blocks, seg_BT)
   c_BNT, delta_BNT = backward_rows(s_BNT, out, do)
   args = (q, k, v, do.astype(q.dtype), c_BNT, lse_BNT, delta_BNT)
-  kw = dict(causal=causal, blocks=blocks, interpret=interpret)
+  kw = dict(causal=causal, blocks=blocks, interpret=interpret, seg_BT=seg_BT)
+  from pallas_kernels import focal_mgpu_dkv  # pylint: disable=import-outside-toplevel
   dq, ds_BNT = dq_call(*args, **kw)
-  dk, dv = dkv_call(*args, **kw)
+  dk, dv = focal_mgpu_dkv.dkv_call(*args, **kw)
   return dq, dk, dv, ds_BNT

@@ -58,6 +58,7 @@ from jax.experimental import pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels import focal_mgpu_bwd as fb
+from pallas_kernels import focal_mgpu_dkv
 from pallas_kernels import mgpu_compat as mc
 
 W = fb.W  # compute warpgroups per CTA
@@ -163,9 +164,10 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, acc_ref, dk_
 
   @pl.when(wg == W)
   def _producer():
-    fb.stream_q_rows((q_ref, do_ref, c_ref, lse_ref, delta_ref), (q_s, do_s, c_s, lse_s, delta_s),
-                     q_bar, q_free, b=b, kv_head=kv_head, group=group, i_lo=i_lo,
-                     per_head=per_head, bq=bq, steps=steps)
+    focal_mgpu_dkv.stream_q_rows(
+        (q_ref, do_ref, c_ref, lse_ref, delta_ref), (q_s, do_s, c_s, lse_s, delta_s), q_bar,
+        q_free, b=b, kv_head=kv_head, group=group, i_lo=i_lo, per_head=per_head, bq=bq,
+        steps=steps)
 
 
 def _check_smem(q, blocks):

@@ -227,3 +227,17 @@ def ref_kernel(body, *, out_type, scratch_types, grid, grid_names, num_threads, 
 
   return pl.kernel(kernel_body, out_type=out_type, mesh=mesh, compiler_params=compiler_params,
                    interpret=interpret, name=name)
+
+
+def with_segments(kernel, *, n_in: int, n_seg_scratch: int, segments: bool):
+  """Adapts `kernel(*operands, *outputs, *scratch, seg=...)` to plgpu.kernel's flat refs when an
+  optional segment-id operand is passed last among the `n_in` operands and its `n_seg_scratch`
+  buffers last among the scratch: seg = (ids GMEM ref, *those SMEM refs), or None without
+  segments (the kernel then traces no segment code at all)."""
+  def body(*refs):
+    if not segments:
+      return kernel(*refs, seg=None)
+    rest = refs[n_in:]
+    cut = len(rest) - n_seg_scratch
+    return kernel(*refs[:n_in - 1], *rest[:cut], seg=(refs[n_in - 1], *rest[cut:]))
+  return body

@@ -2,7 +2,8 @@
 
 Invariants: on fresh random inputs the kernel's output equals `reference.attention` and its lse
 equals log2 Σ_s exp2(log2(e)·scale·q·k) over the visible keys, for causal / non-causal, GQA,
-bf16 / fp16, D = 64 / 128, float and per-query temperatures; gradients through the custom_vjp
+bf16 / fp16, D = 64 / 128, float and per-query temperatures, packed segment ids (three documents
+of uneven lengths per row: no query sees another document); gradients through the custom_vjp
 (with focal_mgpu_bwd) equal the reference's; every output element is written
 (interpret mode fills fresh buffers with NaN); the interpreter's race detector stays quiet;
 `supported` names the reason for every input it rejects; the kernel lowers to Mosaic GPU for CUDA
@@ -55,14 +56,23 @@ def _inputs(seed, *, B, T, S, N, K, D, dtype, scale):
   return q, k, v, s
 
 
-def _lse_reference(q, k, s_BNT, causal):
+def _packed_segment_ids(seed, B, T):
+  """int32 [B, T]: three documents per row with random boundaries (almost surely inside tiles)
+  and ids that differ between rows, as the data packer emits them."""
+  rng = np.random.default_rng(seed)
+  rows = [np.searchsorted(np.sort(rng.choice(np.arange(1, T), 2, replace=False)), np.arange(T),
+                          side="right") + 3 * b for b in range(B)]
+  return jnp.asarray(np.stack(rows), jnp.int32)
+
+
+def _lse_reference(q, k, s_BNT, causal, seg_BT=None):
   """log2 Σ_s exp2(log2(e)·s_t·q_t·k_s) over visible keys, float32 [B, N, T]."""
   B, T, N, D = q.shape
   S, K = k.shape[1], k.shape[2]
   k_BSND = jnp.repeat(k, N // K, axis=2).astype(jnp.float32)
   logits = jnp.einsum("BTND,BSND->BNTS", q.astype(jnp.float32), k_BSND,
                       precision=jax.lax.Precision.HIGHEST) * s_BNT[..., None]
-  vis = reference.visible_BTS(B, T, S, causal=causal)[:, None]
+  vis = reference.visible_BTS(B, T, S, causal=causal, segment_ids_BT=seg_BT)[:, None]
   return jax.nn.logsumexp(jnp.where(vis, logits, -jnp.inf), axis=-1) / np.log(2.0)
 
 
@@ -72,22 +82,23 @@ def _rel_norm_err(a, b):
 
 
 def _compare(seed, *, causal, dtype, scale, B=1, T=256, S=None, N=4, K=2, D=64, blocks=None,
-             interpret=True):
+             interpret=True, segments=False):
   S = T if S is None else S
   q, k, v, s = _inputs(seed, B=B, T=T, S=S, N=N, K=K, D=D, dtype=dtype, scale=scale)
+  seg = _packed_segment_ids(seed, B, T) if segments else None
   blocks = blocks or focal_mgpu.BlockSizes.default(D, dtype)
   s_BNT = reference.scale_BNT(s, B, N, T)
-  fwd = jax.jit(lambda q, k, v, s_BNT: focal_mgpu.forward(
-      q, k, v, s_BNT, causal=causal, blocks=blocks, interpret=interpret))
-  out, lse = fwd(q, k, v, s_BNT)
+  fwd = jax.jit(lambda q, k, v, s_BNT, seg: focal_mgpu.forward(
+      q, k, v, s_BNT, causal=causal, blocks=blocks, interpret=interpret, segment_ids=seg))
+  out, lse = fwd(q, k, v, s_BNT, seg)
   if interpret:
     assert not mgpu_compat.interpret_races_found(), "GPU interpreter reported a data race"
   # The public entry point (jit + custom_vjp) must give the same forward.
-  out_api = focal_mgpu.focal_attention(q, k, v, scale=s, causal=causal, interpret=interpret,
-                                       block_sizes=blocks)
+  out_api = focal_mgpu.focal_attention(q, k, v, scale=s, causal=causal, segment_ids=seg,
+                                       interpret=interpret, block_sizes=blocks)
   with jax.default_matmul_precision("highest"):  # the GPU reference must not use TF32
-    want = reference.attention(q, k, v, scale=s, causal=causal)
-    want_lse = _lse_reference(q, k, s_BNT, causal)
+    want = reference.attention(q, k, v, scale=s, causal=causal, segment_ids_BT=seg)
+    want_lse = _lse_reference(q, k, s_BNT, causal, seg)
   assert out.dtype == q.dtype and out.shape == q.shape
   assert lse.dtype == jnp.float32 and lse.shape == (B, N, T)
   # NaN here means an output tile was never written (fresh buffers are NaN-filled / poisoned).
@@ -105,6 +116,10 @@ CI_CASES = [
     (True, jnp.bfloat16, "BNT",
      dict(blocks=focal_mgpu.BlockSizes(block_kv=64, max_concurrent_steps=3))),
     (False, jnp.float16, "float", dict(N=2, K=1, D=128)),  # MQA, default D=128 tiles
+    # Packed documents on every visited block (diagonal or not), GQA, two rows, 3-slot ring.
+    (True, jnp.bfloat16, "BNT", dict(B=2, segments=True,
+                                     blocks=focal_mgpu.BlockSizes(block_kv=64,
+                                                                  max_concurrent_steps=3))),
 ]
 SLOW_CASES = [
     (True, jnp.float16, "B11", dict(N=2, K=2, D=128)),  # MHA
@@ -114,6 +129,7 @@ SLOW_CASES = [
     (True, jnp.float16, "float", dict(B=2, T=128, S=384, N=2, K=1)),  # causal T < S: s <= t
     (True, jnp.bfloat16, "BNT", dict(T=512, N=2, K=1,
                                      blocks=focal_mgpu.BlockSizes(block_q=128, block_kv=64))),
+    (False, jnp.float16, "float", dict(N=2, K=1, D=128, segments=True)),  # segments only
 ]
 
 
@@ -135,11 +151,13 @@ def test_matches_reference_interpret_slow(i, request):
   _compare(200 + i, causal=causal, dtype=dtype, scale=scale, **kw)
 
 
-def _compare_grads(seed, *, interpret, B=1, T=256, N=2, K=1, D=64, dtype=jnp.bfloat16):
+def _compare_grads(seed, *, interpret, B=1, T=256, N=2, K=1, D=64, dtype=jnp.bfloat16,
+                   segments=False):
   """out and the vjp (dq, dk, dv, d_scale) of focal_attention (custom_vjp: this forward plus
   focal_mgpu_bwd.backward) against jax.vjp of the reference; causal, array temperature."""
   pytest.importorskip("pallas_kernels.focal_mgpu_bwd")
   q, k, v, s = _inputs(seed, B=B, T=T, S=T, N=N, K=K, D=D, dtype=dtype, scale="BNT")
+  seg = _packed_segment_ids(seed, B, T) if segments else None
   do = jax.random.normal(jax.random.key(seed + 1), q.shape, jnp.float32).astype(dtype)
 
   def out_and_grads(attend):
@@ -147,17 +165,32 @@ def _compare_grads(seed, *, interpret, B=1, T=256, N=2, K=1, D=64, dtype=jnp.bfl
     return (out,) + vjp(do)
 
   got = jax.jit(lambda: out_and_grads(lambda q, k, v, s: focal_mgpu.focal_attention(
-      q, k, v, scale=s, causal=True, interpret=interpret)))()
+      q, k, v, scale=s, causal=True, segment_ids=seg, interpret=interpret)))()
   with jax.default_matmul_precision("highest"):
-    want = out_and_grads(lambda q, k, v, s: reference.attention(q, k, v, scale=s, causal=True))
+    want = out_and_grads(lambda q, k, v, s: reference.attention(
+        q, k, v, scale=s, causal=True, segment_ids_BT=seg))
   errs = {n: _rel_norm_err(g, w) for n, g, w in zip(["out", "dq", "dk", "dv", "ds"], got, want)}
   bad = {n: e for n, e in errs.items() if not e < 2 * TOL[dtype]}
   assert not bad, f"relative errors above {2 * TOL[dtype]}: {bad} (all: {errs})"
 
 
 @pytest.mark.usefixtures("_fast_interpreter")
-def test_gradients_through_custom_vjp_interpret():
-  _compare_grads(150, interpret=True)
+@pytest.mark.parametrize("segments", [False, True])
+def test_gradients_through_custom_vjp_interpret(segments):
+  _compare_grads(150, interpret=True, segments=segments)
+
+
+def test_focal_flash_routes_segments_to_mosaic(monkeypatch):
+  """focal_flash's dispatcher hands packed segment ids to this kernel (training always has them)
+  instead of falling back to Triton, cast to int32 as the Triton route would."""
+  from pallas_kernels import focal_flash  # pylint: disable=import-outside-toplevel
+  calls = []
+  monkeypatch.setattr(focal_mgpu, "focal_attention",
+                      lambda q, k, v, **kw: calls.append(kw) or jnp.zeros(q.shape, q.dtype))
+  q, k, v = (jnp.zeros(x.shape, x.dtype) for x in _arrays())
+  seg = jnp.zeros((1, 256), jnp.int16)
+  focal_flash.focal_attention(q, k, v, scale=0.1, segment_ids=seg, kernel="mosaic")
+  assert len(calls) == 1 and calls[0]["segment_ids"].dtype == jnp.int32
 
 
 def _arrays(B=1, T=256, S=256, N=4, K=2, D=64, dtype=jnp.bfloat16, dtype_k=None):
@@ -167,30 +200,35 @@ def _arrays(B=1, T=256, S=256, N=4, K=2, D=64, dtype=jnp.bfloat16, dtype_k=None)
   return q, k, v
 
 
-@pytest.mark.parametrize("kwargs, segments, reason", [
-    (dict(), True, "segment ids"),
-    (dict(dtype=jnp.float32), False, "bfloat16/float16"),
-    (dict(dtype_k=jnp.float16), False, "share one dtype"),
-    (dict(D=32), False, "head dim D=32"),
-    (dict(D=256), False, "head dim D=256"),
-    (dict(T=192), False, "T=192 must be a multiple of 2·block_q=128"),
-    (dict(S=320), False, "S=320 must be a multiple of block_kv=128"),
-    (dict(N=3, K=2), False, "multiple of kv heads"),
+@pytest.mark.parametrize("kwargs, seg, reason", [
+    (dict(), ((1, 256), jnp.float32), "segment_ids must be int32 [B, T] = (1, 256)"),
+    (dict(), ((1, 128), jnp.int32), "segment_ids must be int32 [B, T] = (1, 256)"),
+    (dict(S=384), ((1, 256), jnp.int32), "segment_ids need T == S"),
+    (dict(dtype=jnp.float32), None, "bfloat16/float16"),
+    (dict(dtype_k=jnp.float16), None, "share one dtype"),
+    (dict(D=32), None, "head dim D=32"),
+    (dict(D=256), None, "head dim D=256"),
+    (dict(T=192), None, "T=192 must be a multiple of 2·block_q=128"),
+    (dict(S=320), None, "S=320 must be a multiple of block_kv=128"),
+    (dict(N=3, K=2), None, "multiple of kv heads"),
 ])
-def test_supported_gives_reasons(kwargs, segments, reason):
+def test_supported_gives_reasons(kwargs, seg, reason):
   q, k, v = _arrays(**kwargs)
-  seg = jax.ShapeDtypeStruct((q.shape[0], q.shape[1]), jnp.int32) if segments else None
+  seg = None if seg is None else jax.ShapeDtypeStruct(*seg)
   why = focal_mgpu.supported(q, k, v, seg, True)
   assert why is not None and reason in why, why
-  if not segments:  # the public entry point refuses with the same reason
-    with pytest.raises(ValueError, match="focal_mgpu"):
-      jax.eval_shape(lambda q, k, v: focal_mgpu.focal_attention(q, k, v, scale=0.1), q, k, v)
+  # The public entry point refuses with the same reason.
+  with pytest.raises(ValueError, match="focal_mgpu"):
+    jax.eval_shape(lambda q, k, v, seg: focal_mgpu.focal_attention(
+        q, k, v, scale=0.1, segment_ids=seg), q, k, v, seg)
 
 
 def test_supported_accepts_contract_shapes():
   for D, dtype in [(64, jnp.bfloat16), (128, jnp.float16)]:
     for causal in (True, False):
       assert focal_mgpu.supported(*_arrays(D=D, dtype=dtype, N=8, K=2), None, causal) is None
+      seg = jax.ShapeDtypeStruct((1, 256), jnp.int32)
+      assert focal_mgpu.supported(*_arrays(D=D, dtype=dtype), seg, causal) is None
 
 
 @pytest.mark.parametrize("field, value", [
@@ -200,16 +238,20 @@ def test_block_sizes_validate(field, value):
     focal_mgpu.BlockSizes(**{field: value})
 
 
+@pytest.mark.parametrize("segments", [False, True])
 @pytest.mark.parametrize("causal, dtype, D", [(True, jnp.bfloat16, 64), (False, jnp.float16, 128)])
-def test_lowers_to_mosaic_gpu(causal, dtype, D):
+def test_lowers_to_mosaic_gpu(causal, dtype, D, segments):
   """Lowers through Pallas' Mosaic GPU backend for CUDA without a GPU: catches layouts and
-  primitives the lowering rejects and shared-memory overflow before the H200 sees them (ptxas
-  is not run). Checks the installed jax only (0.10.2 in CI)."""
+  primitives the lowering rejects (e.g. int32 segment ids in the row / column layouts) and
+  shared-memory overflow before the H200 sees them (ptxas is not run). Checks the installed jax
+  only (0.10.2 in CI)."""
   q, k, v = _arrays(B=2, T=1024, S=1024, N=8, K=2, D=D, dtype=dtype)
   s = jax.ShapeDtypeStruct((2, 8, 1024), jnp.float32)
-  fwd = jax.jit(lambda q, k, v, s: focal_mgpu.forward(
-      q, k, v, s, causal=causal, blocks=focal_mgpu.BlockSizes.default(D, dtype), interpret=False))
-  text = fwd.trace(q, k, v, s).lower(lowering_platforms=("cuda",)).as_text()
+  seg = jax.ShapeDtypeStruct((2, 1024), jnp.int32) if segments else None
+  fwd = jax.jit(lambda q, k, v, s, seg: focal_mgpu.forward(
+      q, k, v, s, causal=causal, blocks=focal_mgpu.BlockSizes.default(D, dtype), interpret=False,
+      segment_ids=seg))
+  text = fwd.trace(q, k, v, s, seg).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
 
 
@@ -248,8 +290,16 @@ class TestCompiledGPU:
              interpret=False)
 
   @pytest.mark.parametrize("D", [64, 128])
-  def test_gradients_through_custom_vjp(self, D):
-    _compare_grads(500 + D, interpret=False, B=2, T=2048, N=8, K=2, D=D)
+  @pytest.mark.parametrize("causal", [True, False])
+  def test_segments(self, D, causal):
+    _poison_allocator(((2, 2048, 8, D), jnp.bfloat16), ((2, 8, 2048), jnp.float32))
+    _compare(600 + D, causal=causal, dtype=jnp.bfloat16, scale="BNT", B=2, T=2048, N=8, K=2,
+             D=D, interpret=False, segments=True)
+
+  @pytest.mark.parametrize("D", [64, 128])
+  @pytest.mark.parametrize("segments", [False, True])
+  def test_gradients_through_custom_vjp(self, D, segments):
+    _compare_grads(500 + D, interpret=False, B=2, T=2048, N=8, K=2, D=D, segments=segments)
 
   @pytest.mark.parametrize("blocks, D", [
       (focal_mgpu.BlockSizes(block_kv=64, max_concurrent_steps=4), 128),

@@ -3,11 +3,12 @@
 Invariant: given the forward's out and base-2 lse (computed here in XLA from the spec),
 `focal_mgpu_bwd.backward` returns the same dq, dk, dv and d_scale as jax.vjp of
 `pallas_kernels.reference.attention` with an array scale, on fresh random inputs: causal and not,
-GQA, bf16 and fp16, D = 64 and 128, square and mixed tiles. On CPU the kernels run in jax's GPU
-interpret mode (threads, SMEM, TMA, barriers simulated) with the race detector on, each kernel
-checked race-free separately; `mgpu_compat.cached_interpreter_threads` keeps the file near a
-minute on 2 cores. `TestCompiledGPU` repeats the comparison compiled at training-like shapes on a
-Hopper GPU (compute capability 9.x).
+GQA, bf16 and fp16, D = 64 and 128, square and mixed tiles, with and without packed segment ids
+(three documents of uneven lengths per row; gradients never cross a document boundary). On CPU the
+kernels run in jax's GPU interpret mode (threads, SMEM, TMA, barriers simulated) with the race
+detector on, each kernel checked race-free separately; `mgpu_compat.cached_interpreter_threads`
+keeps the file near a minute on 2 cores. `TestCompiledGPU` repeats the comparison compiled at
+training-like shapes on a Hopper GPU (compute capability 9.x).
 
 Run: python -m pytest -q tests/test_focal_mgpu_bwd.py            (CPU, ~60 s)
      python -m pytest -q tests/test_focal_mgpu_bwd.py -m gpu     (H200, compiled)
@@ -24,6 +25,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import focal_mgpu_bwd as fb
+from pallas_kernels import focal_mgpu_dkv
 from pallas_kernels import mgpu_compat as mc
 from pallas_kernels import reference
 
@@ -58,7 +60,16 @@ def _strict_ranks_and_fast_interpreter():
     yield
 
 
-def _problem(seed, *, B, T, N, K, D, dtype, causal):
+def _packed_segment_ids(seed, B, T):
+  """int32 [B, T]: three documents per row with random boundaries (almost surely inside tiles)
+  and ids that differ between rows, as the data packer emits them."""
+  rng = np.random.default_rng(seed)
+  rows = [np.searchsorted(np.sort(rng.choice(np.arange(1, T), 2, replace=False)), np.arange(T),
+                          side="right") + 3 * b for b in range(B)]
+  return jnp.asarray(np.stack(rows), jnp.int32)
+
+
+def _problem(seed, *, B, T, N, K, D, dtype, causal, seg_BT=None):
   """Inputs, the forward residuals (out, base-2 lse) and the reference gradients."""
   kq, kk, kv, ks, kdo = jax.random.split(jax.random.key(seed), 5)
   q = jax.random.normal(kq, (B, T, N, D), jnp.float32).astype(dtype)
@@ -67,15 +78,15 @@ def _problem(seed, *, B, T, N, K, D, dtype, causal):
   # A positive temperature spread over ~e^±1 around 1/√D, different for every query.
   s_BNT = D**-0.5 * jnp.exp(0.5 * jax.random.normal(ks, (B, N, T), jnp.float32))
   do = jax.random.normal(kdo, (B, T, N, D), jnp.float32).astype(dtype)
-  out, vjp = jax.vjp(lambda q, k, v, s: reference.attention(q, k, v, scale=s, causal=causal),
-                     q, k, v, s_BNT)
+  out, vjp = jax.vjp(lambda q, k, v, s: reference.attention(
+      q, k, v, scale=s, causal=causal, segment_ids_BT=seg_BT), q, k, v, s_BNT)
   want = vjp(do)
   G = N // K
   logits_BKGTS = jnp.einsum("BTKGD,BSKD->BKGTS", q.reshape(B, T, K, G, D), k,
                             preferred_element_type=jnp.float32)
   logits_BKGTS = logits_BKGTS * s_BNT.reshape(B, K, G, T)[..., None]
-  vis_TS = reference.visible_BTS(1, T, T, causal=causal)[0]
-  lse_BKGT = jax.nn.logsumexp(jnp.where(vis_TS[None, None, None], logits_BKGTS, -jnp.inf),
+  vis_BTS = reference.visible_BTS(B, T, T, causal=causal, segment_ids_BT=seg_BT)
+  lse_BKGT = jax.nn.logsumexp(jnp.where(vis_BTS[:, None, None], logits_BKGTS, -jnp.inf),
                               axis=-1)
   lse_BNT = (lse_BKGT * math.log2(math.e)).reshape(B, N, T)  # base 2, as the forward saves it
   return (q, k, v, s_BNT, out, lse_BNT, do), want
@@ -92,15 +103,15 @@ def _assert_close(got, want, dtype):
     assert err < TOL[dtype], f"{name}: max|err|/max|ref| = {err:.3g} >= {TOL[dtype]}"
 
 
-def _interpreted(args, *, causal, blocks):
+def _interpreted(args, *, causal, blocks, seg_BT=None):
   """Runs the two kernels one at a time (the race detector's verdict is per kernel launch)."""
   q, k, v, s_BNT, out, lse_BNT, do = args
   c_BNT, delta_BNT = fb.backward_rows(s_BNT, out, do)
-  kw = dict(causal=causal, blocks=blocks, interpret=True)
+  kw = dict(causal=causal, blocks=blocks, interpret=True, seg_BT=seg_BT)
   rows = (q, k, v, do, c_BNT, lse_BNT, delta_BNT)
   dq, ds_BNT = jax.block_until_ready(fb.dq_call(*rows, **kw))
   assert not mc.interpret_races_found(), "dq kernel: race detected"
-  dk, dv = jax.block_until_ready(fb.dkv_call(*rows, **kw))
+  dk, dv = jax.block_until_ready(focal_mgpu_dkv.dkv_call(*rows, **kw))
   assert not mc.interpret_races_found(), "dk/dv kernel: race detected"
   return dq, dk, dv, ds_BNT
 
@@ -115,6 +126,17 @@ def _interpreted(args, *, causal, blocks):
 def test_matches_reference(dtype, causal, N, K, D, blocks):
   args, want = _problem(1, B=1, T=256, N=N, K=K, D=D, dtype=dtype, causal=causal)
   _assert_close(_interpreted(args, causal=causal, blocks=blocks), want, dtype)
+
+
+@pytest.mark.parametrize("dtype, causal, B, N, K, D, blocks", [
+    # Two packed rows, GQA, mixed tiles and a 3-slot ring: ids resident and streamed both ways.
+    (jnp.bfloat16, True, 2, 4, 2, 64, MIXED),
+    (jnp.float16, False, 1, 2, 1, 128, Blocks()),  # every tile masked by segments alone
+])
+def test_matches_reference_segments(dtype, causal, B, N, K, D, blocks):
+  seg_BT = _packed_segment_ids(7, B, 256)
+  args, want = _problem(7, B=B, T=256, N=N, K=K, D=D, dtype=dtype, causal=causal, seg_BT=seg_BT)
+  _assert_close(_interpreted(args, causal=causal, blocks=blocks, seg_BT=seg_BT), want, dtype)
 
 
 def test_backward_output_types():
@@ -140,11 +162,16 @@ def test_bad_blocks_raise(change, match):
                 interpret=True)
 
 
-@pytest.mark.parametrize("field", ["dtype", "head_dim", "lse"])
+@pytest.mark.parametrize("field", ["dtype", "head_dim", "lse", "seg_dtype", "seg_shape"])
 def test_bad_inputs_raise(field):
   q, k, v, s_BNT, out, lse_BNT, do = _problem(
       4, B=1, T=256, N=2, K=1, D=64, dtype=jnp.bfloat16, causal=True)[0]
-  if field == "dtype":
+  seg_BT = None
+  if field.startswith("seg"):
+    seg_BT = jnp.zeros((1, 256) if field == "seg_dtype" else (1, 128),
+                       jnp.float32 if field == "seg_dtype" else jnp.int32)
+    match = "seg_BT must be int32"
+  elif field == "dtype":
     q, match = q.astype(jnp.float32), "dtype"
   elif field == "head_dim":
     q, k, v, out, do = (x[..., :32] for x in (q, k, v, out, do))
@@ -152,7 +179,24 @@ def test_bad_inputs_raise(field):
   else:
     lse_BNT, match = lse_BNT[:, :1], "lse_BNT"
   with pytest.raises(ValueError, match=match):
-    fb.backward(q, k, v, s_BNT, out, lse_BNT, do, causal=True, blocks=Blocks(), interpret=True)
+    fb.backward(q, k, v, s_BNT, out, lse_BNT, do, causal=True, blocks=Blocks(), interpret=True,
+                seg_BT=seg_BT)
+
+
+@pytest.mark.parametrize("causal, D", [(True, 64), (False, 128)])
+def test_lowers_to_mosaic_gpu_with_segments(causal, D):
+  """Both kernels with segment ids lower through Pallas' Mosaic GPU backend for CUDA without a
+  GPU (int32 ids in the row and column layouts, the extra TMA arrivals, shared memory)."""
+  B, T, N, K = 2, 1024, 8, 2
+  q = jax.ShapeDtypeStruct((B, T, N, D), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((B, T, K, D), jnp.bfloat16)
+  rows = jax.ShapeDtypeStruct((B, N, T), jnp.float32)
+  seg = jax.ShapeDtypeStruct((B, T), jnp.int32)
+  blocks = Blocks(max_concurrent_steps=3 if D == 64 else 2)
+  bwd = jax.jit(lambda q, k, v, s, out, lse, do, seg: fb.backward(
+      q, k, v, s, out, lse, do, causal=causal, blocks=blocks, interpret=False, seg_BT=seg))
+  text = bwd.trace(q, k, k, rows, q, rows, q, seg).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
 
 
 @pytest.mark.gpu
@@ -167,6 +211,17 @@ class TestCompiledGPU:
     blocks = Blocks(max_concurrent_steps=3 if D == 64 else 2)
     got = jax.jit(lambda *a: fb.backward(*a, causal=causal, blocks=blocks, interpret=False))(
         *args)
+    _assert_close(got, want, jnp.bfloat16)
+
+  @pytest.mark.parametrize("D", [64, 128])
+  @pytest.mark.parametrize("causal", [True, False])
+  def test_segments(self, D, causal):
+    seg_BT = _packed_segment_ids(8, 2, 2048)
+    args, want = _problem(8, B=2, T=2048, N=8, K=2, D=D, dtype=jnp.bfloat16, causal=causal,
+                          seg_BT=seg_BT)
+    blocks = Blocks(max_concurrent_steps=3 if D == 64 else 2)
+    got = jax.jit(lambda *a: fb.backward(*a, causal=causal, blocks=blocks, interpret=False,
+                                         seg_BT=seg_BT))(*args)
     _assert_close(got, want, jnp.bfloat16)
 
   def test_through_forward_custom_vjp(self):

@@ -1,0 +1,190 @@
+"""The dk/dv kernel of the Hopper (Mosaic GPU) focal attention backward, and the producer that
+streams query-side tiles to it (also used by focal_mgpu_bwd_fused).
+
+Grid (Hkv, S / (W·block_kv_dkv), B); see focal_mgpu_bwd's docstring for the math, the warpgroup
+layout, the shared-memory budget and the segment-id handling. Split from focal_mgpu_bwd.py to keep
+files short; `focal_mgpu_bwd.backward` calls `dkv_call`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from pallas_kernels import focal_mgpu_bwd as fb
+from pallas_kernels import mgpu_compat as mc
+
+W = fb.W
+LOG2E, LN2 = fb.LOG2E, fb.LN2
+# pylint: disable=protected-access
+_tile_smem, _bcast, _drain, _launch_params = (fb._tile_smem, fb._bcast, fb._drain,
+                                               fb._launch_params)
+
+
+def stream_q_rows(gmem, smem, q_bar, q_free, *, b, kv_head, group, i_lo, per_head, bq, steps,
+                  seg=None):
+  """Producer warpgroup of the key-resident backward passes (this file's dk/dv kernel and
+  focal_mgpu_bwd_fused): TMA-streams q, dO and the rows (LOG2E·s, lse, delta) of the `group`
+  query heads of kv head `kv_head`, q blocks i_lo .. i_lo + per_head - 1 per head, through a ring
+  of `steps` slots. A slot is refilled once both compute warpgroups arrived on its q_free
+  barrier. gmem = (q, dO, c, lse, delta) refs; smem = their ring buffers, in the same order.
+  seg: None, or (segment ids [B, T] GMEM ref, their [steps, bq] ring): each q block's ids then
+  join its slot (one more arrival on q_bar)."""
+  q_ref, do_ref, c_ref, lse_ref, delta_ref = gmem
+  q_s, do_s, c_s, lse_s, delta_s = smem
+  plgpu.set_max_registers(40, action="decrease")
+  total = group * per_head
+
+  def issue(st):
+    slot = lax.rem(st, steps)
+    g, i = lax.div(st, per_head), i_lo + lax.rem(st, per_head)
+    n = kv_head * group + g
+    rows, vec = (b, pl.ds(i * bq, bq), n), (b, n, pl.ds(i * bq, bq))
+    bar = q_bar.at[slot]
+    plgpu.copy_gmem_to_smem(q_ref.at[rows], q_s.at[slot], bar)
+    plgpu.copy_gmem_to_smem(do_ref.at[rows], do_s.at[slot], bar)
+    for src, dst in ((c_ref, c_s), (lse_ref, lse_s), (delta_ref, delta_s)):
+      plgpu.copy_gmem_to_smem(src.at[vec], dst.at[slot], bar)
+    if seg is not None:
+      plgpu.copy_gmem_to_smem(seg[0].at[b, pl.ds(i * bq, bq)], seg[1].at[slot], bar)
+
+  for st in range(steps):
+    pl.when(st < total)(functools.partial(issue, jnp.int32(st)))
+
+  @pl.loop(steps, total)
+  def _(st):
+    plgpu.barrier_wait(q_free.at[lax.rem(st, steps)])  # both warpgroups released step st - steps
+    issue(st)
+
+  _drain(q_free, total, steps)
+
+
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, dk_ref, dv_ref,
+                k_s, v_s, q_s, do_s, c_s, lse_s, delta_s, res_bar, q_bar, q_free,
+                *, seg, causal, bq, bkv, n_q, group, steps, interpret):
+  b, kv_head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
+  cta_k0 = lax.axis_index("kv_seq") * (W * bkv)
+  # First q block that sees any key of this CTA (causal); per head the CTA visits [i_lo, n_q).
+  i_lo = jnp.minimum(lax.div(cta_k0, jnp.int32(bq)), n_q) if causal else jnp.int32(0)
+  per_head = n_q - i_lo
+  wgmma_layout = plgpu.Layout.WGMMA
+  col_layout = wgmma_layout.reduce(0)  # per-query vectors run along axis 1 of [bkv, bq] tiles
+  # seg: None or (ids [B, T] GMEM, resident key ids [W, bkv], ring of q ids [steps, bq]).
+  seg_ref, segk_s, segq_s = seg or (None, None, None)
+
+  @pl.when(wg < W)
+  def _compute():
+    plgpu.set_max_registers(232, action="increase")
+    k0 = cta_k0 + wg * bkv
+    rows = (b, pl.ds(k0, bkv), kv_head)
+    bar = res_bar.at[wg]
+    plgpu.copy_gmem_to_smem(k_ref.at[rows], k_s.at[wg], bar)
+    plgpu.copy_gmem_to_smem(v_ref.at[rows], v_s.at[wg], bar)
+    if seg:
+      plgpu.copy_gmem_to_smem(seg_ref.at[b, pl.ds(k0, bkv)], segk_s.at[wg], bar)
+    plgpu.barrier_wait(bar)
+    if seg:
+      segk_K = mc.load(segk_s.at[wg], layout=wgmma_layout.reduce(1), interpret=interpret)
+    shape_KQ = (bkv, bq)
+
+    def step(t, carry, *, base, masked):
+      dk_KD, dv_KD = carry
+      i = i_lo + t
+      slot = lax.rem(base + t, steps)
+      plgpu.barrier_wait(q_bar.at[slot])
+      r_KQ = mc.mma(k_s.at[wg], q_s.at[slot], transpose_b=True, interpret=interpret)
+      c_Q = mc.load(c_s.at[slot], layout=col_layout, interpret=interpret)
+      lse_Q = mc.load(lse_s.at[slot], layout=col_layout, interpret=interpret)
+      x_KQ = r_KQ * _bcast(c_Q, shape_KQ, 1) - _bcast(lse_Q, shape_KQ, 1)
+      if masked:
+        s = mc.iota(jnp.int32, shape_KQ, 0, wgmma_layout, interpret=interpret) + k0
+        tq = mc.iota(jnp.int32, shape_KQ, 1, wgmma_layout, interpret=interpret) + i * bq
+        x_KQ = jnp.where(s <= tq, x_KQ, -jnp.inf)
+      if seg:
+        segq_Q = mc.load(segq_s.at[slot], layout=col_layout, interpret=interpret)
+        same_KQ = _bcast(segk_K, shape_KQ, 0) == _bcast(segq_Q, shape_KQ, 1)
+        x_KQ = jnp.where(same_KQ, x_KQ, -jnp.inf)
+      p_KQ = jnp.exp2(x_KQ)
+      dv_KD, dp_KQ = mc.mma_pair((p_KQ.astype(q_s.dtype), do_s.at[slot], dv_KD, False),
+                                 (v_s.at[wg], do_s.at[slot], None, True), interpret=interpret)
+      delta_Q = mc.load(delta_s.at[slot], layout=col_layout, interpret=interpret)
+      # The temperature multiplies dlogits per query before the q-side contraction.
+      dx_KQ = (p_KQ * (dp_KQ - _bcast(delta_Q, shape_KQ, 1))) * _bcast(c_Q * LN2, shape_KQ, 1)
+      dk_KD = mc.mma(dx_KQ.astype(q_s.dtype), q_s.at[slot], acc=dk_KD, interpret=interpret)
+      plgpu.barrier_arrive(q_free.at[slot])
+      return dk_KD, dv_KD
+
+    def skip(t, carry, *, base):
+      slot = lax.rem(base + t, steps)
+      plgpu.barrier_wait(q_bar.at[slot])
+      plgpu.barrier_arrive(q_free.at[slot])
+      return carry
+
+    def head(g, carry):
+      base = g * per_head  # producer step index of this head's first q block
+      unmasked = functools.partial(step, base=base, masked=False)
+      if not causal:
+        return lax.fori_loop(0, per_head, unmasked, carry)
+      # q blocks [i_lo, i_vis) lie wholly above this warpgroup's keys, [i_vis, i_full) cross
+      # its diagonal, [i_full, n_q) see all of its keys.
+      t_vis = jnp.clip(lax.div(k0, jnp.int32(bq)) - i_lo, 0, per_head)
+      t_full = jnp.clip(pl.cdiv(k0 + bkv, jnp.int32(bq)) - i_lo, 0, per_head)
+      carry = lax.fori_loop(0, t_vis, functools.partial(skip, base=base), carry)
+      carry = lax.fori_loop(t_vis, t_full, functools.partial(step, base=base, masked=True), carry)
+      return lax.fori_loop(t_full, per_head, unmasked, carry)
+
+    zeros = mc.layout_cast(jnp.zeros((bkv, k_s.shape[-1]), jnp.float32), wgmma_layout,
+                           interpret=interpret)
+    dk_KD, dv_KD = lax.fori_loop(0, group, head, (zeros, zeros))
+    k_s.at[wg][...] = dk_KD.astype(k_s.dtype)
+    v_s.at[wg][...] = dv_KD.astype(v_s.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(k_s.at[wg], dk_ref.at[rows])
+    plgpu.copy_smem_to_gmem(v_s.at[wg], dv_ref.at[rows])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == W)
+  def _producer():
+    stream_q_rows((q_ref, do_ref, c_ref, lse_ref, delta_ref), (q_s, do_s, c_s, lse_s, delta_s),
+                  q_bar, q_free, b=b, kv_head=kv_head, group=group, i_lo=i_lo,
+                  per_head=per_head, bq=bq, steps=steps,
+                  seg=None if seg is None else (seg_ref, segq_s))
+
+
+def dkv_call(q, k, v, do, c_BNT, lse_BNT, delta_BNT, *, causal: bool, blocks, interpret,
+             seg_BT=None):
+  """The dk/dv kernel: (dk, dv [B,S,Hkv,D] k.dtype), summed over each kv head's G query heads."""
+  B, T, N, D = q.shape
+  S, K = k.shape[1], k.shape[2]
+  flag, params = _launch_params(interpret)
+  bq, bkv = blocks.block_q_dkv, blocks.block_kv_dkv
+  n_q = T // bq
+  steps = max(1, min(blocks.max_concurrent_steps, n_q))
+  segments = seg_BT is not None
+  operands = (q, k, v, do, c_BNT, lse_BNT, delta_BNT) + ((seg_BT,) if segments else ())
+  seg_scratch = [plgpu.SMEM((W, bkv), jnp.int32),             # resident key ids
+                 plgpu.SMEM((steps, bq), jnp.int32)] if segments else []  # q ids ring
+  return plgpu.kernel(
+      mc.with_segments(
+          functools.partial(_dkv_kernel, causal=causal, bq=bq, bkv=bkv, n_q=n_q, group=N // K,
+                            steps=steps, interpret=flag),
+          n_in=len(operands), n_seg_scratch=2, segments=segments),
+      out_type=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+      scratch_types=[
+          _tile_smem((W, bkv, D), k.dtype), _tile_smem((W, bkv, D), k.dtype),  # k, v (then dk, dv)
+          _tile_smem((steps, bq, D), q.dtype), _tile_smem((steps, bq, D), q.dtype),  # q, dO ring
+          *[plgpu.SMEM((steps, bq), jnp.float32) for _ in range(3)],     # c, lse, delta ring
+          plgpu.Barrier(num_arrivals=2 + segments, num_barriers=W),   # resident tiles landed
+          plgpu.Barrier(num_arrivals=5 + segments, num_barriers=steps),  # q, dO, rows landed
+          plgpu.Barrier(num_arrivals=W, num_barriers=steps),      # slot released by both wgs
+          *seg_scratch,
+      ],
+      grid=(K, S // (W * bkv), B), grid_names=("heads", "kv_seq", "batch"),
+      num_threads=W + 1, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=params, kernel_name="focal_mgpu_dkv")(*operands)
