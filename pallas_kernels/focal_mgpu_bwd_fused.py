@@ -132,35 +132,13 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, acc_ref, dk_
       mc.copy_smem_to_gmem_add(dq_QD_s, acc.at[b, pl.ds(i * bq, bq), n], interpret=interpret)
       return dk_KD, dv_KD
 
-    def skip(t, carry, *, g):
-      # The other warpgroup still needs the slot; keep this one's barrier phases in step.
-      slot = lax.rem(g * per_head + t, steps)
-      plgpu.barrier_wait(q_bar.at[slot])
-      plgpu.barrier_arrive(q_free.at[slot])
-      return carry
-
-    def head(g, carry):
-      unmasked = functools.partial(step, g=g, masked=False)
-      if not causal:
-        return lax.fori_loop(0, per_head, unmasked, carry)
-      # q blocks [i_lo, i_vis) lie wholly above this warpgroup's keys, [i_vis, i_full) cross
-      # its diagonal, [i_full, n_q) see all of its keys.
-      t_vis = jnp.clip(lax.div(k0, jnp.int32(bq)) - i_lo, 0, per_head)
-      t_full = jnp.clip(pl.cdiv(k0 + bkv, jnp.int32(bq)) - i_lo, 0, per_head)
-      carry = lax.fori_loop(0, t_vis, functools.partial(skip, g=g), carry)
-      carry = lax.fori_loop(t_vis, t_full, functools.partial(step, g=g, masked=True), carry)
-      return lax.fori_loop(t_full, per_head, unmasked, carry)
-
-    zeros = mc.layout_cast(jnp.zeros((bkv, k_s.shape[-1]), jnp.float32), wgmma_layout,
-                           interpret=interpret)
-    dk_KD, dv_KD = lax.fori_loop(0, group, head, (zeros, zeros))
-    # k, v tiles are free: the last dsᵀ·k wgmma was awaited.
-    k_s.at[wg][...] = dk_KD.astype(k_s.dtype)
-    v_s.at[wg][...] = dv_KD.astype(v_s.dtype)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(k_s.at[wg], dk_ref.at[rows])
-    plgpu.copy_smem_to_gmem(v_s.at[wg], dv_ref.at[rows])
-    plgpu.wait_smem_to_gmem(0)  # also the last dq reduce
+    dk_KD, dv_KD = focal_mgpu_dkv.visit_q_blocks(
+        step, causal=causal, group=group, per_head=per_head, steps=steps, k0=k0, bq=bq, bkv=bkv,
+        i_lo=i_lo, q_bar=q_bar, q_free=q_free, D=k_s.shape[-1], interpret=interpret)
+    # k, v tiles are free: the last dsᵀ·k wgmma was awaited. The wait also covers the last dq
+    # reduce.
+    focal_mgpu_dkv.write_dk_dv(dk_KD, dv_KD, k_s.at[wg], v_s.at[wg], dk_ref.at[rows],
+                               dv_ref.at[rows])
 
   @pl.when(wg == W)
   def _producer():

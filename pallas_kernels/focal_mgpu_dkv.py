@@ -64,6 +64,47 @@ def stream_q_rows(gmem, smem, q_bar, q_free, *, b, kv_head, group, i_lo, per_hea
   _drain(q_free, total, steps)
 
 
+def visit_q_blocks(step, *, causal, group, per_head, steps, k0, bq, bkv, i_lo, q_bar, q_free, D,
+                   interpret):
+  """A compute warpgroup's walk of a key-resident backward pass (this file's dk/dv kernel and
+  focal_mgpu_bwd_fused): for each of the `group` query heads, step(t, (dk, dv), g=g, masked=...)
+  on q block i_lo + t, starting from float32 zeros [bkv, D] in the WGMMA layout. Causal: q blocks
+  wholly above the warpgroup's keys (from k0) only wait for and release their ring slot, so the
+  barrier phases stay in step with the other warpgroup; only blocks crossing its diagonal mask."""
+  def skip(t, carry, *, g):
+    slot = lax.rem(g * per_head + t, steps)
+    plgpu.barrier_wait(q_bar.at[slot])
+    plgpu.barrier_arrive(q_free.at[slot])
+    return carry
+
+  def head(g, carry):
+    unmasked = functools.partial(step, g=g, masked=False)
+    if not causal:
+      return lax.fori_loop(0, per_head, unmasked, carry)
+    # q blocks [i_lo, i_vis) lie wholly above this warpgroup's keys, [i_vis, i_full) cross
+    # its diagonal, [i_full, n_q) see all of its keys.
+    t_vis = jnp.clip(lax.div(k0, jnp.int32(bq)) - i_lo, 0, per_head)
+    t_full = jnp.clip(pl.cdiv(k0 + bkv, jnp.int32(bq)) - i_lo, 0, per_head)
+    carry = lax.fori_loop(0, t_vis, functools.partial(skip, g=g), carry)
+    carry = lax.fori_loop(t_vis, t_full, functools.partial(step, g=g, masked=True), carry)
+    return lax.fori_loop(t_full, per_head, unmasked, carry)
+
+  zeros = mc.layout_cast(jnp.zeros((bkv, D), jnp.float32), plgpu.Layout.WGMMA,
+                         interpret=interpret)
+  return lax.fori_loop(0, group, head, (zeros, zeros))
+
+
+def write_dk_dv(dk_KD, dv_KD, k_tile, v_tile, dk_out, dv_out):
+  """dk/dv leave through the warpgroup's own k/v SMEM tiles (free once its last wgmma that reads
+  them was awaited) by TMA; waits for the copies (and any earlier async TMA of this thread)."""
+  k_tile[...] = dk_KD.astype(k_tile.dtype)
+  v_tile[...] = dv_KD.astype(v_tile.dtype)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(k_tile, dk_out)
+  plgpu.copy_smem_to_gmem(v_tile, dv_out)
+  plgpu.wait_smem_to_gmem(0)
+
+
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, dk_ref, dv_ref,
                 k_s, v_s, q_s, do_s, c_s, lse_s, delta_s, res_bar, q_bar, q_free,
                 *, seg, causal, bq, bkv, n_q, group, steps, interpret):
@@ -92,10 +133,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, dk_ref, 
       segk_K = mc.load(segk_s.at[wg], layout=wgmma_layout.reduce(1), interpret=interpret)
     shape_KQ = (bkv, bq)
 
-    def step(t, carry, *, base, masked):
+    def step(t, carry, *, g, masked):
       dk_KD, dv_KD = carry
       i = i_lo + t
-      slot = lax.rem(base + t, steps)
+      slot = lax.rem(g * per_head + t, steps)  # the producer's step index of this q block
       plgpu.barrier_wait(q_bar.at[slot])
       r_KQ = mc.mma(k_s.at[wg], q_s.at[slot], transpose_b=True, interpret=interpret)
       c_Q = mc.load(c_s.at[slot], layout=col_layout, interpret=interpret)
@@ -119,34 +160,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, dk_ref, 
       plgpu.barrier_arrive(q_free.at[slot])
       return dk_KD, dv_KD
 
-    def skip(t, carry, *, base):
-      slot = lax.rem(base + t, steps)
-      plgpu.barrier_wait(q_bar.at[slot])
-      plgpu.barrier_arrive(q_free.at[slot])
-      return carry
-
-    def head(g, carry):
-      base = g * per_head  # producer step index of this head's first q block
-      unmasked = functools.partial(step, base=base, masked=False)
-      if not causal:
-        return lax.fori_loop(0, per_head, unmasked, carry)
-      # q blocks [i_lo, i_vis) lie wholly above this warpgroup's keys, [i_vis, i_full) cross
-      # its diagonal, [i_full, n_q) see all of its keys.
-      t_vis = jnp.clip(lax.div(k0, jnp.int32(bq)) - i_lo, 0, per_head)
-      t_full = jnp.clip(pl.cdiv(k0 + bkv, jnp.int32(bq)) - i_lo, 0, per_head)
-      carry = lax.fori_loop(0, t_vis, functools.partial(skip, base=base), carry)
-      carry = lax.fori_loop(t_vis, t_full, functools.partial(step, base=base, masked=True), carry)
-      return lax.fori_loop(t_full, per_head, unmasked, carry)
-
-    zeros = mc.layout_cast(jnp.zeros((bkv, k_s.shape[-1]), jnp.float32), wgmma_layout,
-                           interpret=interpret)
-    dk_KD, dv_KD = lax.fori_loop(0, group, head, (zeros, zeros))
-    k_s.at[wg][...] = dk_KD.astype(k_s.dtype)
-    v_s.at[wg][...] = dv_KD.astype(v_s.dtype)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(k_s.at[wg], dk_ref.at[rows])
-    plgpu.copy_smem_to_gmem(v_s.at[wg], dv_ref.at[rows])
-    plgpu.wait_smem_to_gmem(0)
+    dk_KD, dv_KD = visit_q_blocks(step, causal=causal, group=group, per_head=per_head,
+                                  steps=steps, k0=k0, bq=bq, bkv=bkv, i_lo=i_lo, q_bar=q_bar,
+                                  q_free=q_free, D=k_s.shape[-1], interpret=interpret)
+    write_dk_dv(dk_KD, dv_KD, k_s.at[wg], v_s.at[wg], dk_ref.at[rows], dv_ref.at[rows])
 
   @pl.when(wg == W)
   def _producer():
