@@ -10,17 +10,67 @@ folded into q.
 
 from __future__ import annotations
 
+import functools
+import math
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
+from focaljax import sharding
 from pallas_kernels import reference
 
 
 def _interpret() -> bool:
   # Kernels compile on GPU/TPU; everywhere else they run in Pallas interpret mode.
   return jax.default_backend() not in ("gpu", "cuda", "rocm", "tpu")
+
+
+def _mesh_axes(mesh, logical: str, size: int):
+  """The mesh axes the rules give `logical`, if their devices divide `size`; else None (whole)."""
+  axes = sharding.spec((logical,))[0]
+  if axes is None:
+    return None
+  axes = axes if isinstance(axes, tuple) else (axes,)
+  n = math.prod(mesh.shape[a] for a in axes)
+  return axes if n > 1 and size % n == 0 else None
+
+
+def _per_device(kernel):
+  """Under an ambient mesh, runs a Pallas attention kernel on each device's block of rows and
+  heads (jax.shard_map): a pallas_call has no partitioning rule, so XLA would otherwise gather q,
+  k and v whole onto every device. Rows split by the "batch" rule's axes and heads by the "heads"
+  rule's, each only where the devices divide them (both Hq and Hkv for heads, which keeps every
+  query head with its KV group); an array scale is broadcast to [B, Hq, T] and split the same
+  way. Without a mesh the kernel runs as is."""
+  @functools.wraps(kernel)
+  def wrapped(q, k, v, *, scale, segment_ids, **static):
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+      return kernel(q, k, v, scale=scale, segment_ids=segment_ids, **static)
+    B, T, Hq, _ = q.shape
+    rows = _mesh_axes(mesh, "batch", B)
+    heads = _mesh_axes(mesh, "heads", math.gcd(Hq, k.shape[2]))
+    if rows is None and heads is None:
+      return kernel(q, k, v, scale=scale, segment_ids=segment_ids, **static)
+    qkv = P(rows, None, heads, None)
+    array_scale = not isinstance(scale, (int, float))
+    operands, specs = [q, k, v], [qkv, qkv, qkv]
+    if array_scale:
+      operands.append(reference.scale_BNT(scale, B, Hq, T))
+      specs.append(P(rows, heads, None))
+    if segment_ids is not None:
+      operands.append(segment_ids)
+      specs.append(P(rows, None))
+
+    def local(q, k, v, *rest):
+      rest = list(rest)
+      s = rest.pop(0) if array_scale else scale
+      seg = rest.pop(0) if segment_ids is not None else None
+      return kernel(q, k, v, scale=s, segment_ids=seg, **static)
+    return jax.shard_map(local, in_specs=tuple(specs), out_specs=qkv, check_vma=False)(*operands)
+  return wrapped
 
 
 # ------------------------------------------------------------------ focal / softmax attention
@@ -30,6 +80,7 @@ def _focal_xla(q, k, v, *, scale, causal, segment_ids):
   return reference.attention(q, k, v, scale=scale, causal=causal, segment_ids_BT=segment_ids)
 
 
+@_per_device
 def _focal_pallas(q, k, v, *, scale, causal, segment_ids):
   from pallas_kernels import focal_flash  # pylint: disable=import-outside-toplevel
   return focal_flash.focal_attention(q, k, v, scale=scale, causal=causal,
@@ -79,6 +130,7 @@ def _dilution_xla(q, k, v, *, scale, eps, segment_ids):
   return reference.dilution_attention(q, k, v, scale=scale, eps=eps, segment_ids_BT=segment_ids)[0]
 
 
+@_per_device
 def _dilution_pallas(q, k, v, *, scale, eps, segment_ids):
   from pallas_kernels import dilution  # pylint: disable=import-outside-toplevel
   return dilution.dilution_attention(q, k, v, scale=scale, eps=eps, segment_ids=segment_ids,
