@@ -8,6 +8,7 @@
 # Once, here:  mkdir -p .data/corpus && cp ../shared/data/corpus/*.xz .data/corpus/ &&
 #              python bench/study.py --root .data/study --stage tokenizer --train .data/corpus/train.jsonl.xz
 # Per call (carry .whl and .data):  STEPS=900 bash bench/study_device.sh softmax_rope focal
+#   (arms run side by side, one worker per GPU; GPUS=1 runs them one after another)
 # Here, after it:  tar xzf <files_at>/study_arms.tgz -C .data/study
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -20,10 +21,21 @@ export PYTHONUNBUFFERED=1
 ROOT=${ROOT:-/tmp/study}; mkdir -p "$ROOT"
 cp -r .data/study/tokenizer "$ROOT/"
 C=.data/corpus
-arms=$(IFS=,; echo "$*")
-python3 bench/study.py --root "$ROOT" --arms "$arms" --size "${SIZE:-100m}" --steps "${STEPS:-900}" \
-  --train $C/train.jsonl.xz --valid $C/valid.jsonl.xz --books $C/longeval.jsonl.xz \
-  --val_batches "${VAL_BATCHES:-200}" --time_limit "${LIMIT:-540}" --no_plots 2>&1 \
-  | grep --line-buffered -v -i "autotun\|deprecat" | tee "$OUT/study.log" | tail -40
+# One worker per GPU (nvidia-smi -L; GPUS overrides), arms dealt round-robin in the order given:
+# on a 2-GPU machine `a b c d` runs a,c on GPU 0 and b,d on GPU 1, side by side.
+G=${GPUS:-$(nvidia-smi -L 2>/dev/null | grep -c ^GPU)}; G=$(( G > 0 ? G : 1 ))
+arms=("$@"); pids=()
+for ((g = 0; g < G; g++)); do
+  mine=$(for ((i = g; i < ${#arms[@]}; i += G)); do printf '%s,' "${arms[i]}"; done)
+  [ -z "$mine" ] && continue
+  CUDA_VISIBLE_DEVICES=$g python3 bench/study.py --root "$ROOT" --arms "${mine%,}" \
+    --size "${SIZE:-100m}" --steps "${STEPS:-900}" --out "$ROOT/study_gpu$g.json" \
+    --train $C/train.jsonl.xz --valid $C/valid.jsonl.xz --books $C/longeval.jsonl.xz \
+    --val_batches "${VAL_BATCHES:-200}" --time_limit "${LIMIT:-540}" --no_plots 2>&1 \
+    | grep --line-buffered -v -i "autotun\|deprecat" > "$OUT/study_gpu$g.log" &
+  pids+=($!)
+done
+for p in "${pids[@]}"; do wait "$p"; done
+tail -n 25 "$OUT"/study_gpu*.log
 cd "$ROOT" && tar czf "$OUT/study_arms.tgz" --exclude='*/checkpoints/*/*' \
   $(for d in */; do d=${d%/}; [ "$d" = tokenizer ] && continue; echo "$d"; done)

@@ -6,7 +6,8 @@
 
 Synthetic batches (random tokens, one document per row) so only the step is timed: the same
 jitted, donated `trainer.train_step` that train.py runs, bf16 compute over float32 master
-weights, on one device. MFU against the device's dense bf16 peak (989 TFLOP/s on H100/H200).
+weights, on one device here. MFU against the device's dense bf16 peak (989 TFLOP/s on H100/H200). bench/scaling.py calls
+`run` over device meshes.
 """
 
 import argparse
@@ -25,14 +26,16 @@ from flax import nnx  # noqa: E402
 
 from configs import base  # noqa: E402
 from focaljax import config as config_lib  # noqa: E402
-from focaljax import metrics, optim, trainer  # noqa: E402
+from focaljax import metrics, optim, sharding, trainer  # noqa: E402
 from focaljax import model as model_lib  # noqa: E402
 
 BATCH = {"400m": 16, "1.3b": 8, "small": 8, "tiny": 8}
 
 
 def run(size, impl, steps, seq_len, remat, batch=None, fuse=False, pattern="focal",
-        segments=True):
+        segments=True, mesh_shape=(1, 1, 1)):
+  """One timed configuration. `mesh_shape` (data, fsdp, tensor) takes the first data·fsdp·tensor
+  devices, with train.py's shardings (the logical-axis rules); `batch` is the global batch."""
   c = base.get_config(f"size={size}")
   c.model.attention.pattern = pattern
   c.model.attention.implementation = impl
@@ -41,15 +44,25 @@ def run(size, impl, steps, seq_len, remat, batch=None, fuse=False, pattern="foca
   c.data.seq_len = seq_len
   c.data.global_batch = batch or BATCH.get(size, 8)
   cfg = config_lib.model_config(c, c.model.vocab_size or 32000)
-  graphdef, _ = nnx.split(nnx.eval_shape(lambda: model_lib.Transformer(cfg, nnx.Rngs(0))))
-  # The key is an argument: a jit with no inputs lets XLA constant-fold the whole RNG (minutes).
-  params = jax.jit(lambda key: nnx.to_pure_dict(nnx.split(
-      model_lib.Transformer(cfg, nnx.Rngs(params=key)))[1]))(jax.random.key(0))
-  tx = optim.make(config_lib.optim_config(c), params)
-  opt_state = jax.jit(tx.init)(params)
+  graphdef, abstract_state = nnx.split(
+      nnx.eval_shape(lambda: model_lib.Transformer(cfg, nnx.Rngs(0))))
+  n = int(np.prod(mesh_shape))
+  mesh = sharding.make_mesh(*mesh_shape, devices=jax.devices()[:n])
+  param_sh = sharding.param_shardings(abstract_state, mesh)
+  batch_sh = sharding.batch_sharding(mesh)
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  tx = optim.make(config_lib.optim_config(c), nnx.to_pure_dict(abstract_state))
   step_cfg = trainer.StepConfig(compute_dtype=jnp.bfloat16, grad_accum=1, skip_nonfinite=False)
-  step = jax.jit(functools.partial(trainer.train_step, graphdef=graphdef, tx=tx, cfg=step_cfg),
-                 donate_argnums=(0, 1))
+  with jax.set_mesh(mesh):
+    # The key is an argument: a jit with no inputs lets XLA constant-fold the whole RNG.
+    params = jax.jit(lambda key: nnx.to_pure_dict(nnx.split(
+        model_lib.Transformer(cfg, nnx.Rngs(params=key)))[1]), out_shardings=param_sh)(
+            jax.random.key(0))
+    opt_state = jax.jit(tx.init)(params)
+    opt_sh = jax.tree.map(lambda x: x.sharding, opt_state)
+    step = jax.jit(functools.partial(trainer.train_step, graphdef=graphdef, tx=tx, cfg=step_cfg),
+                   in_shardings=(param_sh, opt_sh, batch_sh),
+                   out_shardings=(param_sh, opt_sh, replicated), donate_argnums=(0, 1))
   B, T = c.data.global_batch, seq_len
   rng = np.random.default_rng(0)
   batch = {"inputs": jnp.asarray(rng.integers(0, cfg.vocab_size, (B, T)), jnp.int32),
@@ -58,28 +71,31 @@ def run(size, impl, steps, seq_len, remat, batch=None, fuse=False, pattern="foca
            "weights": jnp.ones((B, T), jnp.float32)}
   if segments:  # what packed training passes (one segment per synthetic row, but a mask to apply)
     batch["segment_ids"] = jnp.ones((B, T), jnp.int32)
-  t0 = time.perf_counter()
-  params, opt_state, m = step(params, opt_state, batch)
-  jax.block_until_ready(m)
-  compile_s = time.perf_counter() - t0
-  for _ in range(2):
-    params, opt_state, m = step(params, opt_state, batch)
-  jax.block_until_ready(m)
-  times = []
-  for _ in range(steps):
+  batch = jax.device_put(batch, batch_sh)
+  with jax.set_mesh(mesh):
     t0 = time.perf_counter()
     params, opt_state, m = step(params, opt_state, batch)
     jax.block_until_ready(m)
-    times.append(time.perf_counter() - t0)
+    compile_s = time.perf_counter() - t0
+    for _ in range(2):
+      params, opt_state, m = step(params, opt_state, batch)
+    jax.block_until_ready(m)
+    times = []
+    for _ in range(steps):
+      t0 = time.perf_counter()
+      params, opt_state, m = step(params, opt_state, batch)
+      jax.block_until_ready(m)
+      times.append(time.perf_counter() - t0)
   dt = float(np.median(times))
   tokens = B * T
   flops = metrics.flops_per_token(cfg) * tokens
   peak = metrics.peak_flops_per_device()
   return {"size": size, "impl": impl, "pattern": pattern, "segments": segments, "batch": B,
-          "seq_len": T, "remat": remat,
+          "seq_len": T, "remat": remat, "mesh": list(mesh_shape), "devices": n,
           "fuse_matmuls": fuse,
           "params": model_lib.param_count(cfg), "step_ms": dt * 1e3, "tokens_per_s": tokens / dt,
-          "tflops": flops / dt / 1e12, "mfu": (flops / dt / peak) if peak else None,
+          "tokens_per_s_per_device": tokens / dt / n,
+          "tflops": flops / dt / 1e12, "mfu": (flops / dt / n / peak) if peak else None,
           "compile_s": compile_s, "loss": float(m["loss"])}
 
 
