@@ -56,12 +56,19 @@ IMPLEMENTATIONS = ("xla", "pallas", "cudnn", "tokamax", "auto")
 # only the reference and the fused kernels; a library name falls back to "pallas" there. On the
 # H200 cuDNN stays the focal choice: the Mosaic kernel ties it at 2K-4K in isolation, but training
 # passes segment ids, which send "pallas" to the Triton kernel (1.3B/2K step: 328 ms vs 299 ms).
+# cuDNN's fused attention takes only 16-bit inputs: float32 work (eval.py's default dtype) goes
+# to the Pallas kernels, which accumulate in float32 either way.
 _AUTO = {"gpu": ("cudnn", "pallas"), "tpu": ("pallas", "pallas"), "cpu": ("xla", "xla")}
+_AUTO_FLOAT32 = {"gpu": ("pallas", "pallas")}
 
 
-def resolve_implementation(implementation: str, *, dilution: bool) -> str:
+def resolve_implementation(implementation: str, *, dilution: bool, dtype=None) -> str:
+  """The implementation a layer runs; `dtype` (of q) refines `auto`."""
   if implementation == "auto":
-    return _AUTO.get(jax.default_backend(), _AUTO["cpu"])[int(dilution)]
+    table = _AUTO
+    if dtype is not None and jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
+      table = {**_AUTO, **_AUTO_FLOAT32}
+    return table.get(jax.default_backend(), _AUTO["cpu"])[int(dilution)]
   if dilution and implementation in ("cudnn", "tokamax"):
     return "pallas"
   return implementation
@@ -130,8 +137,8 @@ def _scale_focal(cfg: AttentionConfig, head_dim: int, tau_BT):
 
 def _attend_softmax(cfg, q, k, v, scale, segment_ids):
   return ops.focal_attention(q, k, v, scale=scale, causal=True, segment_ids=segment_ids,
-                             implementation=resolve_implementation(cfg.implementation,
-                                                                   dilution=False))
+                             implementation=resolve_implementation(
+                                 cfg.implementation, dilution=False, dtype=q.dtype))
 
 
 def _attend_dilution(cfg, q, k, v, scale, segment_ids):

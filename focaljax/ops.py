@@ -107,6 +107,9 @@ def _segment_mask(segment_ids):
 def _focal_cudnn(q, k, v, *, scale, causal, segment_ids):
   if jax.default_backend() != "gpu":
     raise NotImplementedError("implementation='cudnn' needs an NVIDIA GPU; use 'xla' or 'pallas'")
+  if q.dtype not in (jnp.bfloat16, jnp.float16):
+    raise ValueError(f"implementation='cudnn' takes bfloat16/float16 q, k, v; got {q.dtype} "
+                     "(use 'pallas', 'xla' or 'auto', which sends float32 to 'pallas')")
   q, s = _fold_scale(q, scale)
   return jax.nn.dot_product_attention(q, k, v, scale=s, is_causal=causal,
                                       mask=_segment_mask(segment_ids), implementation="cudnn")

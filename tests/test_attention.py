@@ -113,3 +113,15 @@ def test_pattern_parsing_and_errors():
     A.parse_pattern("flash", 2)
   with pytest.raises(ValueError, match="unknown position mode 'alibi'"):
     A.parse_pattern("softmax:alibi", 2)
+
+
+def test_auto_sends_float32_past_cudnn(monkeypatch):
+  """cuDNN takes only 16-bit inputs: on a GPU, `auto` gives float32 (eval.py) to the kernels."""
+  import jax.numpy as jnp
+  from focaljax import attention
+  monkeypatch.setattr(attention.jax, "default_backend", lambda: "gpu")
+  resolve = attention.resolve_implementation
+  assert resolve("auto", dilution=False, dtype=jnp.bfloat16) == "cudnn"
+  assert resolve("auto", dilution=False, dtype=jnp.float32) == "pallas"
+  assert resolve("auto", dilution=True, dtype=jnp.float32) == "pallas"
+  assert resolve("xla", dilution=False, dtype=jnp.float32) == "xla"
