@@ -4,9 +4,10 @@ One straight chain (see `make_dataset`):
 
   documents (str)            `documents(cfg, split)`: bundled text, local files or TFDS
   -> host shard              documents[process_index::process_count]; hosts never share a doc
+  -> tokenize                ids + <|endoftext|>: lazily per document, or the whole shard
+                             up front (DataConfig.tokenize, see TOKENIZE)
   -> shuffle(seed)           document order, reshuffled every epoch
   -> repeat(num_epochs)      None = forever
-  -> tokenize                ids + <|endoftext|>
   -> ConcatThenSplit         rows of exactly seq_len + 1 tokens, documents concatenated and
                              split at row boundaries; only the very last row is zero-padded
   -> batch                   global_batch // process_count rows; a short final batch is padded
@@ -33,9 +34,10 @@ Checkpointing: `make_iterator` returns a grain DatasetIterator; `get_state()` / 
 resume exactly (the next batches are identical). Save it with Orbax through
 `grain.checkpoint.CheckpointSave(it)` / `CheckpointRestore(it)` (see focaljax/checkpoint.py).
 
-Throughput is about 250K tokens/s on 2 CPU cores with the bundled tokenizer; for more, wrap
-`make_dataset(...)` in `.mp_prefetch(grain.MultiprocessingOptions(num_workers=N))` (absl flags
-must be parsed; restore with the same N: workers take interleaved document slices).
+Throughput streaming is about 250-500K tokens/s on 2 CPU cores; `tokenize="ahead"` removes that
+limit for corpora that fit in memory. Otherwise wrap `make_dataset(...)` in
+`.mp_prefetch(grain.MultiprocessingOptions(num_workers=N))` (absl flags must be parsed; restore
+with the same N: workers take interleaved document slices).
 
 With a finite `num_epochs`, hosts hold different token counts and may run out of batches at
 different steps; multi-host loops should use num_epochs=None (as training does) or a fixed
@@ -87,6 +89,7 @@ class DataConfig:
   tfds_data_dir: str | None = None  # data_dir for "tfds:" sources (None: TFDS default)
   valid_source: str | None = None  # same syntax as source; None: hold out valid_fraction
   valid_fraction: float = 0.05  # share of source documents held out when valid_source is None
+  tokenize: str = "stream"  # "stream": per document in the pipeline; "ahead": see TOKENIZE
 
   def __post_init__(self):
     _parse_source(self.source, "source")
@@ -100,6 +103,9 @@ class DataConfig:
     epochs = self.num_epochs
     if epochs is not None and (not isinstance(epochs, int) or epochs < 1):
       raise ValueError(f"DataConfig.num_epochs must be None (forever) or >= 1, got {epochs!r}")
+    if self.tokenize not in TOKENIZE:
+      raise ValueError(f"DataConfig.tokenize must be one of {sorted(TOKENIZE)}, got "
+                       f"{self.tokenize!r}")
     if not 0.0 <= self.valid_fraction < 1.0:
       raise ValueError(f"DataConfig.valid_fraction must be in [0, 1), got {self.valid_fraction!r}")
 
@@ -266,6 +272,27 @@ class _Tokenize(grain.transforms.Map):
     return {"tokens": np.asarray(ids, dtype=np.int32)}
 
 
+def _tokenize_stream(ds: grain.MapDataset, tok: tokenizer_lib.Tokenizer) -> grain.MapDataset:
+  return ds.map(_Tokenize(tok))
+
+
+def _tokenize_ahead(ds: grain.MapDataset, tok: tokenizer_lib.Tokenizer) -> grain.MapDataset:
+  # encode_batch runs in Rust on every core; one chunk of documents at a time bounds the copies.
+  tokens, chunk = [], 256
+  for start in range(0, len(ds), chunk):
+    texts = [ds[i] for i in range(start, min(start + chunk, len(ds)))]
+    tokens += [np.asarray(ids + [tok.eos_id], np.int32) for ids in tok.encode_batch(texts)]
+  return grain.MapDataset.source(tokens).map(lambda t: {"tokens": t})
+
+
+# How documents become tokens (DataConfig.tokenize). The batches are the same either way.
+#   stream  one document at a time in the pipeline's reader threads: nothing up front, but about
+#           250-500K tokens/s (2 cores), which starves a GPU training a 100M model.
+#   ahead   this host's whole split once, in parallel, when the iterator is built (26M tokens of
+#           the shared corpus: ~75 s on 2 cores, 4 bytes a token in memory); then free.
+TOKENIZE = {"stream": _tokenize_stream, "ahead": _tokenize_ahead}
+
+
 def to_example(rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
   """Packed rows [b, T+1] (tokens, tokens_segment_ids, tokens_positions) -> batch of [b, T]."""
   tokens, seg, pos = rows["tokens"], rows["tokens_segment_ids"], rows["tokens_positions"]
@@ -325,10 +352,10 @@ def make_dataset(cfg: DataConfig, tok: tokenizer_lib.Tokenizer, *, split: str = 
   ds = documents(cfg, split)
   if len(ds) < process_count:
     raise ValueError(f"{split} split has {len(ds)} documents, fewer than {process_count} hosts")
-  ds = ds[process_index::process_count]
+  ds = TOKENIZE[cfg.tokenize](ds[process_index::process_count], tok)
   if cfg.shuffle:
     ds = ds.shuffle(seed=cfg.seed)
-  ds = ds.repeat(cfg.num_epochs).map(_Tokenize(tok))
+  ds = ds.repeat(cfg.num_epochs)
   # Few threads and a short buffer: documents can be large, and 2-core hosts are common here.
   it = ds.to_iter_dataset(grain.ReadOptions(num_threads=2, prefetch_buffer_size=16))
   it = grain.experimental.ConcatThenSplitIterDataset(it, length_struct={"tokens": cfg.seq_len + 1})

@@ -26,6 +26,9 @@ class WordTokenizer:
   def encode(self, text):
     return [int(w[1:]) for w in text.split()]
 
+  def encode_batch(self, texts):
+    return [self.encode(t) for t in texts]
+
 
 def make_docs(lengths):
   return [[10_000 * (d + 1) + j for j in range(n)] for d, n in enumerate(lengths)]
@@ -146,10 +149,21 @@ def test_epochs_reshuffle_and_repeat(corpus):
   assert split_docs(stream(batches(no_shuffle))) == docs
 
 
-@pytest.mark.parametrize("num_epochs", [3, None])
-def test_resume_is_exact_after_json_roundtrip(corpus, num_epochs):
+def test_tokenize_ahead_gives_the_same_batches(corpus):
   cfg, _ = corpus
-  cfg = dataclasses.replace(cfg, num_epochs=num_epochs, global_batch=2)
+  cfg = dataclasses.replace(cfg, num_epochs=2)
+  ahead = batches(dataclasses.replace(cfg, tokenize="ahead"))
+  want = batches(cfg)
+  assert len(ahead) == len(want)
+  for got, ref in zip(ahead, want):
+    for key in ref:
+      np.testing.assert_array_equal(got[key], ref[key])
+
+
+@pytest.mark.parametrize("num_epochs, tokenize", [(3, "stream"), (None, "stream"), (3, "ahead")])
+def test_resume_is_exact_after_json_roundtrip(corpus, num_epochs, tokenize):
+  cfg, _ = corpus
+  cfg = dataclasses.replace(cfg, num_epochs=num_epochs, global_batch=2, tokenize=tokenize)
   ref_it = data.make_iterator(cfg, WordTokenizer())
   states, ref = [], []
   for _ in range(45):  # 3 epochs are 39 batches: this also resumes at the end of the data
@@ -251,6 +265,7 @@ def test_tfds_builder_roundtrip(corpus, tmp_path):
     ("num_epochs", 0, "num_epochs"),
     ("valid_fraction", 1.5, "valid_fraction"),
     ("valid_source", "nope", "valid_source"),
+    ("tokenize", "eager", "tokenize"),
 ])
 def test_config_errors_name_the_field(field, value, match):
   kw = dict(source="bundled", tokenizer="bundled", seq_len=8, global_batch=2)
