@@ -13,6 +13,11 @@ logical-axis rules in focaljax/sharding.py), through `bench/train_step.run`:
             under shard_map): one GPU, then FSDP (1,N,1).
 Weak-scaling efficiency = tokens/s per GPU on N GPUs / tokens/s on one GPU, same run.
 
+Each row runs in its own process (a fresh memory pool) under --row_timeout: a row that hangs or
+compiles for minutes is recorded as such, with the Python stack faulthandler prints shortly
+before the limit, and the table goes on. (On the first 2-GPU run, 2026-11-30, the 1.3B
+FSDP x tensor row and the 209M dilution FSDP row did not finish within minutes, in-process.)
+
 `--ckpt`: saved on N GPUs, restored on one. train.py (configs/smoke.py, the bundled text) trains
 8 steps under FSDP over N GPUs with a checkpoint at step 4; the step-8 checkpoint is dropped and
 the run resumes on one GPU; its losses for steps 5-8 are compared with an uninterrupted one-GPU
@@ -20,6 +25,7 @@ run's. Then the reverse: saved on one GPU, resumed under FSDP x tensor on N.
 """
 
 import argparse
+import faulthandler
 import json
 import os
 import shutil
@@ -46,20 +52,42 @@ WORKLOADS = {
 CKPT_STEPS, CKPT_AT = 8, 4
 
 
-def scaling(name, n, steps, smoke=False):
-  size, pattern, impl, seq_len, rows, meshes = WORKLOADS[name]
+def _layouts(name, n):
+  return [("1 GPU", (1, 1, 1)), *WORKLOADS[name][5](n).items()]
+
+
+def run_row(name, n, label, steps, smoke):
+  """One (workload, layout) row, in this process: the child side of `scaling`."""
+  size, pattern, impl, seq_len, rows, _ = WORKLOADS[name]
   if smoke:  # CPU plumbing check: tiny model, short rows, no cuDNN
     size, seq_len, impl = "small", 64, "xla" if impl == "cudnn" else impl
+  mesh = dict(_layouts(name, n))[label]
+  gpus = int(np.prod(mesh))
+  r = train_step.run(size, impl, steps, seq_len, remat=False, batch=rows * gpus,
+                     pattern=pattern, segments=False, mesh_shape=mesh)
+  r.update(workload=name, layout=label)
+  return r
+
+
+def scaling(name, n, steps, smoke, row_timeout):
   out = []
-  for label, mesh in [("1 GPU", (1, 1, 1)), *meshes(n).items()]:
-    gpus = int(np.prod(mesh))
+  for label, mesh in _layouts(name, n):
+    cmd = [sys.executable, os.path.abspath(__file__), "--row", f"{name}:{label}",
+           "--gpus", str(n), "--steps", str(steps), "--row_timeout", str(row_timeout)]
+    env = dict(os.environ)
+    if smoke:
+      cmd.append("--smoke")
+      env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={n}"
     try:
-      r = train_step.run(size, impl, steps, seq_len, remat=False, batch=rows * gpus,
-                         pattern=pattern, segments=False, mesh_shape=mesh)
-    except Exception as e:  # one failing mesh (say, out of memory) must not lose the table
-      r = {"size": size, "pattern": pattern, "mesh": list(mesh), "devices": gpus,
-           "error": f"{type(e).__name__}: {str(e)[:300]}"}
-    r.update(workload=name, layout=label)
+      p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=row_timeout)
+      rows = [l[4:] for l in p.stdout.splitlines() if l.startswith("ROW ")]
+      r = json.loads(rows[-1]) if rows else {
+          "error": f"exit {p.returncode}: {(p.stdout + p.stderr)[-1500:]}"}
+    except subprocess.TimeoutExpired as e:
+      tail = (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace")
+      r = {"error": f"no result within {row_timeout} s; last output: {tail[-3000:]}"}
+    r.update(workload=name, layout=label, mesh=list(mesh), devices=int(np.prod(mesh)))
     out.append(r)
     print(json.dumps(r), flush=True)
   base = out[0].get("tokens_per_s_per_device")
@@ -69,11 +97,9 @@ def scaling(name, n, steps, smoke=False):
   return out
 
 
-def _train(workdir, gpus, mesh, steps=CKPT_STEPS):
-  # The parent already holds its devices' memory pool: the child allocates only what it uses.
-  env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(map(str, range(gpus))),
-             XLA_PYTHON_CLIENT_PREALLOCATE="false")
-  if jax.default_backend() == "cpu":
+def _train(workdir, gpus, mesh, smoke, steps=CKPT_STEPS):
+  env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(map(str, range(gpus))))
+  if smoke:
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={gpus}"
   cmd = [sys.executable, os.path.join(REPO, "train.py"), "--config",
          os.path.join(REPO, "configs", "smoke.py"), "--workdir", workdir,
@@ -90,23 +116,23 @@ def _train(workdir, gpus, mesh, steps=CKPT_STEPS):
   return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
-def mesh_change(n):
+def mesh_change(n, smoke):
   """Two resumes across a mesh change; each compared with an uninterrupted run on one GPU."""
   root = tempfile.mkdtemp(prefix="ckpt_")
-  ref = _train(os.path.join(root, "ref"), 1, (1, 1, 1))
+  ref = _train(os.path.join(root, "ref"), 1, (1, 1, 1), smoke)
   out = []
   for label, (save_gpus, save_mesh), (load_gpus, load_mesh) in (
       (f"saved FSDP on {n}, restored on 1", (n, (1, n, 1)), (1, (1, 1, 1))),
       (f"saved on 1, restored FSDP x tensor on {n}", (1, (1, 1, 1)),
        (n, (1, max(n // 2, 1), 2)))):
     wd = os.path.join(root, label.replace(" ", "_").replace(",", ""))
-    _train(wd, save_gpus, save_mesh)
+    _train(wd, save_gpus, save_mesh, smoke)
     shutil.rmtree(os.path.join(wd, "checkpoints", str(CKPT_STEPS)))
     with open(os.path.join(wd, "metrics.jsonl")) as f:
       keep = [l for l in f if l.strip() and json.loads(l).get("step", 0) <= CKPT_AT]
     with open(os.path.join(wd, "metrics.jsonl"), "w") as f:
       f.writelines(keep)
-    resumed = _train(wd, load_gpus, load_mesh)
+    resumed = _train(wd, load_gpus, load_mesh, smoke)
     later = [s for s in sorted(resumed) if s > CKPT_AT]
     diff = max(abs(resumed[s] - ref[s]) / abs(ref[s]) for s in later)
     r = {"case": label, "steps_compared": later, "max_rel_loss_diff": diff,
@@ -118,6 +144,17 @@ def mesh_change(n):
   return out
 
 
+def _gpu_count() -> int:
+  p = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
+  return sum(line.startswith("GPU") for line in p.stdout.splitlines())
+
+
+def _gpu_name() -> str:
+  p = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                     capture_output=True, text=True) if shutil.which("nvidia-smi") else None
+  return p.stdout.splitlines()[0] if p and p.stdout else "cpu"
+
+
 def main():
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   p.add_argument("--gpus", type=int, default=0, help="N (0: every visible device)")
@@ -125,14 +162,24 @@ def main():
   p.add_argument("--steps", type=int, default=8, help="timed steps per row (median)")
   p.add_argument("--ckpt", action="store_true", help="also the mesh-changing restore")
   p.add_argument("--smoke", action="store_true", help="tiny shapes: a CPU check of the plumbing")
+  p.add_argument("--row_timeout", type=int, default=240, help="seconds per row (own process)")
+  p.add_argument("--row", help=argparse.SUPPRESS)  # "workload:layout": the child process
   p.add_argument("--out", default="bench_scaling.json")
   args = p.parse_args()
-  n = args.gpus or len(jax.devices())
-  if n < 2 or n > len(jax.devices()):
-    raise SystemExit(f"--gpus: need 2..{len(jax.devices())} devices; got {n}")
-  print(f"jax {jax.__version__}, {n} x {jax.devices()[0].device_kind}", flush=True)
-  ckpt = mesh_change(n) if args.ckpt else []
-  rows = [r for w in args.only.split(",") if w for r in scaling(w, n, args.steps, args.smoke)]
+  if args.row:
+    # Where a stuck row is stuck (compiling, or waiting in a step), before the parent kills it.
+    faulthandler.dump_traceback_later(max(args.row_timeout - 15, 5), exit=False)
+    name, label = args.row.split(":", 1)
+    print("ROW " + json.dumps(run_row(name, args.gpus, label, args.steps, args.smoke)), flush=True)
+    return
+  # The parent never initialises a GPU backend (that would take the memory the rows need).
+  n = args.gpus or (len(jax.devices()) if args.smoke else _gpu_count())
+  if n < 2:
+    raise SystemExit(f"--gpus: need at least 2 devices; got {n}")
+  print(f"jax {jax.__version__}, {n} devices", flush=True)
+  ckpt = mesh_change(n, args.smoke) if args.ckpt else []
+  rows = [r for w in args.only.split(",") if w
+          for r in scaling(w, n, args.steps, args.smoke, args.row_timeout)]
   print(f"\n{'workload':>9} {'layout':>14} {'mesh':>10} {'step ms':>8} {'tok/s/GPU':>10} "
         f"{'MFU':>6} {'weak eff':>8}")
   for r in rows:
@@ -148,7 +195,7 @@ def main():
     print(f"{r['case']}: max relative loss difference {r['max_rel_loss_diff']:.2e} over steps "
           f"{r['steps_compared']} -> {'ok' if r['ok'] else 'MISMATCH'}")
   with open(args.out, "w") as f:
-    json.dump({"jax": jax.__version__, "device": jax.devices()[0].device_kind, "gpus": n,
+    json.dump({"jax": jax.__version__, "device": _gpu_name(), "gpus": n,
                "rows": rows, "mesh_change": ckpt}, f, indent=1)
 
 
