@@ -2,6 +2,7 @@
 
   python bench/scaling.py --out scaling.json                     # every GPU of this host
   python bench/scaling.py --gpus 2 --only focal --steps 5        # a subset
+  python bench/scaling.py --only focal --xla --layouts fsdp,fsdp+xla   # with/without XLA flags
 
 Per GPU the work is fixed (weak scaling): global batch = per-GPU batch x GPUs. Each row times the
 same jitted, donated `trainer.train_step` that train.py runs, with train.py's shardings (the
@@ -50,10 +51,21 @@ WORKLOADS = {
                  lambda n: {"fsdp": (1, n, 1)}),
 }
 CKPT_STEPS, CKPT_AT = 8, 4
+# `--xla`: every sharded layout again as "<layout>+xla" with these flags (MaxText's GPU set, less
+# the while-loop ones: our layers are unrolled): overlap collectives with compute, combine small
+# ones, and skip the memory-driven rematerialisation pass (suspected of the slow TP compile).
+XLA_OVERLAP = ("--xla_gpu_enable_latency_hiding_scheduler=true "
+               "--xla_gpu_enable_highest_priority_async_stream=true "
+               "--xla_gpu_all_gather_combine_threshold_bytes=134217728 "
+               "--xla_gpu_reduce_scatter_combine_threshold_bytes=134217728 "
+               "--xla_gpu_all_reduce_combine_threshold_bytes=134217728 "
+               "--xla_disable_hlo_passes=rematerialization")
 
 
-def _layouts(name, n):
-  return [("1 GPU", (1, 1, 1)), *WORKLOADS[name][5](n).items()]
+def _layouts(name, n, xla=False):
+  sharded = list(WORKLOADS[name][5](n).items())
+  extra = [(f"{label}+xla", mesh) for label, mesh in sharded] if xla else []
+  return [("1 GPU", (1, 1, 1)), *sharded, *extra]
 
 
 def run_row(name, n, label, steps, smoke):
@@ -61,7 +73,7 @@ def run_row(name, n, label, steps, smoke):
   size, pattern, impl, seq_len, rows, _ = WORKLOADS[name]
   if smoke:  # CPU plumbing check: tiny model, short rows, no cuDNN
     size, seq_len, impl = "small", 64, "xla" if impl == "cudnn" else impl
-  mesh = dict(_layouts(name, n))[label]
+  mesh = dict(_layouts(name, n, xla=True))[label]
   gpus = int(np.prod(mesh))
   r = train_step.run(size, impl, steps, seq_len, remat=False, batch=rows * gpus,
                      pattern=pattern, segments=False, mesh_shape=mesh)
@@ -69,15 +81,20 @@ def run_row(name, n, label, steps, smoke):
   return r
 
 
-def scaling(name, n, steps, smoke, row_timeout):
+def scaling(name, n, steps, smoke, row_timeout, xla=False, only_layouts=None):
   out = []
-  for label, mesh in _layouts(name, n):
+  for label, mesh in _layouts(name, n, xla):
+    if only_layouts and label != "1 GPU" and label not in only_layouts:
+      continue
     cmd = [sys.executable, os.path.abspath(__file__), "--row", f"{name}:{label}",
            "--gpus", str(n), "--steps", str(steps), "--row_timeout", str(row_timeout)]
     env = dict(os.environ)
+    if label.endswith("+xla"):
+      env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {XLA_OVERLAP}".strip()
     if smoke:
       cmd.append("--smoke")
-      env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={n}"
+      env["XLA_FLAGS"] = (f"{env.get('XLA_FLAGS', '')} "
+                          f"--xla_force_host_platform_device_count={n}").strip()
     try:
       p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
                          timeout=row_timeout)
@@ -87,7 +104,8 @@ def scaling(name, n, steps, smoke, row_timeout):
     except subprocess.TimeoutExpired as e:
       tail = (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace")
       r = {"error": f"no result within {row_timeout} s; last output: {tail[-3000:]}"}
-    r.update(workload=name, layout=label, mesh=list(mesh), devices=int(np.prod(mesh)))
+    r.update(workload=name, layout=label, mesh=list(mesh), devices=int(np.prod(mesh)),
+             xla_flags=XLA_OVERLAP if label.endswith("+xla") else "")
     out.append(r)
     print(json.dumps(r), flush=True)
   base = out[0].get("tokens_per_s_per_device")
@@ -163,6 +181,9 @@ def main():
   p.add_argument("--ckpt", action="store_true", help="also the mesh-changing restore")
   p.add_argument("--smoke", action="store_true", help="tiny shapes: a CPU check of the plumbing")
   p.add_argument("--row_timeout", type=int, default=240, help="seconds per row (own process)")
+  p.add_argument("--xla", action="store_true", help="also each sharded layout with XLA_OVERLAP")
+  p.add_argument("--layouts", default="", help="comma list of layouts to run (default: all; "
+                 "'1 GPU' always runs, as the baseline), e.g. fsdp,fsdp+xla")
   p.add_argument("--row", help=argparse.SUPPRESS)  # "workload:layout": the child process
   p.add_argument("--out", default="bench_scaling.json")
   args = p.parse_args()
@@ -179,7 +200,8 @@ def main():
   print(f"jax {jax.__version__}, {n} devices", flush=True)
   ckpt = mesh_change(n, args.smoke) if args.ckpt else []
   rows = [r for w in args.only.split(",") if w
-          for r in scaling(w, n, args.steps, args.smoke, args.row_timeout)]
+          for r in scaling(w, n, args.steps, args.smoke, args.row_timeout, args.xla,
+                           [l for l in args.layouts.split(",") if l])]
   print(f"\n{'workload':>9} {'layout':>14} {'mesh':>10} {'step ms':>8} {'tok/s/GPU':>10} "
         f"{'MFU':>6} {'weak eff':>8}")
   for r in rows:
