@@ -21,6 +21,7 @@ export PYTHONUNBUFFERED=1
 ROOT=${ROOT:-/tmp/study}; mkdir -p "$ROOT"
 cp -r .data/study/tokenizer "$ROOT/"
 C=.data/corpus
+# SUITES: eval.py suites (default: the four the claims use; "sample" and "attention" skipped).
 # One worker per GPU (nvidia-smi -L; GPUS overrides), arms dealt round-robin in the order given:
 # on a 2-GPU machine `a b c d` runs a,c on GPU 0 and b,d on GPU 1, side by side.
 G=${GPUS:-$(nvidia-smi -L 2>/dev/null | grep -c ^GPU)}; G=$(( G > 0 ? G : 1 ))
@@ -31,7 +32,8 @@ for ((g = 0; g < G; g++)); do
   CUDA_VISIBLE_DEVICES=$g python3 bench/study.py --root "$ROOT" --arms "${mine%,}" \
     --size "${SIZE:-100m}" --steps "${STEPS:-900}" --out "$ROOT/study_gpu$g.json" \
     --train $C/train.jsonl.xz --valid $C/valid.jsonl.xz --books $C/longeval.jsonl.xz \
-    --val_batches "${VAL_BATCHES:-200}" --time_limit "${LIMIT:-540}" --no_plots 2>&1 \
+    --val_batches "${VAL_BATCHES:-200}" --time_limit "${LIMIT:-540}" --no_plots \
+    --suites "${SUITES:-val,longdoc,passkey,keyword}" 2>&1 \
     | grep --line-buffered -v -i "autotun\|deprecat" > "$OUT/study_gpu$g.log" &
   pids+=($!)
 done
