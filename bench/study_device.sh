@@ -19,7 +19,9 @@ if ! python3 -c 'import grain, ml_collections' 2>/dev/null; then  # the GPU imag
 fi
 export PYTHONUNBUFFERED=1
 ROOT=${ROOT:-/tmp/study}; mkdir -p "$ROOT"
-cp -r .data/study/tokenizer "$ROOT/"
+# The tokenizer, and any arms an earlier call finished (unpacked here from its study_arms.tgz):
+# study.py skips those, so a second call picks up where the first stopped.
+cp -r .data/study/. "$ROOT/"
 C=.data/corpus
 # SUITES: eval.py suites (default: the four the claims use; "sample" and "attention" skipped).
 # One worker per GPU (nvidia-smi -L; GPUS overrides), arms dealt round-robin in the order given:
