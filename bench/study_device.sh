@@ -20,7 +20,8 @@ fi
 export PYTHONUNBUFFERED=1
 ROOT=${ROOT:-/tmp/study}; mkdir -p "$ROOT"
 # The tokenizer, and any arms an earlier call finished (unpacked here from its study_arms.tgz):
-# study.py skips those, so a second call picks up where the first stopped.
+# study.py skips those, so a second call picks up where the first stopped. Only evaluated arms of
+# the same STEPS belong in .data/study: an arm's own config says when it is done.
 cp -r .data/study/. "$ROOT/"
 C=.data/corpus
 # SUITES: eval.py suites (default: the four the claims use; "sample" and "attention" skipped).
@@ -41,5 +42,15 @@ for ((g = 0; g < G; g++)); do
 done
 for p in "${pids[@]}"; do wait "$p"; done
 tail -n 25 "$OUT"/study_gpu*.log
-cd "$ROOT" && tar czf "$OUT/study_arms.tgz" --exclude='*/checkpoints/*/*' \
-  $(for d in */; do d=${d%/}; [ "$d" = tokenizer ] && continue; echo "$d"; done)
+# Evaluated arms go to study_arms.tgz (unpack into .data/study; carried, they are skipped). An
+# arm the limit cut off goes to study_partial.tgz, for its logs only: without weights it cannot
+# resume, so the next call trains it from the start.
+cd "$ROOT" || exit 1
+done_arms=(); partial=()
+for d in */; do
+  d=${d%/}; [ "$d" = tokenizer ] && continue
+  if [ -f "$d/eval/results.json" ]; then done_arms+=("$d"); else partial+=("$d"); fi
+done
+[ ${#done_arms[@]} -gt 0 ] && tar czf "$OUT/study_arms.tgz" --exclude='*/checkpoints/*/*' "${done_arms[@]}"
+[ ${#partial[@]} -gt 0 ] && tar czf "$OUT/study_partial.tgz" --exclude='*/checkpoints/*' "${partial[@]}"
+echo "evaluated: ${done_arms[*]:-none}; cut off: ${partial[*]:-none}"
