@@ -89,8 +89,9 @@ def scaling(name, n, steps, smoke, row_timeout, xla=False, only_layouts=None):
     cmd = [sys.executable, os.path.abspath(__file__), "--row", f"{name}:{label}",
            "--gpus", str(n), "--steps", str(steps), "--row_timeout", str(row_timeout)]
     env = dict(os.environ)
-    if label.endswith("+xla"):
-      env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {XLA_OVERLAP}".strip()
+    flags = XLA_OVERLAP if label.endswith("+xla") else ""
+    if flags:
+      env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {flags}".strip()
     if smoke:
       cmd.append("--smoke")
       env["XLA_FLAGS"] = (f"{env.get('XLA_FLAGS', '')} "
@@ -98,14 +99,14 @@ def scaling(name, n, steps, smoke, row_timeout, xla=False, only_layouts=None):
     try:
       p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
                          timeout=row_timeout)
-      rows = [l[4:] for l in p.stdout.splitlines() if l.startswith("ROW ")]
-      r = json.loads(rows[-1]) if rows else {
+      found = [l[4:] for l in p.stdout.splitlines() if l.startswith("ROW ")]
+      r = json.loads(found[-1]) if found else {
           "error": f"exit {p.returncode}: {(p.stdout + p.stderr)[-1500:]}"}
     except subprocess.TimeoutExpired as e:
       tail = (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace")
       r = {"error": f"no result within {row_timeout} s; last output: {tail[-3000:]}"}
     r.update(workload=name, layout=label, mesh=list(mesh), devices=int(np.prod(mesh)),
-             xla_flags=XLA_OVERLAP if label.endswith("+xla") else "")
+             xla_flags=flags)
     out.append(r)
     print(json.dumps(r), flush=True)
   base = out[0].get("tokens_per_s_per_device")

@@ -6,8 +6,8 @@
 
 Synthetic batches (random tokens, one document per row) so only the step is timed: the same
 jitted, donated `trainer.train_step` that train.py runs, bf16 compute over float32 master
-weights, on one device here. MFU against the device's dense bf16 peak (989 TFLOP/s on H100/H200). bench/scaling.py calls
-`run` over device meshes.
+weights, on one device here (bench/scaling.py calls `run` over device meshes). MFU against the
+device's dense bf16 peak (989 TFLOP/s on H100/H200), per device.
 """
 
 import argparse

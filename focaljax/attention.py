@@ -59,15 +59,14 @@ IMPLEMENTATIONS = ("xla", "pallas", "cudnn", "tokamax", "auto")
 # cuDNN's fused attention takes only 16-bit inputs: float32 work (eval.py's default dtype) goes
 # to the Pallas kernels, which accumulate in float32 either way.
 _AUTO = {"gpu": ("cudnn", "pallas"), "tpu": ("pallas", "pallas"), "cpu": ("xla", "xla")}
-_AUTO_FLOAT32 = {"gpu": ("pallas", "pallas")}
+_AUTO_FLOAT32 = {**_AUTO, "gpu": ("pallas", "pallas")}
 
 
 def resolve_implementation(implementation: str, *, dilution: bool, dtype=None) -> str:
   """The implementation a layer runs; `dtype` (of q) refines `auto`."""
   if implementation == "auto":
-    table = _AUTO
-    if dtype is not None and jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
-      table = {**_AUTO, **_AUTO_FLOAT32}
+    wide = dtype is not None and jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16)
+    table = _AUTO_FLOAT32 if wide else _AUTO
     return table.get(jax.default_backend(), _AUTO["cpu"])[int(dilution)]
   if dilution and implementation in ("cudnn", "tokamax"):
     return "pallas"

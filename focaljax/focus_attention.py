@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Callable
 
 import jax
@@ -38,11 +37,8 @@ def _rows_local(kernel):
   @functools.wraps(kernel)
   def wrapped(*args, scale):
     mesh = jax.sharding.get_abstract_mesh()
-    axes = sharding.spec(("batch",))[0]
-    if mesh.empty or axes is None:
-      return kernel(*args, scale=scale)
-    axes = axes if isinstance(axes, tuple) else (axes,)
-    if args[0].shape[0] % math.prod(mesh.shape[a] for a in axes):
+    axes = None if mesh.empty else sharding.dividing_axes(mesh, "batch", args[0].shape[0])
+    if axes is None:
       return kernel(*args, scale=scale)
     specs = tuple(P(axes, *([None] * (a.ndim - 1))) for a in args)
     return jax.shard_map(functools.partial(kernel, scale=scale), in_specs=specs,

@@ -27,16 +27,6 @@ def _interpret() -> bool:
   return jax.default_backend() not in ("gpu", "cuda", "rocm", "tpu")
 
 
-def _mesh_axes(mesh, logical: str, size: int):
-  """The mesh axes the rules give `logical`, if their devices divide `size`; else None (whole)."""
-  axes = sharding.spec((logical,))[0]
-  if axes is None:
-    return None
-  axes = axes if isinstance(axes, tuple) else (axes,)
-  n = math.prod(mesh.shape[a] for a in axes)
-  return axes if n > 1 and size % n == 0 else None
-
-
 def _per_device(kernel):
   """Under an ambient mesh, runs a Pallas attention kernel on each device's block of rows and
   heads (jax.shard_map): a pallas_call has no partitioning rule, so XLA would otherwise gather q,
@@ -50,8 +40,8 @@ def _per_device(kernel):
     if mesh.empty:
       return kernel(q, k, v, scale=scale, segment_ids=segment_ids, **static)
     B, T, Hq, _ = q.shape
-    rows = _mesh_axes(mesh, "batch", B)
-    heads = _mesh_axes(mesh, "heads", math.gcd(Hq, k.shape[2]))
+    rows = sharding.dividing_axes(mesh, "batch", B)
+    heads = sharding.dividing_axes(mesh, "heads", math.gcd(Hq, k.shape[2]))
     if rows is None and heads is None:
       return kernel(q, k, v, scale=scale, segment_ids=segment_ids, **static)
     qkv = P(rows, None, heads, None)

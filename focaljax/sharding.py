@@ -90,6 +90,17 @@ def batch_sharding(mesh) -> NamedSharding:
   return NamedSharding(mesh, spec(("batch", "seq")))
 
 
+def dividing_axes(mesh, logical: str, size: int) -> tuple[str, ...] | None:
+  """The mesh axes RULES give `logical`, if they split it (more than one device) and their
+  devices divide `size`; else None: the dimension stays whole. For shard_map'd kernels."""
+  axes = spec((logical,))[0]
+  if axes is None:
+    return None
+  axes = axes if isinstance(axes, tuple) else (axes,)
+  n = math.prod(mesh.shape[a] for a in axes)
+  return axes if n > 1 and size % n == 0 else None
+
+
 def constrain(x, logical: tuple[str | None, ...]):
   """with_sharding_constraint by logical names under the ambient mesh (a no-op without one)."""
   mesh = jax.sharding.get_abstract_mesh()
