@@ -12,7 +12,8 @@ Stages, each skipped once its output exists (re-running the same command resumes
              Done at the final step's checkpoint; an interrupted run resumes from its latest.
   eval       `eval.py --books <longeval>`: validation loss, loss by position and passkey/keyword
              retrieval to 8x the trained context. Done when eval/results.json has the final step.
-  collect    one JSON (--out), markdown tables and the per-claim comparisons.
+  collect    one JSON (--out), markdown tables, the per-claim verdicts and two figures next to
+             the JSON (bench/study_report.py).
 
 --time_limit: past it the running child gets SIGTERM (train.py saves and exits) and the study exits
 3; the same command continues later. Arguments after `--` go to every train.py.
@@ -31,6 +32,9 @@ import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/: study_report
+import study_report as report  # noqa: E402
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORPUS = os.path.normpath(os.path.join(REPO, "..", "shared", "data", "corpus"))
 # arm: (model.attention.pattern, model.attention.learned). Focal's t=0.4 is base.py's default.
@@ -38,26 +42,6 @@ ARMS = {"softmax_rope": ("softmax:rope", False), "focal": ("focal:rope", False),
         "focal_learned": ("focal:rope", True), "softmax_nope": ("softmax:none", False),
         "dilution_nope": ("dilution:none", False),
         "hybrid": ("softmax:rope,dilution:none", False)}
-# Seeds: dilution 0.036 nats behind softmax+RoPE at 209M / 1K; up to this counts as "small".
-GAP_TOLERANCE = 0.1
-# (claim, arm, reference arm | "best other", key, sign of a supporting Δ (0: <= tolerance), note)
-CLAIMS = (
-    ("focal t=0.4: lower val loss than softmax+RoPE", "focal", "softmax_rope", "val_loss", -1, ""),
-    ("focal learned: lower val loss than softmax+RoPE", "focal_learned", "softmax_rope",
-     "val_loss", -1, ""),
-    ("dilution-NoPE: lower long-book NLL than softmax-NoPE past the trained context",
-     "dilution_nope", "softmax_nope", "longdoc_beyond", -1, "mean of the ranges past 1x"),
-    ("dilution-NoPE: better keyword retrieval than softmax-NoPE past the trained context",
-     "dilution_nope", "softmax_nope", "keyword_beyond", 1, "mean accuracy at 2x..8x"),
-    ("dilution-NoPE: better passkey retrieval than softmax-NoPE past the trained context",
-     "dilution_nope", "softmax_nope", "passkey_beyond", 1, "mean accuracy at 2x..8x"),
-    (f"dilution-NoPE's in-domain cost vs softmax+RoPE is small (val loss gap <= {GAP_TOLERANCE})",
-     "dilution_nope", "softmax_rope", "val_loss", 0, "seeds: +0.036 nats at 209M / 1K context"),
-    ("the alternating hybrid has the lowest validation loss of all arms", "hybrid", "best other",
-     "val_loss", -1, "reference: the best other arm of the same seed"),
-)
-
-
 class OutOfTime(Exception):
   """--time_limit ran out."""
 
@@ -79,7 +63,7 @@ def parse_args(argv=None):
   add("--suites", help="eval.py --suites (default: all)")
   add("--max_multiplier", type=int, default=8, help="eval lengths up to this x the context")
   add("--val_batches", type=int, default=1000, help="default: the whole valid split")
-  add("--no_plots", action="store_true", help="eval.py --noplots")
+  add("--no_plots", action="store_true", help="eval.py --noplots; no study figures")
   add("--out", help="results JSON (default ROOT/study.json)")
   add("--stage", default="all", choices=("all", "tokenizer", "collect"))
   add("--time_limit", type=float, help="seconds for this invocation (see above)")
@@ -240,6 +224,7 @@ def collect_run(args, arm: str, seed: int) -> dict | None:
   log = [json.loads(l) for l in path.read_text().splitlines() if l.strip()] if path.exists() else []
   tps, losses, val_log = ([m[k] for m in log if k in m]
                            for k in ("tokens_per_s", "loss", "val_loss"))
+  val_curve = [[m["step"], m["val_loss"]] for m in log if "val_loss" in m]
   steps, T, B = config["train"]["steps"], config["data"]["seq_len"], config["data"]["global_batch"]
   a = config["model"]["attention"]
   results = _read_json(os.path.join(wd, "eval", "results.json")) or {}
@@ -252,7 +237,7 @@ def collect_run(args, arm: str, seed: int) -> dict | None:
        "tokens_per_s": statistics.median(tps[1:] or tps) if tps else None,
        # eval.py's loss over the valid split; before eval, the last in-training estimate.
        "val_loss": results.get("val", {}).get("loss", val_log[-1] if val_log else None),
-       "val_tokens": results.get("val", {}).get("tokens"),
+       "val_tokens": results.get("val", {}).get("tokens"), "val_curve": val_curve,
        **(_read_json(os.path.join(wd, "study_times.json")) or {})}
   if "ranges" in results.get("longdoc", {}):
     ld = results["longdoc"]
@@ -264,6 +249,7 @@ def collect_run(args, arm: str, seed: int) -> dict | None:
                     "in_context": ld["in_context"]["mean"],
                     "curves": {k: v["mean"] for k, v in ld["curves"].items()}}
     r["longdoc_beyond"] = statistics.fmean(beyond) if beyond else None
+    r["longdoc_drift"] = (r["longdoc_beyond"] - ld["in_context"]["mean"]) if beyond else None
   for suite in ("passkey", "keyword"):
     if "lengths" in results.get(suite, {}):
       s = results[suite]
@@ -274,98 +260,23 @@ def collect_run(args, arm: str, seed: int) -> dict | None:
   return r
 
 
-def claims(runs: dict) -> list[dict]:
-  """Each claim of CLAIMS paired by seed: Δ = arm's value − the reference's, and a verdict."""
-  out = []
-  for text, arm, other, key, sign, note in CLAIMS:
-    deltas = {}
-    for seed in sorted({s for _, s in runs}):
-      mine = runs.get((arm, seed), {}).get(key)
-      refs = ([r.get(key) for (a, s), r in runs.items() if s == seed and a != arm]
-              if other == "best other" else [runs.get((other, seed), {}).get(key)])
-      theirs = min((v for v in refs if v is not None), default=None)
-      if mine is not None and theirs is not None:
-        deltas[str(seed)] = mine - theirs
-    n = sum((d <= GAP_TOLERANCE) if sign == 0 else (d * sign > 0) for d in deltas.values())
-    verdict = ("n/a (arm or result missing)" if not deltas else "held" if n == len(deltas)
-               else "did not hold" if n == 0 else f"mixed ({n}/{len(deltas)} seeds)")
-    out.append({"claim": text, "arm": arm, "reference": other, "key": key, "deltas": deltas,
-                "verdict": verdict, "note": note})
-  return out
-
-
-def _seeds(vals: list, fmt="{:.3f}") -> str:
-  """"a / b (mean m)" over seeds."""
-  ok = [v for v in vals if v is not None]
-  return " / ".join("–" if v is None else fmt.format(v) for v in vals) + (
-      f" (mean {fmt.format(statistics.fmean(ok))})" if len(ok) > 1 else "")
-
-
-def _table(title: str, header: list[str], rows: list[list[str]]) -> list[str]:
-  row = lambda cells: "| " + " | ".join(cells) + " |"
-  return [title, "", row(header), row(["---"] * len(header)), *map(row, rows), ""]
-
-
-def markdown(study: dict) -> str:
-  by_arm: dict[str, list[dict]] = {}
-  for r in study["runs"]:
-    by_arm.setdefault(r["arm"], []).append(r)
-  mil = lambda n: f"{n / 1e6:.1f}M" if n >= 1e5 else f"{n:,}"
-  out = _table("Runs (values per seed)", ["arm", "pattern", "params", "train tokens", "val loss",
-                                           "final train loss", "tokens/s", "train min", "eval min"],
-               [[arm, f"`{rs[0]['pattern']}`" + (" learned τ" if rs[0]["learned"] else ""),
-                 mil(rs[0]["params"]), mil(rs[0]["tokens"]),
-                 *(_seeds([r.get(k) for r in rs]) for k in ("val_loss", "train_loss")),
-                 _seeds([r.get("tokens_per_s") for r in rs], "{:,.0f}"),
-                 *(_seeds([r.get(k, 0) / 60 for r in rs], "{:.1f}") for k in ("train_s", "eval_s"))]
-                for arm, rs in by_arm.items()])
-  long = {arm: [r for r in rs if "longdoc" in r] for arm, rs in by_arm.items()}
-  if any(long.values()):
-    first = next(rs[0] for rs in long.values() if rs)
-    T, ranges = first["seq_len"], first["longdoc"]["ranges"]
-    out += _table(f"Long-book NLL by position range (nats/token, mean over seeds; * = past the "
-                  f"trained {T}; RoPE arms: NTK doubling passes)",
-                  ["arm", "curve", "in-context"] + [f"[{a},{b}){'*' if a >= T else ''}"
-                                                    for a, b in ranges],
-                  [[arm, rs[0]["longdoc"]["curve"],
-                    f"{statistics.fmean(r['longdoc']['in_context'] for r in rs):.3f}"]
-                   + [f"{statistics.fmean(c):.3f}"
-                      for c in zip(*(r["longdoc"]["mean"] for r in rs))]
-                   for arm, rs in long.items() if rs])
-  for suite in ("passkey", "keyword"):
-    have = {arm: [r for r in rs if suite in r] for arm, rs in by_arm.items()}
-    if not any(have.values()):
-      continue
-    first = next(rs[0] for rs in have.values() if rs)
-    chance = first[suite]["chance"]
-    out += _table(f"{suite} accuracy by length (mean over seeds"
-                  + (f"; chance {chance:.3f})" if chance else ")"),
-                  ["arm"] + [f"{n} ({n // first['seq_len']}x)" for n in first[suite]["lengths"]],
-                  [[arm] + ["–" if None in c else f"{statistics.fmean(c):.2f}"
-                            for c in zip(*(r[suite]["by_length"] for r in rs))]
-                   for arm, rs in have.items() if rs])
-  out += _table("Claims (Δ = arm − reference, paired by seed)",
-                ["claim", "Δ per seed", "verdict", "note"],
-                [[c["claim"], ", ".join(f"s{s}: {d:+.3f}" for s, d in c["deltas"].items()) or "–",
-                  f"**{c['verdict']}**", c["note"]] for c in study["claims"]])
-  return "\n".join(out)
-
-
 def collect_and_print(args) -> dict:
   runs = {(arm, seed): r for seed in args.seeds for arm in args.arms
           if (r := collect_run(args, arm, seed)) is not None}
   import jax  # pylint: disable=import-outside-toplevel
   study = {"collected_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
-           "device": f"{jax.device_count()} x {jax.devices()[0].device_kind}",
+           "collected_on": f"{jax.device_count()} x {jax.devices()[0].device_kind}",
            "jax": jax.__version__, "root": os.path.abspath(args.root),
            "tokenizer": tokenizer_file(args), "train": args.train, "valid": args.valid,
            "books": args.books, "size": args.size, "arms": args.arms, "seeds": args.seeds,
-           "runs": list(runs.values()), "claims": claims(runs),
+           "runs": list(runs.values()), "claims": report.claims(runs),
            "commands": commands(args)}
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   with open(args.out, "w") as f:
     json.dump(study, f, indent=1)
-  print(markdown(study) + f"\nresults: {args.out}")
+  print(report.markdown(study) + f"\nresults: {args.out}")
+  if not args.no_plots:
+    report.figures(study, os.path.dirname(os.path.abspath(args.out)))
   return study
 
 

@@ -85,13 +85,26 @@ def test_claims_pair_seeds_and_give_verdicts():
   runs = {("softmax_rope", 0): run(), ("softmax_rope", 1): run(),
           ("focal", 0): run(val_loss=2.9), ("focal", 1): run(val_loss=3.1),
           ("focal_learned", 0): run(val_loss=2.8), ("focal_learned", 1): run(val_loss=2.95),
-          ("dilution_nope", 0): run(val_loss=3.05, longdoc_beyond=3.2),
-          ("softmax_nope", 0): run(val_loss=3.2, longdoc_beyond=5.0),
+          ("dilution_nope", 0): run(val_loss=3.05, longdoc_beyond=3.2, longdoc_drift=0.01),
+          ("softmax_nope", 0): run(val_loss=3.2, longdoc_beyond=5.0, longdoc_drift=0.02),
           ("hybrid", 0): run(val_loss=2.7)}
-  claims = study.claims(runs)
-  # focal, focal learned, long-book NLL, keyword, passkey (no results), dilution gap, hybrid.
+  claims = study.report.claims(runs)
+  # focal, focal learned, dilution flat, softmax-NoPE degrades, long-book NLL, keyword, passkey
+  # (no results), dilution gap, hybrid.
   assert [c["verdict"] for c in claims] == [
-      "mixed (1/2 seeds)", "held", "held", "n/a (arm or result missing)",
+      "mixed (1/2 seeds)", "held", "held", "did not hold", "held", "n/a (arm or result missing)",
       "n/a (arm or result missing)", "held", "held"]
-  assert claims[2]["deltas"] == {"0": pytest.approx(-1.8)}  # seed 1 has no NoPE arms: unpaired
+  assert claims[2]["deltas"] == {"0": pytest.approx(0.01)}  # no reference: the arm's own value
+  assert claims[4]["deltas"] == {"0": pytest.approx(-1.8)}  # seed 1 has no NoPE arms: unpaired
   assert claims[-1]["deltas"] == {"0": pytest.approx(2.7 - 2.8)}  # vs focal_learned, the best
+
+
+def test_figures_draw_validation_curves_and_loss_by_position(tmp_path):
+  pytest.importorskip("matplotlib")
+  run = lambda arm, shift: {"arm": arm, "seed": 0, "seq_len": 64,
+                            "val_curve": [[1, 5.0 + shift], [2, 4.0 + shift]],
+                            "longdoc": {"ranges": [[0, 64], [64, 128]], "mean": [4.0, 4.1 + shift]}}
+  written = study.report.figures({"runs": [run("softmax_rope", 0.0), run("focal", 0.2)]},
+                                 str(tmp_path), log=lambda _: None)
+  assert [os.path.basename(p) for p in written] == ["study_val_loss.png", "study_longdoc.png"]
+  assert all(os.path.getsize(p) > 1000 for p in written)

@@ -1,0 +1,170 @@
+"""The study's report (bench/study.py --stage collect): the claims, the markdown tables, the figures.
+
+A claim is a comparison of one number per seed: Δ = the arm's value − the reference's (another arm,
+the best other arm, or nothing: then Δ is the arm's own value), and it holds for a seed when
+`Δ <op> bound`. Seeds are paired, so a seed missing either side is left out of that claim.
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+import statistics
+
+# Seeds: dilution 0.036 nats behind softmax+RoPE at 209M / 1K; up to this counts as "small".
+GAP_TOLERANCE = 0.1
+# Long-book NLL past the trained context minus in context: up to this counts as "flat", more as
+# "degrades" (the dilution page's NoPE softmax loses whole nats past its context).
+FLAT_TOLERANCE = 0.05
+OPS = {"<": operator.lt, "<=": operator.le, ">": operator.gt}
+# (claim, arm, reference: an arm | "best other" | None, key, (op, bound) a supporting Δ meets, note)
+CLAIMS = (
+    ("focal t=0.4: lower val loss than softmax+RoPE", "focal", "softmax_rope", "val_loss",
+     ("<", 0.0), ""),
+    ("focal learned: lower val loss than softmax+RoPE", "focal_learned", "softmax_rope",
+     "val_loss", ("<", 0.0), ""),
+    (f"dilution-NoPE: long-book NLL flat past the trained context (drift <= {FLAT_TOLERANCE})",
+     "dilution_nope", None, "longdoc_drift", ("<=", FLAT_TOLERANCE),
+     "drift = mean NLL of the ranges past 1x - in-context mean"),
+    (f"softmax-NoPE: long-book NLL degrades past the trained context (drift > {FLAT_TOLERANCE})",
+     "softmax_nope", None, "longdoc_drift", (">", FLAT_TOLERANCE),
+     "the failure dilution is claimed to avoid"),
+    ("dilution-NoPE: lower long-book NLL than softmax-NoPE past the trained context",
+     "dilution_nope", "softmax_nope", "longdoc_beyond", ("<", 0.0),
+     "mean of the ranges past 1x (includes any in-context gap)"),
+    ("dilution-NoPE: better keyword retrieval than softmax-NoPE past the trained context",
+     "dilution_nope", "softmax_nope", "keyword_beyond", (">", 0.0), "mean accuracy at 2x..8x"),
+    ("dilution-NoPE: better passkey retrieval than softmax-NoPE past the trained context",
+     "dilution_nope", "softmax_nope", "passkey_beyond", (">", 0.0), "mean accuracy at 2x..8x"),
+    (f"dilution-NoPE's in-domain cost vs softmax+RoPE is small (val loss gap <= {GAP_TOLERANCE})",
+     "dilution_nope", "softmax_rope", "val_loss", ("<=", GAP_TOLERANCE),
+     "seeds: +0.036 nats at 209M / 1K context"),
+    ("the alternating hybrid has the lowest validation loss of all arms", "hybrid", "best other",
+     "val_loss", ("<", 0.0), "reference: the best other arm of the same seed"),
+)
+
+
+def claims(runs: dict) -> list[dict]:
+  """Each claim of CLAIMS over runs {(arm, seed): run}: Δ per seed and a verdict."""
+  out = []
+  for text, arm, other, key, (op, bound), note in CLAIMS:
+    deltas = {}
+    for seed in sorted({s for _, s in runs}):
+      mine = runs.get((arm, seed), {}).get(key)
+      if other is None:
+        theirs = 0.0
+      else:
+        refs = ([r.get(key) for (a, s), r in runs.items() if s == seed and a != arm]
+                if other == "best other" else [runs.get((other, seed), {}).get(key)])
+        theirs = min((v for v in refs if v is not None), default=None)
+      if mine is not None and theirs is not None:
+        deltas[str(seed)] = mine - theirs
+    n = sum(OPS[op](d, bound) for d in deltas.values())
+    verdict = ("n/a (arm or result missing)" if not deltas else "held" if n == len(deltas)
+               else "did not hold" if n == 0 else f"mixed ({n}/{len(deltas)} seeds)")
+    out.append({"claim": text, "arm": arm, "reference": other, "key": key, "test": [op, bound],
+                "deltas": deltas, "verdict": verdict, "note": note})
+  return out
+
+
+def _seeds(vals: list, fmt="{:.3f}") -> str:
+  """"a / b (mean m)" over seeds."""
+  ok = [v for v in vals if v is not None]
+  return " / ".join("–" if v is None else fmt.format(v) for v in vals) + (
+      f" (mean {fmt.format(statistics.fmean(ok))})" if len(ok) > 1 else "")
+
+
+def _table(title: str, header: list[str], rows: list[list[str]]) -> list[str]:
+  row = lambda cells: "| " + " | ".join(cells) + " |"
+  return [title, "", row(header), row(["---"] * len(header)), *map(row, rows), ""]
+
+
+def _by_arm(study: dict) -> dict[str, list[dict]]:
+  by_arm: dict[str, list[dict]] = {}
+  for r in study["runs"]:
+    by_arm.setdefault(r["arm"], []).append(r)
+  return by_arm
+
+
+def markdown(study: dict) -> str:
+  by_arm = _by_arm(study)
+  mil = lambda n: f"{n / 1e6:.1f}M" if n >= 1e5 else f"{n:,}"
+  out = _table("Runs (values per seed)", ["arm", "pattern", "params", "train tokens", "val loss",
+                                           "final train loss", "tokens/s", "train min", "eval min"],
+               [[arm, f"`{rs[0]['pattern']}`" + (" learned τ" if rs[0]["learned"] else ""),
+                 mil(rs[0]["params"]), mil(rs[0]["tokens"]),
+                 *(_seeds([r.get(k) for r in rs]) for k in ("val_loss", "train_loss")),
+                 _seeds([r.get("tokens_per_s") for r in rs], "{:,.0f}"),
+                 *(_seeds([r.get(k, 0) / 60 for r in rs], "{:.1f}") for k in ("train_s", "eval_s"))]
+                for arm, rs in by_arm.items()])
+  long = {arm: [r for r in rs if "longdoc" in r] for arm, rs in by_arm.items()}
+  if any(long.values()):
+    first = next(rs[0] for rs in long.values() if rs)
+    T, ranges = first["seq_len"], first["longdoc"]["ranges"]
+    out += _table(f"Long-book NLL by position range (nats/token, mean over seeds; * = past the "
+                  f"trained {T}; RoPE arms: NTK doubling passes)",
+                  ["arm", "curve", "in-context"] + [f"[{a},{b}){'*' if a >= T else ''}"
+                                                    for a, b in ranges] + ["drift"],
+                  [[arm, rs[0]["longdoc"]["curve"],
+                    f"{statistics.fmean(r['longdoc']['in_context'] for r in rs):.3f}"]
+                   + [f"{statistics.fmean(c):.3f}"
+                      for c in zip(*(r["longdoc"]["mean"] for r in rs))]
+                   + [_seeds([r.get("longdoc_drift") for r in rs], "{:+.3f}")]
+                   for arm, rs in long.items() if rs])
+  for suite in ("passkey", "keyword"):
+    have = {arm: [r for r in rs if suite in r] for arm, rs in by_arm.items()}
+    if not any(have.values()):
+      continue
+    first = next(rs[0] for rs in have.values() if rs)
+    chance = first[suite]["chance"]
+    out += _table(f"{suite} accuracy by length (mean over seeds"
+                  + (f"; chance {chance:.3f})" if chance else ")"),
+                  ["arm"] + [f"{n} ({n // first['seq_len']}x)" for n in first[suite]["lengths"]],
+                  [[arm] + ["–" if None in c else f"{statistics.fmean(c):.2f}"
+                            for c in zip(*(r[suite]["by_length"] for r in rs))]
+                   for arm, rs in have.items() if rs])
+  out += _table("Claims (Δ = arm − reference, or the arm's own value where there is none; "
+                "paired by seed)",
+                ["claim", "Δ per seed", "verdict", "note"],
+                [[c["claim"], ", ".join(f"s{s}: {d:+.3f}" for s, d in c["deltas"].items()) or "–",
+                  f"**{c['verdict']}**", c["note"]] for c in study["claims"]])
+  return "\n".join(out)
+
+
+def figures(study: dict, out_dir: str, log=print) -> list[str]:
+  """study_val_loss.png (validation loss by step) and study_longdoc.png (NLL by position)."""
+  try:
+    import matplotlib  # pylint: disable=import-outside-toplevel
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    log("figures skipped: matplotlib is not installed (pip install matplotlib)")
+    return []
+  by_arm, written = _by_arm(study), []
+  os.makedirs(out_dir, exist_ok=True)
+  fig, ax = plt.subplots(figsize=(6.4, 4))
+  for arm, rs in by_arm.items():
+    for r in rs:
+      if r.get("val_curve"):
+        steps, losses = zip(*r["val_curve"])
+        ax.plot(steps, losses, marker=".", label=f"{arm} s{r['seed']}")
+  ax.set(xlabel="step", ylabel="validation loss (nats/token)", title="Validation loss")
+  ax.legend(fontsize=8)
+  written.append(os.path.join(out_dir, "study_val_loss.png"))
+  fig.savefig(written[-1], dpi=110, bbox_inches="tight")
+  plt.close(fig)
+  long = [r for rs in by_arm.values() for r in rs if "longdoc" in r]
+  if long:
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    for r in long:
+      ends = [b for _, b in r["longdoc"]["ranges"]]
+      ax.plot(ends, r["longdoc"]["mean"], marker="o", label=f"{r['arm']} s{r['seed']}")
+    ax.axvline(long[0]["seq_len"], color="grey", linestyle=":", label="trained context")
+    ax.set(xscale="log", xlabel="position (end of range, tokens)",
+           ylabel="NLL (nats/token)", title="Long held-out books: loss by position")
+    ax.legend(fontsize=8)
+    written.append(os.path.join(out_dir, "study_longdoc.png"))
+    fig.savefig(written[-1], dpi=110, bbox_inches="tight")
+    plt.close(fig)
+  log(f"figures: {', '.join(written)}")
+  return written
