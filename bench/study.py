@@ -102,6 +102,8 @@ def train_argv(args, arm: str, seed: int) -> list[str]:
           f"--config.data.tokenizer={tokenizer_file(args)}",
           # Streaming tokenization (~250K tokens/s) starved the H200 at 100M (10-20% MFU).
           "--config.data.tokenize=ahead",
+          # Tokenized once per root: later arms load it (the train split: ~60 s -> ~7 s on 2 cores).
+          f"--config.data.token_cache={os.path.join(args.root, 'tokens')}",
           f"--config.model.attention.pattern={pattern}",
           f"--config.model.attention.learned={learned}",
           f"--config.model.attention.implementation={args.implementation}"]

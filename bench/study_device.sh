@@ -52,7 +52,7 @@ tail -n 25 "$OUT"/study_gpu*.log
 cd "$ROOT" || exit 1
 done_arms=(); partial=()
 for d in */; do
-  d=${d%/}; [ "$d" = tokenizer ] && continue
+  d=${d%/}; case $d in tokenizer|tokens) continue ;; esac  # shared: the BPE, the token cache
   if [ -f "$d/eval/results.json" ]; then done_arms+=("$d"); else partial+=("$d"); fi
 done
 [ ${#done_arms[@]} -gt 0 ] && tar czf "$OUT/study_arms.tgz" --exclude='*/checkpoints/*/*' "${done_arms[@]}"

@@ -72,6 +72,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       global_batch=16,           # rows per optimizer step, across all hosts
       shuffle=True,
       tokenize="stream",         # stream | ahead (whole split up front: fast GPUs, finite corpora)
+      token_cache="",            # with ahead: a directory that keeps tokenized splits for reuse
       shards=0,                  # data shards (0: one per process); fix it to compare host counts
   ))
   c.optim = ml_collections.ConfigDict(dict(

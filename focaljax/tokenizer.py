@@ -9,6 +9,7 @@ exactly; there is no unknown token and no normalization. One special token,
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+import hashlib
 import json
 import os
 import pathlib
@@ -40,6 +41,10 @@ class Tokenizer:
   @property
   def vocab_size(self) -> int:
     return self._hf.get_vocab_size(with_added_tokens=True)
+
+  def fingerprint(self) -> str:
+    """A digest of the whole tokenizer (vocabulary, merges, specials): equal iff it encodes alike."""
+    return hashlib.sha256(self._hf.to_str().encode()).hexdigest()
 
   def encode(self, text: str) -> list[int]:
     return self._hf.encode(text, add_special_tokens=False).ids

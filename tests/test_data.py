@@ -29,6 +29,9 @@ class WordTokenizer:
   def encode_batch(self, texts):
     return [self.encode(t) for t in texts]
 
+  def fingerprint(self):
+    return "words"
+
 
 def make_docs(lengths):
   return [[10_000 * (d + 1) + j for j in range(n)] for d, n in enumerate(lengths)]
@@ -158,6 +161,38 @@ def test_tokenize_ahead_gives_the_same_batches(corpus):
   for got, ref in zip(ahead, want):
     for key in ref:
       np.testing.assert_array_equal(got[key], ref[key])
+
+
+def test_token_cache_reuses_ahead_tokenization_and_misses_on_other_tokens(corpus, tmp_path):
+  cfg, _ = corpus
+  cached = dataclasses.replace(cfg, tokenize="ahead", token_cache=str(tmp_path), num_epochs=1)
+  want = batches(dataclasses.replace(cfg, num_epochs=1))
+  first = batches(cached)  # builds and writes the cache
+  assert len(list(tmp_path.glob("tokens-*.npz"))) == 1
+
+  class Counting(WordTokenizer):
+    calls = 0
+
+    def encode_batch(self, texts):
+      Counting.calls += 1
+      return super().encode_batch(texts)
+
+  second = list(data.make_iterator(cached, Counting()))
+  assert Counting.calls == 0  # loaded, not tokenized
+  for got in (first, second):
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+      for key in w:
+        np.testing.assert_array_equal(g[key], w[key])
+
+  class Other(Counting):
+    def fingerprint(self):
+      return "other words"
+
+  list(data.make_iterator(cached, Other()))  # another tokenizer: a miss, a second file
+  assert Counting.calls > 0 and len(list(tmp_path.glob("tokens-*.npz"))) == 2
+  with pytest.raises(ValueError, match="token_cache.*needs tokenize='ahead'"):
+    dataclasses.replace(cfg, token_cache=str(tmp_path))
 
 
 @pytest.mark.parametrize("num_epochs, tokenize", [(3, "stream"), (None, "stream"), (3, "ahead")])
