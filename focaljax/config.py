@@ -127,5 +127,7 @@ def data_config(c: ml_collections.ConfigDict):
   d = c.data
   return data.DataConfig(source=d.source, valid_source=d.valid_source or None,
                          tokenizer=d.tokenizer, seq_len=d.seq_len, global_batch=d.global_batch,
-                         seed=c.seed, shuffle=d.shuffle, tokenize=d.tokenize,
-                         token_cache=d.token_cache or None)
+                         seed=c.seed, shuffle=d.shuffle,
+                         # Workdirs written before these fields existed still evaluate and resume.
+                         tokenize=d.get("tokenize", "stream"),
+                         token_cache=d.get("token_cache") or None)

@@ -96,3 +96,12 @@ def test_parse_arg_keeps_commas_in_patterns():
   assert args == {"size": "small", "pattern": "softmax:rope,dilution:none"}
   with pytest.raises(ValueError, match="expected key=value"):
     base.parse_arg("colour=red", size="tiny")
+
+
+def test_a_workdir_config_from_before_the_data_fields_still_loads():
+  # A config.json written before data.tokenize / data.token_cache existed (eval.py, resume).
+  c = base.get_config()
+  with c.unlocked():
+    del c.data["tokenize"], c.data["token_cache"]
+  d = config_lib.data_config(c)
+  assert d.tokenize == "stream" and d.token_cache is None
