@@ -12,7 +12,8 @@
 #                --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl \
 #                grain==0.2.18 array-record ml_collections tensorboardX portpicker dm-tree
 # Per call (carry .whl, .data/corpus and .data/study; a local run's .data/study/tokens cache is
-#   ~60 MB, too big to carry: delete it first, the call rebuilds its own):  STEPS=900 bash bench/study_device.sh softmax_rope focal
+#   ~60 MB, too big to carry: delete it first, the call rebuilds its own):
+#              STEPS=900 bash bench/study_device.sh softmax_rope focal
 #   (arms run side by side, one worker per GPU; GPUS=1 runs them one after another)
 # Here, after it:  tar xzf <files_at>/study_arms.tgz -C .data/study
 set -uo pipefail
