@@ -58,8 +58,8 @@ def run(size, impl, steps, seq_len, remat, batch=None, fuse=False, pattern="foca
     params = jax.jit(lambda key: nnx.to_pure_dict(nnx.split(
         model_lib.Transformer(cfg, nnx.Rngs(params=key)))[1]), out_shardings=param_sh)(
             jax.random.key(0))
-    opt_state = jax.jit(tx.init)(params)
-    opt_sh = jax.tree.map(lambda x: x.sharding, opt_state)
+    opt_sh = sharding.opt_state_shardings(tx, params, param_sh, mesh)
+    opt_state = jax.jit(tx.init, out_shardings=opt_sh)(params)
     step = jax.jit(functools.partial(trainer.train_step, graphdef=graphdef, tx=tx, cfg=step_cfg),
                    in_shardings=(param_sh, opt_sh, batch_sh),
                    out_shardings=(param_sh, opt_sh, replicated), donate_argnums=(0, 1))

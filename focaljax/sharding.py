@@ -86,6 +86,27 @@ def param_shardings(state: nnx.State, mesh, rules=RULES):
                       is_leaf=lambda x: isinstance(x, _Axes))
 
 
+def opt_state_shardings(tx, params, param_sh, mesh):
+  """Shardings for `tx.init(params)`'s state: a leaf shaped like a parameter, at a path that ends
+  in that parameter's path (Adam's mu and nu, ...), takes the parameter's sharding; the rest
+  (step counts, scalars) is replicated. Left to XLA, `jit(tx.init)` replicated the moments
+  (zeros_like does not read its input): every device held them whole, in float32, under FSDP
+  and tensor parallelism alike, and every step gathered the sharded updates to match."""
+  flat_params, _ = jax.tree_util.tree_flatten_with_path(params)
+  by_path = {tuple(path): (leaf.shape, sh)
+             for (path, leaf), sh in zip(flat_params, jax.tree.leaves(param_sh))}
+  replicated = NamedSharding(mesh, P())
+
+  def pick(path, leaf):
+    for start in range(len(path)):  # the longest matching suffix
+      shape, sh = by_path.get(tuple(path[start:]), (None, None))
+      if shape == leaf.shape:
+        return sh
+    return replicated
+
+  return jax.tree_util.tree_map_with_path(pick, jax.eval_shape(tx.init, params))
+
+
 def batch_sharding(mesh) -> NamedSharding:
   return NamedSharding(mesh, spec(("batch", "seq")))
 

@@ -157,8 +157,8 @@ def train(config, workdir: str, *, dry_run: bool = False, stop_at: int | None = 
     init_fn = lambda key: nnx.to_pure_dict(nnx.split(
         model_lib.Transformer(model_cfg, nnx.Rngs(params=key)))[1])
     params = jax.jit(init_fn, out_shardings=param_sh)(jax.random.key(config.seed))
-    opt_state = jax.jit(tx.init)(params)
-    opt_sh = jax.tree.map(lambda x: x.sharding, opt_state)
+    opt_sh = sharding.opt_state_shardings(tx, params, param_sh, mesh)
+    opt_state = jax.jit(tx.init, out_shardings=opt_sh)(params)
     step_fn = jax.jit(functools.partial(train_step, graphdef=graphdef, tx=tx, cfg=step_cfg),
                       in_shardings=(param_sh, opt_sh, batch_sh),
                       out_shardings=(param_sh, opt_sh, replicated), donate_argnums=(0, 1))

@@ -137,3 +137,51 @@ def test_pallas_attention_runs_per_device():
   out = subprocess.run([sys.executable, "-c", _PER_DEVICE], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=600)
   assert out.returncode == 0 and "ok" in out.stdout, (out.stdout + out.stderr)[-3000:]
+
+
+_OPT_STATE = r'''
+import functools, jax, jax.numpy as jnp
+from flax import nnx
+from configs import base
+from focaljax import config as config_lib, model as model_lib, optim, sharding, trainer
+c = base.get_config("size=small")
+cfg = config_lib.model_config(c, 512)
+graphdef, state = nnx.split(nnx.eval_shape(lambda: model_lib.Transformer(cfg, nnx.Rngs(0))))
+for shape in [(1, 2, 2), (2, 1, 2), (1, 4, 1)]:
+  mesh = sharding.make_mesh(*shape)
+  param_sh = sharding.param_shardings(state, mesh)
+  tx = optim.make(config_lib.optim_config(c), nnx.to_pure_dict(state))
+  with jax.set_mesh(mesh):
+    params = jax.jit(lambda key: nnx.to_pure_dict(nnx.split(
+        model_lib.Transformer(cfg, nnx.Rngs(params=key)))[1]), out_shardings=param_sh)(
+            jax.random.key(0))
+    opt_sh = sharding.opt_state_shardings(tx, params, param_sh, mesh)
+    opt = jax.jit(tx.init, out_shardings=opt_sh)(params)
+  adam = opt[1][0]  # chain(clip, adamw): adamw's ScaleByAdamState
+  for moment in (adam.mu, adam.nu):
+    for p, m in zip(jax.tree.leaves(params), jax.tree.leaves(moment)):
+      assert m.sharding.spec == p.sharding.spec, (shape, m.sharding.spec, p.sharding.spec)
+  assert adam.count.sharding.spec == jax.sharding.PartitionSpec()
+  if shape == (2, 1, 2):  # data x tensor parallelism: all-reduces, and no weight is gathered
+    step = jax.jit(functools.partial(trainer.train_step, graphdef=graphdef, tx=tx,
+                                     cfg=trainer.StepConfig(jnp.float32, 1, False)),
+                   in_shardings=(param_sh, opt_sh, sharding.batch_sharding(mesh)),
+                   out_shardings=(param_sh, opt_sh, None))
+    T = c.data.seq_len
+    batch = {k: jax.ShapeDtypeStruct((8, T), jnp.float32 if k == "weights" else jnp.int32)
+             for k in ("inputs", "targets", "positions", "weights")}
+    with jax.set_mesh(mesh):
+      hlo = step.lower(params, opt, batch).compile().as_text()
+    assert "all-gather(" not in hlo, "tensor parallelism gathered a weight"
+print("ok")
+'''
+
+
+def test_optimizer_state_is_sharded_like_its_parameters():
+  """Adam's moments take their parameter's sharding (jit(tx.init) alone replicated them), so
+  FSDP shards them and a tensor-parallel step gathers no weights."""
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+             JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+  out = subprocess.run([sys.executable, "-c", _OPT_STATE], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0 and "ok" in out.stdout, (out.stdout + out.stderr)[-3000:]
