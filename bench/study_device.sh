@@ -16,6 +16,10 @@
 #              STEPS=900 bash bench/study_device.sh softmax_rope focal
 #   (arms run side by side, one worker per GPU; GPUS=1 runs them one after another)
 # Here, after it:  tar xzf <files_at>/study_arms.tgz -C .data/study
+# A variant of the study (TRAIN_ARGS go to every train.py) keeps its arms in its own STUDY dir,
+# since arms are named by attention and seed only: mkdir -p .data/study_qk &&
+#   cp -r .data/study/tokenizer .data/study_qk/ && carry it, then
+#   STUDY=.data/study_qk TRAIN_ARGS=--config.model.qk_norm=True bash bench/study_device.sh focal ...
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if ! python3 -c 'import grain, ml_collections' 2>/dev/null; then  # the GPU image lacks them
@@ -28,7 +32,8 @@ ROOT=${ROOT:-/tmp/study}; mkdir -p "$ROOT"
 # The tokenizer, and any arms an earlier call finished (unpacked here from its study_arms.tgz):
 # study.py skips those, so a second call picks up where the first stopped. Only evaluated arms of
 # the same STEPS belong in .data/study: an arm's own config says when it is done.
-cp -r .data/study/. "$ROOT/"
+STUDY=${STUDY:-.data/study}
+cp -r "$STUDY/." "$ROOT/"
 C=.data/corpus
 # SUITES: eval.py suites (default: the four the claims use; "sample" and "attention" skipped).
 # One worker per GPU (nvidia-smi -L; GPUS overrides), arms dealt round-robin in the order given:
@@ -42,7 +47,7 @@ for ((g = 0; g < G; g++)); do
     --size "${SIZE:-100m}" --steps "${STEPS:-900}" --out "$ROOT/study_gpu$g.json" \
     --train $C/train.jsonl.xz --valid $C/valid.jsonl.xz --books $C/longeval.jsonl.xz \
     --val_batches "${VAL_BATCHES:-200}" --time_limit "${LIMIT:-540}" --no_plots \
-    --suites "${SUITES:-val,longdoc,passkey,keyword}" 2>&1 \
+    --suites "${SUITES:-val,longdoc,passkey,keyword}" ${TRAIN_ARGS:+-- $TRAIN_ARGS} 2>&1 \
     | grep --line-buffered -v -i "autotun\|deprecat" > "$OUT/study_gpu$g.log" &
   pids+=($!)
 done
