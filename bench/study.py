@@ -224,8 +224,7 @@ def collect_run(args, arm: str, seed: int) -> dict | None:
   vocab = tokenizer.Tokenizer.load(wd).vocab_size
   path = pathlib.Path(wd, "metrics.jsonl")
   log = [json.loads(l) for l in path.read_text().splitlines() if l.strip()] if path.exists() else []
-  tps, losses, val_log = ([m[k] for m in log if k in m]
-                           for k in ("tokens_per_s", "loss", "val_loss"))
+  tps, losses = ([m[k] for m in log if k in m] for k in ("tokens_per_s", "loss"))
   val_curve = [[m["step"], m["val_loss"]] for m in log if "val_loss" in m]
   steps, T, B = config["train"]["steps"], config["data"]["seq_len"], config["data"]["global_batch"]
   a = config["model"]["attention"]
@@ -238,7 +237,7 @@ def collect_run(args, arm: str, seed: int) -> dict | None:
        # The first logged interval includes compilation (and a resume's restore): the median.
        "tokens_per_s": statistics.median(tps[1:] or tps) if tps else None,
        # eval.py's loss over the valid split; before eval, the last in-training estimate.
-       "val_loss": results.get("val", {}).get("loss", val_log[-1] if val_log else None),
+       "val_loss": results.get("val", {}).get("loss", val_curve[-1][1] if val_curve else None),
        "val_tokens": results.get("val", {}).get("tokens"), "val_curve": val_curve,
        **(_read_json(os.path.join(wd, "study_times.json")) or {})}
   if "ranges" in results.get("longdoc", {}):

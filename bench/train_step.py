@@ -53,13 +53,8 @@ def run(size, impl, steps, seq_len, remat, batch=None, fuse=False, pattern="foca
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   tx = optim.make(config_lib.optim_config(c), nnx.to_pure_dict(abstract_state))
   step_cfg = trainer.StepConfig(compute_dtype=jnp.bfloat16, grad_accum=1, skip_nonfinite=False)
+  params, opt_state, opt_sh = trainer.init_state(cfg, tx, param_sh, mesh, jax.random.key(0))
   with jax.set_mesh(mesh):
-    # The key is an argument: a jit with no inputs lets XLA constant-fold the whole RNG.
-    params = jax.jit(lambda key: nnx.to_pure_dict(nnx.split(
-        model_lib.Transformer(cfg, nnx.Rngs(params=key)))[1]), out_shardings=param_sh)(
-            jax.random.key(0))
-    opt_sh = sharding.opt_state_shardings(tx, params, param_sh, mesh)
-    opt_state = jax.jit(tx.init, out_shardings=opt_sh)(params)
     step = jax.jit(functools.partial(trainer.train_step, graphdef=graphdef, tx=tx, cfg=step_cfg),
                    in_shardings=(param_sh, opt_sh, batch_sh),
                    out_shardings=(param_sh, opt_sh, replicated), donate_argnums=(0, 1))

@@ -122,6 +122,19 @@ def build(config, workdir: str | None):
   return tokenizer, model_cfg, graphdef, abstract_state
 
 
+def init_state(model_cfg, tx, param_sh, mesh, key):
+  """Fresh (params, opt_state, opt_shardings) under `mesh`: params in `param_sh`, the optimizer
+  state sharded like them (sharding.opt_state_shardings)."""
+  # The key is an argument: a jit with no inputs lets XLA constant-fold the whole RNG, which
+  # takes minutes for a 400M model.
+  init_fn = lambda k: nnx.to_pure_dict(nnx.split(
+      model_lib.Transformer(model_cfg, nnx.Rngs(params=k)))[1])
+  with jax.set_mesh(mesh):
+    params = jax.jit(init_fn, out_shardings=param_sh)(key)
+    opt_sh = sharding.opt_state_shardings(tx, params, param_sh, mesh)
+    return params, jax.jit(tx.init, out_shardings=opt_sh)(params), opt_sh
+
+
 def _global_batch(local, batch_sh):
   return {k: jax.make_array_from_process_local_data(batch_sh, np.asarray(v))
           for k, v in local.items()}
@@ -151,14 +164,9 @@ def train(config, workdir: str, *, dry_run: bool = False, stop_at: int | None = 
                         grad_accum=config.optim.grad_accum,
                         skip_nonfinite=config.train.nonfinite == "skip")
 
+  params, opt_state, opt_sh = init_state(model_cfg, tx, param_sh, mesh,
+                                         jax.random.key(config.seed))
   with jax.set_mesh(mesh):
-    # The key is an argument: a jit with no inputs lets XLA constant-fold the whole RNG, which
-    # takes minutes for a 400M model.
-    init_fn = lambda key: nnx.to_pure_dict(nnx.split(
-        model_lib.Transformer(model_cfg, nnx.Rngs(params=key)))[1])
-    params = jax.jit(init_fn, out_shardings=param_sh)(jax.random.key(config.seed))
-    opt_sh = sharding.opt_state_shardings(tx, params, param_sh, mesh)
-    opt_state = jax.jit(tx.init, out_shardings=opt_sh)(params)
     step_fn = jax.jit(functools.partial(train_step, graphdef=graphdef, tx=tx, cfg=step_cfg),
                       in_shardings=(param_sh, opt_sh, batch_sh),
                       out_shardings=(param_sh, opt_sh, replicated), donate_argnums=(0, 1))

@@ -151,12 +151,7 @@ for shape in [(1, 2, 2), (2, 1, 2), (1, 4, 1)]:
   mesh = sharding.make_mesh(*shape)
   param_sh = sharding.param_shardings(state, mesh)
   tx = optim.make(config_lib.optim_config(c), nnx.to_pure_dict(state))
-  with jax.set_mesh(mesh):
-    params = jax.jit(lambda key: nnx.to_pure_dict(nnx.split(
-        model_lib.Transformer(cfg, nnx.Rngs(params=key)))[1]), out_shardings=param_sh)(
-            jax.random.key(0))
-    opt_sh = sharding.opt_state_shardings(tx, params, param_sh, mesh)
-    opt = jax.jit(tx.init, out_shardings=opt_sh)(params)
+  params, opt, opt_sh = trainer.init_state(cfg, tx, param_sh, mesh, jax.random.key(0))
   adam = opt[1][0]  # chain(clip, adamw): adamw's ScaleByAdamState
   for moment in (adam.mu, adam.nu):
     for p, m in zip(jax.tree.leaves(params), jax.tree.leaves(moment)):
