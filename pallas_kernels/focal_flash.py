@@ -292,11 +292,10 @@ def focal_attention(q, k, v, *, scale, causal: bool = True, segment_ids=None,
   `interpret=True` runs the Pallas interpreter (CPU). Returns [B, T, Hq, D] in q.dtype.
 
   `kernel`: "auto" compiles for Hopper through `focal_mgpu` (Mosaic GPU, wgmma/TMA) whenever
-  `focal_mgpu.supported` accepts the call (bf16/fp16, D 64/128, tile-aligned T) and no segment
-  ids are given, and through this module's Triton kernels otherwise; "triton" / "mosaic" force
-  one (a call "mosaic" cannot take raises its reason). focal_mgpu's segment masking passes in
-  GPU interpret mode and lowers for CUDA but has not run compiled on a GPU yet, so "auto" keeps
-  packed batches on the compiled-and-tested Triton kernels until it has; "mosaic" takes them.
+  `focal_mgpu.supported` accepts the call (bf16/fp16, D 64/128, tile-aligned T; packed segment
+  ids included: its segment masking passed compiled on the H200 in the third session), and
+  through this module's Triton kernels otherwise; "triton" / "mosaic" force one (a call "mosaic"
+  cannot take raises its reason).
   """
   if kernel not in KERNELS:
     raise ValueError(f"kernel={kernel!r}: expected one of {KERNELS}")
@@ -305,8 +304,7 @@ def focal_attention(q, k, v, *, scale, causal: bool = True, segment_ids=None,
     from pallas_kernels import focal_tpu  # pylint: disable=import-outside-toplevel
     return focal_tpu.focal_attention(q, k, v, scale=scale, causal=causal,
                                      segment_ids=segment_ids)
-  if kernel == "mosaic" or (kernel == "auto" and segment_ids is None and not interpret
-                            and hopper()):
+  if kernel == "mosaic" or (kernel == "auto" and not interpret and hopper()):
     from pallas_kernels import focal_mgpu  # pylint: disable=import-outside-toplevel
     # int32 as the Triton route casts them, so an int64 batch does not silently fall back.
     seg_BT = None if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)

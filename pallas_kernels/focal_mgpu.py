@@ -34,7 +34,8 @@ KiB. D=128 with 3 stages of 128 keys overflows (by 136 B); Mosaic rejects an ove
 lowering time with "exceeds available shared memory".
 
 Outputs: out [B, T, Hq, D] in q.dtype; lse [B, Hq, T] f32 in base 2 (log2 Σ_s exp2(x_ts)), the
-backward's residual. The backward is `focal_mgpu_bwd.backward`.
+backward's residual. The backward is `focal_mgpu_bwd.backward` (dq and dk/dv kernels), or
+`focal_mgpu_bwd_fused.backward` when `BlockSizes.fused_backward` (the D=64 default) and no segments.
 
 Not supported (`supported` says why; callers route to focal_flash): float32 inputs,
 head dims other than 64 and 128, T not a multiple of 2·block_q or S not a multiple of block_kv.
@@ -81,11 +82,19 @@ class BlockSizes:
   block_kv_dq: int = 64
   block_q_dkv: int = 64
   block_kv_dkv: int = 64
+  # The backward as one FA3-style kernel (focal_mgpu_bwd_fused: 5 matmuls per tile, dq by float32
+  # TMA reduce-add) instead of the dq and dk/dv kernels (7 matmuls, deterministic). On the H200
+  # (third session) it was 1.10x faster at (2,12,16K,64) but 0.68-0.83x at D=128, so only D=64
+  # defaults to it. It has no segment masking: packed batches always take the two kernels.
+  fused_backward: bool = False
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
       value = getattr(self, f.name)
-      if f.name == "max_concurrent_steps":
+      if f.name == "fused_backward":
+        if not isinstance(value, bool):
+          raise ValueError(f"BlockSizes.fused_backward={value!r} must be True or False")
+      elif f.name == "max_concurrent_steps":
         if not isinstance(value, int) or value < 2:
           raise ValueError(f"BlockSizes.max_concurrent_steps={value} must be an int >= 2 (one slot "
                            f"loading while another is read)")
@@ -99,7 +108,7 @@ class BlockSizes:
     # attention_mgpu choice at D=128. D=64 halves every tile, so a third stage fits easily.
     del dtype  # bf16 and fp16 have the same footprint
     if head_dim <= 64:
-      return cls(max_concurrent_steps=3)
+      return cls(max_concurrent_steps=3, fused_backward=True)
     return cls()
 
 
@@ -388,8 +397,13 @@ def _attend_bwd(st: _Static, res, do):
   # Imported here so the forward works before the backward module exists.
   from pallas_kernels import focal_mgpu_bwd  # pylint: disable=import-outside-toplevel
   q, k, v, s_BNT, seg_BT, out, lse_BNT = res
-  grads = focal_mgpu_bwd.backward(q, k, v, s_BNT, out, lse_BNT, do, causal=st.causal,
-                                  blocks=st.blocks, interpret=st.interpret, seg_BT=seg_BT)
+  if st.blocks.fused_backward and seg_BT is None:
+    from pallas_kernels import focal_mgpu_bwd_fused  # pylint: disable=import-outside-toplevel
+    grads = focal_mgpu_bwd_fused.backward(q, k, v, s_BNT, out, lse_BNT, do, causal=st.causal,
+                                          blocks=st.blocks, interpret=st.interpret)
+  else:
+    grads = focal_mgpu_bwd.backward(q, k, v, s_BNT, out, lse_BNT, do, causal=st.causal,
+                                    blocks=st.blocks, interpret=st.interpret, seg_BT=seg_BT)
   return (*grads, None)  # integer segment ids: no cotangent
 
 

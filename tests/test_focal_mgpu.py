@@ -193,6 +193,41 @@ def test_focal_flash_routes_segments_to_mosaic(monkeypatch):
   assert len(calls) == 1 and calls[0]["segment_ids"].dtype == jnp.int32
 
 
+def test_auto_routes_packed_batches_to_mosaic_on_hopper(monkeypatch):
+  """kernel="auto" on Hopper takes segment ids to this kernel too (compiled-tested on the H200)."""
+  from pallas_kernels import focal_flash  # pylint: disable=import-outside-toplevel
+  calls = []
+  monkeypatch.setattr(focal_flash, "hopper", lambda: True)
+  monkeypatch.setattr(focal_mgpu, "focal_attention",
+                      lambda q, k, v, **kw: calls.append(kw) or jnp.zeros(q.shape, q.dtype))
+  q, k, v = (jnp.zeros(x.shape, x.dtype) for x in _arrays())
+  focal_flash.focal_attention(q, k, v, scale=0.1, segment_ids=jnp.ones((1, 256), jnp.int32))
+  assert len(calls) == 1 and calls[0]["segment_ids"] is not None
+
+
+@pytest.mark.parametrize("D, segments, fused", [(64, False, True), (64, True, False),
+                                                (128, False, False)])
+def test_backward_kernel_choice(monkeypatch, D, segments, fused):
+  """BlockSizes.default(D): the single-pass backward at D=64 (faster there on the H200), the two
+  deterministic kernels at D=128 and for packed segments (the fused kernel has no masking)."""
+  from pallas_kernels import focal_mgpu_bwd, focal_mgpu_bwd_fused  # pylint: disable=import-outside-toplevel
+  used = []
+
+  def fake(name):
+    def backward(q, k, v, s_BNT, *_, **__):
+      used.append(name)
+      return q, k, v, s_BNT
+    return backward
+
+  monkeypatch.setattr(focal_mgpu_bwd, "backward", fake("two"))
+  monkeypatch.setattr(focal_mgpu_bwd_fused, "backward", fake("fused"))
+  q, k, v, s = _inputs(7, B=1, T=256, S=256, N=2, K=1, D=D, dtype=jnp.bfloat16, scale="BNT")
+  seg = _packed_segment_ids(7, 1, 256) if segments else None
+  jax.vjp(lambda q: focal_mgpu.focal_attention(q, k, v, scale=s, segment_ids=seg,
+                                               interpret=True), q)[1](q)
+  assert used == ["fused" if fused else "two"]
+
+
 def _arrays(B=1, T=256, S=256, N=4, K=2, D=64, dtype=jnp.bfloat16, dtype_k=None):
   q = jax.ShapeDtypeStruct((B, T, N, D), dtype)
   k = jax.ShapeDtypeStruct((B, S, K, D), dtype_k or dtype)
@@ -232,7 +267,8 @@ def test_supported_accepts_contract_shapes():
 
 
 @pytest.mark.parametrize("field, value", [
-    ("block_q", 32), ("block_kv", 96), ("max_concurrent_steps", 1), ("block_kv_dkv", 0)])
+    ("block_q", 32), ("block_kv", 96), ("max_concurrent_steps", 1), ("block_kv_dkv", 0),
+    ("fused_backward", 1)])
 def test_block_sizes_validate(field, value):
   with pytest.raises(ValueError, match=f"BlockSizes.{field}={value}"):
     focal_mgpu.BlockSizes(**{field: value})
