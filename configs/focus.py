@@ -30,6 +30,8 @@ def get_config(arg=None):
       num_targets=16,           # supervised query points per sample: the window's last tokens
       implementation="xla",     # candidate/local attention: "xla" (einsum spec) | "pallas"
                                 # (pallas_kernels/condense.py; compiled on GPU, interpreted on CPU)
+      base_attention="xla",     # the frozen base's own attention: "xla" | "pallas", whatever it
+                                # was trained with (focus.with_attention: cuDNN wants 16-bit q/k/v)
   ))
   c.data.global_batch = 8       # the paper's; the local decoder runs global_batch·num_targets rows
   c.train.eval_every = 0        # no FocusLLM validation loop yet

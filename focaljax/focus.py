@@ -65,6 +65,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from focaljax import attention as attn_lib
 from focaljax import focus_attention
@@ -145,10 +146,29 @@ def load_adapter(directory: str) -> tuple[dict, FocusConfig, str]:
   return dict(sorted(adapter.items())), FocusConfig(**meta["config"]), meta["base_workdir"]
 
 
-def from_workdir(path: str, adapter_dir: str | None = None):
+def with_attention(model, implementation: str):
+  """The same weights with the base's attention implementation replaced (a `how`, not a `what`).
+
+  The chunk caches take the activations' dtype (frozen_prefill); cuDNN accepts only 16-bit q, k,
+  v, and the frozen prefill attends over a cache with room for later tokens, so FocusLLM runs the
+  base's attention as "xla" (focus.base_attention's default, and eval's) or "pallas" whatever the
+  base was trained with: a base trained with cudnn/auto on a GPU is adapted and evaluated as is."""
+  if implementation not in attn_lib.IMPLEMENTATIONS:
+    raise ValueError(f"config field focus.base_attention: {implementation!r} must be one of "
+                     f"{attn_lib.IMPLEMENTATIONS}")
+  cfg = dataclasses.replace(model.cfg, attention=dataclasses.replace(
+      model.cfg.attention, implementation=implementation))
+  graphdef, _ = loaded.abstract_model(cfg)
+  return nnx.merge(graphdef, nnx.state(model))
+
+
+def from_workdir(path: str, adapter_dir: str | None = None, base_attention: str | None = None):
   """(LoadedModel of the frozen base, adapter): a fresh copy-initialised adapter unless
-  `adapter_dir` names one saved by `save_adapter`."""
+  `adapter_dir` names one saved by `save_adapter`; `base_attention` swaps the base's attention
+  implementation (with_attention)."""
   base = loaded.load(path)
+  if base_attention is not None:
+    base = dataclasses.replace(base, model=with_attention(base.model, base_attention))
   adapter = init_adapter(base.model) if adapter_dir is None else load_adapter(adapter_dir)[0]
   return base, adapter
 

@@ -248,18 +248,6 @@ def cast(tree, dtype):
                       tree)
 
 
-def with_attention(model, implementation: str):
-  """The same weights with the base's attention implementation replaced (a `how`, not a `what`).
-
-  The chunk caches take the activations' dtype (focus.frozen_prefill); cuDNN accepts only 16-bit
-  q, k, v, so a base trained with cudnn/auto cannot be evaluated in float32 on a GPU unless its
-  attention runs as "xla" (the default here) or "pallas"."""
-  cfg = dataclasses.replace(model.cfg, attention=dataclasses.replace(
-      model.cfg.attention, implementation=implementation))
-  graphdef, _ = loaded_lib.abstract_model(cfg)
-  return nnx.merge(graphdef, nnx.state(model))
-
-
 def _check_shapes(adapter, base, adapter_dir: str) -> None:
   for i, block in enumerate(base.blocks):
     for name, w in adapter.get(i, {}).items():
@@ -309,7 +297,7 @@ def run(base_path: str, adapter_path: str, *, suites=FOCUS_SUITES, books: str | 
   (default: the focus run's eval/, or eval/adapter_<step> for an explicit adapter/<step>).
   `local_len` defaults to the focus run's config focus.local_len, else context // 2. `dtype`
   casts base and adapter once (bfloat16: faster on GPU; the chunk caches follow it).
-  `base_attention` replaces the base's attention implementation (with_attention says why)."""
+  `base_attention` replaces the base's attention implementation (focus.with_attention says why)."""
   unknown = set(suites) - set(FOCUS_SUITES)
   if unknown:
     raise ValueError(f"unknown focus suites {sorted(unknown)}; allowed: {list(FOCUS_SUITES)}")
@@ -317,7 +305,7 @@ def run(base_path: str, adapter_path: str, *, suites=FOCUS_SUITES, books: str | 
   adapter_dir, run_dir, step = resolve_adapter(adapter_path)
   adapter, cfg, recorded_base = focus.load_adapter(adapter_dir)
   _check_shapes(adapter, m.model, adapter_dir)
-  graphdef, state = nnx.split(with_attention(m.model, base_attention))
+  graphdef, state = nnx.split(focus.with_attention(m.model, base_attention))
   base, adapter = nnx.merge(graphdef, cast(state, dtype)), cast(adapter, dtype)
   cfg = dataclasses.replace(cfg, chunk_size=chunk_size or cfg.chunk_size,
                             implementation=implementation or cfg.implementation)

@@ -85,6 +85,9 @@ def base_context(config) -> int:
 def validate(config, context: int) -> None:
   """Raises ConfigError naming the first invalid focus.* field; `context` = base max_seq_len."""
   f = config.focus
+  if f.base_attention not in ("xla", "pallas"):
+    _fail("base_attention", f"{f.base_attention!r} must be 'xla' or 'pallas' (the frozen chunk "
+          f"prefill attends over a padded cache in the compute dtype; see focus.with_attention)")
   if f.implementation not in focus_attention.IMPLEMENTATIONS:
     _fail("implementation", f"{f.implementation!r} must be one of "
           f"{sorted(focus_attention.IMPLEMENTATIONS)}")
@@ -241,7 +244,8 @@ def train(config, workdir: str, *, dry_run: bool = False, stop_at: int | None = 
     if os.path.abspath(saved_base) != base_wd:
       raise config_lib.ConfigError(f"config field focus.base_workdir: {base_wd} differs from "
                                    f"{saved_base}, the base of the adapter in {resume_dir}")
-  loaded, adapter = focus.from_workdir(f.base_workdir, adapter_dir=resume_dir)
+  loaded, adapter = focus.from_workdir(f.base_workdir, adapter_dir=resume_dir,
+                                       base_attention=f.base_attention)
   if primary:
     checkpoint.write_config(workdir, config)
   sizes = chunk_sizes(config)

@@ -293,7 +293,7 @@ def focal_attention(q, k, v, *, scale, causal: bool = True, segment_ids=None,
 
   `kernel`: "auto" compiles for Hopper through `focal_mgpu` (Mosaic GPU, wgmma/TMA) whenever
   `focal_mgpu.supported` accepts the call (bf16/fp16, D 64/128, tile-aligned T; packed segment
-  ids included: its segment masking passed compiled on the H200 in the third session), and
+  ids included: its segment masking passed compiled on the H200 on 2026-11-30), and
   through this module's Triton kernels otherwise; "triton" / "mosaic" force one (a call "mosaic"
   cannot take raises its reason).
   """

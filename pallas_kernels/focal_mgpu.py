@@ -84,7 +84,7 @@ class BlockSizes:
   block_kv_dkv: int = 64
   # The backward as one FA3-style kernel (focal_mgpu_bwd_fused: 5 matmuls per tile, dq by float32
   # TMA reduce-add) instead of the dq and dk/dv kernels (7 matmuls, deterministic). On the H200
-  # (third session) it was 1.10x faster at (2,12,16K,64) but 0.68-0.83x at D=128, so only D=64
+  # (2026-11-30) it was 1.10x faster at (2,12,16K,64) but 0.68-0.83x at D=128, so only D=64
   # defaults to it. It has no segment masking: packed batches always take the two kernels.
   fused_backward: bool = False
 

@@ -61,7 +61,7 @@ def test_local_window_leaves_whole_chunks():
 
 def test_with_attention_swaps_the_implementation_only(tiny):
   base = tiny[0]
-  swapped = focus_eval.with_attention(base, "cudnn")
+  swapped = focus.with_attention(base, "cudnn")
   assert swapped.blocks[0].attn.cfg.attention.implementation == "cudnn"
   assert base.blocks[0].attn.cfg.attention.implementation == "xla"
   jax.tree.map(np.testing.assert_array_equal, nnx.state(swapped), nnx.state(base))

@@ -141,8 +141,24 @@ def test_refuses_chunks_past_the_base_context_and_dry_runs(tmp_path):
     focus_train.train(focus_cfg(tmp_path / "base", chunk_sizes="8,64"), str(tmp_path / "wd"))
   with pytest.raises(config_lib.ConfigError, match="focus.base_workdir"):
     focus_train.train(focus_cfg(tmp_path / "nowhere"), str(tmp_path / "wd"))
+  with pytest.raises(config_lib.ConfigError, match="focus.base_attention.*'xla' or 'pallas'"):
+    focus_train.train(focus_cfg(tmp_path / "base", base_attention="cudnn"), str(tmp_path / "wd"))
   assert not (tmp_path / "wd").exists()
   out = focus_train.train(focus_cfg(tmp_path / "base", chunk_sizes="8"), str(tmp_path / "wd"),
                           dry_run=True)
   assert out["dry_run"] and set(out) == {"dry_run", 8}
   assert focus_train.saved_steps(str(tmp_path / "wd")) == []
+
+
+def test_base_attention_replaces_the_trained_implementation(tmp_path):
+  """A base trained with cudnn (the GPU's auto) is adapted with focus.base_attention's, same
+  weights: cuDNN would refuse the float32 chunk caches of a float32 adapter run."""
+  make_base(tmp_path / "base")
+  c = checkpoint.read_config(str(tmp_path / "base"))
+  c.model.attention.implementation = "cudnn"
+  checkpoint.write_config(str(tmp_path / "base"), c)
+  plain, _ = focus.from_workdir(str(tmp_path / "base"))
+  swapped, _ = focus.from_workdir(str(tmp_path / "base"), base_attention="xla")
+  assert plain.model.blocks[0].attn.cfg.attention.implementation == "cudnn"
+  assert swapped.model.blocks[0].attn.cfg.attention.implementation == "xla"
+  jax.tree.map(np.testing.assert_array_equal, nnx.state(swapped.model), nnx.state(plain.model))
