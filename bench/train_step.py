@@ -30,12 +30,14 @@ from focaljax import metrics, optim, sharding, trainer  # noqa: E402
 from focaljax import model as model_lib  # noqa: E402
 
 BATCH = {"400m": 16, "1.3b": 8, "small": 8, "tiny": 8}
+PROFILED_STEPS = 3
 
 
 def run(size, impl, steps, seq_len, remat, batch=None, fuse=False, pattern="focal",
-        segments=True, mesh_shape=(1, 1, 1)):
+        segments=True, mesh_shape=(1, 1, 1), profile_dir=None):
   """One timed configuration. `mesh_shape` (data, fsdp, tensor) takes the first data·fsdp·tensor
-  devices, with train.py's shardings (the logical-axis rules); `batch` is the global batch."""
+  devices, with train.py's shardings (the logical-axis rules); `batch` is the global batch.
+  `profile_dir`: after timing, 3 more steps under jax.profiler.trace there (bench/step_profile.py)."""
   c = base.get_config(f"size={size}")
   c.model.attention.pattern = pattern
   c.model.attention.implementation = impl
@@ -69,6 +71,11 @@ def run(size, impl, steps, seq_len, remat, batch=None, fuse=False, pattern="foca
   batch = jax.device_put(batch, batch_sh)
   with jax.set_mesh(mesh):
     t0 = time.perf_counter()
+    if profile_dir:  # compiled ahead, so the trace's HLO op names can be mapped to the model
+      step = step.lower(params, opt_state, batch).compile()
+      os.makedirs(profile_dir, exist_ok=True)
+      with open(os.path.join(profile_dir, "step.hlo.txt"), "w") as f:
+        f.write(step.as_text())
     params, opt_state, m = step(params, opt_state, batch)
     jax.block_until_ready(m)
     compile_s = time.perf_counter() - t0
@@ -81,6 +88,11 @@ def run(size, impl, steps, seq_len, remat, batch=None, fuse=False, pattern="foca
       params, opt_state, m = step(params, opt_state, batch)
       jax.block_until_ready(m)
       times.append(time.perf_counter() - t0)
+    if profile_dir:
+      with jax.profiler.trace(profile_dir):
+        for _ in range(PROFILED_STEPS):
+          params, opt_state, m = step(params, opt_state, batch)
+        jax.block_until_ready(m)
   dt = float(np.median(times))
   tokens = B * T
   flops = metrics.flops_per_token(cfg) * tokens

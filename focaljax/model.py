@@ -215,8 +215,11 @@ class Block(nnx.Module):
     self.mlp = Mlp(cfg, rngs)
 
   def __call__(self, x_BTE, positions_BT, segment_ids_BT, theta):
-    x_BTE = x_BTE + self.attn(self.attn_norm(x_BTE), positions_BT, segment_ids_BT, theta)
-    x_BTE = x_BTE + self.mlp(self.mlp_norm(x_BTE))
+    # Named scopes label the HLO (profiles, bench/step_profile.py's "model part"); nothing else.
+    with jax.named_scope("attn"):
+      x_BTE = x_BTE + self.attn(self.attn_norm(x_BTE), positions_BT, segment_ids_BT, theta)
+    with jax.named_scope("mlp"):
+      x_BTE = x_BTE + self.mlp(self.mlp_norm(x_BTE))
     return sharding.constrain(x_BTE, ("batch", "seq", "embed_act"))
 
   def cached(self, x_BTE, cache, start, theta):
@@ -236,6 +239,7 @@ class Transformer(nnx.Module):
       self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), cfg.d_model**-0.5,
                             ("embed", "vocab"))
 
+  @jax.named_scope("logits")
   def _logits(self, x_BTE):
     x_BTE = self.final_norm(x_BTE)
     if self.cfg.tie_embeddings:

@@ -43,7 +43,8 @@ def loss_sums(params, batch, graphdef, dtype):
   # No "segment_ids": every row is one document (unpacked data), so attention needs no mask.
   logits_BTV = model(batch["inputs"], positions_BT=batch["positions"],
                      segment_ids_BT=batch.get("segment_ids"), dtype=dtype)
-  nll_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, batch["targets"])
+  with jax.named_scope("loss"):
+    nll_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, batch["targets"])
   w_BT = batch["weights"].astype(jnp.float32)
   return (nll_BT * w_BT).sum(), w_BT.sum()
 
@@ -68,9 +69,10 @@ def train_step(params, opt_state, batch, *, graphdef, tx, cfg: StepConfig):
   denom = jnp.maximum(w_sum, 1.0)
   grads = jax.tree.map(lambda g: g / denom, g_sum)
   loss = l_sum / denom
-  grad_norm = optax.tree.norm(grads)
-  updates, new_opt = tx.update(grads, opt_state, params)
-  new_params = optax.apply_updates(params, updates)
+  with jax.named_scope("optimizer"):
+    grad_norm = optax.tree.norm(grads)
+    updates, new_opt = tx.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
   if cfg.skip_nonfinite:
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
