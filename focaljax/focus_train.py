@@ -349,6 +349,8 @@ def train(config, workdir: str, *, dry_run: bool = False, stop_at: int | None = 
     preempt.restore()
   summary["step"] = step
   if primary and not summary.get("preempted"):
-    print(f"trained the FocusLLM adapter {step} steps; loss "
-          f"{summary.get('loss', float('nan')):.4f}; adapter in {workdir}/{ADAPTER_DIR}/{step}")
+    # A resumed run already at train.steps trains nothing and has no loss to report.
+    loss = f"loss {summary['loss']:.4f}" if "loss" in summary else "nothing left to train"
+    print(f"trained the FocusLLM adapter {step} steps; {loss}; adapter in "
+          f"{workdir}/{ADAPTER_DIR}/{step}")
   return summary

@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# Issue 5 in one device call: a small base pretrained on the carried corpus, the FocusLLM adapter
+# over it, then the evaluation (passkey at 2-100x, loss by position to 32x, the base's own NTK
+# curve) and the decode benchmark. A device machine starts bare and its files do not survive the
+# call, so every stage runs here, each under its own wall limit, and the small outputs (configs,
+# metrics, eval JSON, logs; no weights) come back packed in $OUT/focus_run.tgz.
+#
+# Once, here (the study's set-up, see bench/study_device.sh): .data/corpus/*.xz, the 16K BPE in
+#   .data/study/tokenizer/, and the cp312 wheels in .whl/. Carry all three.
+# Per call:   bash bench/focus_device.sh   (about 9 minutes: base 800 steps ~3.7, adapter ~2.2,
+#             eval ~3; stage limits BASE_LIMIT, FOCUS_LIMIT, EVAL_LIMIT, BASE_EVAL_LIMIT)
+# CPU check:  SIZE=tiny BASE_STEPS=20 SEQ=128 FOCUS_STEPS=4 CHUNKS=16,32 PROMPT=16 LOCAL=64 \
+#             FOCUS_WARMUP=1 DOC_MIN=512 BATCH=2 MULTS=2 MAXMULT=2 SEEDS=2 \
+#             DECODE=1 DECODE_ARGS=--smoke bash bench/focus_device.sh
+#
+# The base is the study's softmax+RoPE arm (bench/study.py: same tokenizer, data and preset) with
+# fewer steps; the adapter uses the paper's recipe (configs/focus.py) with chunks that fit the
+# base's 1K context: chunk + prompt + targets - 1 <= 1024.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+if ! python3 -c 'import grain, ml_collections' 2>/dev/null; then  # the GPU image lacks them
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl > "$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
+  export PYTHONPATH=/tmp/site:.whl/stub:$PWD
+fi
+export PYTHONUNBUFFERED=1
+ROOT=${ROOT:-/tmp/focus}; mkdir -p "$ROOT"; cp -r .data/study/tokenizer "$ROOT/"
+C=.data/corpus
+BASE=$ROOT/softmax_rope-s0; RUN=$ROOT/focus
+quiet() { grep --line-buffered -v -i "autotun\|deprecat"; }
+stage() { echo "=== $1 $(date +%T) (limit ${2}s)"; }
+
+# 1. The base (train, then the validation loss only; the study's other suites are not needed).
+stage base "${BASE_LIMIT:-220}"
+timeout -s TERM $(( ${BASE_LIMIT:-220} + 30 )) python3 bench/study.py --root "$ROOT" \
+  --arms softmax_rope --size "${SIZE:-100m}" --steps "${BASE_STEPS:-800}" \
+  ${SEQ:+--seq_len $SEQ} --train $C/train.jsonl.xz --valid $C/valid.jsonl.xz \
+  --books $C/longeval.jsonl.xz --suites val --val_batches "${VAL_BATCHES:-50}" --no_plots \
+  --time_limit "${BASE_LIMIT:-220}" 2>&1 | quiet > "$OUT/base.log"
+tail -n 4 "$OUT/base.log"
+
+# 2. The adapter (SIGTERM at the limit: train.py saves the adapter and exits).
+stage adapter "${FOCUS_LIMIT:-130}"
+timeout -s TERM "${FOCUS_LIMIT:-130}" python3 train.py --config configs/focus.py --workdir "$RUN" \
+  --config.focus.base_workdir="$BASE" --config.data.source="text:$C/train.jsonl.xz" \
+  --config.focus.chunk_sizes="${CHUNKS:-128,256,512}" --config.focus.prompt_len="${PROMPT:-256}" \
+  --config.focus.local_len="${LOCAL:-512}" --config.focus.doc_min_tokens="${DOC_MIN:-3000}" \
+  --config.data.global_batch="${BATCH:-8}" --config.train.steps="${FOCUS_STEPS:-400}" \
+  --config.optim.warmup_steps="${FOCUS_WARMUP:-30}" \
+  --config.train.log_every=10 --config.train.ckpt_every="${FOCUS_CKPT:-50}" \
+  --config.train.compute_dtype="${DTYPE:-bfloat16}" \
+  --config.focus.implementation="${FOCUS_IMPL:-pallas}" 2>&1 | quiet > "$OUT/adapter.log"
+tail -n 4 "$OUT/adapter.log"
+
+# 3. Evaluation: the FocusLLM suites, then the base alone (full attention, NTK-scaled RoPE).
+stage eval "${EVAL_LIMIT:-130}"
+timeout "${EVAL_LIMIT:-130}" python3 eval.py --workdir "$BASE" --focus_adapter "$RUN" \
+  --books $C/longeval.jsonl.xz --focus_dtype "${DTYPE:-bfloat16}" \
+  --focus_multipliers "${MULTS:-2,8,32,100}" --passkey_seeds "${SEEDS:-10}" \
+  --max_multiplier "${MAXMULT:-32}" 2>&1 | quiet > "$OUT/eval_focus.log"
+tail -n 12 "$OUT/eval_focus.log"
+timeout "${BASE_EVAL_LIMIT:-50}" python3 eval.py --workdir "$BASE" --suites longdoc \
+  --books $C/longeval.jsonl.xz --max_multiplier "${MAXMULT:-32}" --noplots 2>&1 | quiet \
+  > "$OUT/eval_base.log"
+tail -n 6 "$OUT/eval_base.log"
+
+# 4. Decode speed at 8x and 32x of a 1K context: random weights of the base's shape, batched
+#    chunks against one chunk at a time and the base with full attention. Off by default (DECODE=1):
+#    with it the call passes the device's 10 minutes; run it alone with DECODE=1 and the limits
+#    of the other stages at 0, or as `python3 bench/focus_decode.py` in a call of its own.
+if [ "${DECODE:-0}" != 0 ]; then
+  stage decode "${DECODE_LIMIT:-90}"
+  timeout "${DECODE_LIMIT:-90}" python3 bench/focus_decode.py --focus_impl pallas \
+    ${DECODE_ARGS:---size 100m --chunk_size 512 --prompt_len 256 --local_len 512} \
+    --out "$ROOT/focus_decode.json" 2>&1 | quiet > "$OUT/decode.log"
+  tail -n 8 "$OUT/decode.log"
+fi
+
+# The device returns at most 8 files: everything small, in one archive (no checkpoints).
+cd "$ROOT" || exit 1
+find . -name '*.json' -o -name '*.jsonl' -o -name '*.txt' | grep -v '/checkpoints/\|/adapter/\|tokenizer.json' \
+  > /tmp/focus_files
+find . -path '*/adapter/*/focus.json' >> /tmp/focus_files
+tar czf "$OUT/focus_run.tgz" -T /tmp/focus_files
+ls -la "$OUT"
