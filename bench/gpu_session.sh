@@ -39,6 +39,11 @@ for spec in "$@"; do
     attention) $RUN python3 bench/attention.py ${ATTN_IMPLS:+--impls $ATTN_IMPLS} ${ATTN_SHAPES:+--shapes $ATTN_SHAPES} --out "$OUT/attention.json" 2>&1 | tee "$OUT/attention.log" | tail -40 ;;
     dilution) $RUN python3 bench/dilution.py --impls dilution,cudnn --out "$OUT/dilution.json" 2>&1 | tee "$OUT/dilution.log" | tail -40 ;;
     train_step) $RUN python3 bench/train_step.py --impls cudnn,pallas,tokamax ${TRAIN_STEP_ARGS:-} --out "$OUT/train_step.json" 2>&1 | grep --line-buffered -v -i autotun | tee "$OUT/train_step.log" | tail -20 ;;
+    profile) for spec in ${PROFILE_RUNS:-1.3b:cudnn 400m:cudnn}; do  # size:impl, one process each
+               $RUN python3 bench/step_profile.py --size ${spec%%:*} --impl ${spec#*:} \
+                 --out "$OUT/profile_${spec%%:*}_${spec#*:}.json" 2>&1 | grep -v -i autotun \
+                 | tee "$OUT/profile_${spec%%:*}_${spec#*:}.log" | head -45
+             done ;;
     jaxsrc) J=$(python3 -c "import jax,os;print(os.path.dirname(jax.__file__))")
             tar czf "$OUT/jax_mgpu_src.tgz" -C "$J" _src/pallas/mosaic_gpu experimental/pallas/mosaic_gpu.py \
               experimental/pallas/ops/gpu _src/pallas/core.py _src/pallas/pallas_call.py _src/pallas/primitives.py ;;
