@@ -228,6 +228,30 @@ class Block(nnx.Module):
     return x_BTE + self.mlp(self.mlp_norm(x_BTE)), cache
 
 
+@jax.custom_vjp
+def head_matmul(x_BTE, w_EV):
+  """float32 logits from compute-dtype activations and weights: the loss and sampling need the
+  full range. The backward casts the float32 logit gradient back to the compute dtype, so its two
+  [B·T, V] GEMMs run on 16-bit tensor cores like every other layer's (as autodiff leaves them,
+  they are float32 x bf16 dots, which XLA runs in float32); accumulation stays float32."""
+  return jnp.einsum("BTE,EV->BTV", x_BTE, w_EV, preferred_element_type=jnp.float32)
+
+
+def _head_matmul_fwd(x_BTE, w_EV):
+  return head_matmul(x_BTE, w_EV), (x_BTE, w_EV)
+
+
+def _head_matmul_bwd(res, g_BTV):
+  x_BTE, w_EV = res
+  g_BTV = g_BTV.astype(x_BTE.dtype)
+  dx_BTE = jnp.einsum("BTV,EV->BTE", g_BTV, w_EV, preferred_element_type=jnp.float32)
+  dw_EV = jnp.einsum("BTE,BTV->EV", x_BTE, g_BTV, preferred_element_type=jnp.float32)
+  return dx_BTE.astype(x_BTE.dtype), dw_EV.astype(w_EV.dtype)
+
+
+head_matmul.defvjp(_head_matmul_fwd, _head_matmul_bwd)
+
+
 class Transformer(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
@@ -246,9 +270,7 @@ class Transformer(nnx.Module):
       w_EV = self.embed[...].T
     else:
       w_EV = self.lm_head[...]
-    # float32 logits: the loss and sampling need the full range.
-    return jnp.einsum("BTE,EV->BTV", x_BTE, w_EV.astype(x_BTE.dtype),
-                      preferred_element_type=jnp.float32)
+    return head_matmul(x_BTE, w_EV.astype(x_BTE.dtype))
 
   def __call__(self, tokens_BT, *, positions_BT=None, segment_ids_BT=None, rope_length=None,
                dtype=jnp.float32):

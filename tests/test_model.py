@@ -104,3 +104,53 @@ def test_fused_matmuls_equal_separate(kv_heads):
   plain = M.Transformer(_cfg(num_kv_heads=kv_heads, fuse_matmuls=False), nnx.Rngs(3))
   tokens = jax.random.randint(jax.random.key(4), (2, 12), 0, 96)
   np.testing.assert_allclose(fused(tokens), plain(tokens), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_head_matmul_gradients_match_autodiff(dtype):
+  """head_matmul's custom backward (16-bit GEMMs for 16-bit activations) == autodiff of the float32
+  einsum: exactly for float32, within bf16 rounding of the logit gradient for bfloat16."""
+  kx, kw, kg = jax.random.split(jax.random.key(3), 3)
+  x = jax.random.normal(kx, (2, 8, 32), jnp.float32).astype(dtype)
+  w = (0.2 * jax.random.normal(kw, (32, 50), jnp.float32)).astype(dtype)
+  g = jax.random.normal(kg, (2, 8, 50), jnp.float32)
+  plain = lambda x, w: jnp.einsum("BTE,EV->BTV", x, w, preferred_element_type=jnp.float32)
+  out, vjp = jax.vjp(M.head_matmul, x, w)
+  want_out, want_vjp = jax.vjp(plain, x, w)
+  np.testing.assert_array_equal(out, want_out)
+  assert out.dtype == jnp.float32
+  tol = 0 if dtype == jnp.float32 else 2e-2
+  for got, want in zip(vjp(g), want_vjp(g)):
+    assert got.dtype == want.dtype == dtype
+    err = jnp.linalg.norm((got - want).astype(jnp.float32)) / jnp.linalg.norm(want.astype(jnp.float32))
+    assert err <= tol, err
+
+
+def _all_eqns(jaxpr):
+  """Every equation of a jaxpr and of the jaxprs nested in its equations' parameters."""
+  for e in jaxpr.eqns:
+    yield e
+    for p in e.params.values():
+      for sub in p if isinstance(p, (list, tuple)) else [p]:
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          yield from _all_eqns(inner)
+
+
+def test_logits_backward_has_no_float32_vocab_gemm():
+  """With bf16 compute, no dot in the loss gradient takes a float32 [.., V] operand (XLA would run
+  it in float32: the two largest GEMMs of a small model's backward)."""
+  cfg = _cfg()
+  graphdef, state = nnx.split(M.Transformer(cfg, nnx.Rngs(0)))
+  tokens = jnp.zeros((2, 16), jnp.int32)
+
+  def loss(state):
+    model = nnx.merge(graphdef, jax.tree.map(lambda p: p.astype(jnp.bfloat16), state))
+    return model(tokens, dtype=jnp.bfloat16).sum()
+
+  jaxpr = jax.make_jaxpr(jax.grad(loss))(state)
+  V = cfg.vocab_size
+  dots = [e for e in _all_eqns(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
+  vocab_dots = [e for e in dots if any(V in v.aval.shape for v in e.invars)]
+  assert vocab_dots, "expected the logit GEMMs in the jaxpr"
+  assert all(v.aval.dtype == jnp.bfloat16 for e in vocab_dots for v in e.invars), vocab_dots
