@@ -17,13 +17,7 @@
 # fewer steps; the adapter uses the paper's recipe (configs/focus.py) with chunks that fit the
 # base's 1K context: chunk + prompt + targets - 1 <= 1024.
 set -uo pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-if ! python3 -c 'import grain, ml_collections' 2>/dev/null; then  # the GPU image lacks them
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl > "$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
-  export PYTHONPATH=/tmp/site:.whl/stub:$PWD
-fi
-export PYTHONUNBUFFERED=1
+. "$(dirname "$0")/device_env.sh"
 ROOT=${ROOT:-/tmp/focus}; mkdir -p "$ROOT"; cp -r .data/study/tokenizer "$ROOT/"
 C=.data/corpus
 BASE=$ROOT/softmax_rope-s0; RUN=$ROOT/focus

@@ -21,13 +21,7 @@
 #   cp -r .data/study/tokenizer .data/study_qk/ && carry it, then
 #   STUDY=.data/study_qk TRAIN_ARGS=--config.model.qk_norm=True bash bench/study_device.sh focal ...
 set -uo pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-if ! python3 -c 'import grain, ml_collections' 2>/dev/null; then  # the GPU image lacks them
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl > "$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
-  export PYTHONPATH=/tmp/site:.whl/stub:$PWD
-fi
-export PYTHONUNBUFFERED=1
+. "$(dirname "$0")/device_env.sh"
 ROOT=${ROOT:-/tmp/study}; mkdir -p "$ROOT"
 # The tokenizer, and any arms an earlier call finished (unpacked here from its study_arms.tgz):
 # study.py skips those, so a second call picks up where the first stopped. Only evaluated arms of

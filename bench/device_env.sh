@@ -1,0 +1,10 @@
+# Sourced by the device-call scripts (study_device.sh, focus_device.sh): $OUT, and the carried
+# cp312 wheels (.whl/: grain, ml_collections, ...) that the GPU image lacks, installed once per
+# machine into /tmp/site; unbuffered Python so a cut-off call still returns its logs.
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+if ! python3 -c 'import grain, ml_collections' 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl > "$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
+  export PYTHONPATH=/tmp/site:.whl/stub:$PWD
+fi
+export PYTHONUNBUFFERED=1
