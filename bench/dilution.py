@@ -5,7 +5,8 @@
 
 Entries: training forward and forward+backward at (B, H, T, D) = (8,8,4K,64), (2,12,16K,64),
 (1,16,8K,128); prefill at 32K/64K/128K (B1 H12 D64); one decode step against a 16K and a 128K
-cache. Each entry is jitted, warmed up, then timed as the median of --reps runs with
+cache. `--passes`: each training kernel pass (F1, F2, B1, B2) timed alone at (2,12,16K,64), to
+see where forward+backward goes. Each entry is jitted, warmed up, then timed as the median of --reps runs with
 block_until_ready. Memory: `temp_MiB` is XLA's compiled scratch for that function (per entry);
 `peak_MiB` is the device's process-lifetime peak_bytes_in_use after the entry (monotonic: read it
 as "at most"). Every entry is wrapped in try/except (OOM, unsupported) and reported as an error.
@@ -110,6 +111,37 @@ def _print_row(r):
         f"{r.get('error', '')}", flush=True)
 
 
+def _passes(shape, dtype, reps, interpret, bs):
+  """Each training pass alone, on inputs from a real forward (so B1 sees true carries): where the
+  forward+backward's time goes. Rows kind="pass", impl = the pass name."""
+  from pallas_kernels import dilution_bwd, dilution_fwd  # pylint: disable=import-outside-toplevel
+  B, H, T, D = shape
+  q, k, v = _qkv(B, H, T, D, dtype)
+  seg = jnp.zeros((B, T), jnp.int32)
+  kw = dict(scale=D**-0.5, bs=bs, interpret=interpret)
+  lse, pk = dilution_fwd.row_stats(q, k, seg, with_pk=True, **kw)
+  n, ssum, _, ckpt = dilution_fwd.key_sweep(q, k, v, seg, lse, eps=1e-9, with_ckpt=True, **kw)
+  out = n / (ssum.transpose(0, 2, 1)[..., None] + 1e-9)
+  do = jax.random.normal(jax.random.PRNGKey(9), q.shape, jnp.float32)
+  dbar = jnp.einsum("BTND,BTND->BNT", do, out)
+  do = do.astype(dtype)
+  ghat = dilution_bwd.reverse_sweep(q, k, v, seg, lse, ssum, dbar, do, ckpt, eps=1e-9, **kw)[1]
+  passes = {
+      "F1 row_stats": (lambda q, k: dilution_fwd.row_stats(q, k, seg, with_pk=True, **kw), (q, k)),
+      "F2 key_sweep": (lambda q, k, v, lse: dilution_fwd.key_sweep(
+          q, k, v, seg, lse, eps=1e-9, with_ckpt=True, **kw), (q, k, v, lse)),
+      "B1 reverse_sweep": (lambda q, k, v, lse, ssum, dbar, do, ckpt: dilution_bwd.reverse_sweep(
+          q, k, v, seg, lse, ssum, dbar, do, ckpt, eps=1e-9, **kw),
+                           (q, k, v, lse, ssum, dbar, do, ckpt)),
+      "B2 dk_correction": (lambda q, k, lse, ghat: dilution_bwd.dk_correction(
+          q, k, seg, lse, ghat, **kw), (q, k, lse, ghat)),
+  }
+  rows = []
+  for name, (fn, args) in passes.items():
+    _entry(rows, "pass", name, shape, lambda fn=fn, args=args: _time(fn, args, reps))
+  return rows
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--out", default=None, help="write the rows as JSON here")
@@ -120,6 +152,8 @@ def main(argv=None):
   ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
   ap.add_argument("--sweep", action="store_true",
                   help="only the SWEEP tile variants (fwd, fwd+bwd, F1 alone) at (2,12,16K,64)")
+  ap.add_argument("--passes", action="store_true",
+                  help="only each training kernel pass alone (F1, F2, B1, B2) at (2,12,16K,64)")
   ap.add_argument("--skip", default="", help="comma list of sections to skip: train,prefill,decode")
   args = ap.parse_args(argv)
 
@@ -154,6 +188,11 @@ def main(argv=None):
       _entry(rows, "F1", name, shape, lambda f1=f1: _time(f1, (q, k), reps))
       _entry(rows, "fwd", name, shape, lambda fn=fn: _time(fn, (q, k, v), reps))
       _entry(rows, "fwd+bwd", name, shape, lambda fn=fn: _time(_fwd_bwd(fn), (q, k, v), reps))
+    skip |= {"train", "prefill", "decode"}
+
+  if args.passes:
+    rows += _passes(train_shapes[1] if not args.smoke else train_shapes[0], dtype, reps,
+                    interpret, bs or dilution.BlockSizes())
     skip |= {"train", "prefill", "decode"}
 
   if "train" not in skip:

@@ -31,6 +31,8 @@ for spec in "$@"; do
     mgpu_tests) $RUN python3 -m pytest -q -p no:cacheprovider tests/test_focal_mgpu.py \
              tests/test_focal_mgpu_bwd.py tests/test_condense.py -k "Compiled" 2>&1 \
              | tee "$OUT/mgpu_tests.log" | tail -40 ;;
+    dilution_passes) $RUN python3 bench/dilution.py --passes --out "$OUT/dilution_passes.json" 2>&1 \
+             | tee "$OUT/dilution_passes.log" | tail -8 ;;
     dilution_sweep) $RUN python3 bench/dilution.py --sweep --out "$OUT/dilution_sweep.json" 2>&1 \
              | tee "$OUT/dilution_sweep.log" | tail -30 ;;
     mgpu_fwd) $RUN python3 bench/focal_mgpu_fwd.py ${MGPU_FWD_ARGS:-} 2>&1 | tee "$OUT/mgpu_fwd.log" | tail -30 ;;
