@@ -7,7 +7,7 @@
 #
 # Once, here (the study's set-up, see bench/study_device.sh): .data/corpus/*.xz, the 16K BPE in
 #   .data/study/tokenizer/, and the cp312 wheels in .whl/. Carry all three.
-# Per call:   bash bench/focus_device.sh   (about 9 minutes: base 800 steps ~3.7, adapter ~2.2,
+# Per call:   bash bench/focus_device.sh   (about 9 minutes: base 700 steps ~3.7, adapter ~2.2,
 #             eval ~3; stage limits BASE_LIMIT, FOCUS_LIMIT, EVAL_LIMIT, BASE_EVAL_LIMIT)
 # CPU check:  SIZE=tiny BASE_STEPS=20 SEQ=128 FOCUS_STEPS=4 CHUNKS=16,32 PROMPT=16 LOCAL=64 \
 #             FOCUS_WARMUP=1 DOC_MIN=512 BATCH=2 MULTS=2 MAXMULT=2 SEEDS=2 \
@@ -27,7 +27,7 @@ stage() { echo "=== $1 $(date +%T) (limit ${2}s)"; }
 # 1. The base (train, then the validation loss only; the study's other suites are not needed).
 stage base "${BASE_LIMIT:-220}"
 timeout -s TERM $(( ${BASE_LIMIT:-220} + 30 )) python3 bench/study.py --root "$ROOT" \
-  --arms softmax_rope --size "${SIZE:-100m}" --steps "${BASE_STEPS:-800}" \
+  --arms softmax_rope --size "${SIZE:-100m}" --steps "${BASE_STEPS:-700}" \
   ${SEQ:+--seq_len $SEQ} --train $C/train.jsonl.xz --valid $C/valid.jsonl.xz \
   --books $C/longeval.jsonl.xz --suites val --val_batches "${VAL_BATCHES:-50}" --no_plots \
   --time_limit "${BASE_LIMIT:-220}" 2>&1 | quiet > "$OUT/base.log"
