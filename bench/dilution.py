@@ -126,6 +126,9 @@ def _passes(shape, dtype, reps, interpret, bs):
   dbar = jnp.einsum("BTND,BTND->BNT", do, out)
   do = do.astype(dtype)
   ghat = dilution_bwd.reverse_sweep(q, k, v, seg, lse, ssum, dbar, do, ckpt, eps=1e-9, **kw)[1]
+  # Dense [tile x tile] matmuls per (row tile, key block) pair, from the kernels' docstrings:
+  # each costs B·H·T²·D FLOPs over the causal triangle (B1 also has its fp32 triangular product).
+  matmuls = {"F1 row_stats": 2, "F2 key_sweep": 2, "B1 reverse_sweep": 6, "B2 dk_correction": 2}
   passes = {
       "F1 row_stats": (lambda q, k: dilution_fwd.row_stats(q, k, seg, with_pk=True, **kw), (q, k)),
       "F2 key_sweep": (lambda q, k, v, lse: dilution_fwd.key_sweep(
@@ -139,6 +142,11 @@ def _passes(shape, dtype, reps, interpret, bs):
   rows = []
   for name, (fn, args) in passes.items():
     _entry(rows, "pass", name, shape, lambda fn=fn, args=args: _time(fn, args, reps))
+    if "ms" in rows[-1]:
+      tflop = matmuls[name] * B * H * T * T * D / 1e12
+      rows[-1].update(matmul_TFLOP=tflop, TFLOP_per_s=tflop / rows[-1]["ms"] * 1e3)
+      print(f"          {name}: {matmuls[name]} matmuls per tile pair, {tflop:.3f} TFLOP, "
+            f"{rows[-1]['TFLOP_per_s']:.0f} TFLOP/s")
   return rows
 
 
