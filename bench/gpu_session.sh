@@ -46,6 +46,11 @@ for spec in "$@"; do
     attention) $RUN python3 bench/attention.py ${ATTN_IMPLS:+--impls $ATTN_IMPLS} ${ATTN_SHAPES:+--shapes $ATTN_SHAPES} --out "$OUT/attention.json" 2>&1 | tee "$OUT/attention.log" | tail -40 ;;
     dilution) $RUN python3 bench/dilution.py --impls dilution,cudnn --out "$OUT/dilution.json" 2>&1 | tee "$OUT/dilution.log" | tail -40 ;;
     train_step) $RUN python3 bench/train_step.py --impls cudnn,pallas,tokamax ${TRAIN_STEP_ARGS:-} --out "$OUT/train_step.json" 2>&1 | grep --line-buffered -v -i autotun | tee "$OUT/train_step.log" | tail -20 ;;
+    train_step_flags)  # the same step under XLA flags (default: cuBLAS for every GEMM, as MaxText sets)
+             XLA_FLAGS="${STEP_XLA_FLAGS:---xla_gpu_enable_triton_gemm=false}" $RUN python3 \
+               bench/train_step.py --sizes "${FLAG_SIZES:-1.3b}" --impls cudnn --no_segments \
+               --steps 6 --out "$OUT/train_step_flags.json" 2>&1 | grep --line-buffered -v -i autotun \
+               | tee "$OUT/train_step_flags.log" | tail -6 ;;
     profile) for spec in ${PROFILE_RUNS:-1.3b:cudnn 400m:cudnn}; do  # size:impl, one process each
                $RUN python3 bench/step_profile.py --size ${spec%%:*} --impl ${spec#*:} \
                  --out "$OUT/profile_${spec%%:*}_${spec#*:}.json" 2>&1 | grep -v -i autotun \
