@@ -1,6 +1,7 @@
-# Sourced by the device-call scripts (study_device.sh, focus_device.sh): $OUT, and the carried
-# cp312 wheels (.whl/: grain, ml_collections, ...) that the GPU image lacks, installed once per
-# machine into /tmp/site; unbuffered Python so a cut-off call still returns its logs.
+# Sourced by the device-call scripts (gpu_session.sh, study_device.sh, focus_device.sh): $OUT,
+# and the carried cp312 wheels (.whl/: grain, ml_collections, tokamax's dependencies, ...) that
+# the GPU image lacks, installed into /tmp/site; unbuffered Python so a cut-off call still
+# returns its logs.
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if ! python3 -c 'import grain, ml_collections' 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \

@@ -8,10 +8,7 @@
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl einshape pydantic \
 #     pydantic-core qwix immutabledict annotated-types typing-inspection typing_extensions
 set -uo pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl > "$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
-export PYTHONPATH=/tmp/site:.whl/stub:$PWD PYTHONUNBUFFERED=1
+. "$(dirname "$0")/device_env.sh"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())" 2>&1 | tee "$OUT/env.log"
 nvidia-smi --query-gpu=name,clocks.sm,memory.used --format=csv >> "$OUT/env.log" 2>&1
