@@ -7,14 +7,16 @@
 #
 # Once, here (the study's set-up, see bench/study_device.sh): .data/corpus/*.xz, the 16K BPE in
 #   .data/study/tokenizer/, and the cp312 wheels in .whl/. Carry all three.
-# Per call:   bash bench/focus_device.sh   (about 9 minutes: base 700 steps ~3.7, adapter ~2.2,
-#             eval ~3; stage limits BASE_LIMIT, FOCUS_LIMIT, EVAL_LIMIT, BASE_EVAL_LIMIT)
+# Per call:   bash bench/focus_device.sh   (about 9.5 minutes: base 700 steps ~3.7, adapter ~2.2,
+#             eval ~3.5; stage limits BASE_LIMIT, FOCUS_LIMIT, EVAL_LIMIT, BASE_EVAL_LIMIT)
 # CPU check:  SIZE=tiny BASE_STEPS=20 SEQ=128 FOCUS_STEPS=4 CHUNKS=16,32 PROMPT=16 LOCAL=64 \
 #             FOCUS_WARMUP=1 DOC_MIN=512 BATCH=2 MULTS=2 MAXMULT=2 SEEDS=2 \
 #             DECODE=1 DECODE_ARGS=--smoke bash bench/focus_device.sh
 #
 # The base is the study's softmax+RoPE arm (bench/study.py: same tokenizer, data and preset) with
-# fewer steps; the adapter uses the paper's recipe (configs/focus.py) with chunks that fit the
+# fewer steps and BASE_MIX (0.3) of its rows passkey drills (data.retrieval_mix: the study's bases
+# never read a needle even inside their context); the adapter turns FOCUS_MIX (0.5) of its
+# continuation samples into drills (focus.retrieval_mix). The adapter uses the paper's recipe (configs/focus.py) with chunks that fit the
 # base's 1K context: chunk + prompt + targets - 1 <= 1024.
 set -uo pipefail
 . "$(dirname "$0")/device_env.sh"
@@ -30,7 +32,8 @@ timeout -s TERM $(( ${BASE_LIMIT:-220} + 30 )) python3 bench/study.py --root "$R
   --arms softmax_rope --size "${SIZE:-100m}" --steps "${BASE_STEPS:-700}" \
   ${SEQ:+--seq_len $SEQ} --train $C/train.jsonl.xz --valid $C/valid.jsonl.xz \
   --books $C/longeval.jsonl.xz --suites val --val_batches "${VAL_BATCHES:-50}" --no_plots \
-  --time_limit "${BASE_LIMIT:-220}" 2>&1 | quiet > "$OUT/base.log"
+  --time_limit "${BASE_LIMIT:-220}" -- --config.data.retrieval_mix="${BASE_MIX:-0.3}" 2>&1 \
+  | quiet > "$OUT/base.log"
 tail -n 4 "$OUT/base.log"
 
 # 2. The adapter (SIGTERM at the limit: train.py saves the adapter and exits).
@@ -43,7 +46,8 @@ timeout -s TERM "${FOCUS_LIMIT:-130}" python3 train.py --config configs/focus.py
   --config.optim.warmup_steps="${FOCUS_WARMUP:-30}" \
   --config.train.log_every=10 --config.train.ckpt_every="${FOCUS_CKPT:-50}" \
   --config.train.compute_dtype="${DTYPE:-bfloat16}" \
-  --config.focus.implementation="${FOCUS_IMPL:-pallas}" 2>&1 | quiet > "$OUT/adapter.log"
+  --config.focus.implementation="${FOCUS_IMPL:-pallas}" \
+  --config.focus.retrieval_mix="${FOCUS_MIX:-0.5}" 2>&1 | quiet > "$OUT/adapter.log"
 tail -n 4 "$OUT/adapter.log"
 
 # 3. Evaluation: the FocusLLM suites, then the base alone (full attention, NTK-scaled RoPE).
@@ -53,6 +57,9 @@ timeout "${EVAL_LIMIT:-130}" python3 eval.py --workdir "$BASE" --focus_adapter "
   --focus_multipliers "${MULTS:-2,8,32,100}" --passkey_seeds "${SEEDS:-10}" \
   --max_multiplier "${MAXMULT:-32}" 2>&1 | quiet > "$OUT/eval_focus.log"
 tail -n 12 "$OUT/eval_focus.log"
+timeout "${BASE_PASSKEY_LIMIT:-40}" python3 eval.py --workdir "$BASE" --suites passkey \
+  --max_multiplier 1 --passkey_seeds "${SEEDS:-10}" --noplots 2>&1 | quiet > "$OUT/eval_base_passkey.log"
+tail -n 3 "$OUT/eval_base_passkey.log"
 timeout "${BASE_EVAL_LIMIT:-50}" python3 eval.py --workdir "$BASE" --suites longdoc \
   --books $C/longeval.jsonl.xz --max_multiplier "${MAXMULT:-32}" --noplots 2>&1 | quiet \
   > "$OUT/eval_base.log"

@@ -74,6 +74,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       tokenize="stream",         # stream | ahead (whole split up front: fast GPUs, finite corpora)
       token_cache="",            # with ahead: a directory that keeps tokenized splits for reuse
       shards=0,                  # data shards (0: one per process); fix it to compare host counts
+      retrieval_mix=0.0,         # share of train rows turned into passkey drills (data.py)
   ))
   c.optim = ml_collections.ConfigDict(dict(
       peak_lr=3e-3,

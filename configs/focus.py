@@ -28,6 +28,7 @@ def get_config(arg=None):
       doc_max_tokens=8000,      # longer documents are cropped to their first doc_max_tokens
       local_len=512,            # local-window tokens the frozen decoder reads (<= base context)
       num_targets=16,           # supervised query points per sample: the window's last tokens
+      retrieval_mix=0.0,        # share of continuation samples turned into passkey drills
       implementation="xla",     # candidate/local attention: "xla" (einsum spec) | "pallas"
                                 # (pallas_kernels/condense.py; compiled on GPU, interpreted on CPU)
       base_attention="xla",     # the frozen base's own attention: "xla" | "pallas", whatever it

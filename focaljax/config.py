@@ -67,6 +67,8 @@ def validate(c: ml_collections.ConfigDict, *, vocab_size: int | None = None,
     _require(d.seq_len % 64 == 0, "data.seq_len",
              f"{d.seq_len} must be divisible by the Pallas kernels' 64-token blocks")
   _require(d.global_batch > 0, "data.global_batch", f"must be > 0, got {d.global_batch}")
+  _require(0 <= d.get("retrieval_mix", 0.0) < 1, "data.retrieval_mix",
+           f"must be in [0, 1), got {d.get('retrieval_mix')}")
   shards = d.shards or process_count
   _require(d.shards >= 0 and shards % process_count == 0 and d.global_batch % shards == 0,
            "data.shards", f"{d.shards} must be 0 or a multiple of the {process_count} processes "
@@ -130,4 +132,5 @@ def data_config(c: ml_collections.ConfigDict):
                          seed=c.seed, shuffle=d.shuffle,
                          # Workdirs written before these fields existed still evaluate and resume.
                          tokenize=d.get("tokenize", "stream"),
-                         token_cache=d.get("token_cache") or None)
+                         token_cache=d.get("token_cache") or None,
+                         retrieval_mix=d.get("retrieval_mix", 0.0))

@@ -12,7 +12,8 @@ other windows, not longer memories). With local_len = T:
 The seed's summary says the chunks are the tokens "before and after" the span; the official code
 (shared/notes/focus_focal.md §1.6) keeps the span and its targets in the memory, which is what
 teaches copying (the ablation's passkey result), and the brief's "repeats a span" agrees: we do
-the same. The loss is `focus.target_nll`'s leak-free objective over the last `num_targets` local
+the same. With `focus.retrieval_mix`, that share of continuation samples become passkey drills
+(`Sampler._drill`; the base's own drills are data.retrieval_mix). The loss is `focus.target_nll`'s leak-free objective over the last `num_targets` local
 tokens (the official code supervises one token per sample; the paper's Eq. 6 all of them).
 
 The step differentiates w.r.t. the adapter only: the base params are an argument closed over by
@@ -39,7 +40,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from focaljax import checkpoint, distributed, focus, focus_attention, metrics, optim, sharding
+from focaljax import checkpoint, distributed, focus, focus_attention, metrics, optim, retrieval
+from focaljax import sharding
 from focaljax import trainer
 from focaljax import config as config_lib
 from focaljax import data as data_lib
@@ -95,6 +97,8 @@ def validate(config, context: int) -> None:
   for name in ("prompt_len", "doc_min_tokens"):
     if f[name] < 1:
       _fail(name, f"must be >= 1, got {f[name]}")
+  if not 0.0 <= f.get("retrieval_mix", 0.0) < 1.0:
+    _fail("retrieval_mix", f"must be in [0, 1), got {f.retrieval_mix}")
   if not 0.0 <= f.p_reconstruction <= 1.0:
     _fail("p_reconstruction", f"must be in [0, 1], got {f.p_reconstruction}")
   if f.doc_max_tokens < f.doc_min_tokens:
@@ -124,6 +128,7 @@ class Sampler:
   def __init__(self, config, tokenizer, process_index: int, local_batch: int):
     self.f, self.seed, self.pidx = config.focus, config.seed, process_index
     self.local_batch = local_batch
+    self.tok, self.retrieval_mix = tokenizer, self.f.get("retrieval_mix", 0.0)
     self.sizes = chunk_sizes(config)
     self.docs = data_lib.documents(config_lib.data_config(config), "train")
     self.mem = {s: memory_len(config, s) for s in self.sizes}
@@ -145,6 +150,21 @@ class Sampler:
     _fail("doc_min_tokens", f"{_MAX_DRAWS} random documents of data.source were all shorter than "
           f"{self.f.doc_min_tokens} tokens; lower it or use a source with longer documents")
 
+  def _drill(self, memory, local, rng) -> tuple[np.ndarray, np.ndarray]:
+    """A continuation sample turned passkey drill (focus.retrieval_mix): the needle overwrites a
+    random stretch of the memory and the local window ends with the question and " K.", so the
+    key's tokens are among the supervised last targets and only the memory holds them."""
+    key = int(rng.integers(10_000, 100_000))
+    needle = self.tok.encode(retrieval.PASSKEY_NEEDLE.format(key=key))
+    tail = self.tok.encode(retrieval.PASSKEY_QUESTION) + self.tok.encode(f" {key}.")
+    if len(needle) > len(memory) or len(tail) > min(len(local), self.f.num_targets):
+      _fail("retrieval_mix", f"a drill needs a memory of >= {len(needle)} tokens and "
+            f"focus.num_targets >= {len(tail)} (its question and key)")
+    memory = memory.copy()
+    at = int(rng.integers(len(memory) - len(needle) + 1))
+    memory[at:at + len(needle)] = needle
+    return memory, np.concatenate([local[:len(local) - len(tail)], np.asarray(tail, np.int32)])
+
   def batch(self, step: int) -> dict[str, np.ndarray]:
     """memory int32 [b, M_s], tokens int32 [b, local_len + 1], reconstruction float32 [b]."""
     s, T = self.chunk_size(step), self.f.local_len
@@ -159,6 +179,9 @@ class Sampler:
       memory.append(window[:M])
       if is_recon:
         tokens.append(window[(r := rng.integers(M - T)):r + T + 1])
+      elif rng.random() < self.retrieval_mix:
+        memory[-1], local = self._drill(window[:M], window[M:], rng)
+        tokens.append(local)
       else:
         tokens.append(window[M:])
       recon.append(float(is_recon))

@@ -66,6 +66,33 @@ def passkey_prompt(tokenizer, length: int, depth: float, key: int) -> list[int]:
                       needle=PASSKEY_NEEDLE.format(key=key), question=PASSKEY_QUESTION)
 
 
+def passkey_drill(tokenizer, text_ids: np.ndarray, rng: np.random.Generator,
+                  max_len: int) -> np.ndarray:
+  """A passkey training document of at most `max_len` tokens (ids + <|endoftext|>).
+
+  [head (half the time)] + text[:i] + needle + text[i:n] + question + " K." with a random 5-digit
+  K, n uniform in [room/2, room] (room: what max_len leaves for filler), i uniform in [0, n]. The filler is `text_ids`, real text (a random crop of the
+  document it replaces), not the evaluation's grass/sky/sun sentences: the drill teaches reading
+  the needle back out of a context, not the evaluation's filler. A small base never learns that
+  from 65M tokens of text alone (docs/RESULTS.md, claim 4); FocusLLM can only carry to 32x what the
+  base already does inside its own context.
+  """
+  key = int(rng.integers(10_000, 100_000))
+  head = tokenizer.encode(PASSKEY_HEAD) if rng.random() < 0.5 else []
+  needle = tokenizer.encode(PASSKEY_NEEDLE.format(key=key))
+  tail = tokenizer.encode(PASSKEY_QUESTION) + tokenizer.encode(f" {key}.")
+  room = max_len - 1 - len(head) - len(needle) - len(tail)
+  if room < 0:
+    raise ValueError(f"passkey_drill: max_len={max_len} is shorter than the drill without "
+                     f"filler ({max_len - room} tokens)")
+  most = min(room, len(text_ids))
+  n = int(rng.integers(most // 2, most + 1))
+  start = int(rng.integers(0, len(text_ids) - n + 1))
+  filler, at = text_ids[start:start + n].tolist(), int(rng.integers(0, n + 1))
+  ids = head + filler[:at] + needle + filler[at:] + tail + [tokenizer.eos_id]
+  return np.asarray(ids, np.int32)
+
+
 def keyword_prompt(tokenizer, length: int, depth: float, answer: str | None) -> list[int]:
   """answer=None: the needle-free control prompt."""
   needle = "" if answer is None else KEYWORD_NEEDLE.format(answer=answer)

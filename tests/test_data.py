@@ -260,6 +260,56 @@ def test_bundled_default_run():
   assert len(tok.decode(b["inputs"][0].tolist())) > 128  # real text, several bytes per token
 
 
+def test_passkey_drill_shape():
+  from focaljax import retrieval
+  tok = data.load_tokenizer(data.DataConfig(source="bundled", tokenizer="bundled", seq_len=8,
+                                            global_batch=1), None)
+  text = np.asarray(tok.encode("It was the best of times, it was the worst of times. " * 40))
+  for seed in range(20):
+    ids = retrieval.passkey_drill(tok, text, np.random.default_rng(seed), 128)
+    assert len(ids) <= 128 and ids[-1] == tok.eos_id
+    s = tok.decode(ids[:-1].tolist())
+    key = s.rsplit("The pass key is", 1)[1].strip().rstrip(".")
+    assert len(key) == 5 and f"The pass key is {key}. Remember it. {key} is the pass key." in s
+  with pytest.raises(ValueError, match="max_len"):
+    retrieval.passkey_drill(tok, text, np.random.default_rng(0), 16)
+
+
+def test_retrieval_mix_turns_train_rows_into_drills():
+  kw = dict(source="bundled", tokenizer="bundled", seq_len=256, global_batch=8)
+  tok = data.load_tokenizer(data.DataConfig(**kw), None)
+  needle = tok.encode(" Remember it.")
+  def count(mix, split):
+    it = data.make_iterator(data.DataConfig(**kw, retrieval_mix=mix), tok, split=split)
+    rows = np.concatenate([next(it)["inputs"] for _ in range(3)])
+    return sum(tok.decode(r.tolist()).count("Remember it.") for r in rows)
+  assert needle and count(0.0, "train") == 0 and count(0.9, "valid") == 0
+  it = data.make_iterator(data.DataConfig(**kw, retrieval_mix=0.5), tok)
+  b = next(it)
+  drills = [i for i, r in enumerate(b["inputs"]) if "Remember it." in tok.decode(r.tolist())]
+  assert 1 <= len(drills) < 8
+  for i in drills:  # one segment from position 0, then padding that carries no loss
+    n = int((b["segment_ids"][i] == 1).sum())
+    assert n > 128 and set(b["segment_ids"][i, n:]) <= {0} and b["weights"][i, n:].sum() == 0
+    np.testing.assert_array_equal(b["positions"][i, :n], np.arange(n))
+
+
+def test_retrieval_mix_resumes_exactly():
+  cfg = data.DataConfig(source="bundled", tokenizer="bundled", seq_len=128, global_batch=4,
+                        retrieval_mix=0.5)
+  tok = data.load_tokenizer(cfg, None)
+  it = data.make_iterator(cfg, tok)
+  next(it)
+  state = json.loads(json.dumps(it.get_state()))
+  want = [next(it) for _ in range(3)]
+  it = data.make_iterator(cfg, tok)
+  it.set_state(state)
+  for w in want:
+    got = next(it)
+    for key in w:
+      np.testing.assert_array_equal(got[key], w[key], err_msg=key)
+
+
 def test_train_tokenizer_caches(tmp_path, monkeypatch):
   path = tmp_path / "d.jsonl"
   lines = (json.dumps({"text": f"hello world number {i}"}) + "\n" for i in range(40))
@@ -301,6 +351,7 @@ def test_tfds_builder_roundtrip(corpus, tmp_path):
     ("valid_fraction", 1.5, "valid_fraction"),
     ("valid_source", "nope", "valid_source"),
     ("tokenize", "eager", "tokenize"),
+    ("retrieval_mix", 1.0, "retrieval_mix"),
 ])
 def test_config_errors_name_the_field(field, value, match):
   kw = dict(source="bundled", tokenizer="bundled", seq_len=8, global_batch=2)

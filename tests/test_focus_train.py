@@ -80,6 +80,30 @@ def test_sampler_builds_both_tasks_from_documents(tmp_path):
     np.testing.assert_array_equal(sampler.batch(step)["tokens"], b["tokens"])  # resumable
 
 
+def test_sampler_drills_put_the_key_in_memory_and_at_the_targets(tmp_path):
+  make_base(tmp_path / "base")
+  tok = tokenizer_lib.bundled()
+  cfg = focus_cfg(tmp_path / "base", p_reconstruction=0.0, retrieval_mix=0.5, local_len=32,
+                  num_targets=24, doc_min_tokens=128)
+  b = focus_train.Sampler(cfg, tok, 0, 16).batch(0)
+  drills = 0
+  for memory, tokens in zip(b["memory"], b["tokens"]):
+    text = tok.decode(tokens.tolist())
+    if "What is the pass key?" not in text:
+      continue
+    drills += 1
+    key = text.rsplit("The pass key is", 1)[1].strip().rstrip(".")
+    assert f"The pass key is {key}. Remember it." in tok.decode(memory.tolist())
+    assert key in tok.decode(tokens[-cfg.focus.num_targets:].tolist())  # supervised targets
+    assert key not in text.rsplit("The pass key is", 1)[0]  # only the memory holds the key
+  assert 0 < drills < 16
+  with pytest.raises(config_lib.ConfigError, match="focus.retrieval_mix.*1"):
+    focus_train.validate(focus_cfg(tmp_path / "base", retrieval_mix=1.0), 64)
+  with pytest.raises(config_lib.ConfigError, match="focus.retrieval_mix.*num_targets"):
+    focus_train.Sampler(focus_cfg(tmp_path / "base", p_reconstruction=0.0, retrieval_mix=0.9),
+                        tok, 0, 16).batch(0)
+
+
 def _contains(hay, needle):
   n = len(needle)
   return any(np.array_equal(hay[i:i + n], needle) for i in range(len(hay) - n + 1))
