@@ -12,6 +12,7 @@ set -uo pipefail
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())" 2>&1 | tee "$OUT/env.log"
 nvidia-smi --query-gpu=name,clocks.sm,memory.used --format=csv >> "$OUT/env.log" 2>&1
+python3 -c "import tokamax; print('tokamax', getattr(tokamax, '__version__', '?'))" >> "$OUT/env.log" 2>&1
 # A stage may be given a wall limit as name:seconds (default 900), so one stuck stage cannot eat
 # the whole call; each stage tees its full log under $OUT as it goes.
 for spec in "$@"; do
@@ -43,6 +44,10 @@ for spec in "$@"; do
     attention) $RUN python3 bench/attention.py ${ATTN_IMPLS:+--impls $ATTN_IMPLS} ${ATTN_SHAPES:+--shapes $ATTN_SHAPES} --out "$OUT/attention.json" 2>&1 | tee "$OUT/attention.log" | tail -40 ;;
     dilution) $RUN python3 bench/dilution.py --impls dilution,cudnn --out "$OUT/dilution.json" 2>&1 | tee "$OUT/dilution.log" | tail -40 ;;
     train_step) $RUN python3 bench/train_step.py --impls cudnn,pallas,tokamax ${TRAIN_STEP_ARGS:-} --out "$OUT/train_step.json" 2>&1 | grep --line-buffered -v -i autotun | tee "$OUT/train_step.log" | tail -20 ;;
+    train_step_packed)  # the trainer's own batches: packed rows with segment ids (cuDNN: a mask)
+             $RUN python3 bench/train_step.py --sizes "${PACKED_SIZES:-1.3b}" --impls cudnn,pallas \
+               --steps 6 --out "$OUT/train_step_packed.json" 2>&1 | grep --line-buffered -v -i autotun \
+               | tee "$OUT/train_step_packed.log" | tail -6 ;;
     train_step_flags)  # the same step under XLA flags (default: cuBLAS for every GEMM, as MaxText sets)
              XLA_FLAGS="${STEP_XLA_FLAGS:---xla_gpu_enable_triton_gemm=false}" $RUN python3 \
                bench/train_step.py --sizes "${FLAG_SIZES:-1.3b}" --impls cudnn --no_segments \

@@ -26,6 +26,12 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/: train_step
+# XLA replays a GPU step as CUDA graphs ("command buffers"); their kernels all carry the graph's
+# name (hlo_op "command_buffer_1") instead of their own HLO op, so the model-part table came out
+# 100% "other". Off for the profile (the step time is printed beside the trace's, to compare).
+if "--keep_command_buffers" not in sys.argv:
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             " --xla_gpu_enable_command_buffer=").strip()
 import jax  # noqa: E402
 
 import train_step  # noqa: E402
@@ -86,22 +92,26 @@ def device_events(path: str):
 def op_names(hlo_text: str) -> dict[str, str]:
   """HLO instruction name -> its JAX name stack (metadata op_name) in the compiled step."""
   pattern = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?op_name="([^"]+)"', re.M)
-  return {m.group(1): m.group(2) for m in pattern.finditer(hlo_text)}
+  # Kernel names spell the instruction's "." as "_" (loop_add_fusion.25 -> loop_add_fusion_25).
+  return {k: v for m in pattern.finditer(hlo_text)
+          for k, v in ((m.group(1), m.group(2)), (m.group(1).replace(".", "_"), m.group(2)))}
 
 
 def summarize(events, steps: int, step_ms: float, stacks: dict[str, str] | None = None) -> dict:
-  by_cat, by_part, by_kernel = (collections.Counter() for _ in range(3))
+  by_cat, by_part, by_kernel, by_both = (collections.Counter() for _ in range(4))
   sample_stats = [stats for *_, stats in events[:5]]  # what the trace carries, to refine PARTS
   stacks = stacks or {}
   for name, ns, stack, stats in events:
-    stack = stacks.get(stats.get("hlo_op", ""), stack)
-    by_cat[classify(name, CATEGORIES)] += ns
-    by_part[classify(stack, PARTS)] += ns
-    by_kernel[name] += ns
+    stack = stacks.get(stats.get("hlo_op", "")) or stacks.get(name) or stack
+    cat, part = classify(name, CATEGORIES), classify(stack, PARTS)
+    by_cat[cat] += ns
+    by_part[part] += ns
+    by_both[f"{part} / {cat}"] += ns
+    by_kernel[f"{name} [{part}]"] += ns
   per_step = lambda c: {k: v / steps / 1e6 for k, v in c.most_common()}  # ms per step
   total = sum(by_cat.values()) / steps / 1e6
   return {"step_ms": step_ms, "kernel_ms_per_step": total, "by_category_ms": per_step(by_cat),
-          "by_part_ms": per_step(by_part),
+          "by_part_ms": per_step(by_part), "by_part_category_ms": per_step(by_both),
           "top_kernels_ms": dict(list(per_step(by_kernel).items())[:25]),
           "sample_stats": sample_stats}
 
@@ -116,6 +126,8 @@ def main():
   p.add_argument("--steps", type=int, default=5, help="timed steps before the traced ones")
   p.add_argument("--trace_dir", default="", help="keep the trace here (default: a temp dir)")
   p.add_argument("--out", default="bench_step_profile.json")
+  p.add_argument("--keep_command_buffers", action="store_true",
+                 help="leave XLA's CUDA graphs on (then kernels cannot be mapped to model parts)")
   args = p.parse_args()
   trace_dir = args.trace_dir or tempfile.mkdtemp(prefix="focaljax-trace-")
   r = train_step.run(args.size, args.impl, args.steps, args.seq_len, remat=False,
@@ -131,7 +143,8 @@ def main():
   print(f"{args.size} {args.impl}: step {r['step_ms']:.1f} ms, MFU "
         f"{100 * (r['mfu'] or 0):.1f}%, kernel time {s['kernel_ms_per_step']:.1f} ms per step")
   for title, key in (("category", "by_category_ms"), ("model part", "by_part_ms"),
-                     ("kernel", "top_kernels_ms")):
+                     ("model part / category", "by_part_category_ms"),
+                     ("kernel [model part]", "top_kernels_ms")):
     print(f"\n{title:<60} {'ms/step':>9} {'share':>7}")
     for k, ms in s[key].items():
       print(f"{k[:60]:<60} {ms:9.2f} {100 * ms / r['step_ms']:6.1f}%")

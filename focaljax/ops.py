@@ -110,7 +110,7 @@ def _focal_tokamax(q, k, v, *, scale, causal, segment_ids):
     import tokamax  # pylint: disable=import-outside-toplevel
   except ImportError as e:
     raise NotImplementedError("implementation='tokamax' needs the optional tokamax package "
-                              "(pip install tokamax; GPU/TPU)") from e
+                              f"(pip install tokamax; GPU/TPU); importing it failed: {e}") from e
   q, s = _fold_scale(q, scale)
   return tokamax.dot_product_attention(q, k, v, mask=_segment_mask(segment_ids), scale=s,
                                        is_causal=causal)
