@@ -7,6 +7,8 @@
 #
 # Once, here (the study's set-up, see bench/study_device.sh): .data/corpus/*.xz, the 16K BPE in
 #   .data/study/tokenizer/, and the cp312 wheels in .whl/. Carry all three.
+# The machine keeps $ROOT while it stays warm: a second call soon after resumes the base (and the
+# adapter) instead of starting over; BASE_LIMIT=0 skips stage 1 outright.
 # Per call:   bash bench/focus_device.sh   (about 9.5 minutes: base 700 steps ~3.7, adapter ~2.2,
 #             eval ~3.5; stage limits BASE_LIMIT, FOCUS_LIMIT, EVAL_LIMIT, BASE_EVAL_LIMIT)
 # CPU check:  SIZE=tiny BASE_STEPS=20 SEQ=128 FOCUS_STEPS=4 CHUNKS=16,32 PROMPT=16 LOCAL=64 \
@@ -28,13 +30,13 @@ stage() { echo "=== $1 $(date +%T) (limit ${2}s)"; }
 
 # 1. The base (train, then the validation loss only; the study's other suites are not needed).
 stage base "${BASE_LIMIT:-220}"
-timeout -s TERM $(( ${BASE_LIMIT:-220} + 30 )) python3 bench/study.py --root "$ROOT" \
+[ "${BASE_LIMIT:-220}" != 0 ] && timeout -s TERM $(( ${BASE_LIMIT:-220} + 30 )) python3 bench/study.py --root "$ROOT" \
   --arms softmax_rope --size "${SIZE:-100m}" --steps "${BASE_STEPS:-700}" \
   ${SEQ:+--seq_len $SEQ} --train $C/train.jsonl.xz --valid $C/valid.jsonl.xz \
   --books $C/longeval.jsonl.xz --suites val --val_batches "${VAL_BATCHES:-50}" --no_plots \
   --time_limit "${BASE_LIMIT:-220}" -- --config.data.retrieval_mix="${BASE_MIX:-0.3}" 2>&1 \
   | quiet > "$OUT/base.log"
-tail -n 4 "$OUT/base.log"
+tail -n 4 "$OUT/base.log" 2>/dev/null
 
 # 2. The adapter (SIGTERM at the limit: train.py saves the adapter and exits).
 stage adapter "${FOCUS_LIMIT:-130}"
@@ -43,7 +45,7 @@ timeout -s TERM "${FOCUS_LIMIT:-130}" python3 train.py --config configs/focus.py
   --config.focus.chunk_sizes="${CHUNKS:-128,256,512}" --config.focus.prompt_len="${PROMPT:-256}" \
   --config.focus.local_len="${LOCAL:-512}" --config.focus.doc_min_tokens="${DOC_MIN:-3000}" \
   --config.data.global_batch="${BATCH:-8}" --config.train.steps="${FOCUS_STEPS:-400}" \
-  --config.optim.warmup_steps="${FOCUS_WARMUP:-30}" \
+  --config.optim.warmup_steps="${FOCUS_WARMUP:-30}" ${FOCUS_LR:+--config.optim.peak_lr=$FOCUS_LR} \
   --config.train.log_every=10 --config.train.ckpt_every="${FOCUS_CKPT:-50}" \
   --config.train.compute_dtype="${DTYPE:-bfloat16}" \
   --config.focus.implementation="${FOCUS_IMPL:-pallas}" \
