@@ -7,6 +7,9 @@
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl einshape pydantic \
 #     pydantic-core qwix immutabledict annotated-types typing-inspection typing_extensions
+# tokamax itself is not on the image (2026-11-30: ModuleNotFoundError), and the index here has no
+# 0.0.17 (0.1.0 is an empty placeholder): carry tokamax==0.0.12 with jaxtyping, typeguard==2.13.3
+# and wadler-lindig (pure Python; it imports and matches XLA through ops.focal_attention on CPU).
 set -uo pipefail
 . "$(dirname "$0")/device_env.sh"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
