@@ -8,7 +8,9 @@
 # Once, here (the study's set-up, see bench/study_device.sh): .data/corpus/*.xz, the 16K BPE in
 #   .data/study/tokenizer/, and the cp312 wheels in .whl/. Carry all three.
 # The machine keeps $ROOT while it stays warm: a second call soon after resumes the base (and the
-# adapter) instead of starting over; BASE_LIMIT=0 skips stage 1 outright.
+# adapter) instead of starting over. A stage limit of 0 skips that stage, e.g. a base-only call:
+#   BASE_STEPS=2000 BASE_MIX=0.5 BASE_LIMIT=540 FOCUS_LIMIT=0 EVAL_LIMIT=0 BASE_EVAL_LIMIT=0 \
+#     bash bench/focus_device.sh     then, while warm:   BASE_LIMIT=0 BASE_PASSKEY_LIMIT=0 ...
 # Per call:   bash bench/focus_device.sh   (about 9.5 minutes: base 700 steps ~3.7, adapter ~2.2,
 #             eval ~3.5; stage limits BASE_LIMIT, FOCUS_LIMIT, EVAL_LIMIT, BASE_EVAL_LIMIT)
 # CPU check:  SIZE=tiny BASE_STEPS=20 SEQ=128 FOCUS_STEPS=4 CHUNKS=16,32 PROMPT=16 LOCAL=64 \
@@ -27,6 +29,9 @@ C=.data/corpus
 BASE=$ROOT/softmax_rope-s0; RUN=$ROOT/focus
 quiet() { grep --line-buffered -v -i "autotun\|deprecat"; }
 stage() { echo "=== $1 $(date +%T) (limit ${2}s)"; }
+# run_for SECONDS CMD...: CMD under that wall limit (SIGTERM: train.py saves and exits); 0 skips
+# it. (`timeout 0` itself would mean no limit at all.)
+run_for() { local s=$1; shift; if [ "$s" != 0 ]; then timeout -s TERM "$s" "$@"; fi; }
 
 # 1. The base (train, then the validation loss only; the study's other suites are not needed).
 stage base "${BASE_LIMIT:-220}"
@@ -37,10 +42,14 @@ stage base "${BASE_LIMIT:-220}"
   --time_limit "${BASE_LIMIT:-220}" -- --config.data.retrieval_mix="${BASE_MIX:-0.3}" 2>&1 \
   | quiet > "$OUT/base.log"
 tail -n 4 "$OUT/base.log" 2>/dev/null
+# Can the base read a passkey inside its own context? FocusLLM cannot carry what it cannot.
+run_for "${BASE_PASSKEY_LIMIT:-40}" python3 eval.py --workdir "$BASE" --suites passkey \
+  --max_multiplier 1 --passkey_seeds "${SEEDS:-10}" --noplots 2>&1 | quiet > "$OUT/eval_base_passkey.log"
+tail -n 3 "$OUT/eval_base_passkey.log"
 
 # 2. The adapter (SIGTERM at the limit: train.py saves the adapter and exits).
 stage adapter "${FOCUS_LIMIT:-130}"
-timeout -s TERM "${FOCUS_LIMIT:-130}" python3 train.py --config configs/focus.py --workdir "$RUN" \
+run_for "${FOCUS_LIMIT:-130}" python3 train.py --config configs/focus.py --workdir "$RUN" \
   --config.focus.base_workdir="$BASE" --config.data.source="text:$C/train.jsonl.xz" \
   --config.focus.chunk_sizes="${CHUNKS:-128,256,512}" --config.focus.prompt_len="${PROMPT:-256}" \
   --config.focus.local_len="${LOCAL:-512}" --config.focus.doc_min_tokens="${DOC_MIN:-3000}" \
@@ -50,22 +59,19 @@ timeout -s TERM "${FOCUS_LIMIT:-130}" python3 train.py --config configs/focus.py
   --config.train.compute_dtype="${DTYPE:-bfloat16}" \
   --config.focus.implementation="${FOCUS_IMPL:-pallas}" \
   --config.focus.retrieval_mix="${FOCUS_MIX:-0.5}" 2>&1 | quiet > "$OUT/adapter.log"
-tail -n 4 "$OUT/adapter.log"
+tail -n 4 "$OUT/adapter.log" 2>/dev/null
 
 # 3. Evaluation: the FocusLLM suites, then the base alone (full attention, NTK-scaled RoPE).
 stage eval "${EVAL_LIMIT:-130}"
-timeout "${EVAL_LIMIT:-130}" python3 eval.py --workdir "$BASE" --focus_adapter "$RUN" \
+run_for "${EVAL_LIMIT:-130}" python3 eval.py --workdir "$BASE" --focus_adapter "$RUN" \
   --books $C/longeval.jsonl.xz --focus_dtype "${DTYPE:-bfloat16}" \
   --focus_multipliers "${MULTS:-2,8,32,100}" --passkey_seeds "${SEEDS:-10}" \
   --max_multiplier "${MAXMULT:-32}" 2>&1 | quiet > "$OUT/eval_focus.log"
-tail -n 12 "$OUT/eval_focus.log"
-timeout "${BASE_PASSKEY_LIMIT:-40}" python3 eval.py --workdir "$BASE" --suites passkey \
-  --max_multiplier 1 --passkey_seeds "${SEEDS:-10}" --noplots 2>&1 | quiet > "$OUT/eval_base_passkey.log"
-tail -n 3 "$OUT/eval_base_passkey.log"
-timeout "${BASE_EVAL_LIMIT:-50}" python3 eval.py --workdir "$BASE" --suites longdoc \
+tail -n 12 "$OUT/eval_focus.log" 2>/dev/null
+run_for "${BASE_EVAL_LIMIT:-50}" python3 eval.py --workdir "$BASE" --suites longdoc \
   --books $C/longeval.jsonl.xz --max_multiplier "${MAXMULT:-32}" --noplots 2>&1 | quiet \
   > "$OUT/eval_base.log"
-tail -n 6 "$OUT/eval_base.log"
+tail -n 6 "$OUT/eval_base.log" 2>/dev/null
 
 # 4. Decode speed at 8x and 32x of a 1K context: random weights of the base's shape, batched
 #    chunks against one chunk at a time and the base with full attention. Off by default (DECODE=1):
@@ -73,7 +79,7 @@ tail -n 6 "$OUT/eval_base.log"
 #    of the other stages at 0, or as `python3 bench/focus_decode.py` in a call of its own.
 if [ "${DECODE:-0}" != 0 ]; then
   stage decode "${DECODE_LIMIT:-90}"
-  timeout "${DECODE_LIMIT:-90}" python3 bench/focus_decode.py --focus_impl pallas \
+  run_for "${DECODE_LIMIT:-90}" python3 bench/focus_decode.py --focus_impl pallas \
     ${DECODE_ARGS:---size 100m --chunk_size 512 --prompt_len 256 --local_len 512} \
     --out "$ROOT/focus_decode.json" 2>&1 | quiet > "$OUT/decode.log"
   tail -n 8 "$OUT/decode.log"
