@@ -99,6 +99,7 @@ def op_names(hlo_text: str) -> dict[str, str]:
 
 def summarize(events, steps: int, step_ms: float, stacks: dict[str, str] | None = None) -> dict:
   by_cat, by_part, by_kernel, by_both = (collections.Counter() for _ in range(4))
+  op_of = {}  # kernel -> the JAX op name behind it (first seen), to tell e.g. which norm it is
   sample_stats = [stats for *_, stats in events[:5]]  # what the trace carries, to refine PARTS
   stacks = stacks or {}
   for name, ns, stack, stats in events:
@@ -108,11 +109,13 @@ def summarize(events, steps: int, step_ms: float, stacks: dict[str, str] | None 
     by_part[part] += ns
     by_both[f"{part} / {cat}"] += ns
     by_kernel[f"{name} [{part}]"] += ns
+    op_of.setdefault(f"{name} [{part}]", stack)
   per_step = lambda c: {k: v / steps / 1e6 for k, v in c.most_common()}  # ms per step
   total = sum(by_cat.values()) / steps / 1e6
   return {"step_ms": step_ms, "kernel_ms_per_step": total, "by_category_ms": per_step(by_cat),
           "by_part_ms": per_step(by_part), "by_part_category_ms": per_step(by_both),
           "top_kernels_ms": dict(list(per_step(by_kernel).items())[:25]),
+          "top_kernel_ops": {k: op_of[k] for k in list(per_step(by_kernel))[:25]},
           "sample_stats": sample_stats}
 
 
@@ -148,6 +151,8 @@ def main():
     print(f"\n{title:<60} {'ms/step':>9} {'share':>7}")
     for k, ms in s[key].items():
       print(f"{k[:60]:<60} {ms:9.2f} {100 * ms / r['step_ms']:6.1f}%")
+      if key == "top_kernels_ms":
+        print(f"    {s['top_kernel_ops'][k][-96:]}")
   with open(args.out, "w") as f:
     json.dump(s, f, indent=1)
 
