@@ -11,7 +11,7 @@ One straight chain (see `make_dataset`):
   -> ConcatThenSplit         rows of exactly seq_len + 1 tokens, documents concatenated and
                              split at row boundaries; only the very last row is zero-padded
   -> passkey drills          train only, DataConfig.retrieval_mix > 0: that share of rows becomes
-                             a passkey drill cut from its own text (retrieval.passkey_drill)
+                             a passkey drill cut from its own text (retrieval.PasskeyDrills)
   -> batch                   global_batch // process_count rows; a short final batch is padded
                              with all-zero rows (segment 0, weight 0), never dropped
   -> to_example              inputs/targets/segment_ids/positions/weights, below
@@ -95,7 +95,7 @@ class DataConfig:
   valid_fraction: float = 0.05  # share of source documents held out when valid_source is None
   tokenize: str = "stream"  # "stream": per document in the pipeline; "ahead": see TOKENIZE
   token_cache: str | None = None  # tokenize="ahead" only: a directory reusing tokenized splits
-  retrieval_mix: float = 0.0  # share of train rows replaced by passkey drills (_PasskeyDrills)
+  retrieval_mix: float = 0.0  # share of train rows replaced by passkey drills (retrieval.py)
 
   def __post_init__(self):
     _parse_source(self.source, "source")
@@ -319,32 +319,6 @@ def _tokenize_ahead(ds: grain.MapDataset, tok: tokenizer_lib.Tokenizer,
   return grain.MapDataset.source(tokens)
 
 
-class _PasskeyDrills(grain.transforms.RandomMap):
-  """A packed row -> with probability `share`, one passkey drill cut from the row's own text.
-
-  The drill's filler is the row's longest document piece (so it never spans an <|endoftext|>);
-  the drill is segment 1 from position 0 and the rest of the row is padding (segment 0, weight 0).
-  Rows, not documents, are drawn: corpora of long books would otherwise see almost no drills. The
-  rng is grain's, per row index, and part of the iterator state: resuming replays the same drills.
-  """
-
-  def __init__(self, tok: tokenizer_lib.Tokenizer, share: float):
-    self._tok, self._share = tok, share
-
-  def random_map(self, row: dict[str, np.ndarray], rng: np.random.Generator):
-    if rng.random() >= self._share:
-      return row
-    tokens, seg = row["tokens"], row["tokens_segment_ids"]
-    ids, counts = np.unique(seg[seg > 0], return_counts=True)
-    text = tokens[seg == ids[np.argmax(counts)]] if len(ids) else tokens[:0]
-    text = text[text != self._tok.eos_id]
-    drill = retrieval.passkey_drill(self._tok, text, rng, len(tokens))
-    n, pad = len(drill), len(tokens) - len(drill)
-    out = lambda x: np.concatenate([x, np.zeros(pad, np.int32)]).astype(tokens.dtype)
-    return {"tokens": out(drill), "tokens_segment_ids": out(np.ones(n, np.int32)),
-            "tokens_positions": out(np.arange(n, dtype=np.int32))}
-
-
 # How documents become tokens (DataConfig.tokenize). The batches are the same either way.
 #   stream  one document at a time in the pipeline's reader threads: nothing up front, but about
 #           250-500K tokens/s (2 cores), which starves a GPU training a 100M model.
@@ -422,7 +396,7 @@ def make_dataset(cfg: DataConfig, tok: tokenizer_lib.Tokenizer, *, split: str = 
   it = ds.to_iter_dataset(grain.ReadOptions(num_threads=2, prefetch_buffer_size=16))
   it = grain.experimental.ConcatThenSplitIterDataset(it, length_struct={"tokens": cfg.seq_len + 1})
   if split == "train" and cfg.retrieval_mix > 0:
-    it = it.random_map(_PasskeyDrills(tok, cfg.retrieval_mix), seed=cfg.seed)
+    it = it.random_map(retrieval.PasskeyDrills(tok, cfg.retrieval_mix), seed=cfg.seed)
   it = it.batch(local_batch, batch_fn=functools.partial(grain.experimental.batch_and_pad,
                                                         batch_size=local_batch))
   return _JsonStateDataset(it.map(to_example))

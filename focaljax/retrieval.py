@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import re
 
+import grain
 import numpy as np
 
 from focaljax import generate as gen_lib
@@ -71,9 +72,10 @@ def passkey_drill(tokenizer, text_ids: np.ndarray, rng: np.random.Generator,
   """A passkey training document of at most `max_len` tokens (ids + <|endoftext|>).
 
   [head (half the time)] + text[:i] + needle + text[i:n] + question + " K." with a random 5-digit
-  K, n uniform in [room/2, room] (room: what max_len leaves for filler), i uniform in [0, n]. The filler is `text_ids`, real text (a random crop of the
-  document it replaces), not the evaluation's grass/sky/sun sentences: the drill teaches reading
-  the needle back out of a context, not the evaluation's filler. A small base never learns that
+  K, n uniform in [room/2, room] (room: what max_len leaves for filler), i uniform in [0, n]. The
+  filler is a random crop of `text_ids`, real text (the row it replaces), not the evaluation's
+  grass/sky/sun sentences: the drill teaches reading the needle back out of a context, not the
+  evaluation's filler. A small base never learns that
   from 65M tokens of text alone (docs/RESULTS.md, claim 4); FocusLLM can only carry to 32x what the
   base already does inside its own context.
   """
@@ -91,6 +93,32 @@ def passkey_drill(tokenizer, text_ids: np.ndarray, rng: np.random.Generator,
   filler, at = text_ids[start:start + n].tolist(), int(rng.integers(0, n + 1))
   ids = head + filler[:at] + needle + filler[at:] + tail + [tokenizer.eos_id]
   return np.asarray(ids, np.int32)
+
+
+class PasskeyDrills(grain.transforms.RandomMap):
+  """A packed row -> with probability `share`, one passkey drill cut from the row's own text.
+
+  The drill's filler is the row's longest document piece (so it never spans an <|endoftext|>);
+  the drill is segment 1 from position 0 and the rest of the row is padding (segment 0, weight 0).
+  Rows, not documents, are drawn: corpora of long books would otherwise see almost no drills. The
+  rng is grain's, per row index, and part of the iterator state: resuming replays the same drills.
+  """
+
+  def __init__(self, tok, share: float):
+    self._tok, self._share = tok, share
+
+  def random_map(self, row: dict[str, np.ndarray], rng: np.random.Generator):
+    if rng.random() >= self._share:
+      return row
+    tokens, seg = row["tokens"], row["tokens_segment_ids"]
+    ids, counts = np.unique(seg[seg > 0], return_counts=True)
+    text = tokens[seg == ids[np.argmax(counts)]] if len(ids) else tokens[:0]
+    text = text[text != self._tok.eos_id]
+    drill = passkey_drill(self._tok, text, rng, len(tokens))
+    n, pad = len(drill), len(tokens) - len(drill)
+    out = lambda x: np.concatenate([x, np.zeros(pad, np.int32)]).astype(tokens.dtype)
+    return {"tokens": out(drill), "tokens_segment_ids": out(np.ones(n, np.int32)),
+            "tokens_positions": out(np.arange(n, dtype=np.int32))}
 
 
 def keyword_prompt(tokenizer, length: int, depth: float, answer: str | None) -> list[int]:
