@@ -20,8 +20,8 @@
 # The base is the study's softmax+RoPE arm (bench/study.py: same tokenizer, data and preset) with
 # fewer steps and BASE_MIX (0.3) of its rows passkey drills (data.retrieval_mix: the study's bases
 # never read a needle even inside their context); the adapter turns FOCUS_MIX (0.5) of its
-# continuation samples into drills (focus.retrieval_mix). The adapter uses the paper's recipe (configs/focus.py) with chunks that fit the
-# base's 1K context: chunk + prompt + targets - 1 <= 1024.
+# continuation samples into drills (focus.retrieval_mix). The adapter uses the paper's recipe
+# (configs/focus.py) with chunks that fit the base's 1K context: chunk + prompt + targets - 1 <= 1024.
 set -uo pipefail
 . "$(dirname "$0")/device_env.sh"
 ROOT=${ROOT:-/tmp/focus}; mkdir -p "$ROOT"; cp -r .data/study/tokenizer "$ROOT/"
@@ -35,7 +35,8 @@ run_for() { local s=$1; shift; if [ "$s" != 0 ]; then timeout -s TERM "$s" "$@";
 
 # 1. The base (train, then the validation loss only; the study's other suites are not needed).
 stage base "${BASE_LIMIT:-220}"
-[ "${BASE_LIMIT:-220}" != 0 ] && timeout -s TERM $(( ${BASE_LIMIT:-220} + 30 )) python3 bench/study.py --root "$ROOT" \
+# study.py stops itself at --time_limit; the wall limit only adds 30 s of grace for its save.
+run_for $(( ${BASE_LIMIT:-220} > 0 ? ${BASE_LIMIT:-220} + 30 : 0 )) python3 bench/study.py --root "$ROOT" \
   --arms softmax_rope --size "${SIZE:-100m}" --steps "${BASE_STEPS:-700}" \
   ${SEQ:+--seq_len $SEQ} --train $C/train.jsonl.xz --valid $C/valid.jsonl.xz \
   --books $C/longeval.jsonl.xz --suites val --val_batches "${VAL_BATCHES:-50}" --no_plots \

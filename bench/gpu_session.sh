@@ -3,7 +3,7 @@
 # tokamax), then run the named stages, logging everything under $OUT.
 #   bash bench/gpu_session.sh tests attention dilution train_step
 # The wheels (cp312, ~8 MB; carry .whl): bench/study_device.sh's list, plus tokamax's dependencies
-# (tokamax itself is on the GPU image; .whl/stub holds the xprof.cli.tools module it imports):
+# (.whl/stub holds the xprof.cli.tools module tokamax imports):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl einshape pydantic \
 #     pydantic-core qwix immutabledict annotated-types typing-inspection typing_extensions

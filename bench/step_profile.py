@@ -8,8 +8,10 @@ Runs bench/train_step.py's step (synthetic unpacked rows, no segment ids), then
 `jax.profiler.ProfileData` (no TensorBoard needed). Every device-side event (GPU: the
 `/device:GPU:0` plane's stream lines; CPU: the host's XLA op lines) is put in one kernel
 **category** by its name (GEMM, attention, collective, fusion kinds, copies) and in one **model
-part** by the `tf_op` stat (the JAX name stack: embed, attention, mlp, norm, logits/loss,
-optimizer). Prints the two tables and the 25 heaviest kernels, per step; writes them as JSON.
+part** by the JAX name stack of its HLO op (the compiled step's metadata, looked up by the event's
+`hlo_op` or its kernel name; else the trace's `tf_op`): embed, attention, mlp, logits/loss,
+optimizer. Prints those tables, part × category, and the 25 heaviest kernels with the op behind
+each, per step; writes them as JSON.
 The step's measured time sets the denominator; kernel time past it means overlapping streams.
 Timing belongs in benchmarks: this reads a trace, so nothing in tests depends on it.
 """

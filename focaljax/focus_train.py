@@ -13,8 +13,8 @@ The seed's summary says the chunks are the tokens "before and after" the span; t
 (shared/notes/focus_focal.md §1.6) keeps the span and its targets in the memory, which is what
 teaches copying (the ablation's passkey result), and the brief's "repeats a span" agrees: we do
 the same. With `focus.retrieval_mix`, that share of continuation samples become passkey drills
-(`Sampler._drill`; the base's own drills are data.retrieval_mix). The loss is `focus.target_nll`'s leak-free objective over the last `num_targets` local
-tokens (the official code supervises one token per sample; the paper's Eq. 6 all of them).
+(`Sampler._drill`; the base's own drills are data.retrieval_mix). The loss is
+`focus.target_nll`'s leak-free objective over the last `num_targets` local tokens (the official code supervises one token per sample; the paper's Eq. 6 all of them).
 
 The step differentiates w.r.t. the adapter only: the base params are an argument closed over by
 the loss, never in the optimizer (so `optim.make` on the adapter alone; focus.py's docstring), and
@@ -154,9 +154,7 @@ class Sampler:
     """A continuation sample turned passkey drill (focus.retrieval_mix): the needle overwrites a
     random stretch of the memory and the local window ends with the question and " K.", so the
     key's tokens are among the supervised last targets and only the memory holds them."""
-    key = int(rng.integers(10_000, 100_000))
-    needle = self.tok.encode(retrieval.PASSKEY_NEEDLE.format(key=key))
-    tail = self.tok.encode(retrieval.PASSKEY_QUESTION) + self.tok.encode(f" {key}.")
+    needle, tail = retrieval.drill_pieces(self.tok, rng)
     if len(needle) > len(memory) or len(tail) > min(len(local), self.f.num_targets):
       _fail("retrieval_mix", f"a drill needs a memory of >= {len(needle)} tokens and "
             f"focus.num_targets >= {len(tail)} (its question and key)")

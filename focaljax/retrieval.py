@@ -67,6 +67,13 @@ def passkey_prompt(tokenizer, length: int, depth: float, key: int) -> list[int]:
                       needle=PASSKEY_NEEDLE.format(key=key), question=PASSKEY_QUESTION)
 
 
+def drill_pieces(tokenizer, rng: np.random.Generator) -> tuple[list[int], list[int]]:
+  """A random 5-digit key K's needle, and the drill's tail: question + " K." (K is the target)."""
+  key = int(rng.integers(10_000, 100_000))
+  return (tokenizer.encode(PASSKEY_NEEDLE.format(key=key)),
+          tokenizer.encode(PASSKEY_QUESTION) + tokenizer.encode(f" {key}."))
+
+
 def passkey_drill(tokenizer, text_ids: np.ndarray, rng: np.random.Generator,
                   max_len: int) -> np.ndarray:
   """A passkey training document of at most `max_len` tokens (ids + <|endoftext|>).
@@ -75,14 +82,12 @@ def passkey_drill(tokenizer, text_ids: np.ndarray, rng: np.random.Generator,
   K, n uniform in [room/2, room] (room: what max_len leaves for filler), i uniform in [0, n]. The
   filler is a random crop of `text_ids`, real text (the row it replaces), not the evaluation's
   grass/sky/sun sentences: the drill teaches reading the needle back out of a context, not the
-  evaluation's filler. A small base never learns that
-  from 65M tokens of text alone (docs/RESULTS.md, claim 4); FocusLLM can only carry to 32x what the
-  base already does inside its own context.
+  evaluation's filler. A small base never learns that from 65M tokens of text alone
+  (docs/RESULTS.md, claim 4); FocusLLM can only carry to 32x what the base already does inside its
+  own context.
   """
-  key = int(rng.integers(10_000, 100_000))
+  needle, tail = drill_pieces(tokenizer, rng)
   head = tokenizer.encode(PASSKEY_HEAD) if rng.random() < 0.5 else []
-  needle = tokenizer.encode(PASSKEY_NEEDLE.format(key=key))
-  tail = tokenizer.encode(PASSKEY_QUESTION) + tokenizer.encode(f" {key}.")
   room = max_len - 1 - len(head) - len(needle) - len(tail)
   if room < 0:
     raise ValueError(f"passkey_drill: max_len={max_len} is shorter than the drill without "
