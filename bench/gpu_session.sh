@@ -61,6 +61,10 @@ for spec in "$@"; do
                  --out "$OUT/profile_${spec%%:*}_${spec#*:}.json" 2>&1 | grep -v -i autotun \
                  | tee "$OUT/profile_${spec%%:*}_${spec#*:}.log" | head -45
              done ;;
+    focus_decode)  # issue 5: FocusLLM decode (batched chunks / one at a time / the base), 8x and 32x
+             $RUN python3 bench/focus_decode.py --focus_impl pallas ${DECODE_ARGS:---size 100m \
+               --chunk_size 512 --prompt_len 256 --local_len 512} --out "$OUT/focus_decode.json" \
+               2>&1 | grep --line-buffered -v -i autotun | tee "$OUT/focus_decode.log" | tail -14 ;;
     jaxsrc) J=$(python3 -c "import jax,os;print(os.path.dirname(jax.__file__))")
             tar czf "$OUT/jax_mgpu_src.tgz" -C "$J" _src/pallas/mosaic_gpu experimental/pallas/mosaic_gpu.py \
               experimental/pallas/ops/gpu _src/pallas/core.py _src/pallas/pallas_call.py _src/pallas/primitives.py ;;

@@ -11,6 +11,7 @@ device's dense bf16 peak (989 TFLOP/s on H100/H200), per device.
 """
 
 import argparse
+import ast
 import functools
 import json
 import os
@@ -33,11 +34,26 @@ BATCH = {"400m": 16, "1.3b": 8, "small": 8, "tiny": 8}
 PROFILED_STEPS = 3
 
 
+def parse_variant(text: str) -> dict:
+  """"model.norm_backward=autodiff,optim.mu_dtype=bfloat16" -> {dotted field: value} ("" -> {})."""
+  out = {}
+  for item in filter(None, (t.strip() for t in text.split(","))):
+    key, sep, value = item.partition("=")
+    if not sep:
+      raise ValueError(f"--variants: {item!r} is not field=value")
+    try:
+      out[key] = ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+      out[key] = value          # a bare string such as autodiff
+  return out
+
+
 def run(size, impl, steps, seq_len, remat, batch=None, fuse=False, pattern="focal",
-        segments=True, mesh_shape=(1, 1, 1), profile_dir=None):
+        segments=True, mesh_shape=(1, 1, 1), profile_dir=None, overrides=None):
   """One timed configuration. `mesh_shape` (data, fsdp, tensor) takes the first data·fsdp·tensor
   devices, with train.py's shardings (the logical-axis rules); `batch` is the global batch.
-  `profile_dir`: after timing, 3 more steps under jax.profiler.trace there (bench/step_profile.py)."""
+  `profile_dir`: after timing, 3 more steps under jax.profiler.trace there (bench/step_profile.py).
+  `overrides`: {dotted config field: value}, applied last and validated like train.py's."""
   c = base.get_config(f"size={size}")
   c.model.attention.pattern = pattern
   c.model.attention.implementation = impl
@@ -45,6 +61,9 @@ def run(size, impl, steps, seq_len, remat, batch=None, fuse=False, pattern="foca
   c.model.fuse_matmuls = fuse
   c.data.seq_len = seq_len
   c.data.global_batch = batch or BATCH.get(size, 8)
+  if overrides:
+    c.update_from_flattened_dict(overrides)
+    config_lib.validate(c)
   cfg = config_lib.model_config(c, c.model.vocab_size or 32000)
   graphdef, abstract_state = nnx.split(
       nnx.eval_shape(lambda: model_lib.Transformer(cfg, nnx.Rngs(0))))
@@ -99,7 +118,7 @@ def run(size, impl, steps, seq_len, remat, batch=None, fuse=False, pattern="foca
   peak = metrics.peak_flops_per_device()
   return {"size": size, "impl": impl, "pattern": pattern, "segments": segments, "batch": B,
           "seq_len": T, "remat": remat, "mesh": list(mesh_shape), "devices": n,
-          "fuse_matmuls": fuse,
+          "fuse_matmuls": fuse, "overrides": overrides or {},
           "params": model_lib.param_count(cfg), "step_ms": dt * 1e3, "tokens_per_s": tokens / dt,
           "tokens_per_s_per_device": tokens / dt / n,
           "tflops": flops / dt / 1e12, "mfu": (flops / dt / n / peak) if peak else None,
@@ -121,25 +140,31 @@ def main():
   p.add_argument("--no_segments", action="store_true",
                   help="no segment ids in the batch (unpacked rows): no attention mask, and the "
                   "Mosaic kernel is eligible; the plain-JAX anchor's setting")
+  p.add_argument("--variants", default="",
+                 help="config overrides per A/B arm, arms separated by ';', fields by ',', e.g. "
+                 "';model.norm_backward=autodiff;optim.mu_dtype=bfloat16' (the empty arm: "
+                 "the defaults); every arm runs for every size, pattern and implementation")
   p.add_argument("--out", default="bench_train_step.json")
   args = p.parse_args()
   rows = []
   print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}")
-  runs = [(s, i, pat) for s in args.sizes.split(",") for pat in args.patterns.split(";")
-          for i in args.impls.split(",")]
-  for size, impl, pattern in runs:
+  variants = [parse_variant(v) for v in args.variants.split(";")]
+  runs = [(s, i, pat, v) for s in args.sizes.split(",") for pat in args.patterns.split(";")
+          for i in args.impls.split(",") for v in variants]
+  for size, impl, pattern, variant in runs:
     try:
       r = run(size, impl, args.steps, args.seq_len, args.remat, args.batch or None,
-              args.fused, pattern, not args.no_segments)
+              args.fused, pattern, not args.no_segments, overrides=variant)
     except Exception as e:  # one failing implementation must not lose the table
-      r = {"size": size, "impl": impl, "pattern": pattern,
+      r = {"size": size, "impl": impl, "pattern": pattern, "overrides": variant,
            "error": f"{type(e).__name__}: {str(e)[:300]}"}
     rows.append(r)
     print(json.dumps(r), flush=True)
-  print(f"\n{'size':>6} {'pattern':>26} {'impl':>8} {'step ms':>9} {'tok/s':>9} {'TFLOP/s':>8} "
+  print(f"\n{'size':>6} {'pattern':>26} {'impl':>8} {'variant':>30} {'step ms':>9} {'tok/s':>9} {'TFLOP/s':>8} "
         f"{'MFU':>6}")
   for r in rows:
-    head = f"{r['size']:>6} {r['pattern']:>26} {r['impl']:>8}"
+    arm = ",".join(f"{k.split('.')[-1]}={v}" for k, v in r["overrides"].items()) or "defaults"
+    head = f"{r['size']:>6} {r['pattern']:>26} {r['impl']:>8} {arm:>30}"
     if "error" in r:
       print(f"{head}  error: {r['error'][:80]}")
     else:

@@ -14,6 +14,8 @@ from focaljax import model as model_lib
 _CHOICES = {
     "model.attention.implementation": attn_lib.IMPLEMENTATIONS,
     "model.attention.tau_mean": tuple(m.value for m in attn_lib.TauMean),
+    "model.norm_backward": ("explicit", "autodiff"),
+    "optim.mu_dtype": ("float32", "bfloat16"),
     "train.compute_dtype": ("float32", "bfloat16"),
     "train.nonfinite": ("stop", "skip"),
 }
@@ -107,7 +109,7 @@ def model_config(c: ml_collections.ConfigDict, vocab_size: int) -> model_lib.Mod
       num_kv_heads=m.num_kv_heads, head_dim=m.head_dim or m.d_model // m.num_heads,
       d_ff=m.d_ff, max_seq_len=c.data.seq_len, tie_embeddings=m.tie_embeddings,
       qk_norm=m.qk_norm, rope_theta=m.rope_theta, norm_eps=m.norm_eps, remat=m.remat,
-      fuse_matmuls=m.fuse_matmuls,
+      fuse_matmuls=m.fuse_matmuls, norm_backward=m.get("norm_backward", "explicit"),
       attention=attn_lib.AttentionConfig(
           layers=attn_lib.parse_pattern(a.pattern, m.num_layers),
           implementation=a.implementation, temperature=a.temperature, learned=a.learned,
@@ -121,7 +123,8 @@ def optim_config(c: ml_collections.ConfigDict):
   return optim.OptimConfig(
       peak_lr=o.peak_lr, warmup_steps=o.warmup_steps, total_steps=c.train.steps,
       min_lr_ratio=o.min_lr_ratio, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay,
-      no_decay=tuple(filter(None, o.no_decay.split(","))), clip_norm=o.clip_norm)
+      no_decay=tuple(filter(None, o.no_decay.split(","))), clip_norm=o.clip_norm,
+      mu_dtype=o.get("mu_dtype", "float32"))
 
 
 def data_config(c: ml_collections.ConfigDict):

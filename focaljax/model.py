@@ -42,23 +42,65 @@ class ModelConfig:
   # One GEMM for q/k/v (when N == K) and one for gate/up, over weights stacked at run time: the
   # parameters (and checkpoints, conversion, sharding) stay separate; only the matmul is shared.
   fuse_matmuls: bool = False
+  # RMSNorm's backward: "explicit" (rms_norm's custom_vjp) or "autodiff" (kept for A/B runs).
+  norm_backward: str = "explicit"
 
 
 def _param(rngs, shape, std, axes):
   return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32), axes=axes)
 
 
+def _column_sum(v_RD):
+  """Σ over rows of a [rows, D] float32 array in two stages: blocks of up to 1024 rows first,
+  so the first reduction has (rows/G)·D outputs to spread over the GPU, not just D (a
+  [B·T·N, 128] → [128] QK-norm gain gradient is otherwise one long, poorly parallel column
+  reduction). The barrier keeps XLA from merging the stages back into one."""
+  R, D = v_RD.shape
+  G = next(g for g in (1024, 512, 256, 128, 64, 32, 16, 8, 4, 2, 1) if R % g == 0)
+  partial = jax.lax.optimization_barrier(v_RD.reshape(R // G, G, D).sum(axis=1))
+  return partial.sum(axis=0)
+
+
+def _rms_norm(x, scale_D, eps: float):
+  # Statistics in float32: bf16 mean-of-squares loses precision over d_model terms.
+  x32 = x.astype(jnp.float32)
+  y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return (y * scale_D.astype(jnp.float32)).astype(x.dtype)
+
+
+# x / rms(x) · scale over the last axis, in x's dtype. The backward recomputes 1/rms from x (the
+# only residual besides the gain) and keeps the whole gradient in float32.
+rms_norm = jax.custom_vjp(_rms_norm, nondiff_argnums=(2,))
+
+
+def _rms_norm_fwd(x, scale_D, eps):
+  return rms_norm(x, scale_D, eps), (x, scale_D)
+
+
+def _rms_norm_bwd(eps, res, g):
+  x, scale_D = res
+  x32 = x.astype(jnp.float32)
+  rstd = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  xhat = x32 * rstd
+  g32 = g.astype(jnp.float32)
+  dxhat = g32 * scale_D.astype(jnp.float32)
+  dx = rstd * (dxhat - xhat * jnp.mean(dxhat * xhat, axis=-1, keepdims=True))
+  d_scale = _column_sum((g32 * xhat).reshape(-1, x.shape[-1]))
+  return dx.astype(x.dtype), d_scale.astype(scale_D.dtype)
+
+
+rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
+
+
 class RMSNorm(nnx.Module):
 
-  def __init__(self, dim: int, eps: float, axes=("norm",)):
+  def __init__(self, dim: int, eps: float, axes=("norm",), backward: str = "explicit"):
     self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), axes=axes)
     self.eps = eps
+    self.explicit = backward == "explicit"
 
   def __call__(self, x):
-    # Statistics in float32: bf16 mean-of-squares loses precision over d_model terms.
-    x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+    return (rms_norm if self.explicit else _rms_norm)(x, self.scale[...], self.eps)
 
 
 def rope_theta(cfg: ModelConfig, length: int | None) -> float:
@@ -123,8 +165,8 @@ class Attention(nnx.Module):
     self.wv = _param(rngs, (E, K, D), E**-0.5, ("embed", "kv_heads", "head_dim"))
     self.wo = _param(rngs, (N, D, E), std_out, ("heads", "head_dim", "embed"))
     if cfg.qk_norm:
-      self.q_norm = RMSNorm(D, cfg.norm_eps, axes=("head_dim",))
-      self.k_norm = RMSNorm(D, cfg.norm_eps, axes=("head_dim",))
+      self.q_norm = RMSNorm(D, cfg.norm_eps, ("head_dim",), cfg.norm_backward)
+      self.k_norm = RMSNorm(D, cfg.norm_eps, ("head_dim",), cfg.norm_backward)
     if attn_lib.uses_learned_tau(cfg.attention, spec):
       # Zero init: τ starts at tau_init, inside the clip range, so w_τ gets gradient from step 0.
       self.w_tau = nnx.Param(jnp.zeros((E,), jnp.float32), axes=("embed",))
@@ -209,9 +251,9 @@ class Mlp(nnx.Module):
 class Block(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, spec: attn_lib.LayerSpec, rngs: nnx.Rngs):
-    self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+    self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, backward=cfg.norm_backward)
     self.attn = Attention(cfg, spec, rngs)
-    self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+    self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, backward=cfg.norm_backward)
     self.mlp = Mlp(cfg, rngs)
 
   def __call__(self, x_BTE, positions_BT, segment_ids_BT, theta):
@@ -258,7 +300,7 @@ class Transformer(nnx.Module):
     self.cfg = cfg
     self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), cfg.init_std, ("vocab", "embed"))
     self.blocks = nnx.List([Block(cfg, spec, rngs) for spec in cfg.attention.layers])
-    self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+    self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, backward=cfg.norm_backward)
     if not cfg.tie_embeddings:
       self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), cfg.d_model**-0.5,
                             ("embed", "vocab"))

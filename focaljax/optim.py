@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import optax
 
 NO_DECAY_GROUPS = {
@@ -31,6 +32,7 @@ class OptimConfig:
   weight_decay: float = 0.05
   no_decay: tuple[str, ...] = ("norm", "embed")
   clip_norm: float = 1.0
+  mu_dtype: str = "float32"      # the first moment's dtype; the second stays float32
 
 
 def schedule(cfg: OptimConfig) -> optax.Schedule:
@@ -53,7 +55,7 @@ def decay_mask(params, no_decay: tuple[str, ...]):
 
 def make(cfg: OptimConfig, params, trainable=None) -> optax.GradientTransformation:
   adamw = optax.adamw(schedule(cfg), b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay,
-                      mask=decay_mask(params, cfg.no_decay))
+                      mask=decay_mask(params, cfg.no_decay), mu_dtype=jnp.dtype(cfg.mu_dtype))
   tx = optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw)
   if trainable is None:
     return tx

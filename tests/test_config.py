@@ -57,6 +57,8 @@ def test_size_presets_build_abstractly(size):
     ("train.nonfinite", "ignore", "train.nonfinite"),
     ("optim.no_decay", "norm,bias", "optim.no_decay"),
     ("mesh.tensor", 3, "mesh.tensor"),
+    ("model.norm_backward", "fused", "model.norm_backward"),
+    ("optim.mu_dtype", "float16", "optim.mu_dtype"),
 ])
 def test_invalid_values_name_the_field(field, value, match):
   c = base.get_config()

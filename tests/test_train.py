@@ -111,3 +111,23 @@ def test_dry_run_compiles_without_training(tmp_path, capsys):
   out = trainer.train(smoke.get_config(), str(tmp_path), dry_run=True)
   assert out["dry_run"] and "memory" in out
   assert not os.path.exists(os.path.join(tmp_path, "checkpoints"))
+
+
+def test_bfloat16_first_moment_halves_its_state():
+  """optim.mu_dtype=bfloat16: AdamW's first moment is stored in bf16, the second stays float32,
+  and an update is finite and close to the float32 one."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from focaljax import optim
+  params = {"w": jnp.linspace(-1, 1, 12, dtype=jnp.float32).reshape(3, 4)}
+  grads = {"w": jnp.full((3, 4), 0.3, jnp.float32)}
+  updates = {}
+  for mu in ("float32", "bfloat16"):
+    tx = optim.make(optim.OptimConfig(peak_lr=1e-2, warmup_steps=0, total_steps=10, mu_dtype=mu),
+                    params)
+    state = tx.init(params)
+    dtypes = {x.dtype.name for x in jax.tree.leaves(state) if getattr(x, "ndim", 0) == 2}
+    assert dtypes == ({"float32"} if mu == "float32" else {"bfloat16", "float32"}), dtypes
+    updates[mu], _ = tx.update(grads, state, params)
+  np.testing.assert_allclose(updates["bfloat16"]["w"], updates["float32"]["w"], rtol=1e-2)
