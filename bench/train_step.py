@@ -160,8 +160,8 @@ def main():
            "error": f"{type(e).__name__}: {str(e)[:300]}"}
     rows.append(r)
     print(json.dumps(r), flush=True)
-  print(f"\n{'size':>6} {'pattern':>26} {'impl':>8} {'variant':>30} {'step ms':>9} {'tok/s':>9} {'TFLOP/s':>8} "
-        f"{'MFU':>6}")
+  print(f"\n{'size':>6} {'pattern':>26} {'impl':>8} {'variant':>30} {'step ms':>9} {'tok/s':>9} "
+        f"{'TFLOP/s':>8} {'MFU':>6}")
   for r in rows:
     arm = ",".join(f"{k.split('.')[-1]}={v}" for k, v in r["overrides"].items()) or "defaults"
     head = f"{r['size']:>6} {r['pattern']:>26} {r['impl']:>8} {arm:>30}"

@@ -14,7 +14,8 @@ The seed's summary says the chunks are the tokens "before and after" the span; t
 teaches copying (the ablation's passkey result), and the brief's "repeats a span" agrees: we do
 the same. With `focus.retrieval_mix`, that share of continuation samples become passkey drills
 (`Sampler._drill`; the base's own drills are data.retrieval_mix). The loss is
-`focus.target_nll`'s leak-free objective over the last `num_targets` local tokens (the official code supervises one token per sample; the paper's Eq. 6 all of them).
+`focus.target_nll`'s leak-free objective over the last `num_targets` local tokens (the official
+code supervises one token per sample; the paper's Eq. 6 all of them).
 
 The step differentiates w.r.t. the adapter only: the base params are an argument closed over by
 the loss, never in the optimizer (so `optim.make` on the adapter alone; focus.py's docstring), and
