@@ -18,8 +18,10 @@ are processed in super-blocks of `ckpt_rows` rows, last super-block first (notes
   2. reverse pass over the same tiles: dv_J += Aᵀ dO_I, dk_J += Wᵀ Q_I (registers, stored once),
      ĝ_I += rowsum(W) and dq_I += s W K_J (fp32 atomics, shared by all key blocks).
 No subtraction ever reconstructs a carry or a suffix, so there is no cancellation (§9.2's fp32
-hazard); the in-tile suffix is a [block_q, block_q] strictly-triangular fp32 product.
-Cost: one extra QKᵀ per tile for the mini-sweep, one small fp32 product for the suffix.
+hazard); the in-tile suffix is a [block_q, block_q] strictly-triangular product kept at fp32
+accuracy on tensor cores (`exact_mask_dot`).
+Cost: one extra QKᵀ per tile for the mini-sweep, three small bf16 tensor-core products (g split
+into bf16 pieces) for the suffix instead of one IEEE fp32 product on CUDA cores.
 
 B2 `dk_correction` (same grid, top-down): needs the finished ĝ, so it is its own pass:
 corr_J = Σ_I (P_IJ ⊙ ĝ_I)ᵀ Q_I. dilution.py forms dk = s (dk_main − corr) and dq = dq_main − ĝ ⊙ pk.
@@ -38,6 +40,25 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels.dilution_fwd import idiv, dot, tile_probs
 
 
+def exact_mask_dot(mask_TT, x_TS):
+  """mask·x to fp32 accuracy with bf16 tensor-core products; mask entries must be exact in bf16.
+
+  Why: fp32 operands make `dot` a Precision.HIGHEST product, which the Triton lowering runs as
+  IEEE FMAs on CUDA cores. Instead x = hi + mid + lo, each piece a bf16 value: hi = bf16(x); the
+  residual x − hi is exact in fp32 with at most 16 significant bits, so mid = bf16(residual)
+  leaves an at most 8-bit remainder that lo holds exactly (barring underflow, |x| < ~1e-33).
+  A 0/1 mask times a bf16 value is exact and the products accumulate in fp32, so the only
+  rounding left is the fp32 accumulation that the IEEE product has too.
+  """
+  hi_TS = x_TS.astype(jnp.bfloat16)
+  res_TS = x_TS - hi_TS.astype(jnp.float32)
+  mid_TS = res_TS.astype(jnp.bfloat16)
+  lo_TS = (res_TS - mid_TS.astype(jnp.float32)).astype(jnp.bfloat16)
+  mask_TT = mask_TT.astype(jnp.bfloat16)
+  # Small pieces first, so the big one is added to their already-combined sum.
+  return dot(mask_TT, hi_TS) + (dot(mask_TT, mid_TS) + dot(mask_TT, lo_TS))
+
+
 def _reverse_sweep_kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, ssum_ref, dbar_ref, do_ref,
                           ckpt_ref, dq0_ref, ghat0_ref,                       # inputs
                           dq_ref, ghat_ref, dk_ref, dv_ref,                   # outputs
@@ -52,7 +73,7 @@ def _reverse_sweep_kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, ssum_ref, dbar_
   segk_S = seg_ref[pl.ds(k0, block_k)]
   slot_CS = lax.broadcasted_iota(jnp.int32, (ckpt_tiles, block_k), 0)
   later_TT = (lax.broadcasted_iota(jnp.int32, (block_q, block_q), 0)
-              < lax.broadcasted_iota(jnp.int32, (block_q, block_q), 1)).astype(jnp.float32)
+              < lax.broadcasted_iota(jnp.int32, (block_q, block_q), 1)).astype(jnp.bfloat16)
 
   def probs(r0):
     rows = pl.ds(r0, block_q)
@@ -90,10 +111,10 @@ def _reverse_sweep_kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, ssum_ref, dbar_
       ds_TS = (dot(do_TD, v_SD, tb=True) - dbar_ref[rows][:, None]) * rnorm_T[:, None]
       g_TS = -ds_TS * p_TS * inv_TS * inv_TS
       # Σ over later rows: later tiles (sufk) + later rows of this tile. The in-tile part is a
-      # strictly-upper-triangular fp32 product, NOT column total − cumsum: g is ~ −dσ/p at a
-      # key's first visible row (c = 0, tiny p), and subtracting it back out of a total costs
-      # an ulp of it (1e-3 relative errors in dq/dk at T=96 in testing).
-      suffix_TS = sufk_S[None, :] + dot(later_TT, g_TS)
+      # strictly-upper-triangular product at fp32 accuracy, NOT column total − cumsum: g is
+      # ~ −dσ/p at a key's first visible row (c = 0, tiny p), and subtracting it back out of a
+      # total costs an ulp of it (1e-3 relative errors in dq/dk at T=96 in testing).
+      suffix_TS = sufk_S[None, :] + exact_mask_dot(later_TT, g_TS)
       w_TS = p_TS * (ds_TS * (c_TS + eps) * inv_TS * inv_TS + suffix_TS)
       pltriton.atomic_add(ghat_ref, (rows,), w_TS.sum(axis=1))
       w_op = w_TS.astype(q_TD.dtype)

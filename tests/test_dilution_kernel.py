@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import dilution, reference
+from pallas_kernels.dilution_bwd import exact_mask_dot
 
 # Small tiles so T = 64..96 spans several key blocks, row tiles and checkpoint super-blocks; F2
 # tiles the keys unlike B1/B2 (16 vs 32), as the defaults do (128 vs 64).
@@ -182,6 +183,24 @@ class TestCompiledGPU(_DilutionKernelChecks):
     for a, b in zip(ga, gb):
       assert _rel(a, b) < 6e-2
 
+
+def test_exact_mask_dot_matches_fp32_product():
+  """B1's in-tile suffix: 0/1 mask · fp32 values via bf16 pieces is as accurate as IEEE fp32."""
+  T, S = 64, 32
+  rng = np.random.default_rng(0)
+  # Magnitudes 1e-6..1e3 with random signs: a plain bf16 product would be off by ~4e-3.
+  x_TS = (rng.choice([-1.0, 1.0], (T, S)) * 10.0 ** rng.uniform(-6, 3, (T, S))).astype(np.float32)
+  later_TT = np.triu(np.ones((T, T), np.float32), k=1)
+  exact_TS = later_TT.astype(np.float64) @ x_TS.astype(np.float64)
+  bound_TS = later_TT @ np.abs(x_TS).astype(np.float64) + 1e-30  # condition: Σ|x| per entry
+  got_TS = np.asarray(exact_mask_dot(jnp.asarray(later_TT), jnp.asarray(x_TS)), np.float64)
+  ieee_TS = np.asarray(jnp.dot(later_TT, x_TS, precision="highest"), np.float64)
+  bf16_TS = np.asarray(jnp.dot(later_TT.astype(jnp.bfloat16), x_TS.astype(jnp.bfloat16),
+                               preferred_element_type=jnp.float32), np.float64)
+  err = lambda a: float((np.abs(a - exact_TS) / bound_TS).max())
+  print(f"rel err: split {err(got_TS):.3g}, ieee {err(ieee_TS):.3g}, bf16 {err(bf16_TS):.3g}")
+  assert err(got_TS) < 1e-6 and err(ieee_TS) < 1e-6
+  assert err(bf16_TS) > 1e-3  # the test can tell a precision loss apart
 
 def test_lowers_to_triton():
   """Every kernel (forward, backward, prefill, decode) lowers to Triton IR for CUDA, here too."""
