@@ -99,6 +99,26 @@ def op_names(hlo_text: str) -> dict[str, str]:
           for k, v in ((m.group(1), m.group(2)), (m.group(1).replace(".", "_"), m.group(2)))}
 
 
+def fusion_bodies(hlo_text: str, kernels, max_lines: int = 30) -> dict[str, str]:
+  """Kernel name -> the body of the fused computation it runs (metadata stripped, truncated).
+
+  The op name alone (e.g. `transpose(jvp(attn))/reduce_sum`) does not say WHICH reduction a big
+  fusion is; its body does (operand shapes, the reduced dimensions, what is fused in front).
+  """
+  calls = {}
+  for m in re.finditer(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?\bcalls=%?([\w.\-]+)', hlo_text, re.M):
+    calls[m.group(1)] = calls[m.group(1).replace(".", "_")] = m.group(2)
+  comps = {m.group(1): m.group(2) for m in re.finditer(
+      r'^%?([\w.\-]+)\s*\(.*?\)\s*->\s*[^{\n]*\{\n(.*?)^\}', hlo_text, re.M | re.S)}
+  out = {}
+  for kernel in kernels:
+    body = comps.get(calls.get(kernel.split(" [")[0], ""))
+    if body is not None:
+      lines = [re.sub(r",\s*metadata=\{[^}]*\}", "", ln).strip() for ln in body.splitlines()]
+      out[kernel] = "\n".join(lines[:max_lines] + (["..."] if len(lines) > max_lines else []))
+  return out
+
+
 def summarize(events, steps: int, step_ms: float, stacks: dict[str, str] | None = None) -> dict:
   by_cat, by_part, by_kernel, by_both = (collections.Counter() for _ in range(4))
   op_of = {}  # kernel -> the JAX op name behind it (first seen), to tell e.g. which norm it is
@@ -133,6 +153,8 @@ def main():
   p.add_argument("--out", default="bench_step_profile.json")
   p.add_argument("--keep_command_buffers", action="store_true",
                  help="leave XLA's CUDA graphs on (then kernels cannot be mapped to model parts)")
+  p.add_argument("--bodies", type=int, default=8,
+                 help="print the fused HLO body of this many top kernels")
   args = p.parse_args()
   trace_dir = args.trace_dir or tempfile.mkdtemp(prefix="focaljax-trace-")
   r = train_step.run(args.size, args.impl, args.steps, args.seq_len, remat=False,
@@ -142,8 +164,10 @@ def main():
   if not found:
     raise SystemExit(f"no *.xplane.pb under {trace_dir}")
   with open(os.path.join(trace_dir, "step.hlo.txt")) as f:
-    stacks = op_names(f.read())
-  s = summarize(list(device_events(found[-1])), train_step.PROFILED_STEPS, r["step_ms"], stacks)
+    hlo_text = f.read()
+  s = summarize(list(device_events(found[-1])), train_step.PROFILED_STEPS, r["step_ms"],
+                op_names(hlo_text))
+  s["top_kernel_bodies"] = fusion_bodies(hlo_text, list(s["top_kernels_ms"])[:args.bodies])
   s.update(run=r, trace=found[-1], jax=jax.__version__, device=jax.devices()[0].device_kind)
   print(f"{args.size} {args.impl}: step {r['step_ms']:.1f} ms, MFU "
         f"{100 * (r['mfu'] or 0):.1f}%, kernel time {s['kernel_ms_per_step']:.1f} ms per step")
@@ -155,6 +179,8 @@ def main():
       print(f"{k[:60]:<60} {ms:9.2f} {100 * ms / r['step_ms']:6.1f}%")
       if key == "top_kernels_ms":
         print(f"    {s['top_kernel_ops'][k][-96:]}")
+  for k, body in s["top_kernel_bodies"].items():
+    print(f"\n--- {k}\n{body}")
   with open(args.out, "w") as f:
     json.dump(s, f, indent=1)
 
