@@ -99,7 +99,7 @@ def op_names(hlo_text: str) -> dict[str, str]:
           for k, v in ((m.group(1), m.group(2)), (m.group(1).replace(".", "_"), m.group(2)))}
 
 
-def fusion_bodies(hlo_text: str, kernels, max_lines: int = 30) -> dict[str, str]:
+def fusion_bodies(hlo_text: str, kernels, limit: int = 8, max_lines: int = 30) -> dict[str, str]:
   """Kernel name -> the body of the fused computation it runs (metadata stripped, truncated).
 
   The op name alone (e.g. `transpose(jvp(attn))/reduce_sum`) does not say WHICH reduction a big
@@ -111,9 +111,9 @@ def fusion_bodies(hlo_text: str, kernels, max_lines: int = 30) -> dict[str, str]
   comps = {m.group(1): m.group(2) for m in re.finditer(
       r'^%?([\w.\-]+)\s*\(.*?\)\s*->\s*[^{\n]*\{\n(.*?)^\}', hlo_text, re.M | re.S)}
   out = {}
-  for kernel in kernels:
+  for kernel in kernels:  # the first `limit` kernels that ARE fusions (cuBLAS/cuDNN have no body)
     body = comps.get(calls.get(kernel.split(" [")[0], ""))
-    if body is not None:
+    if body is not None and len(out) < limit:
       lines = [re.sub(r",\s*metadata=\{[^}]*\}", "", ln).strip() for ln in body.splitlines()]
       out[kernel] = "\n".join(lines[:max_lines] + (["..."] if len(lines) > max_lines else []))
   return out
@@ -154,7 +154,7 @@ def main():
   p.add_argument("--keep_command_buffers", action="store_true",
                  help="leave XLA's CUDA graphs on (then kernels cannot be mapped to model parts)")
   p.add_argument("--bodies", type=int, default=8,
-                 help="print the fused HLO body of this many top kernels")
+                 help="print the fused HLO body of the top this many fusion kernels")
   args = p.parse_args()
   trace_dir = args.trace_dir or tempfile.mkdtemp(prefix="focaljax-trace-")
   r = train_step.run(args.size, args.impl, args.steps, args.seq_len, remat=False,
@@ -167,7 +167,7 @@ def main():
     hlo_text = f.read()
   s = summarize(list(device_events(found[-1])), train_step.PROFILED_STEPS, r["step_ms"],
                 op_names(hlo_text))
-  s["top_kernel_bodies"] = fusion_bodies(hlo_text, list(s["top_kernels_ms"])[:args.bodies])
+  s["top_kernel_bodies"] = fusion_bodies(hlo_text, list(s["top_kernels_ms"]), args.bodies)
   s.update(run=r, trace=found[-1], jax=jax.__version__, device=jax.devices()[0].device_kind)
   print(f"{args.size} {args.impl}: step {r['step_ms']:.1f} ms, MFU "
         f"{100 * (r['mfu'] or 0):.1f}%, kernel time {s['kernel_ms_per_step']:.1f} ms per step")

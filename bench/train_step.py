@@ -41,6 +41,9 @@ def parse_variant(text: str) -> dict:
     key, sep, value = item.partition("=")
     if not sep:
       raise ValueError(f"--variants: {item!r} is not field=value")
+    if value.lower() in ("true", "false"):  # as ml_collections' command line spells booleans
+      out[key] = value.lower() == "true"
+      continue
     try:
       out[key] = ast.literal_eval(value)
     except (ValueError, SyntaxError):

@@ -24,7 +24,7 @@ ENTRY %main (p: f32[8,2048,16,128]) -> f32[16,128] {
 def test_kernel_names_map_to_op_names_and_bodies():
   names = step_profile.op_names(HLO)
   assert names["input_reduce_fusion_52"].endswith("transpose(jvp(attn))/reduce_sum")
-  bodies = step_profile.fusion_bodies(HLO, ["input_reduce_fusion_52 [attention]", "unknown [x]"])
+  bodies = step_profile.fusion_bodies(HLO, ["unknown [x]", "input_reduce_fusion_52 [attention]"], 1)
   assert list(bodies) == ["input_reduce_fusion_52 [attention]"]
   body = bodies["input_reduce_fusion_52 [attention]"]
   assert "dimensions={0,1}" in body and "metadata" not in body
