@@ -20,7 +20,9 @@ exactly the requested number of tokens), 10 trials per length with seeds 0-9, gr
 depth uniform in [0, 1) like the official random split point. A trial is correct when the leading
 number of the continuation is exactly K. As in the official code the needle can land in the local
 window (at 2x, about T / length of the trials); `accuracy_needle_in_memory` counts only the trials
-whose needle lies wholly in the memory.
+whose needle lies wholly in the memory. For those, `candidate_readout` is the share whose
+needle chunk's candidate, read through the base's LM head, predicts the key's first token by itself
+(knowing the key, whether or not the local decoder then uses it).
 
 loss_by_position: NLL of long documents in doubling position ranges [0, ctx), [ctx, 2ctx),
 [2ctx, 4ctx), ... up to max_multiplier x ctx, through the leak-free `focus.target_nll`. A window
@@ -91,10 +93,30 @@ def _target_nll(graphdef, base_state, adapter, memory_BM, tokens_BT, cfg, num_ta
   return focus.target_nll(adapter, base, memory_BM, tokens_BT, cfg, num_targets)
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef", "cfg"))
+def _candidate_top(graphdef, base_state, adapter, memory_BM, local_BT, cfg):
+  """int32 [B, C]: each chunk's candidate's own top next token, read through the base's LM head.
+
+  Why: a failed passkey trial does not say whether the needle's chunk never knew the key (the
+  chunk + prompt layout) or knew it and could not pass it on (the candidate's k/v into the local
+  decoder). The candidate's final hidden state answers the first half.
+  """
+  base = nnx.merge(graphdef, base_state)
+  P = cfg.prompt_tokens(local_BT.shape[1])
+  h_BCQE, _, _ = focus.condense(adapter, base, memory_BM, local_BT[:, -P:], 1, cfg)
+  B, C = h_BCQE.shape[:2]
+  logits = base._logits(h_BCQE.reshape(B, C, -1))  # pylint: disable=protected-access
+  return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
 def _find(seq: np.ndarray, sub: list[int]) -> int:
   windows = np.lib.stride_tricks.sliding_window_view(seq, len(sub))
   hits = np.flatnonzero((windows == np.asarray(sub)).all(axis=1))
   return int(hits[0]) if hits.size else -1
+
+
+def _share(flags) -> float | None:
+  return float(np.mean(flags)) if flags else None
 
 
 def passkey(adapter, base, cfg: focus.FocusConfig, tokenizer, multipliers=DEFAULT_MULTIPLIERS,
@@ -133,8 +155,16 @@ def passkey(adapter, base, cfg: focus.FocusConfig, tokenizer, multipliers=DEFAUL
       needle = tokenizer.encode(retrieval.PASSKEY_NEEDLE.format(key=key))
       at = _find(p, needle)
       prompts.append(p)
-      row["trials"].append({"seed": s, "key": key, "depth": depth, "needle_at": at,
-                            "needle_in_memory": 0 <= at and at + len(needle) <= L - T})
+      trial = {"seed": s, "key": key, "depth": depth, "needle_at": at,
+               "needle_in_memory": 0 <= at and at + len(needle) <= L - T}
+      if trial["needle_in_memory"]:
+        # Does the chunk holding the needle's end predict the key's first token by itself?
+        graphdef, state = nnx.split(base)
+        top_C = np.asarray(_candidate_top(graphdef, state, adapter, p[None, :L - T],
+                                          p[None, L - T:], cfg))[0]
+        trial["candidate_reads_key"] = bool(top_C[(at + len(needle) - 1) // cfg.chunk_size]
+                                            == tokenizer.encode(f" {key}")[0])
+      row["trials"].append(trial)
     for i in range(0, len(prompts), batch_size):
       batch = np.stack(prompts[i:i + batch_size])
       out = np.asarray(focus_generate.generate(adapter, base, batch[:, :L - T], batch[:, L - T:],
@@ -149,7 +179,7 @@ def passkey(adapter, base, cfg: focus.FocusConfig, tokenizer, multipliers=DEFAUL
           f"/{len(seeds)} in {row['seconds']} s")
 
   def acc(trials):
-    return float(np.mean([t["correct"] for t in trials])) if trials else None
+    return _share([t["correct"] for t in trials])
 
   by_length = [acc(r["trials"]) for r in rows]
   scored = [a for a in by_length if a is not None]
@@ -159,6 +189,8 @@ def passkey(adapter, base, cfg: focus.FocusConfig, tokenizer, multipliers=DEFAUL
           "accuracy_by_length": by_length,
           "accuracy_needle_in_memory": [acc([t for t in r["trials"] if t["needle_in_memory"]])
                                         for r in rows],
+          "candidate_readout": [_share([t["candidate_reads_key"] for t in r["trials"]
+                                        if "candidate_reads_key" in t]) for r in rows],
           "overall": float(np.mean(scored)) if scored else None, "rows": rows}
 
 
@@ -268,10 +300,12 @@ def format_suite(suite: str, r: dict) -> str:
   if suite == "focus_passkey":
     lines = [head, f"  base context {r['context']}, chunk {r['chunk_size']}, prompt "
              f"{r['prompt_len']}, {len(r['seeds'])} seeds",
-             "      x   length   memory  chunks  local   acc  acc(needle in memory)"]
-    for row, a, am in zip(r["rows"], r["accuracy_by_length"], r["accuracy_needle_in_memory"]):
+             "      x   length   memory  chunks  local   acc  in memory  candidate reads key"]
+    for row, a, am, cr in zip(r["rows"], r["accuracy_by_length"], r["accuracy_needle_in_memory"],
+                              r.get("candidate_readout", [None] * len(r["rows"]))):
       lines.append(f"  {row['multiplier']:>5} {row['length']:>8} {row['memory_len']:>8} "
-                   f"{row['num_chunks']:>7} {row['local_len']:>6} {fmt(a)}  {fmt(am)}")
+                   f"{row['num_chunks']:>7} {row['local_len']:>6} {fmt(a)}     {fmt(am)}   "
+                   f"{fmt(cr)}")
     lines.append(f"  overall {fmt(r['overall']).strip()}")
     return "\n".join(lines)
   if suite == "focus_longdoc":

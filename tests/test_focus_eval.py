@@ -101,6 +101,14 @@ def test_passkey_feeds_the_official_prompt_and_scores_exact_keys(tiny, tok, monk
       assert t["correct"] == t["needle_in_memory"], t
   assert r["seeds"] == [0, 1, 2, 3] and any(t["needle_in_memory"] for t in r["rows"][1]["trials"])
   assert all(a in (None, 1.0) for a in r["accuracy_needle_in_memory"])
+  # The diagnostic: every needle-in-memory trial asks the needle chunk's candidate (a real model
+  # here, not the oracle) for the key's first token; the others do not.
+  for row, share in zip(r["rows"], r["candidate_readout"]):
+    flags = [t["candidate_reads_key"] for t in row["trials"] if t["needle_in_memory"]]
+    assert all(isinstance(f, bool) for f in flags)
+    assert not any("candidate_reads_key" in t for t in row["trials"] if not t["needle_in_memory"])
+    assert share == (float(np.mean(flags)) if flags else None)
+  assert "candidate reads key" in focus_eval.format_suite("focus_passkey", r)
 
 
 def test_passkey_with_a_model_is_well_formed(tiny, tok):
