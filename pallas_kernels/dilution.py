@@ -22,7 +22,7 @@ every grid (blocks, B, Hq) with the block axis first (CUDA caps grid axes 1-2 at
                     forward mini-sweep rebuilds the R/32 tile carries from the checkpoint
                     into a register array, then the reverse pass carries the per-key
                     g-suffix; dv, dk_main in registers; ĝ, dq_main by fp32 atomics
-                    [2 QKᵀ, dO·Vᵀ, AᵀdO, W·K, Wᵀ·Q, fp32 triangular suffix product]
+                    [2 QKᵀ, dO·Vᵀ, AᵀdO, W·K, Wᵀ·Q, triangular suffix (3 bf16 dots, fp32-exact)]
   B2 dk_correction  grid (T/64, B, Hq): corr_j = Σ_i p_ij ĝ_i q_i            [QKᵀ, (PĝᵀQ)]
   dq = dq_main − ĝ ⊙ pk,  dk = scale·(dk_main − corr),  GQA groups summed  (XLA).
   The gradient is exact (notes/dilution.md §3, §9.3): it flows through the cumulative demand
