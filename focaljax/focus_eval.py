@@ -93,22 +93,6 @@ def _target_nll(graphdef, base_state, adapter, memory_BM, tokens_BT, cfg, num_ta
   return focus.target_nll(adapter, base, memory_BM, tokens_BT, cfg, num_targets)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "cfg"))
-def _candidate_top(graphdef, base_state, adapter, memory_BM, local_BT, cfg):
-  """int32 [B, C]: each chunk's candidate's own top next token, read through the base's LM head.
-
-  Why: a failed passkey trial does not say whether the needle's chunk never knew the key (the
-  chunk + prompt layout) or knew it and could not pass it on (the candidate's k/v into the local
-  decoder). The candidate's final hidden state answers the first half.
-  """
-  base = nnx.merge(graphdef, base_state)
-  P = cfg.prompt_tokens(local_BT.shape[1])
-  h_BCQE, _, _ = focus.condense(adapter, base, memory_BM, local_BT[:, -P:], 1, cfg)
-  B, C = h_BCQE.shape[:2]
-  logits = base._logits(h_BCQE.reshape(B, C, -1))  # pylint: disable=protected-access
-  return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-
-
 def _find(seq: np.ndarray, sub: list[int]) -> int:
   windows = np.lib.stride_tricks.sliding_window_view(seq, len(sub))
   hits = np.flatnonzero((windows == np.asarray(sub)).all(axis=1))
@@ -155,24 +139,22 @@ def passkey(adapter, base, cfg: focus.FocusConfig, tokenizer, multipliers=DEFAUL
       needle = tokenizer.encode(retrieval.PASSKEY_NEEDLE.format(key=key))
       at = _find(p, needle)
       prompts.append(p)
-      trial = {"seed": s, "key": key, "depth": depth, "needle_at": at,
-               "needle_in_memory": 0 <= at and at + len(needle) <= L - T}
-      if trial["needle_in_memory"]:
-        # Does the chunk holding the needle's end predict the key's first token by itself?
-        graphdef, state = nnx.split(base)
-        top_C = np.asarray(_candidate_top(graphdef, state, adapter, p[None, :L - T],
-                                          p[None, L - T:], cfg))[0]
-        trial["candidate_reads_key"] = bool(top_C[(at + len(needle) - 1) // cfg.chunk_size]
-                                            == tokenizer.encode(f" {key}")[0])
-      row["trials"].append(trial)
+      row["trials"].append({"seed": s, "key": key, "depth": depth, "needle_at": at,
+                            "needle_end": at + len(needle) - 1,
+                            "needle_in_memory": 0 <= at and at + len(needle) <= L - T})
     for i in range(0, len(prompts), batch_size):
       batch = np.stack(prompts[i:i + batch_size])
-      out = np.asarray(focus_generate.generate(adapter, base, batch[:, :L - T], batch[:, L - T:],
-                                               cfg, max_new_tokens=max_new))
-      for trial, new in zip(row["trials"][i:i + batch_size], out[:, T:]):
+      out, top_BC = focus_generate.generate(adapter, base, batch[:, :L - T], batch[:, L - T:],
+                                            cfg, max_new_tokens=max_new, readout=True)
+      for trial, new, top_C in zip(row["trials"][i:i + batch_size], np.asarray(out)[:, T:],
+                                   np.asarray(top_BC)):
         text = tokenizer.decode(new.tolist())
         match = re.match(r"\s*(\d+)", text)
         trial.update(output=text, correct=bool(match) and match.group(1) == str(trial["key"]))
+        if trial["needle_in_memory"]:
+          # Does the chunk holding the needle's end predict the key's first token by itself?
+          trial["candidate_reads_key"] = bool(top_C[trial["needle_end"] // cfg.chunk_size]
+                                              == tokenizer.encode(f" {trial['key']}")[0])
     row["seconds"] = round(time.time() - t0, 1)
     if log:
       log(f"  focus passkey {m}x ({L} tokens): {sum(t['correct'] for t in row['trials'])}"

@@ -45,14 +45,19 @@ def _prefill(graphdef, base_state, adapter, memory_BM, prompt_BT, cfg, max_new_t
   P = cfg.prompt_tokens(T)
   if memory_BM.shape[1] == 0:
     kv, caches, n = focus.no_candidates(base, B, 1), None, 1
+    top_BC = jnp.zeros((B, 0), jnp.int32)
   else:
-    _, kv, caches = focus.condense(adapter, base, memory_BM, prompt_BT[:, T - P:], 1, cfg,
-                                   extra=max_new_tokens - 1)
+    h_BCQE, kv, caches = focus.condense(adapter, base, memory_BM, prompt_BT[:, T - P:], 1, cfg,
+                                        extra=max_new_tokens - 1)
     n = cfg.prefix + P                      # chunk sequence length; the candidate sits at n - 1
+    # Each chunk's own guess at the next token (its candidate through the LM head): [B, C] more
+    # logits rows beside C chunk prefills, so it is always computed; focus_eval reads it.
+    logits_BCV = base._logits(h_BCQE[:, :, 0])  # pylint: disable=protected-access
+    top_BC = jnp.argmax(logits_BCV, axis=-1).astype(jnp.int32)
   tokens_BL = jnp.zeros((B, T + max_new_tokens - 1), jnp.int32).at[:, :T].set(prompt_BT)
   state = {"tokens": tokens_BL, "length": jnp.int32(T), "caches": caches,
            "kv": [(k[:, :, 0], v[:, :, 0]) for k, v in kv], "candidate_pos": jnp.int32(n - 1)}
-  return state, _local_at(base, state, T - 1, cfg.implementation)
+  return state, _local_at(base, state, T - 1, cfg.implementation), top_BC
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "implementation"))
@@ -80,7 +85,8 @@ def _step(graphdef, base_state, adapter, state, token_B, implementation):
 
 def prefill(adapter, base, memory_BM, prompt_BT, cfg: focus.FocusConfig, max_new_tokens: int):
   """(state, next-token logits float32 [B, V]); `state` feeds `step`. `state["tokens"][:, :
-  state["length"]]` are the tokens so far."""
+  state["length"]]` are the tokens so far; `state["candidate_top"]` int32 [B, C] is each chunk's
+  candidate's own top next token (a diagnostic; `step` does not carry it)."""
   if max_new_tokens < 1:
     raise ValueError(f"focus generate: max_new_tokens must be >= 1; got {max_new_tokens}")
   focus.check_base(base)
@@ -88,9 +94,10 @@ def prefill(adapter, base, memory_BM, prompt_BT, cfg: focus.FocusConfig, max_new
   T = prompt_BT.shape[1]
   focus.check_positions(base.cfg, cfg, T, cfg.prompt_tokens(T), extra=max_new_tokens - 1)
   graphdef, base_state = nnx.split(base)
-  state, logits_BV = _prefill(graphdef, base_state, adapter, jnp.asarray(memory_BM, jnp.int32),
-                              prompt_BT, cfg, max_new_tokens)
-  return {**state, "implementation": cfg.implementation}, logits_BV
+  state, logits_BV, top_BC = _prefill(graphdef, base_state, adapter,
+                                      jnp.asarray(memory_BM, jnp.int32), prompt_BT, cfg,
+                                      max_new_tokens)
+  return {**state, "implementation": cfg.implementation, "candidate_top": top_BC}, logits_BV
 
 
 def step(adapter, base, state, token_B):
@@ -100,16 +107,20 @@ def step(adapter, base, state, token_B):
   if int(state["length"]) >= state["tokens"].shape[1]:
     raise ValueError("focus generate: more steps than prefill's max_new_tokens - 1")
   graphdef, base_state = nnx.split(base)
-  arrays = {k: v for k, v in state.items() if k != "implementation"}
+  arrays = {k: v for k, v in state.items() if k not in ("implementation", "candidate_top")}
   arrays, logits_BV = _step(graphdef, base_state, adapter, arrays, jnp.asarray(token_B, jnp.int32),
                             implementation=state["implementation"])
   return {**arrays, "implementation": state["implementation"]}, logits_BV
 
 
-def generate(adapter, base, memory_BM, prompt_BT, cfg: focus.FocusConfig, max_new_tokens: int):
-  """Greedy decoding: int32 [B, T + max_new_tokens]."""
+def generate(adapter, base, memory_BM, prompt_BT, cfg: focus.FocusConfig, max_new_tokens: int,
+             *, readout: bool = False):
+  """Greedy decoding: int32 [B, T + max_new_tokens]; with `readout`, also prefill's
+  `candidate_top` [B, C] (each chunk's own next-token guess)."""
   state, logits_BV = prefill(adapter, base, memory_BM, prompt_BT, cfg, max_new_tokens)
+  top_BC = state["candidate_top"]
   for _ in range(max_new_tokens - 1):
     state, logits_BV = step(adapter, base, state, jnp.argmax(logits_BV, -1).astype(jnp.int32))
   last_B1 = jnp.argmax(logits_BV, -1)[:, None].astype(jnp.int32)
-  return jnp.concatenate([state["tokens"], last_B1], axis=1)
+  tokens_BL = jnp.concatenate([state["tokens"], last_B1], axis=1)
+  return (tokens_BL, top_BC) if readout else tokens_BL

@@ -199,6 +199,13 @@ def test_incremental_generation_equals_recomputation():
   out = focus_generate.generate(adapter, base, memory, prompt, cfg, max_new_tokens=4)
   np.testing.assert_array_equal(out[:, :13], state["tokens"])
   assert out.shape == (2, 14) and out.dtype == jnp.int32
+  # The readout: each chunk's candidate (prompt = the last 4 prompt tokens) through the LM head.
+  out2, top_BC = focus_generate.generate(adapter, base, memory, prompt, cfg, max_new_tokens=4,
+                                         readout=True)
+  np.testing.assert_array_equal(out2, out)
+  h_BCQE, _, _ = focus.condense(adapter, base, memory, prompt[:, -4:], 1, cfg)
+  np.testing.assert_array_equal(top_BC, jnp.argmax(base._logits(h_BCQE[:, :, 0]), axis=-1))
+  assert top_BC.shape == (2, 3)
 
 
 def test_adapter_round_trip_and_unsupported_layers(tmp_path):

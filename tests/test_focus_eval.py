@@ -71,7 +71,7 @@ def test_passkey_feeds_the_official_prompt_and_scores_exact_keys(tiny, tok, monk
   base, adapter, cfg = tiny
   seen = []
 
-  def oracle(adapter, base, memory_BM, prompt_BT, cfg, max_new_tokens):
+  def oracle(adapter, base, memory_BM, prompt_BT, cfg, max_new_tokens, readout=False):
     # Answers with the key written in the memory: checks the split and the scoring, not a model.
     seen.append((np.asarray(memory_BM), np.asarray(prompt_BT)))
     key = re.search(r"\nThe pass key is (\d+)\. Remember it\. \1 is the pass key\.\n",
@@ -79,7 +79,10 @@ def test_passkey_feeds_the_official_prompt_and_scores_exact_keys(tiny, tok, monk
     answer = tok.encode(f" {key.group(1) if key else '0'}.")[:max_new_tokens]
     new = np.zeros((1, max_new_tokens), np.int32)
     new[0, :len(answer)] = answer
-    return jnp.asarray(np.concatenate([prompt_BT, new], 1))
+    out = jnp.asarray(np.concatenate([prompt_BT, new], 1))
+    # Every chunk "guesses" the key's first token: the readout must score each needle trial 1.
+    top = np.full((1, memory_BM.shape[1] // cfg.chunk_size), answer[0], np.int32)
+    return (out, top) if readout else out
 
   monkeypatch.setattr(focus_generate, "generate", oracle)
   r = focus_eval.passkey(adapter, base, cfg, tok, multipliers=(2, 3), seeds=4)
@@ -101,11 +104,11 @@ def test_passkey_feeds_the_official_prompt_and_scores_exact_keys(tiny, tok, monk
       assert t["correct"] == t["needle_in_memory"], t
   assert r["seeds"] == [0, 1, 2, 3] and any(t["needle_in_memory"] for t in r["rows"][1]["trials"])
   assert all(a in (None, 1.0) for a in r["accuracy_needle_in_memory"])
-  # The diagnostic: every needle-in-memory trial asks the needle chunk's candidate (a real model
-  # here, not the oracle) for the key's first token; the others do not.
+  # The diagnostic: every needle-in-memory trial reads the needle chunk's guess at the key's
+  # first token; the others do not.
   for row, share in zip(r["rows"], r["candidate_readout"]):
     flags = [t["candidate_reads_key"] for t in row["trials"] if t["needle_in_memory"]]
-    assert all(isinstance(f, bool) for f in flags)
+    assert all(isinstance(f, bool) for f in flags) and all(flags)
     assert not any("candidate_reads_key" in t for t in row["trials"] if not t["needle_in_memory"])
     assert share == (float(np.mean(flags)) if flags else None)
   assert "candidate reads key" in focus_eval.format_suite("focus_passkey", r)
@@ -120,6 +123,7 @@ def test_passkey_with_a_model_is_well_formed(tiny, tok):
   assert all(isinstance(t["output"], str) and isinstance(t["correct"], bool)
              for t in row["trials"])
   assert 0 <= r["accuracy_by_length"][0] <= 1 and r["overall"] == r["accuracy_by_length"][0]
+  assert r["candidate_readout"][0] is None or 0 <= r["candidate_readout"][0] <= 1
   assert "focus_passkey" in focus_eval.format_suite("focus_passkey", r)
   json.dumps(r)
 
