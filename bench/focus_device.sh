@@ -67,10 +67,11 @@ stage eval "${EVAL_LIMIT:-130}"
 run_for "${EVAL_LIMIT:-130}" python3 eval.py --workdir "$BASE" --focus_adapter "$RUN" \
   --books $C/longeval.jsonl.xz --focus_dtype "${DTYPE:-bfloat16}" \
   --focus_multipliers "${MULTS:-2,8,32,100}" --passkey_seeds "${SEEDS:-10}" \
-  --max_multiplier "${MAXMULT:-32}" 2>&1 | quiet > "$OUT/eval_focus.log"
+  --max_multiplier "${MAXMULT:-32}" --max_books "${MAXBOOKS:-8}" 2>&1 | quiet > "$OUT/eval_focus.log"
 tail -n 12 "$OUT/eval_focus.log" 2>/dev/null
 run_for "${BASE_EVAL_LIMIT:-50}" python3 eval.py --workdir "$BASE" --suites longdoc \
-  --books $C/longeval.jsonl.xz --max_multiplier "${MAXMULT:-32}" --noplots 2>&1 | quiet \
+  --books $C/longeval.jsonl.xz --max_multiplier "${MAXMULT:-32}" --max_books "${MAXBOOKS:-8}" \
+  --noplots 2>&1 | quiet \
   > "$OUT/eval_base.log"
 tail -n 6 "$OUT/eval_base.log" 2>/dev/null
 
