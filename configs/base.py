@@ -51,6 +51,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       fuse_matmuls=False,
       # RMSNorm backward: explicit (a custom VJP, gain gradient reduced in two stages) | autodiff.
       norm_backward="explicit",
+      # QK-norm + RoPE backward: separate (two custom VJPs) | fused (qk_norm_rope: the cotangent
+      # un-rotated once, then the norm's reductions). Only with qk_norm, RoPE layers, explicit.
+      qk_rope_backward="separate",
   ))
   c.model.attention = ml_collections.ConfigDict(dict(
       # Per-layer "variant[:position]" list, cycled over the layers. variant: softmax | focal |

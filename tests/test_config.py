@@ -58,6 +58,7 @@ def test_size_presets_build_abstractly(size):
     ("optim.no_decay", "norm,bias", "optim.no_decay"),
     ("mesh.tensor", 3, "mesh.tensor"),
     ("model.norm_backward", "fused", "model.norm_backward"),
+    ("model.qk_rope_backward", "fast", "model.qk_rope_backward"),
     ("optim.mu_dtype", "float16", "optim.mu_dtype"),
 ])
 def test_invalid_values_name_the_field(field, value, match):
@@ -107,3 +108,11 @@ def test_a_workdir_config_from_before_the_data_fields_still_loads():
     del c.data["tokenize"], c.data["token_cache"]
   d = config_lib.data_config(c)
   assert d.tokenize == "stream" and d.token_cache is None
+
+
+def test_a_workdir_config_from_before_qk_rope_backward_still_loads():
+  # focaljax.loaded / convert build the model from the workdir's config.json as written.
+  c = base.get_config()
+  with c.unlocked():
+    del c.model["qk_rope_backward"]
+  assert config_lib.model_config(c, vocab_size=256).qk_rope_backward == "separate"

@@ -1,5 +1,5 @@
 """The decoder: parameter count, cached generation == full forward, remat, NTK, logical axes,
-the custom backward passes (RMSNorm, the vocabulary projection) against autodiff."""
+the custom backward passes (RMSNorm, QK-norm + RoPE, the vocabulary projection) against autodiff."""
 
 import jax
 import jax.numpy as jnp
@@ -187,3 +187,69 @@ def test_model_gradients_do_not_depend_on_the_norm_backward():
     grads.append(jax.grad(loss)(state))
   for a, b in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1])):
     np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7)
+
+
+def _rel_err(got, want):
+  got, want = got.astype(jnp.float32), want.astype(jnp.float32)
+  return float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("D", [64, 128])
+def test_qk_norm_rope_matches_the_separate_pair(D, dtype):
+  """qk_norm_rope (one custom VJP, the cotangent un-rotated once) == autodiff of
+  apply_rope(_rms_norm(x)): exactly up to float32 rounding, within bf16 rounding for bfloat16
+  (the pair rounds between norm and rotation, the fused function only at the end). Positions are
+  offset per row and θ NTK-scaled, so every frequency turns through many periods."""
+  B, T, N, eps = 2, 12, 3, 1e-5
+  kx, ks, kg = jax.random.split(jax.random.key(8), 3)
+  x = (3 * jax.random.normal(kx, (B, T, N, D), jnp.float32)).astype(dtype)
+  scale = 1 + 0.1 * jax.random.normal(ks, (D,), jnp.float32)
+  g = jax.random.normal(kg, (B, T, N, D), jnp.float32).astype(dtype)
+  positions_BT = jnp.array([[1000], [37]]) + jnp.arange(T)
+  theta = 10000.0 * 4 ** (D / (D - 2))
+  cos, sin = M.rope_tables(positions_BT, theta, D)
+  rms = M._rms_norm  # pylint: disable=protected-access
+  fused = lambda x, s: M.qk_norm_rope(x, s, cos, sin, eps)  # noqa: E731
+  pair = lambda x, s: M.apply_rope(rms(x, s, eps), positions_BT, theta)  # noqa: E731
+  out, vjp = jax.jit(lambda x, s: jax.vjp(fused, x, s))(x, scale)
+  want, want_vjp = jax.vjp(pair, x, scale)
+  tol = 1e-6 if dtype == jnp.float32 else 1e-2
+  assert out.dtype == dtype and _rel_err(out, want) <= tol
+  for got, ref in zip(vjp(g), want_vjp(g)):
+    assert got.dtype == ref.dtype
+    assert _rel_err(got, ref) <= tol, _rel_err(got, ref)
+
+
+def test_qk_norm_rope_backward_writes_unrotated_rows_once():
+  """The backward's stage 1 ends in an optimization barrier on float32 [B, T, N·D], so XLA
+  cannot fuse the un-rotation (and its transposed read) into the norm's reductions."""
+  x = jnp.ones((2, 8, 4, 16), jnp.bfloat16)
+  cos, sin = M.rope_tables(jnp.arange(8)[None], 10000.0, 16)
+  jaxpr = jax.make_jaxpr(jax.grad(
+      lambda x: M.qk_norm_rope(x, jnp.ones(16), cos, sin, 1e-5).astype(jnp.float32).sum()))(x)
+  barriers = [v.aval for e in _all_eqns(jaxpr.jaxpr) if e.primitive.name == "optimization_barrier"
+              for v in e.invars]
+  assert any(a.shape == (2, 8, 64) and a.dtype == jnp.float32 for a in barriers), barriers
+
+
+def test_model_gradients_do_not_depend_on_the_qk_rope_backward():
+  """Whole-model float32 loss and gradients with qk_rope_backward fused == separate; the fused
+  path runs only in RoPE layers with QK-norm and the explicit norm backward."""
+  tokens = jax.random.randint(jax.random.key(9), (2, 12), 0, 96)
+  pattern = "softmax:rope,dilution:none"
+  results = []
+  for mode in ("separate", "fused"):
+    model = M.Transformer(_cfg(pattern, qk_norm=True, qk_rope_backward=mode), nnx.Rngs(7))
+    assert [b.attn.fused_qk_rope for b in model.blocks] == [mode == "fused", False]
+    graphdef, state = nnx.split(model)
+    loss = lambda st: nnx.merge(graphdef, st)(tokens).std()  # noqa: E731
+    results.append(jax.jit(jax.value_and_grad(loss))(state))
+  np.testing.assert_allclose(results[0][0], results[1][0], rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(results[0][1]), jax.tree.leaves(results[1][1])):
+    np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7)
+  for kw in (dict(qk_norm=False), dict(qk_norm=True, norm_backward="autodiff")):
+    model = M.Transformer(_cfg(pattern, qk_rope_backward="fused", **kw), nnx.Rngs(7))
+    assert not any(b.attn.fused_qk_rope for b in model.blocks)
+  with pytest.raises(ValueError, match="qk_rope_backward"):
+    M.Transformer(_cfg(qk_rope_backward="fast"), nnx.Rngs(7))
