@@ -162,14 +162,18 @@ class Sampler:
     memory = memory.copy()
     at = int(rng.integers(len(memory) - len(needle) + 1))
     memory[at:at + len(needle)] = needle
-    return memory, np.concatenate([local[:len(local) - len(tail)], np.asarray(tail, np.int32)])
+    # Which of the num_targets targets is the key's first token (the answer is " K." at the end).
+    answer = len(tail) - len(self.tok.encode(retrieval.PASSKEY_QUESTION))
+    return (memory, np.concatenate([local[:len(local) - len(tail)], np.asarray(tail, np.int32)]),
+            self.f.num_targets - answer)
 
   def batch(self, step: int) -> dict[str, np.ndarray]:
-    """memory int32 [b, M_s], tokens int32 [b, local_len + 1], reconstruction float32 [b]."""
+    """memory int32 [b, M_s], tokens int32 [b, local_len + 1], reconstruction float32 [b],
+    key_at int32 [b]: a drill's key-first-token target index among the last num_targets, or -1."""
     s, T = self.chunk_size(step), self.f.local_len
     M = self.mem[s]
     rng = np.random.default_rng([self.seed, step, self.pidx, 1])
-    memory, tokens, recon = [], [], []
+    memory, tokens, recon, key_at = [], [], [], []
     for _ in range(self.local_batch):
       ids = self._document(rng)
       is_recon = rng.random() < self.f.p_reconstruction
@@ -179,13 +183,16 @@ class Sampler:
       if is_recon:
         tokens.append(window[(r := rng.integers(M - T)):r + T + 1])
       elif rng.random() < self.retrieval_mix:
-        memory[-1], local = self._drill(window[:M], window[M:], rng)
+        memory[-1], local, at = self._drill(window[:M], window[M:], rng)
         tokens.append(local)
+        key_at.append(at)
       else:
         tokens.append(window[M:])
       recon.append(float(is_recon))
+      key_at += [-1] * (len(recon) - len(key_at))
     return {"memory": np.stack(memory), "tokens": np.stack(tokens),
-            "reconstruction": np.asarray(recon, np.float32)}
+            "reconstruction": np.asarray(recon, np.float32),
+            "key_at": np.asarray(key_at, np.int32)}
 
 
 def train_step(adapter, opt_state, base_params, batch, *, graphdef, tx, cfg: focus.FocusConfig,
@@ -195,9 +202,10 @@ def train_step(adapter, opt_state, base_params, batch, *, graphdef, tx, cfg: foc
 
   def loss_fn(adapter):
     nll_BQ = focus.target_nll(adapter, base, batch["memory"], batch["tokens"], cfg, num_targets)
-    return nll_BQ.mean(), nll_BQ.mean(axis=1)
+    return nll_BQ.mean(), nll_BQ
 
-  (loss, nll_B), grads = jax.value_and_grad(loss_fn, has_aux=True)(adapter)
+  (loss, nll_BQ), grads = jax.value_and_grad(loss_fn, has_aux=True)(adapter)
+  nll_B = nll_BQ.mean(axis=1)
   grad_norm = optax.tree.norm(grads)
   updates, new_opt = tx.update(grads, opt_state, adapter)
   new_adapter = optax.apply_updates(adapter, updates)
@@ -210,6 +218,11 @@ def train_step(adapter, opt_state, base_params, batch, *, graphdef, tx, cfg: foc
   out = {"loss": loss, "grad_norm": grad_norm, "finite": finite,
          "recon_sum": (nll_B * r_B).sum(), "recon_n": r_B.sum(),
          "cont_sum": (nll_B * (1 - r_B)).sum(), "cont_n": (1 - r_B).sum()}
+  # The drills' key-first-token NLL: does the memory reach the local decoder at all? ln(90000)
+  # ≈ 11.4 is knowing only that a 5-digit key comes; ~0 is reading it.
+  is_key_B = batch["key_at"] >= 0
+  key_nll_B = jnp.take_along_axis(nll_BQ, jnp.maximum(batch["key_at"], 0)[:, None], axis=1)[:, 0]
+  out.update(key_sum=jnp.where(is_key_B, key_nll_B, 0.0).sum(), key_n=is_key_B.sum())
   return new_adapter, new_opt, out
 
 
@@ -232,7 +245,8 @@ def _dry_run(config, step_fns, state, batch_sh, mesh) -> dict:
   B, T = config.data.global_batch, config.focus.local_len
   out = {"dry_run": True}
   for s, fn in step_fns.items():
-    shapes = {"memory": (B, memory_len(config, s)), "tokens": (B, T + 1), "reconstruction": (B,)}
+    shapes = {"memory": (B, memory_len(config, s)), "tokens": (B, T + 1), "reconstruction": (B,),
+              "key_at": (B,)}
     batch = {k: jax.ShapeDtypeStruct(v, jnp.float32 if k == "reconstruction" else jnp.int32,
                                      sharding=batch_sh[k]) for k, v in shapes.items()}
     with jax.set_mesh(mesh):
@@ -279,7 +293,8 @@ def train(config, workdir: str, *, dry_run: bool = False, stop_at: int | None = 
   base_sh = sharding.param_shardings(base_state, mesh)
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   batch_sh = {"memory": sharding.batch_sharding(mesh), "tokens": sharding.batch_sharding(mesh),
-              "reconstruction": jax.sharding.NamedSharding(mesh, sharding.spec(("batch",)))}
+              "reconstruction": jax.sharding.NamedSharding(mesh, sharding.spec(("batch",))),
+              "key_at": jax.sharding.NamedSharding(mesh, sharding.spec(("batch",)))}
   dtype = jnp.dtype(config.train.compute_dtype)
   base_params = jax.device_put(jax.tree.map(lambda p: jnp.asarray(p, dtype),
                                             nnx.to_pure_dict(base_state)), base_sh)
@@ -333,7 +348,7 @@ def train(config, workdir: str, *, dry_run: bool = False, stop_at: int | None = 
       scalars = {"loss": sums["loss"] / len(acc), "grad_norm": sums["grad_norm"] / len(acc),
                  "lr": lr_at(pstep - 1), "chunk_size": chunk,
                  "tokens_per_s": sum(t for _, t in acc) / max(now - t_last, 1e-9)}
-      for task, key in (("continuation", "cont"), ("reconstruction", "recon")):
+      for task, key in (("continuation", "cont"), ("reconstruction", "recon"), ("key", "key")):
         if sums[f"{key}_n"]:
           scalars[f"loss_{task}"] = sums[f"{key}_sum"] / sums[f"{key}_n"]
       writer.write(pstep, scalars)

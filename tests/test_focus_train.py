@@ -87,12 +87,17 @@ def test_sampler_drills_put_the_key_in_memory_and_at_the_targets(tmp_path):
                   num_targets=24, doc_min_tokens=128)
   b = focus_train.Sampler(cfg, tok, 0, 16).batch(0)
   drills = 0
-  for memory, tokens in zip(b["memory"], b["tokens"]):
+  Q = cfg.focus.num_targets
+  for memory, tokens, key_at in zip(b["memory"], b["tokens"], b["key_at"]):
     text = tok.decode(tokens.tolist())
     if "What is the pass key?" not in text:
+      assert key_at == -1
       continue
     drills += 1
     key = text.rsplit("The pass key is", 1)[1].strip().rstrip(".")
+    # key_at (the loss_key metric) points at the answer's first token among the Q targets.
+    assert tokens[-Q + key_at] == tok.encode(f" {key}.")[0]
+    assert tok.decode(tokens[-Q + key_at:].tolist()) == f" {key}."
     assert f"The pass key is {key}. Remember it." in tok.decode(memory.tolist())
     assert key in tok.decode(tokens[-cfg.focus.num_targets:].tolist())  # supervised targets
     assert key not in text.rsplit("The pass key is", 1)[0]  # only the memory holds the key
