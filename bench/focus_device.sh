@@ -48,6 +48,23 @@ run_for "${BASE_PASSKEY_LIMIT:-40}" python3 eval.py --workdir "$BASE" --suites p
   --max_multiplier 1 --passkey_seeds "${SEEDS:-10}" --noplots 2>&1 | quiet > "$OUT/eval_base_passkey.log"
 tail -n 3 "$OUT/eval_base_passkey.log"
 
+# 1b. The copy-initialised adapter (no training) on the passkey suite: at init every candidate IS
+#     the base's hidden state on [chunk | prompt], so its `candidate reads key` column says whether
+#     the chunk layout lets the base read the needle at all, before any training (INIT_LIMIT=0 skips).
+if [ "${INIT_LIMIT:-0}" != 0 ]; then
+  stage init_adapter "${INIT_LIMIT}"
+  python3 -c "import sys; from focaljax import focus, loaded
+m = loaded.load(sys.argv[1])
+focus.save_adapter(sys.argv[2], focus.init_adapter(m.model), focus.FocusConfig(
+    int(sys.argv[3]), prompt_len=int(sys.argv[4]), implementation=sys.argv[5]), sys.argv[1])" \
+    "$BASE" "$ROOT/focus_init" "${CHUNKS%%,*}" "${PROMPT:-256}" "${FOCUS_IMPL:-pallas}"
+  run_for "${INIT_LIMIT}" python3 eval.py --workdir "$BASE" --focus_adapter "$ROOT/focus_init" \
+    --suites focus_passkey --focus_multipliers "${INIT_MULTS:-2,8}" --passkey_seeds "${SEEDS:-10}" \
+    --focus_dtype "${DTYPE:-bfloat16}" --focus_local_len "${LOCAL:-512}" 2>&1 | quiet \
+    > "$OUT/eval_init.log"
+  tail -n 8 "$OUT/eval_init.log"
+fi
+
 # 2. The adapter (SIGTERM at the limit: train.py saves the adapter and exits).
 stage adapter "${FOCUS_LIMIT:-130}"
 run_for "${FOCUS_LIMIT:-130}" python3 train.py --config configs/focus.py --workdir "$RUN" \
