@@ -3,11 +3,11 @@
 Einsum letters: B batch, T positions, S key positions, E d_model, F d_ff, N query heads,
 K kv heads, D head dim, V vocabulary.
 
-Pre-RMSNorm blocks, SwiGLU MLP, no biases, optional tied embeddings, grouped-query attention,
-optional QK-norm, rotary embeddings (per-layer `rope` or `none`) with dynamic NTK scaling past
-the trained context. Every parameter carries logical axis names in its `axes` metadata
-(`focaljax.sharding.RULES` maps them to mesh axes). The model knows no variant names: each layer
-gets its `attention.Family` from `attention.FAMILY`.
+Pre-RMSNorm blocks, SwiGLU MLP (focaljax/mlp.py), no biases, optional tied embeddings,
+grouped-query attention, optional QK-norm, rotary embeddings (per-layer `rope` or `none`) with
+dynamic NTK scaling past the trained context. Every parameter carries logical axis names in its
+`axes` metadata (`focaljax.sharding.RULES` maps them to mesh axes). The model knows no variant
+names: each layer gets its `attention.Family` from `attention.FAMILY`.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from flax import nnx
 
 from focaljax import attention as attn_lib
 from focaljax import sharding
+from focaljax.mlp import Mlp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,27 +296,6 @@ class Attention(nnx.Module):
     scale = self.family.scale(self.cfg.attention, self.cfg.head_dim, tau_BT)
     out, cache = self.family.cached(self.cfg.attention, q, cache, scale, start)
     return jnp.einsum("BTND,NDE->BTE", out, self.wo[...].astype(out.dtype)), cache
-
-
-class Mlp(nnx.Module):
-
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-    E, F = cfg.d_model, cfg.d_ff
-    self.w_gate = _param(rngs, (E, F), E**-0.5, ("embed", "mlp"))
-    self.w_up = _param(rngs, (E, F), E**-0.5, ("embed", "mlp"))
-    self.w_down = _param(rngs, (F, E), cfg.init_std / (2 * cfg.num_layers) ** 0.5, ("mlp", "embed"))
-    self.fused = cfg.fuse_matmuls
-
-  def __call__(self, x_BTE):
-    dt = x_BTE.dtype
-    if self.fused:
-      w_ECF = jnp.stack([self.w_gate[...], self.w_up[...]], axis=1).astype(dt)
-      gu = jnp.einsum("BTE,ECF->BTCF", x_BTE, w_ECF)
-      gate, up = gu[:, :, 0], gu[:, :, 1]
-    else:
-      gate = jnp.einsum("BTE,EF->BTF", x_BTE, self.w_gate[...].astype(dt))
-      up = jnp.einsum("BTE,EF->BTF", x_BTE, self.w_up[...].astype(dt))
-    return jnp.einsum("BTF,FE->BTE", jax.nn.silu(gate) * up, self.w_down[...].astype(dt))
 
 
 class Block(nnx.Module):
