@@ -54,6 +54,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       # QK-norm + RoPE backward: separate (two custom VJPs) | fused (qk_norm_rope: the cotangent
       # un-rotated once, then the norm's reductions). Only with qk_norm, RoPE layers, explicit.
       qk_rope_backward="separate",
+      # SwiGLU backward: autodiff | explicit (mlp.swiglu: float32, both cotangents in one pass).
+      mlp_backward="autodiff",
   ))
   c.model.attention = ml_collections.ConfigDict(dict(
       # Per-layer "variant[:position]" list, cycled over the layers. variant: softmax | focal |

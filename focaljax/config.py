@@ -16,6 +16,7 @@ _CHOICES = {
     "model.attention.tau_mean": tuple(m.value for m in attn_lib.TauMean),
     "model.norm_backward": ("explicit", "autodiff"),
     "model.qk_rope_backward": model_lib.QK_ROPE_BACKWARDS,
+    "model.mlp_backward": model_lib.MLP_BACKWARDS,
     "optim.mu_dtype": ("float32", "bfloat16"),
     "train.compute_dtype": ("float32", "bfloat16"),
     "train.nonfinite": ("stop", "skip"),
@@ -112,6 +113,7 @@ def model_config(c: ml_collections.ConfigDict, vocab_size: int) -> model_lib.Mod
       qk_norm=m.qk_norm, rope_theta=m.rope_theta, norm_eps=m.norm_eps, remat=m.remat,
       fuse_matmuls=m.fuse_matmuls, norm_backward=m.get("norm_backward", "explicit"),
       qk_rope_backward=m.get("qk_rope_backward", "separate"),
+      mlp_backward=m.get("mlp_backward", "autodiff"),
       attention=attn_lib.AttentionConfig(
           layers=attn_lib.parse_pattern(a.pattern, m.num_layers),
           implementation=a.implementation, temperature=a.temperature, learned=a.learned,

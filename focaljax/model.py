@@ -20,7 +20,7 @@ from flax import nnx
 
 from focaljax import attention as attn_lib
 from focaljax import sharding
-from focaljax.mlp import Mlp
+from focaljax.mlp import MLP_BACKWARDS, Mlp  # noqa: F401  (MLP_BACKWARDS: config.py's table)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +48,8 @@ class ModelConfig:
   # QK-norm then RoPE: "separate" (rms_norm, apply_rope) or "fused" (qk_norm_rope). Fused only
   # where qk_norm is on, the layer uses RoPE and norm_backward is "explicit".
   qk_rope_backward: str = "separate"
+  # SwiGLU's backward: "autodiff" (of jax.nn.silu(gate) * up) or "explicit" (mlp.swiglu).
+  mlp_backward: str = "autodiff"
 
 
 QK_ROPE_BACKWARDS = ("separate", "fused")

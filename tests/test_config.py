@@ -59,6 +59,7 @@ def test_size_presets_build_abstractly(size):
     ("mesh.tensor", 3, "mesh.tensor"),
     ("model.norm_backward", "fused", "model.norm_backward"),
     ("model.qk_rope_backward", "fast", "model.qk_rope_backward"),
+    ("model.mlp_backward", "fused", "model.mlp_backward"),
     ("optim.mu_dtype", "float16", "optim.mu_dtype"),
 ])
 def test_invalid_values_name_the_field(field, value, match):
@@ -116,3 +117,10 @@ def test_a_workdir_config_from_before_qk_rope_backward_still_loads():
   with c.unlocked():
     del c.model["qk_rope_backward"]
   assert config_lib.model_config(c, vocab_size=256).qk_rope_backward == "separate"
+
+
+def test_a_workdir_config_from_before_mlp_backward_still_loads():
+  c = base.get_config()
+  with c.unlocked():
+    del c.model["mlp_backward"]
+  assert config_lib.model_config(c, vocab_size=256).mlp_backward == "autodiff"
