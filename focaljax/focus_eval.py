@@ -29,8 +29,10 @@ loss_by_position: NLL of long documents in doubling position ranges [0, ctx), [c
 ending at p scores the Q = num_targets targets at positions p-Q+1 .. p of the document (each
 predicted from its own candidates, module docstring of focus.py): local tokens doc[p-T .. p-1],
 memory the whole chunks before doc[p-T]. For each range, `windows` ends p are drawn uniformly
-(duplicates dropped) from the ends whose targets all lie in the range (and p >= T), the same ends
-for every book (so each memory length compiles once). Per book and range the value is the mean
+(duplicates dropped) from the ends whose targets all lie in the range (and p >= T) and whose
+memory is the same whole number of chunks, that number drawn first: one memory length, so one
+compile, per range (one per window took minutes on the GPU at 32x). The ends are the same for
+every book and all books run as one batch. Per book and range the value is the mean
 NLL over those windows x Q targets; curves report mean and standard error over books. `base`
 scores the same targets with the frozen base alone on the same T-token local window (no memory),
 and `gain` = base - focus per book (positive: the memory helps). A range with no valid end
@@ -202,23 +204,25 @@ def loss_by_position(adapter, base, cfg: focus.FocusConfig, token_docs, max_mult
     if lo > hi:
       ends.append([])
       continue
+    # One memory length per range (one compile, not one per window): draw the band of ends
+    # sharing k whole chunks of memory, then the ends inside it.
     rng = np.random.default_rng([seed, r])
+    k = int(rng.integers((lo - T) // s, (hi - T) // s + 1))
+    lo, hi = max(lo, T + k * s), min(hi, T + (k + 1) * s - 1)
     ends.append(sorted({int(p) for p in rng.integers(lo, hi + 1, windows)}))
-  no_memory = np.zeros((1, 0), np.int32)
+  books_BL = np.stack(books)
+  no_memory = np.zeros((len(books), 0), np.int32)
   focus_nll = np.full((len(books), len(ranges)), np.nan)
   base_nll = np.full((len(books), len(ranges)), np.nan)
   for r, ps in enumerate(ends):
     if not ps:
       continue
     f_sum, b_sum = np.zeros(len(books)), np.zeros(len(books))
-    for p in ps:
+    for p in ps:   # every book in one batch
       M = s * ((p - T) // s)
-      for i, book in enumerate(books):
-        window = book[None, p - T:p + 1]
-        memory = book[None, p - T - M:p - T]
-        f_sum[i] += float(np.mean(_target_nll(graphdef, state, adapter, memory, window, cfg, Q)))
-        b_sum[i] += float(np.mean(_target_nll(graphdef, state, adapter, no_memory, window, cfg,
-                                              Q)))
+      window, memory = books_BL[:, p - T:p + 1], books_BL[:, p - T - M:p - T]
+      f_sum += np.asarray(_target_nll(graphdef, state, adapter, memory, window, cfg, Q)).mean(1)
+      b_sum += np.asarray(_target_nll(graphdef, state, adapter, no_memory, window, cfg, Q)).mean(1)
     focus_nll[:, r], base_nll[:, r] = f_sum / len(ps), b_sum / len(ps)
 
   def summary(per_book):

@@ -133,12 +133,13 @@ def test_loss_by_position_ranges(tiny):
   rng = np.random.default_rng(0)
   docs = [rng.integers(1, 4000, n).tolist() for n in (256, 100, 300)]   # 100 is too short
   r = focus_eval.loss_by_position(adapter, base, cfg, docs, max_multiplier=4, num_targets=4,
-                                  windows=1)
+                                  windows=3)
   assert r["num_books"] == 2 and r["max_len"] == 256 and r["local_len"] == 32
   assert r["ranges"] == [[0, 64], [64, 128], [128, 256]]
   for (a, b), ends, chunks in zip(r["ranges"], r["window_ends"], r["memory_chunks"]):
     assert ends and all(a <= p - 3 and p < b and p >= 32 for p in ends)   # targets in range
     assert chunks == [(p - 32) // 16 for p in ends]
+    assert len(set(chunks)) == 1   # one memory length (one compile) per range
   c = r["curves"]
   for name in ("focus", "base", "gain"):
     assert np.isfinite(np.asarray(c[name]["per_book"])).all()
@@ -146,6 +147,11 @@ def test_loss_by_position_ranges(tiny):
   np.testing.assert_allclose(c["gain"]["mean"], np.subtract(c["base"]["mean"],
                                                             c["focus"]["mean"]), atol=1e-6)
   assert abs(c["base"]["mean"][0] - np.log(base.cfg.vocab_size)) < 1.5   # random init
+  # The books run as one batch: each book's value is what it gets alone.
+  one = focus_eval.loss_by_position(adapter, base, cfg, docs[2:], max_multiplier=4, num_targets=4,
+                                    windows=3)
+  np.testing.assert_allclose(one["curves"]["focus"]["per_book"][0], c["focus"]["per_book"][1],
+                             rtol=1e-4)
   json.dumps(r)
   with pytest.raises(ValueError, match="max_multiplier"):
     focus_eval.loss_by_position(adapter, base, cfg, docs, max_multiplier=8)
