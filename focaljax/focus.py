@@ -16,17 +16,19 @@ Trainability is data: `params = {"base": ..., "adapter": ...}` and `trainable_ma
 True on adapter leaves only; `optim.make(cfg, params, trainable=mask)` gives the base exactly zero
 updates. The model has no `if frozen` branch.
 
-Position ids (no RoPE position ever exceeds the base's trained context, whatever M is):
+Position ids (no RoPE position ever exceeds the base's trained context; never NTK-scaled):
   chunk sequence   chunk tokens 0..s-1, the optional separator s, prompt tokens from s(+1); the
                    candidate is the last prompt token (position s+sep+P-1, then +1 per generated
                    token), i.e. every chunk is positioned as if it started the document.
-  local decoder    local tokens 0..T-1 (+1 per generated token); every candidate's key is rotated
-                   at position 0 (CANDIDATE_POSITION), i.e. all memory sits "at the start" of the
-                   local window with the same phase, independently of the number of chunks.
-  The largest position is max(s + sep + P - 1, T - 1) + generated tokens; both must stay below the
-  base's `max_seq_len` and `check_positions` raises (naming the field) when they would not. The
-  official code puts the k candidates at 0..k-1 and the local tokens after them, so its positions
-  grow with the number of chunks; ours do not, and RoPE never NTK-scales (theta = rope_theta).
+  local decoder    `FocusConfig.candidate_positions` picks the layout (an A/B switch):
+    "shared"       local tokens 0..T-1 (+1 per generated token); every candidate key is rotated
+                   at CANDIDATE_POSITION (0): all memory sits "at the start" with one phase, and
+                   positions do not grow with the number of chunks C.
+    "sequential"   the official code's: candidate c (chunk order) at position c, local tokens at
+                   C..C+T-1 (+1 per generated token): the candidates read as an ordinary preceding
+                   context, but C + T must fit the base's context, which bounds the memory.
+  `check_positions` raises (naming the field) unless max(s + sep + P - 1, [C +] T - 1) + generated
+  tokens stays below the base's `max_seq_len`.
 
 Leak-free objective (`target_nll`, `loss`): the paper's Eq. 6 scores every local token, but the
 candidates are condensed with a dynamic prompt that ends at the LAST local token, so the
@@ -73,7 +75,8 @@ from focaljax import loaded
 from focaljax import model as model_lib
 from focaljax import sharding
 
-CANDIDATE_POSITION = 0   # the RoPE position of every candidate key in the local decoder
+CANDIDATE_POSITION = 0   # the RoPE position of every candidate key in the "shared" layout
+CANDIDATE_POSITIONS = ("shared", "sequential")   # FocusConfig.candidate_positions (module doc)
 _PROJ = ("wq", "wk", "wv", "wo")
 
 
@@ -83,12 +86,20 @@ class FocusConfig:
   prompt_len: int = 512             # dynamic prompt: the last min(prompt_len, chunk_size) tokens
   sep_id: int | None = None         # token between chunk and prompt (the official code: BOS)
   implementation: str = "xla"       # candidate/local attention: "xla" | "pallas" (focus_attention)
+  candidate_positions: str = "shared"   # local-decoder layout: "shared" | "sequential" (module doc)
 
   def __post_init__(self):
     if self.chunk_size < 1 or self.prompt_len < 1:
       raise ValueError(f"FocusConfig: chunk_size ({self.chunk_size}) and prompt_len "
                        f"({self.prompt_len}) must be >= 1")
     focus_attention.check(self.implementation)
+    if self.candidate_positions not in CANDIDATE_POSITIONS:
+      raise ValueError(f"FocusConfig.candidate_positions must be one of {CANDIDATE_POSITIONS}; "
+                       f"got {self.candidate_positions!r}")
+
+  @property
+  def sequential_positions(self) -> bool:
+    return self.candidate_positions == "sequential"
 
   def prompt_tokens(self, available: int) -> int:
     return min(self.prompt_len, self.chunk_size, available)
@@ -174,14 +185,21 @@ def from_workdir(path: str, adapter_dir: str | None = None, base_attention: str 
 
 
 def check_positions(base_cfg: model_lib.ModelConfig, cfg: FocusConfig, local_len: int,
-                    prompt_len: int, extra: int = 0) -> None:
-  """Raises unless every RoPE position (see the module docstring) is < base max_seq_len."""
+                    prompt_len: int, extra: int = 0, memory_len: int = 0) -> None:
+  """Raises unless every RoPE position (see the module docstring) is < base max_seq_len.
+  `memory_len` gives the number of chunks, which the "sequential" layout puts before the window."""
   limit = base_cfg.max_seq_len
   chunk_max = cfg.prefix + prompt_len - 1 + extra
   if chunk_max >= limit:
     raise ValueError(f"focus: chunk_size ({cfg.chunk_size}) + separator + dynamic prompt "
                      f"({prompt_len}) + new tokens ({extra}) = {chunk_max + 1} exceeds the base's "
                      f"trained context max_seq_len={limit}; lower chunk_size or prompt_len")
+  C = memory_len // cfg.chunk_size if cfg.sequential_positions else 0
+  if C and C + local_len - 1 + extra >= limit:
+    raise ValueError(f"focus: candidate_positions='sequential' puts {C} candidates before the "
+                     f"local window ({local_len}) + new tokens ({extra}): {C + local_len + extra} "
+                     f"positions exceed the base's max_seq_len={limit} (the official layout's "
+                     f"memory limit); use a larger chunk_size, less memory or 'shared'")
   if local_len - 1 + extra >= limit:
     raise ValueError(f"focus: the local window ({local_len}) + new tokens ({extra}) exceeds the "
                      f"base's trained context max_seq_len={limit}; move tokens into memory")
@@ -247,13 +265,20 @@ def candidates(adapter, base, caches, tokens_RQ, positions_RQ, theta: float, *,
   return x_RQE, kv
 
 
-def local_logits(base, tokens_BT, cand_kv, theta: float, *, implementation: str = "xla"):
-  """The frozen decoder over the local window (positions 0..T-1) with the C candidates of each
-  row (per layer (k before RoPE, v) [B, C, K, D]) prepended and visible to every token."""
+def local_logits(base, tokens_BT, cand_kv, theta: float, *, implementation: str = "xla",
+                 sequential_positions: bool = False):
+  """The frozen decoder over the local window with the C candidates of each row (per layer (k
+  before RoPE, v) [B, C, K, D], chunk order) prepended and visible to every token. Positions: local
+  tokens 0..T-1, candidates at CANDIDATE_POSITION; with `sequential_positions`, candidates 0..C-1
+  and local tokens C..C+T-1 (FocusConfig.candidate_positions, module docstring)."""
   B, T = tokens_BT.shape
   C = cand_kv[0][0].shape[1]
-  positions_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
-  cand_BC = jnp.full((B, C), CANDIDATE_POSITION)
+  if sequential_positions:
+    cand_C, local_T = jnp.arange(C), C + jnp.arange(T)
+  else:
+    cand_C, local_T = jnp.full((C,), CANDIDATE_POSITION), jnp.arange(T)
+  positions_BT = jnp.broadcast_to(local_T, (B, T))
+  cand_BC = jnp.broadcast_to(cand_C, (B, C))
   x_BTE = base.embed[...][tokens_BT]
   for block, (kc_BCKD, vc_BCKD) in zip(base.blocks, cand_kv):
     attn = block.attn
@@ -324,13 +349,14 @@ def logits(adapter, base, memory_BM, local_BT, cfg: FocusConfig):
   candidates were condensed with a prompt ending at the last token; earlier positions see it)."""
   B, T = local_BT.shape
   P = cfg.prompt_tokens(T)
-  check_positions(base.cfg, cfg, T, P)
+  check_positions(base.cfg, cfg, T, P, memory_len=memory_BM.shape[1])
   if memory_BM.shape[1] == 0:
     kv = no_candidates(base, B, 1)
   else:
     _, kv, _ = condense(adapter, base, memory_BM, local_BT[:, T - P:], 1, cfg)
   return local_logits(base, local_BT, [(k[:, :, 0], v[:, :, 0]) for k, v in kv],
-                      base.cfg.rope_theta, implementation=cfg.implementation)
+                      base.cfg.rope_theta, implementation=cfg.implementation,
+                      sequential_positions=cfg.sequential_positions)
 
 
 def target_nll(adapter, base, memory_BM, tokens_BT, cfg: FocusConfig, num_targets: int):
@@ -343,7 +369,7 @@ def target_nll(adapter, base, memory_BM, tokens_BT, cfg: FocusConfig, num_target
   inputs_BT = tokens_BT[:, :-1]
   first = T - Q                                   # index of the first query point
   P = cfg.prompt_tokens(first + 1)
-  check_positions(base.cfg, cfg, first + 1, P, extra=Q - 1)
+  check_positions(base.cfg, cfg, first + 1, P, extra=Q - 1, memory_len=memory_BM.shape[1])
   if memory_BM.shape[1] == 0:
     kv = no_candidates(base, B, Q)
   else:
@@ -353,7 +379,8 @@ def target_nll(adapter, base, memory_BM, tokens_BT, cfg: FocusConfig, num_target
   rows = lambda x: x.transpose(0, 2, 1, 3, 4).reshape(B * Q, C, *x.shape[3:])
   logits_RTV = local_logits(base, jnp.repeat(inputs_BT, Q, axis=0),
                             [(rows(k), rows(v)) for k, v in kv], base.cfg.rope_theta,
-                            implementation=cfg.implementation)
+                            implementation=cfg.implementation,
+                            sequential_positions=cfg.sequential_positions)
   at_RV = logits_RTV.reshape(B, Q, T, -1)[:, jnp.arange(Q), first + jnp.arange(Q)]
   target_BQ = tokens_BT[:, first + 1:]
   picked = jnp.take_along_axis(at_RV, target_BQ[..., None], axis=-1)[..., 0]

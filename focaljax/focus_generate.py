@@ -15,9 +15,10 @@ stay inside the base's trained context; `focus.check_positions` raises before ge
 
 Shapes are fixed for the whole generation (a token buffer [B, T + new - 1] whose unwritten tail
 is causally invisible), so prefill and step each compile once; the graphdef is a static argument
-as in generate.py. `cfg.implementation` ("xla" | "pallas", focus_attention.py) is chosen at
-prefill and rides in `state["implementation"]` (a static string, outside the jitted arrays), so
-every step uses the same attention code.
+as in generate.py. `cfg.implementation` ("xla" | "pallas", focus_attention.py) and the local
+decoder's layout (`cfg.candidate_positions`; with "sequential" the local tokens, generated ones
+included, sit after the C candidates) are chosen at prefill and ride in `state` as static values
+(outside the jitted arrays), so every step uses the same attention code and positions.
 """
 
 from __future__ import annotations
@@ -31,10 +32,14 @@ from flax import nnx
 from focaljax import focus
 
 
-def _local_at(base, state, index, implementation):
+_STATIC = ("implementation", "sequential_positions")   # state entries that are not arrays
+
+
+def _local_at(base, state, index, implementation, sequential_positions):
   """Next-token logits float32 [B, V] read at buffer position `index` (a traced scalar)."""
   logits_BTV = focus.local_logits(base, state["tokens"], state["kv"], base.cfg.rope_theta,
-                                  implementation=implementation)
+                                  implementation=implementation,
+                                  sequential_positions=sequential_positions)
   return jax.lax.dynamic_index_in_dim(logits_BTV, index, axis=1, keepdims=False)
 
 
@@ -57,11 +62,12 @@ def _prefill(graphdef, base_state, adapter, memory_BM, prompt_BT, cfg, max_new_t
   tokens_BL = jnp.zeros((B, T + max_new_tokens - 1), jnp.int32).at[:, :T].set(prompt_BT)
   state = {"tokens": tokens_BL, "length": jnp.int32(T), "caches": caches,
            "kv": [(k[:, :, 0], v[:, :, 0]) for k, v in kv], "candidate_pos": jnp.int32(n - 1)}
-  return state, _local_at(base, state, T - 1, cfg.implementation), top_BC
+  return state, _local_at(base, state, T - 1, cfg.implementation,
+                          cfg.sequential_positions), top_BC
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "implementation"))
-def _step(graphdef, base_state, adapter, state, token_B, implementation):
+@functools.partial(jax.jit, static_argnames=("graphdef",) + _STATIC)
+def _step(graphdef, base_state, adapter, state, token_B, implementation, sequential_positions):
   base = nnx.merge(graphdef, base_state)
   theta = base.cfg.rope_theta
   length, pos, caches = state["length"], state["candidate_pos"], state["caches"]
@@ -80,7 +86,7 @@ def _step(graphdef, base_state, adapter, state, token_B, implementation):
           for k, v in kv_R]
   state = {"tokens": tokens_BL, "length": length + 1, "caches": caches, "kv": kv,
            "candidate_pos": pos}
-  return state, _local_at(base, state, length, implementation)
+  return state, _local_at(base, state, length, implementation, sequential_positions)
 
 
 def prefill(adapter, base, memory_BM, prompt_BT, cfg: focus.FocusConfig, max_new_tokens: int):
@@ -90,14 +96,15 @@ def prefill(adapter, base, memory_BM, prompt_BT, cfg: focus.FocusConfig, max_new
   if max_new_tokens < 1:
     raise ValueError(f"focus generate: max_new_tokens must be >= 1; got {max_new_tokens}")
   focus.check_base(base)
-  prompt_BT = jnp.asarray(prompt_BT, jnp.int32)
+  prompt_BT, memory_BM = jnp.asarray(prompt_BT, jnp.int32), jnp.asarray(memory_BM, jnp.int32)
   T = prompt_BT.shape[1]
-  focus.check_positions(base.cfg, cfg, T, cfg.prompt_tokens(T), extra=max_new_tokens - 1)
+  focus.check_positions(base.cfg, cfg, T, cfg.prompt_tokens(T), extra=max_new_tokens - 1,
+                        memory_len=memory_BM.shape[1])
   graphdef, base_state = nnx.split(base)
-  state, logits_BV, top_BC = _prefill(graphdef, base_state, adapter,
-                                      jnp.asarray(memory_BM, jnp.int32), prompt_BT, cfg,
+  state, logits_BV, top_BC = _prefill(graphdef, base_state, adapter, memory_BM, prompt_BT, cfg,
                                       max_new_tokens)
-  return {**state, "implementation": cfg.implementation, "candidate_top": top_BC}, logits_BV
+  return {**state, "implementation": cfg.implementation,
+          "sequential_positions": cfg.sequential_positions, "candidate_top": top_BC}, logits_BV
 
 
 def step(adapter, base, state, token_B):
@@ -107,10 +114,11 @@ def step(adapter, base, state, token_B):
   if int(state["length"]) >= state["tokens"].shape[1]:
     raise ValueError("focus generate: more steps than prefill's max_new_tokens - 1")
   graphdef, base_state = nnx.split(base)
-  arrays = {k: v for k, v in state.items() if k not in ("implementation", "candidate_top")}
+  static = {k: state[k] for k in _STATIC}
+  arrays = {k: v for k, v in state.items() if k not in _STATIC + ("candidate_top",)}
   arrays, logits_BV = _step(graphdef, base_state, adapter, arrays, jnp.asarray(token_B, jnp.int32),
-                            implementation=state["implementation"])
-  return {**arrays, "implementation": state["implementation"]}, logits_BV
+                            **static)
+  return {**arrays, **static}, logits_BV
 
 
 def generate(adapter, base, memory_BM, prompt_BT, cfg: focus.FocusConfig, max_new_tokens: int,

@@ -1,6 +1,8 @@
 """FocusLLM wrapper: identities at init, positions in range, no leakage, masked optimizer,
-batched = sequential chunks, incremental generation = recomputation, chunks spread over a mesh."""
+batched = sequential chunks, incremental generation = recomputation (both candidate layouts),
+chunks spread over a mesh."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -116,10 +118,11 @@ def test_positions_stay_inside_trained_context(monkeypatch):
     focus.logits(adapter, base, memory, tokens(6, (1, 40)), cfg)
 
 
-def test_objective_does_not_leak_targets():
+@pytest.mark.parametrize("layout", focus.CANDIDATE_POSITIONS)
+def test_objective_does_not_leak_targets(layout):
   base = tiny_base()
   graphdef, params = split(base, perturbed(focus.init_adapter(base)))
-  cfg = focus.FocusConfig(chunk_size=8, prompt_len=6)
+  cfg = focus.FocusConfig(chunk_size=8, prompt_len=6, candidate_positions=layout)
   memory = tokens(7, (1, 16), hi=40)                  # memory ids < 40, local ids unique >= 40
   seq = (40 + jax.random.permutation(jax.random.key(8), V - 40)[:15])[None]
   T, Q = 14, 6
@@ -181,18 +184,19 @@ def test_batched_chunks_equal_one_at_a_time():
       np.testing.assert_allclose(v[:, c], v_c[:, 0], atol=1e-5, rtol=1e-5)
 
 
-def test_incremental_generation_equals_recomputation():
+@pytest.mark.parametrize("layout", focus.CANDIDATE_POSITIONS)
+def test_incremental_generation_equals_recomputation(layout):
   base = tiny_base(qk_norm=True)
   adapter = perturbed(focus.init_adapter(base), scale=1.0)
-  cfg = focus.FocusConfig(chunk_size=8, prompt_len=4)
+  cfg = focus.FocusConfig(chunk_size=8, prompt_len=4, candidate_positions=layout)
   memory, prompt = tokens(13, (2, 24)), tokens(14, (2, 10))
   graphdef, params = split(base, adapter)
   state, logits_BV = focus_generate.prefill(adapter, base, memory, prompt, cfg, max_new_tokens=4)
   for t in range(4):
     # From scratch: the dynamic prompt is the last 4 + t tokens (it grows; its start is fixed).
     so_far = state["tokens"][:, :10 + t]
-    ref = jitted(graphdef, focus.logits, cfg=focus.FocusConfig(chunk_size=8, prompt_len=4 + t))(
-        params, memory, so_far)[:, -1]
+    grown = focus.FocusConfig(chunk_size=8, prompt_len=4 + t, candidate_positions=layout)
+    ref = jitted(graphdef, focus.logits, cfg=grown)(params, memory, so_far)[:, -1]
     np.testing.assert_allclose(logits_BV, ref, atol=1e-5, rtol=1e-5)
     if t < 3:
       state, logits_BV = focus_generate.step(adapter, base, state, jnp.argmax(logits_BV, -1))
@@ -208,14 +212,68 @@ def test_incremental_generation_equals_recomputation():
   assert top_BC.shape == (2, 3)
 
 
+def test_sequential_candidates_read_as_a_preceding_context():
+  """"sequential": candidate keys at 0..C-1 and local tokens from C, exactly the base over [C
+  tokens | local window] when the candidates are the base's own k/v of those C tokens."""
+  base = tiny_base(qk_norm=True)
+  theta = base.cfg.rope_theta
+  prefix, local = tokens(20, (2, 5)), tokens(21, (2, 9))
+  caches = focus.frozen_prefill(base, prefix, 5, theta)
+  # The caches hold rotated keys: rotating back by -position gives the pre-RoPE keys.
+  back = -jnp.broadcast_to(jnp.arange(5), (2, 5))
+  kv = [(model_lib.apply_rope(c["k"], back, theta) if b.attn.spec.position is
+         attn_lib.Position.ROPE else c["k"], c["v"]) for b, c in zip(base.blocks, caches)]
+  local_fn = lambda seq: focus.local_logits(base, local, kv, theta, sequential_positions=seq)
+  full = base(jnp.concatenate([prefix, local], 1))[:, 5:]
+  np.testing.assert_allclose(local_fn(True), full, atol=1e-5, rtol=1e-5)
+  assert float(jnp.abs(local_fn(False) - full).max()) > 1e-2   # "shared" is another layout
+
+
+def test_sequential_positions_follow_chunk_order_and_fit_the_context():
+  base = tiny_base()
+  adapter = perturbed(focus.init_adapter(base))
+  cfg = focus.FocusConfig(chunk_size=8, prompt_len=4, candidate_positions="sequential")
+  memory, local = tokens(22, (2, 32)), tokens(23, (2, 10))
+  graphdef, params = split(base, adapter)
+  got = jitted(graphdef, focus.logits, cfg=cfg)(params, memory, local)
+  # One chunk at a time, concatenated in chunk order: candidate c sits at position c.
+  kvs = [focus.condense(adapter, base, memory[:, 8 * c: 8 * c + 8], local[:, -4:], 1, cfg)[1]
+         for c in range(4)]
+  local_fn = lambda order, seq: focus.local_logits(
+      base, local, [(jnp.concatenate([kvs[c][i][0][:, :, 0] for c in order], 1),
+                     jnp.concatenate([kvs[c][i][1][:, :, 0] for c in order], 1))
+                    for i in range(2)], base.cfg.rope_theta, sequential_positions=seq)
+  np.testing.assert_allclose(got, local_fn(range(4), True), atol=1e-5, rtol=1e-5)
+  assert float(jnp.abs(got - local_fn(range(3, -1, -1), True)).max()) > 1e-3
+  shared = jitted(graphdef, focus.logits, cfg=focus.FocusConfig(chunk_size=8, prompt_len=4))
+  assert float(jnp.abs(got - shared(params, memory, local)).max()) > 1e-3
+  # 20 chunks + a 14-token window = 34 positions > the base's 32: refused; "shared" fits.
+  long_memory, window = tokens(24, (1, 160)), tokens(25, (1, 14))
+  with pytest.raises(ValueError, match="candidate_positions='sequential'.*max_seq_len=32"):
+    focus.logits(adapter, base, long_memory, window, cfg)
+  with pytest.raises(ValueError, match="candidate_positions='sequential'"):
+    focus_generate.prefill(adapter, base, long_memory[:, :96], window[:, :10], cfg, 12)
+  shared(params, long_memory, window)
+  with pytest.raises(ValueError, match="candidate_positions must be one of.*'sequential'"):
+    focus.FocusConfig(chunk_size=8, candidate_positions="official")
+
+
 def test_adapter_round_trip_and_unsupported_layers(tmp_path):
   base = tiny_base()
   adapter = perturbed(focus.init_adapter(base))
-  cfg = focus.FocusConfig(chunk_size=8, prompt_len=4, sep_id=1)
+  cfg = focus.FocusConfig(chunk_size=8, prompt_len=4, sep_id=1, candidate_positions="sequential")
   focus.save_adapter(str(tmp_path), adapter, cfg, base_workdir="/base")
   loaded, cfg2, workdir = focus.load_adapter(str(tmp_path))
   assert cfg2 == cfg and workdir == "/base"
   jax.tree.map(np.testing.assert_array_equal, loaded, adapter)
+  # A focus.json written before candidate_positions existed loads as the layout it was: "shared".
+  with open(tmp_path / "focus.json") as f:
+    meta = json.load(f)
+  del meta["config"]["candidate_positions"]
+  with open(tmp_path / "focus.json", "w") as f:
+    json.dump(meta, f)
+  old = focus.load_adapter(str(tmp_path))[1]
+  assert old == dataclasses.replace(cfg, candidate_positions="shared")
   with pytest.raises(NotImplementedError, match="dilution"):
     focus.init_adapter(tiny_base("softmax:rope,dilution:none"))
 
