@@ -31,6 +31,8 @@ def get_config(arg=None):
       retrieval_mix=0.0,        # share of continuation samples turned into passkey drills
       implementation="xla",     # candidate/local attention: "xla" (einsum spec) | "pallas"
                                 # (pallas_kernels/condense.py; compiled on GPU, interpreted on CPU)
+      candidate_positions="shared",   # local-decoder RoPE layout: "shared" (all at 0) |
+                                      # "sequential" (official: 0..C-1, window after; see focus.py)
       base_attention="xla",     # the frozen base's own attention: "xla" | "pallas", whatever it
                                 # was trained with (focus.with_attention: cuDNN wants 16-bit q/k/v)
   ))

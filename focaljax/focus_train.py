@@ -94,6 +94,9 @@ def validate(config, context: int) -> None:
   if f.implementation not in focus_attention.IMPLEMENTATIONS:
     _fail("implementation", f"{f.implementation!r} must be one of "
           f"{sorted(focus_attention.IMPLEMENTATIONS)}")
+  if f.candidate_positions not in focus.CANDIDATE_POSITIONS:
+    _fail("candidate_positions", f"{f.candidate_positions!r} must be one of "
+          f"{focus.CANDIDATE_POSITIONS}")
   sizes = chunk_sizes(config)
   for name in ("prompt_len", "doc_min_tokens"):
     if f[name] < 1:
@@ -117,10 +120,22 @@ def validate(config, context: int) -> None:
             f"({f.num_targets - 1}) = {s + prompt + f.num_targets - 1} positions exceed the "
             f"base's trained context data.seq_len={context} ({f.base_workdir}); use chunks <= "
             f"{context - prompt - f.num_targets + 1} or lower focus.prompt_len")
+    chunks = memory_len(config, s) // s   # "sequential": candidates at 0..C-1, then the window
+    if f.candidate_positions == "sequential" and chunks + f.local_len > context:
+      _fail("candidate_positions", f"'sequential' puts {chunks} candidates (chunk {s}) before "
+            f"focus.local_len={f.local_len}: over the base's data.seq_len={context} (the official "
+            f"layout's memory limit); use larger chunks, a lower doc_min_tokens or 'shared'")
     if memory_len(config, s) < max(s, f.local_len + 1):
       _fail("doc_min_tokens", f"{f.doc_min_tokens} leaves a memory of {memory_len(config, s)} "
             f"tokens for chunk {s} after the local window (local_len + 1 = {f.local_len + 1}); "
             f"need >= {max(s, f.local_len + 1)} (one chunk, and room for a reconstruction span)")
+
+
+def focus_config(config, chunk: int) -> focus.FocusConfig:
+  """The FocusConfig of config.focus for one chunk size (the train step's and the saved one)."""
+  f = config.focus
+  return focus.FocusConfig(chunk, prompt_len=f.prompt_len, implementation=f.implementation,
+                           candidate_positions=f.candidate_positions)
 
 
 class Sampler:
@@ -285,8 +300,7 @@ def train(config, workdir: str, *, dry_run: bool = False, stop_at: int | None = 
   if primary:
     checkpoint.write_config(workdir, config)
   sizes = chunk_sizes(config)
-  save_cfg = focus.FocusConfig(chunk_size=max(sizes), prompt_len=f.prompt_len,  # inference default
-                               implementation=f.implementation)
+  save_cfg = focus_config(config, max(sizes))   # the largest chunk: the inference default
 
   mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
   graphdef, base_state = nnx.split(loaded.model)
@@ -311,7 +325,7 @@ def train(config, workdir: str, *, dry_run: bool = False, stop_at: int | None = 
   def step_fn(s: int):
     return jax.jit(functools.partial(
         train_step, graphdef=graphdef, tx=tx,
-        cfg=focus.FocusConfig(s, prompt_len=f.prompt_len, implementation=f.implementation),
+        cfg=focus_config(config, s),
         num_targets=f.num_targets, skip_nonfinite=config.train.nonfinite == "skip"),
         in_shardings=(replicated, replicated, base_sh, batch_sh),
         out_shardings=(replicated, replicated, replicated), donate_argnums=(0, 1))

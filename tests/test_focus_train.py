@@ -151,6 +151,7 @@ def test_train_saves_adapter_keeps_base_and_resumes(tmp_path, monkeypatch):
   adapter, saved_cfg, saved_base = focus.load_adapter(second["adapter_dir"])
   assert second["adapter_dir"] == str(wd / "adapter" / "4")
   assert saved_base == str(base_wd) and saved_cfg.chunk_size == 16 and saved_cfg.prompt_len == 8
+  assert saved_cfg.candidate_positions == "shared"
   changed = jax.tree.map(lambda a, b: bool(np.any(np.asarray(a) != np.asarray(b))), adapter, init)
   # The last layer's candidate q and o shape only the candidate's final hidden state, which
   # nothing reads (candidates contribute keys/values): they get no gradient. All else trains.
@@ -172,9 +173,18 @@ def test_refuses_chunks_past_the_base_context_and_dry_runs(tmp_path):
     focus_train.train(focus_cfg(tmp_path / "nowhere"), str(tmp_path / "wd"))
   with pytest.raises(config_lib.ConfigError, match="focus.base_attention.*'xla' or 'pallas'"):
     focus_train.train(focus_cfg(tmp_path / "base", base_attention="cudnn"), str(tmp_path / "wd"))
+  with pytest.raises(config_lib.ConfigError, match="focus.candidate_positions.*'sequential'"):
+    focus_train.train(focus_cfg(tmp_path / "base", candidate_positions="official"),
+                      str(tmp_path / "wd"))
+  # "sequential": 576 memory tokens = 72 chunks, whose candidates alone fill more than 64 positions.
+  with pytest.raises(config_lib.ConfigError, match="focus.candidate_positions.*72 candidates"):
+    focus_train.train(focus_cfg(tmp_path / "base", chunk_sizes="8", doc_min_tokens=600,
+                                candidate_positions="sequential"), str(tmp_path / "wd"))
   assert not (tmp_path / "wd").exists()
-  out = focus_train.train(focus_cfg(tmp_path / "base", chunk_sizes="8"), str(tmp_path / "wd"),
-                          dry_run=True)
+  # The dry run compiles the "sequential" step (the layout reaches the step's FocusConfig).
+  seq = focus_cfg(tmp_path / "base", chunk_sizes="8", candidate_positions="sequential")
+  assert focus_train.focus_config(seq, 8).candidate_positions == "sequential"
+  out = focus_train.train(seq, str(tmp_path / "wd"), dry_run=True)
   assert out["dry_run"] and set(out) == {"dry_run", 8}
   assert focus_train.saved_steps(str(tmp_path / "wd")) == []
 
