@@ -22,6 +22,7 @@
 # never read a needle even inside their context); the adapter turns FOCUS_MIX (0.5) of its
 # continuation samples into drills (focus.retrieval_mix). The adapter uses the paper's recipe
 # (configs/focus.py) with chunks that fit the base's 1K context: chunk + prompt + targets - 1 <= 1024.
+# CAND_POS=sequential: the official layout of focus.candidate_positions (stages 1b and 2).
 set -uo pipefail
 . "$(dirname "$0")/device_env.sh"
 ROOT=${ROOT:-/tmp/focus}; mkdir -p "$ROOT"; cp -r .data/study/tokenizer "$ROOT/"
@@ -56,8 +57,10 @@ if [ "${INIT_LIMIT:-0}" != 0 ]; then
   python3 -c "import sys; from focaljax import focus, loaded
 m = loaded.load(sys.argv[1])
 focus.save_adapter(sys.argv[2], focus.init_adapter(m.model), focus.FocusConfig(
-    int(sys.argv[3]), prompt_len=int(sys.argv[4]), implementation=sys.argv[5]), sys.argv[1])" \
-    "$BASE" "$ROOT/focus_init" "${CHUNKS%%,*}" "${PROMPT:-256}" "${FOCUS_IMPL:-pallas}"
+    int(sys.argv[3]), prompt_len=int(sys.argv[4]), implementation=sys.argv[5],
+    candidate_positions=sys.argv[6]), sys.argv[1])" \
+    "$BASE" "$ROOT/focus_init" "${CHUNKS%%,*}" "${PROMPT:-256}" "${FOCUS_IMPL:-pallas}" \
+    "${CAND_POS:-shared}"
   run_for "${INIT_LIMIT}" python3 eval.py --workdir "$BASE" --focus_adapter "$ROOT/focus_init" \
     --suites focus_passkey --focus_multipliers "${INIT_MULTS:-2,8}" --passkey_seeds "${SEEDS:-10}" \
     --focus_dtype "${DTYPE:-bfloat16}" --focus_local_len "${LOCAL:-512}" 2>&1 | quiet \
@@ -76,6 +79,7 @@ run_for "${FOCUS_LIMIT:-130}" python3 train.py --config configs/focus.py --workd
   --config.train.log_every=10 --config.train.ckpt_every="${FOCUS_CKPT:-50}" \
   --config.train.compute_dtype="${DTYPE:-bfloat16}" \
   --config.focus.implementation="${FOCUS_IMPL:-pallas}" \
+  --config.focus.candidate_positions="${CAND_POS:-shared}" \
   --config.focus.retrieval_mix="${FOCUS_MIX:-0.5}" 2>&1 | quiet > "$OUT/adapter.log"
 tail -n 4 "$OUT/adapter.log" 2>/dev/null
 
