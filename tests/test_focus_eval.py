@@ -1,6 +1,7 @@
 """FocusLLM evaluation: the passkey protocol's inputs and scoring, loss-by-position ranges,
 eval.py's --focus_adapter end to end, and the decode benchmark's smoke run."""
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -112,6 +113,14 @@ def test_passkey_feeds_the_official_prompt_and_scores_exact_keys(tiny, tok, monk
     assert not any("candidate_reads_key" in t for t in row["trials"] if not t["needle_in_memory"])
     assert share == (float(np.mean(flags)) if flags else None)
   assert "candidate reads key" in focus_eval.format_suite("focus_passkey", r)
+  # "sequential": at 8x the 30 candidates + the 32-token window + the answer pass the 64-token
+  # context; that length is skipped and says why, the 2x one still runs.
+  seq = dataclasses.replace(cfg, candidate_positions="sequential")
+  r = focus_eval.passkey(adapter, base, seq, tok, multipliers=(2, 8), seeds=2)
+  assert len(seen) == 8 + 2 and "skipped" not in r["rows"][0]
+  assert "candidate_positions='sequential'" in r["rows"][1]["skipped"]
+  assert r["accuracy_by_length"][1] is None and not r["rows"][1]["trials"]
+  assert "8x skipped" in focus_eval.format_suite("focus_passkey", r)
 
 
 def test_passkey_with_a_model_is_well_formed(tiny, tok):
