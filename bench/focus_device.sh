@@ -27,7 +27,9 @@ set -uo pipefail
 . "$(dirname "$0")/device_env.sh"
 ROOT=${ROOT:-/tmp/focus}; mkdir -p "$ROOT"; cp -r .data/study/tokenizer "$ROOT/"
 C=.data/corpus
-BASE=$ROOT/softmax_rope-s0; RUN=$ROOT/focus
+# RUN: the adapter's workdir; a second arm on the same warm machine needs its own (an existing
+# one resumes), e.g. RUN=/tmp/focus/focus_seq.
+BASE=$ROOT/softmax_rope-s0; RUN=${RUN:-$ROOT/focus}
 quiet() { grep --line-buffered -v -i "autotun\|deprecat"; }
 stage() { echo "=== $1 $(date +%T) (limit ${2}s)"; }
 # run_for SECONDS CMD...: CMD under that wall limit (SIGTERM: train.py saves and exits); 0 skips
