@@ -10,6 +10,7 @@ from flax import nnx
 from focaljax import attention as A
 from focaljax import mlp
 from focaljax import model as M
+from test_model import assert_same_loss_and_grads, loss_and_grads
 
 
 def _reference(g, u):
@@ -89,12 +90,8 @@ def test_model_does_not_depend_on_the_mlp_backward(fuse):
   for mode in mlp.MLP_BACKWARDS:
     model = M.Transformer(_cfg(mlp_backward=mode, fuse_matmuls=fuse), nnx.Rngs(7))
     assert all(b.mlp.explicit == (mode == "explicit") for b in model.blocks)
-    graphdef, state = nnx.split(model)
-    loss = lambda st: nnx.merge(graphdef, st)(tokens).std()  # noqa: E731
-    results.append(jax.jit(jax.value_and_grad(loss))(state))
-  np.testing.assert_allclose(results[0][0], results[1][0], rtol=1e-6)
-  for a, b in zip(jax.tree.leaves(results[0][1]), jax.tree.leaves(results[1][1])):
-    np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7)
+    results.append(loss_and_grads(model, tokens))
+  assert_same_loss_and_grads(*results)
 
 
 def test_unknown_mlp_backward_is_refused():

@@ -233,6 +233,20 @@ def test_qk_norm_rope_backward_writes_unrotated_rows_once():
   assert any(a.shape == (2, 8, 64) and a.dtype == jnp.float32 for a in barriers), barriers
 
 
+def loss_and_grads(model, tokens):
+  """(loss, grads over the whole state) of a float32 model; the loss is the logits' std."""
+  graphdef, state = nnx.split(model)
+  loss = lambda st: nnx.merge(graphdef, st)(tokens).std()  # noqa: E731
+  return jax.jit(jax.value_and_grad(loss))(state)
+
+
+def assert_same_loss_and_grads(a, b):
+  """Two backward implementations of one model give one training signal (test_mlp uses it)."""
+  np.testing.assert_allclose(a[0], b[0], rtol=1e-6)
+  for x, y in zip(jax.tree.leaves(a[1]), jax.tree.leaves(b[1])):
+    np.testing.assert_allclose(x, y, rtol=2e-5, atol=1e-7)
+
+
 def test_model_gradients_do_not_depend_on_the_qk_rope_backward():
   """Whole-model float32 loss and gradients with qk_rope_backward fused == separate; the fused
   path runs only in RoPE layers with QK-norm and the explicit norm backward."""
@@ -242,12 +256,8 @@ def test_model_gradients_do_not_depend_on_the_qk_rope_backward():
   for mode in ("separate", "fused"):
     model = M.Transformer(_cfg(pattern, qk_norm=True, qk_rope_backward=mode), nnx.Rngs(7))
     assert [b.attn.fused_qk_rope for b in model.blocks] == [mode == "fused", False]
-    graphdef, state = nnx.split(model)
-    loss = lambda st: nnx.merge(graphdef, st)(tokens).std()  # noqa: E731
-    results.append(jax.jit(jax.value_and_grad(loss))(state))
-  np.testing.assert_allclose(results[0][0], results[1][0], rtol=1e-6)
-  for a, b in zip(jax.tree.leaves(results[0][1]), jax.tree.leaves(results[1][1])):
-    np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7)
+    results.append(loss_and_grads(model, tokens))
+  assert_same_loss_and_grads(*results)
   for kw in (dict(qk_norm=False), dict(qk_norm=True, norm_backward="autodiff")):
     model = M.Transformer(_cfg(pattern, qk_rope_backward="fused", **kw), nnx.Rngs(7))
     assert not any(b.attn.fused_qk_rope for b in model.blocks)
