@@ -177,14 +177,14 @@ class Sampler:
     memory = memory.copy()
     at = int(rng.integers(len(memory) - len(needle) + 1))
     memory[at:at + len(needle)] = needle
-    # Which of the num_targets targets is the key's first token (the answer is " K." at the end).
+    # Where among the num_targets targets the answer " K." starts (it ends the window).
     answer = len(tail) - len(self.tok.encode(retrieval.PASSKEY_QUESTION))
     return (memory, np.concatenate([local[:len(local) - len(tail)], np.asarray(tail, np.int32)]),
             self.f.num_targets - answer)
 
   def batch(self, step: int) -> dict[str, np.ndarray]:
     """memory int32 [b, M_s], tokens int32 [b, local_len + 1], reconstruction float32 [b],
-    key_at int32 [b]: a drill's key-first-token target index among the last num_targets, or -1."""
+    key_at int32 [b]: where a drill's answer " K." starts among the last num_targets, or -1."""
     s, T = self.chunk_size(step), self.f.local_len
     M = self.mem[s]
     rng = np.random.default_rng([self.seed, step, self.pidx, 1])
@@ -210,6 +210,13 @@ class Sampler:
             "key_at": np.asarray(key_at, np.int32)}
 
 
+def answer_nll_sum(nll_BQ, key_at_B):
+  """Σ over drills of the NLL of targets key_at.. (the answer); rows with key_at = -1 add 0."""
+  Q = nll_BQ.shape[1]
+  in_answer_BQ = (jnp.arange(Q)[None] >= key_at_B[:, None]) & (key_at_B[:, None] >= 0)
+  return jnp.where(in_answer_BQ, nll_BQ, 0.0).sum()
+
+
 def train_step(adapter, opt_state, base_params, batch, *, graphdef, tx, cfg: focus.FocusConfig,
                num_targets: int, skip_nonfinite: bool):
   """One optimizer step on the adapter; the base is read, never returned. Pure."""
@@ -233,11 +240,11 @@ def train_step(adapter, opt_state, base_params, batch, *, graphdef, tx, cfg: foc
   out = {"loss": loss, "grad_norm": grad_norm, "finite": finite,
          "recon_sum": (nll_B * r_B).sum(), "recon_n": r_B.sum(),
          "cont_sum": (nll_B * (1 - r_B)).sum(), "cont_n": (1 - r_B).sum()}
-  # The drills' key-first-token NLL: does the memory reach the local decoder at all? ln(90000)
-  # ≈ 11.4 is knowing only that a 5-digit key comes; ~0 is reading it.
-  is_key_B = batch["key_at"] >= 0
-  key_nll_B = jnp.take_along_axis(nll_BQ, jnp.maximum(batch["key_at"], 0)[:, None], axis=1)[:, 0]
-  out.update(key_sum=jnp.where(is_key_B, key_nll_B, 0.0).sum(), key_n=is_key_B.sum())
+  # The drills' NLL summed over the answer " K." (the last targets, from key_at on): does the
+  # memory reach the local decoder at all? About ln(90000) ≈ 11.4 is knowing only that a 5-digit
+  # key comes (a tokenizer may spell it digit by digit after a lone space, so no single token
+  # tells); ~0 is reading it.
+  out.update(key_sum=answer_nll_sum(nll_BQ, batch["key_at"]), key_n=(batch["key_at"] >= 0).sum())
   return new_adapter, new_opt, out
 
 

@@ -95,13 +95,15 @@ def test_sampler_drills_put_the_key_in_memory_and_at_the_targets(tmp_path):
       continue
     drills += 1
     key = text.rsplit("The pass key is", 1)[1].strip().rstrip(".")
-    # key_at (the loss_key metric) points at the answer's first token among the Q targets.
+    # key_at (the loss_key metric) is where the answer starts among the Q targets.
     assert tokens[-Q + key_at] == tok.encode(f" {key}.")[0]
     assert tok.decode(tokens[-Q + key_at:].tolist()) == f" {key}."
     assert f"The pass key is {key}. Remember it." in tok.decode(memory.tolist())
     assert key in tok.decode(tokens[-cfg.focus.num_targets:].tolist())  # supervised targets
     assert key not in text.rsplit("The pass key is", 1)[0]  # only the memory holds the key
   assert 0 < drills < 16
+  nll_BQ = np.arange(2 * Q, dtype=np.float32).reshape(2, Q)
+  assert focus_train.answer_nll_sum(nll_BQ, np.asarray([Q - 2, -1])) == (Q - 2) + (Q - 1)
   with pytest.raises(config_lib.ConfigError, match="focus.retrieval_mix.*1"):
     focus_train.validate(focus_cfg(tmp_path / "base", retrieval_mix=1.0), 64)
   with pytest.raises(config_lib.ConfigError, match="focus.retrieval_mix.*num_targets"):
