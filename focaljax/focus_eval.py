@@ -22,7 +22,8 @@ number of the continuation is exactly K. As in the official code the needle can 
 window (at 2x, about T / length of the trials); `accuracy_needle_in_memory` counts only the trials
 whose needle lies wholly in the memory. For those, `candidate_readout` is the share whose
 needle chunk's candidate, read through the base's LM head, predicts the key's first token by itself
-(knowing the key, whether or not the local decoder then uses it).
+(knowing the key, whether or not the local decoder then uses it); trials whose key starts with a
+digit-free token (a lone space) get none.
 
 loss_by_position: NLL of long documents in doubling position ranges [0, ctx), [ctx, 2ctx),
 [2ctx, 4ctx), ... up to max_multiplier x ctx, through the leak-free `focus.target_nll`. A window
@@ -158,10 +159,13 @@ def passkey(adapter, base, cfg: focus.FocusConfig, tokenizer, multipliers=DEFAUL
         text = tokenizer.decode(new.tolist())
         match = re.match(r"\s*(\d+)", text)
         trial.update(output=text, correct=bool(match) and match.group(1) == str(trial["key"]))
-        if trial["needle_in_memory"]:
+        first = tokenizer.encode(f" {trial['key']}")[0]
+        # A tokenizer that spells " 86556" as " ", "8", ... makes the first token a bare space:
+        # predicting it says nothing about the key, so such trials get no readout.
+        if trial["needle_in_memory"] and any(c.isdigit() for c in tokenizer.decode([first])):
           # Does the chunk holding the needle's end predict the key's first token by itself?
           trial["candidate_reads_key"] = bool(top_C[trial["needle_end"] // cfg.chunk_size]
-                                              == tokenizer.encode(f" {trial['key']}")[0])
+                                              == first)
     row["seconds"] = round(time.time() - t0, 1)
     if log:
       log(f"  focus passkey {m}x ({L} tokens): {sum(t['correct'] for t in row['trials'])}"
