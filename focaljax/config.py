@@ -9,6 +9,7 @@ from __future__ import annotations
 import ml_collections
 
 from focaljax import attention as attn_lib
+from focaljax import mlp as mlp_lib
 from focaljax import model as model_lib
 
 _CHOICES = {
@@ -16,7 +17,7 @@ _CHOICES = {
     "model.attention.tau_mean": tuple(m.value for m in attn_lib.TauMean),
     "model.norm_backward": ("explicit", "autodiff"),
     "model.qk_rope_backward": model_lib.QK_ROPE_BACKWARDS,
-    "model.mlp_backward": model_lib.MLP_BACKWARDS,
+    "model.mlp_backward": mlp_lib.MLP_BACKWARDS,
     "optim.mu_dtype": ("float32", "bfloat16"),
     "train.compute_dtype": ("float32", "bfloat16"),
     "train.nonfinite": ("stop", "skip"),

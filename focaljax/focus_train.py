@@ -145,6 +145,8 @@ class Sampler:
     self.f, self.seed, self.pidx = config.focus, config.seed, process_index
     self.local_batch = local_batch
     self.tok, self.retrieval_mix = tokenizer, self.f.get("retrieval_mix", 0.0)
+    # A drill's tail is question + answer: its answer starts this many tokens in.
+    self._question_len = len(tokenizer.encode(retrieval.PASSKEY_QUESTION))
     self.sizes = chunk_sizes(config)
     self.docs = data_lib.documents(config_lib.data_config(config), "train")
     self.mem = {s: memory_len(config, s) for s in self.sizes}
@@ -178,9 +180,9 @@ class Sampler:
     at = int(rng.integers(len(memory) - len(needle) + 1))
     memory[at:at + len(needle)] = needle
     # Where among the num_targets targets the answer " K." starts (it ends the window).
-    answer = len(tail) - len(self.tok.encode(retrieval.PASSKEY_QUESTION))
+    # The answer " K." ends the window: it starts at this index among the num_targets targets.
     return (memory, np.concatenate([local[:len(local) - len(tail)], np.asarray(tail, np.int32)]),
-            self.f.num_targets - answer)
+            self.f.num_targets - (len(tail) - self._question_len))
 
   def batch(self, step: int) -> dict[str, np.ndarray]:
     """memory int32 [b, M_s], tokens int32 [b, local_len + 1], reconstruction float32 [b],
@@ -191,7 +193,7 @@ class Sampler:
     memory, tokens, recon, key_at = [], [], [], []
     for _ in range(self.local_batch):
       ids = self._document(rng)
-      is_recon = rng.random() < self.f.p_reconstruction
+      is_recon, at = rng.random() < self.f.p_reconstruction, -1
       n = M if is_recon else M + T + 1
       window = ids[(o := rng.integers(len(ids) - n + 1)):o + n]
       memory.append(window[:M])
@@ -200,11 +202,10 @@ class Sampler:
       elif rng.random() < self.retrieval_mix:
         memory[-1], local, at = self._drill(window[:M], window[M:], rng)
         tokens.append(local)
-        key_at.append(at)
       else:
         tokens.append(window[M:])
       recon.append(float(is_recon))
-      key_at += [-1] * (len(recon) - len(key_at))
+      key_at.append(at)
     return {"memory": np.stack(memory), "tokens": np.stack(tokens),
             "reconstruction": np.asarray(recon, np.float32),
             "key_at": np.asarray(key_at, np.int32)}

@@ -20,7 +20,7 @@ from flax import nnx
 
 from focaljax import attention as attn_lib
 from focaljax import sharding
-from focaljax.mlp import MLP_BACKWARDS, Mlp  # noqa: F401  (MLP_BACKWARDS: config.py's table)
+from focaljax.mlp import Mlp
 
 
 @dataclasses.dataclass(frozen=True)
