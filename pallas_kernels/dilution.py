@@ -68,6 +68,9 @@ import jax.numpy as jnp
 from pallas_kernels import dilution_bwd, dilution_decode, dilution_fwd, reference
 
 
+B1_CARRIES = ("registers", "scratch")
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
   """Tile sizes (powers of two ≥ 16) and Triton launch parameters."""
@@ -85,11 +88,18 @@ class BlockSizes:
   num_warps: int | None = None  # None: 4 for D <= 64, else 8 (B1 keeps dk, dv [64, D] fp32 live)
   num_stages_fwd: int = 2
   num_stages_bwd: int = 1
+  # Where B1 keeps the R/block_q carries its mini-sweep rebuilds per super-block: "registers"
+  # (an [R/block_q, block_k] array written/read by one-hot selects: 2·R/block_q·block_k selects
+  # and a cross-warp column reduction per tile) or "scratch" (a per-program HBM slice, one
+  # block_k-row store and load per tile; frees the array's registers, so block_k=128 fits).
+  b1_carries: str = "registers"
 
   def warps(self, D: int) -> int:
     return self.num_warps or (4 if D <= 64 else 8)
 
   def validate(self, D: int):
+    if self.b1_carries not in B1_CARRIES:
+      raise ValueError(f"BlockSizes.b1_carries={self.b1_carries!r} must be one of {B1_CARRIES}")
     for f in dataclasses.fields(self):
       x = getattr(self, f.name)
       if f.name.startswith("block") or f.name in ("ckpt_rows", "split_k_decode"):

@@ -61,8 +61,8 @@ def exact_mask_dot(mask_TT, x_TS):
 
 def _reverse_sweep_kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, ssum_ref, dbar_ref, do_ref,
                           ckpt_ref, dq0_ref, ghat0_ref,                       # inputs
-                          dq_ref, ghat_ref, dk_ref, dv_ref,                   # outputs
-                          *, scale, eps, block_q, block_k, ckpt_tiles):
+                          dq_ref, ghat_ref, dk_ref, dv_ref, *carry_ref,       # outputs
+                          scale, eps, block_q, block_k, ckpt_tiles, barrier):
   del dq0_ref, ghat0_ref  # zero-initialised buffers aliased to dq_ref / ghat_ref (atomic targets)
   j = pl.program_id(0)
   k0 = j * block_k
@@ -84,22 +84,35 @@ def _reverse_sweep_kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, ssum_ref, dbar_
     lo = jnp.maximum(s * ckpt_tiles, idiv(k0, block_q))
     hi = jnp.minimum((s + 1) * ckpt_tiles, n_tiles)
 
-    def mini_forward(i, state):
-      carry_S, carry_CS = state
-      carry_CS = jnp.where(slot_CS == i - s * ckpt_tiles, carry_S[None, :], carry_CS)
-      return carry_S + probs(i * block_q).sum(axis=0), carry_CS
+    if carry_ref:
+      # b1_carries="scratch": this program's own [ckpt_tiles, block_k] slice of an HBM buffer
+      # (L1/L2-resident: 8 KiB), one row store / row load per tile at a dynamic slot.
+      def mini_forward(i, carry_S):
+        carry_ref[0][i - s * ckpt_tiles, :] = carry_S
+        return carry_S + probs(i * block_q).sum(axis=0)
 
-    _, carry_CS = lax.fori_loop(
-        lo, hi, mini_forward,
-        (ckpt_ref[s, pl.ds(k0, block_k)], jnp.zeros((ckpt_tiles, block_k), jnp.float32)))
+      lax.fori_loop(lo, hi, mini_forward, ckpt_ref[s, pl.ds(k0, block_k)])
+      if barrier:  # other warps read the rows this warp stored (CTA barrier: visibility)
+        pltriton.debug_barrier()
+      carry_at = lambda slot: carry_ref[0][slot, :]
+    else:
+      def mini_forward(i, state):
+        carry_S, carry_CS = state
+        carry_CS = jnp.where(slot_CS == i - s * ckpt_tiles, carry_S[None, :], carry_CS)
+        return carry_S + probs(i * block_q).sum(axis=0), carry_CS
+
+      _, carry_CS = lax.fori_loop(
+          lo, hi, mini_forward,
+          (ckpt_ref[s, pl.ds(k0, block_k)], jnp.zeros((ckpt_tiles, block_k), jnp.float32)))
+      # Exactly one slot matches: the select-and-sum returns the stored carry bit for bit.
+      carry_at = lambda slot: jnp.where(slot_CS == slot, carry_CS, 0.0).sum(axis=0)
 
     def reverse_tile(u, acc):
       dv_SD, dk_SD, sufk_S = acc
       i = hi - 1 - u
       r0 = i * block_q
       rows = pl.ds(r0, block_q)
-      # Exactly one slot matches: the select-and-sum returns the stored carry bit for bit.
-      carry_S = jnp.where(slot_CS == i - s * ckpt_tiles, carry_CS, 0.0).sum(axis=0)
+      carry_S = carry_at(i - s * ckpt_tiles)
       q_TD = q_ref[rows, :]
       do_TD = do_ref[rows, :]
       p_TS = tile_probs(q_TD, k_SD, lse_ref[rows], seg_ref[rows], segk_S, r0, k0, scale)
@@ -122,7 +135,10 @@ def _reverse_sweep_kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, ssum_ref, dbar_
       dk_SD = dk_SD + dot(w_op, q_TD, ta=True)
       return dv_SD, dk_SD, sufk_S + g_TS.sum(axis=0)
 
-    return lax.fori_loop(0, hi - lo, reverse_tile, acc)
+    acc = lax.fori_loop(0, hi - lo, reverse_tile, acc)
+    if carry_ref and barrier:  # the next super-block overwrites rows other warps may still read
+      pltriton.debug_barrier()
+    return acc
 
   D = k_SD.shape[-1]
   zeros_SD = jnp.zeros((block_k, D), jnp.float32)
@@ -146,28 +162,37 @@ def reverse_sweep(q, k, v, seg, lse, ssum, dbar, do, ckpt, *, scale, eps, bs, in
   full_spec = pl.BlockSpec((None, T, None, D), lambda j, b, h: (b, 0, h, 0))
   kv_spec = pl.BlockSpec((None, bk, None, D), lambda j, b, h: (b, j, idiv(h, G), 0))
   key_out_spec = pl.BlockSpec((None, bk, None, D), lambda j, b, h: (b, j, h, 0))
+  ckpt_tiles = bs.ckpt_rows // bq
   dq0 = jnp.zeros((B, T, N, D), jnp.float32)
   ghat0 = jnp.zeros((B, N, T), jnp.float32)
+  out_specs = [full_spec, row_spec, key_out_spec, key_out_spec]
+  out_shape = [jax.ShapeDtypeStruct((B, T, N, D), jnp.float32),
+               jax.ShapeDtypeStruct((B, N, T), jnp.float32),
+               jax.ShapeDtypeStruct((B, T, N, D), jnp.float32),
+               jax.ShapeDtypeStruct((B, T, N, D), jnp.float32)]
+  if bs.b1_carries == "scratch":
+    # One [ckpt_tiles, block_k] slice per program: B·Hq·T·(R/block_q) fp32, discarded after.
+    out_specs.append(pl.BlockSpec((None, None, None, ckpt_tiles, bk),
+                                  lambda j, b, h: (b, h, j, 0, 0)))
+    out_shape.append(jax.ShapeDtypeStruct((B, N, T // bk, ckpt_tiles, bk), jnp.float32))
   kernel = functools.partial(_reverse_sweep_kernel, scale=scale, eps=eps, block_q=bq,
-                             block_k=bk, ckpt_tiles=bs.ckpt_rows // bq)
-  return pl.pallas_call(
+                             block_k=bk, ckpt_tiles=ckpt_tiles, barrier=not interpret)
+  outs = pl.pallas_call(
       kernel,
       grid=(T // bk, B, N),
       in_specs=[full_spec, kv_spec, kv_spec, pl.BlockSpec((None, T), lambda j, b, h: (b, 0)),
                 row_spec, row_spec, row_spec, full_spec,
                 pl.BlockSpec((None, None, n_super, T), lambda j, b, h: (b, h, 0, 0)),
                 full_spec, row_spec],
-      out_specs=[full_spec, row_spec, key_out_spec, key_out_spec],
-      out_shape=[jax.ShapeDtypeStruct((B, T, N, D), jnp.float32),
-                 jax.ShapeDtypeStruct((B, N, T), jnp.float32),
-                 jax.ShapeDtypeStruct((B, T, N, D), jnp.float32),
-                 jax.ShapeDtypeStruct((B, T, N, D), jnp.float32)],
+      out_specs=out_specs,
+      out_shape=out_shape,
       input_output_aliases={9: 0, 10: 1},
       compiler_params=pltriton.CompilerParams(num_warps=bs.warps(D),
                                               num_stages=bs.num_stages_bwd),
       interpret=interpret,
       name="dilution_reverse_sweep",
   )(q, k, v, seg, lse, ssum, dbar, do, ckpt, dq0, ghat0)
+  return tuple(outs[:4])
 
 
 def _dk_correction_kernel(q_ref, k_ref, seg_ref, lse_ref, ghat_ref, corr_ref, *,

@@ -9,6 +9,7 @@ interpret mode (CPU); `TestCompiledGPU` repeats the comparisons compiled (Triton
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import jax
@@ -23,6 +24,11 @@ from pallas_kernels.dilution_bwd import exact_mask_dot
 # tiles the keys unlike B1/B2 (16 vs 32), as the defaults do (128 vs 64).
 SMALL = dilution.BlockSizes(block_q_stats=16, block_k_stats=16, block_q=16, block_k=32,
                             block_k_fwd=16, ckpt_rows=32, block_k_decode=16, split_k_decode=32)
+# B1 variants (BlockSizes fields, default off) that must give the same gradients as the default;
+# the compiled long test also runs the wider key block that bench/dilution.py times with scratch.
+B1_VARIANTS = {"scratch": dict(b1_carries="scratch")}
+B1_VARIANTS_LONG = {"default": {}, **B1_VARIANTS,
+                    "scratch_k128_w8": dict(b1_carries="scratch", block_k=128, num_warps=8)}
 TOL = {jnp.float32: dict(out=2e-5, grad=1e-4), jnp.bfloat16: dict(out=1e-2, grad=2e-2),
        jnp.float16: dict(out=2e-3, grad=4e-3)}
 
@@ -66,20 +72,31 @@ class _DilutionKernelChecks:
     if not self.INTERPRET and jax.default_backend() != "gpu":
       pytest.skip("compiled kernels need a GPU; TestInterpret covers CPU")
 
-  def _attn(self, q, k, v, seg):
+  def _attn(self, q, k, v, seg, bs=None):
     return dilution.dilution_attention(q, k, v, scale=q.shape[-1] ** -0.5, segment_ids=seg,
-                                       block_sizes=self.BS, interpret=self.INTERPRET)
+                                       block_sizes=bs or self.BS, interpret=self.INTERPRET)
 
   # Shapes are shared between tests so interpret mode compiles each kernel only a few times.
   @pytest.mark.parametrize("dtype, segments", [(jnp.float32, False), (jnp.float32, True),
                                                (jnp.bfloat16, True), (jnp.float16, True)])
   def test_forward_and_gradients_match_reference(self, dtype, segments):
+    self._check_against_reference(dtype, segments, self.BS)
+
+  # GQA (4 query heads on 2 kv heads), packed segments, 6 row tiles × 3 key blocks × 3
+  # super-blocks with SMALL; the forward is the default's, so this checks B1's gradients.
+  @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+  @pytest.mark.parametrize("variant", sorted(B1_VARIANTS))
+  def test_b1_variant_gradients_match_reference(self, variant, dtype):
+    self._check_against_reference(dtype, True, dataclasses.replace(self.BS,
+                                                                   **B1_VARIANTS[variant]))
+
+  def _check_against_reference(self, dtype, segments, bs):
     q, k, v, seg = _inputs(1 + segments, 2, self.T, 4, 2, 64, dtype, segments=segments)
     w = jax.random.normal(jax.random.PRNGKey(9), q.shape)
     scale = q.shape[-1] ** -0.5
 
     def loss_kernel(q, k, v):
-      return (self._attn(q, k, v, seg).astype(jnp.float32) * w).sum()
+      return (self._attn(q, k, v, seg, bs).astype(jnp.float32) * w).sum()
 
     def loss_ref(q, k, v):
       # The reference on the same (possibly bf16-rounded) values, in fp32.
@@ -87,7 +104,7 @@ class _DilutionKernelChecks:
       out = reference.dilution_attention(q, k, v, scale=scale, segment_ids_BT=seg)[0]
       return (out * w).sum()
 
-    out = self._attn(q, k, v, seg)
+    out = self._attn(q, k, v, seg, bs)
     assert out.dtype == dtype and out.shape == q.shape
     ref = reference.dilution_attention(*(x.astype(jnp.float32) for x in (q, k, v)), scale=scale,
                                        segment_ids_BT=seg)[0]
@@ -169,11 +186,14 @@ class TestInterpret(_DilutionKernelChecks):
 class TestCompiledGPU(_DilutionKernelChecks):
   INTERPRET = False
 
-  def test_default_blocks_long(self):
+  @pytest.mark.parametrize("variant", sorted(B1_VARIANTS_LONG))
+  def test_default_blocks_long(self, variant):
     # Default tiles and R = 1024 checkpoints: T = 2048 spans two super-blocks.
     q, k, v, seg = _inputs(10, 1, 2048, 4, 2, 64, jnp.bfloat16, segments=True)
     scale = 0.125
-    f = lambda q, k, v: dilution.dilution_attention(q, k, v, scale=scale, segment_ids=seg)
+    bs = dilution.BlockSizes(**B1_VARIANTS_LONG[variant])
+    f = lambda q, k, v: dilution.dilution_attention(q, k, v, scale=scale, segment_ids=seg,
+                                                    block_sizes=bs)
     g = lambda q, k, v: reference.dilution_attention(
         *(x.astype(jnp.float32) for x in (q, k, v)), scale=scale, segment_ids_BT=seg)[0]
     assert _rel(f(q, k, v), g(q, k, v)) < 3e-2
@@ -182,6 +202,11 @@ class TestCompiledGPU(_DilutionKernelChecks):
     gb = jax.grad(lambda *a: (g(*a) * w).sum(), (0, 1, 2))(q, k, v)
     for a, b in zip(ga, gb):
       assert _rel(a, b) < 6e-2
+
+
+def test_bad_b1_carries_names_the_field():
+  with pytest.raises(ValueError, match="b1_carries"):
+    dilution.BlockSizes(b1_carries="shared").validate(64)
 
 
 def test_exact_mask_dot_matches_fp32_product():
