@@ -6,7 +6,8 @@
 Entries: training forward and forward+backward at (B, H, T, D) = (8,8,4K,64), (2,12,16K,64),
 (1,16,8K,128); prefill at 32K/64K/128K (B1 H12 D64); one decode step against a 16K and a 128K
 cache. `--passes`: each training kernel pass (F1, F2, B1, B2) timed alone at (2,12,16K,64), to
-see where forward+backward goes. Each entry is jitted, warmed up, then timed as the median of --reps runs with
+see where forward+backward goes; `--b1-variants default,scratch,...` (or `all`) times B1 once per
+B1_VARIANTS entry (rows carry `variant`). Each entry is jitted, warmed up, then timed as the median of --reps runs with
 block_until_ready. Memory: `temp_MiB` is XLA's compiled scratch for that function (per entry);
 `peak_MiB` is the device's process-lifetime peak_bytes_in_use after the entry (monotonic: read it
 as "at most"). Every entry is wrapped in try/except (OOM, unsupported) and reported as an error.
@@ -15,6 +16,7 @@ as "at most"). Every entry is wrapped in try/except (OOM, unsupported) and repor
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -37,6 +39,13 @@ DECODE_S = [16384, 131072]
 SWEEP = [dict(), dict(block_k=128), dict(block_q=64), dict(block_q=16, block_k=128),
          dict(block_q=64, block_k=128, num_warps=8), dict(num_warps=8), dict(num_stages_fwd=3),
          dict(block_q_stats=128, block_k_stats=64)]
+# --passes --b1-variants: B1 alone per BlockSizes setting (on top of the default blocks, or the
+# smoke ones), same inputs. scratch: the super-block carries in an HBM slice, not a one-hot
+# register array; k128_w8: a 128-key block halves the dq atomics (T²·D/block_k per head) but
+# doubles dk/dv registers, so 8 warps; with scratch the carry array no longer doubles too.
+B1_VARIANTS = {"default": dict(), "scratch": dict(b1_carries="scratch"),
+               "scratch_k128_w8": dict(b1_carries="scratch", block_k=128, num_warps=8),
+               "k128_w8": dict(block_k=128, num_warps=8)}
 SMOKE_BLOCKS = dilution.BlockSizes(block_q_stats=16, block_k_stats=16, block_q=16, block_k=32,
                                    block_k_fwd=32, ckpt_rows=32, block_k_decode=16, split_k_decode=64)
 
@@ -88,8 +97,10 @@ def _fwd_bwd(fn):
   return jax.grad(loss, (0, 1, 2))
 
 
-def _entry(rows, kind, impl, shape, thunk):
+def _entry(rows, kind, impl, shape, thunk, variant=None):
   row = dict(kind=kind, impl=impl, shape=shape)
+  if variant is not None:
+    row["variant"] = variant
   try:
     sec, temp = thunk()
     row.update(ms=1e3 * sec, temp_MiB=None if temp is None else temp / 2**20)
@@ -108,12 +119,13 @@ def _print_row(r):
   tmp = f"{r['temp_MiB']:10.1f}" if r.get("temp_MiB") is not None else f"{'-':>10}"
   pk = f"{r['peak_MiB']:10.1f}" if r.get("peak_MiB") is not None else f"{'-':>10}"
   print(f"{r['kind']:<9} {r['impl']:<9} {str(r['shape']):<26} {ms} {tmp} {pk}  "
-        f"{r.get('error', '')}", flush=True)
+        f"{r.get('variant', '')}  {r.get('error', '')}", flush=True)
 
 
-def _passes(shape, dtype, reps, interpret, bs):
+def _passes(shape, dtype, reps, interpret, bs, b1_variants=("default",)):
   """Each training pass alone, on inputs from a real forward (so B1 sees true carries): where the
-  forward+backward's time goes. Rows kind="pass", impl = the pass name."""
+  forward+backward's time goes. Rows kind="pass", impl = the pass name; B1 once per variant name
+  in `b1_variants` (B1_VARIANTS fields replaced in `bs`), row["variant"] = the name."""
   from pallas_kernels import dilution_bwd, dilution_fwd  # pylint: disable=import-outside-toplevel
   B, H, T, D = shape
   q, k, v = _qkv(B, H, T, D, dtype)
@@ -129,23 +141,28 @@ def _passes(shape, dtype, reps, interpret, bs):
   # Dense [tile x tile] matmuls per (row tile, key block) pair, from the kernels' docstrings:
   # each costs B·H·T²·D FLOPs over the causal triangle (B1 also has its fp32 triangular product).
   matmuls = {"F1 row_stats": 2, "F2 key_sweep": 2, "B1 reverse_sweep": 6, "B2 dk_correction": 2}
-  passes = {
-      "F1 row_stats": (lambda q, k: dilution_fwd.row_stats(q, k, seg, with_pk=True, **kw), (q, k)),
-      "F2 key_sweep": (lambda q, k, v, lse: dilution_fwd.key_sweep(
+  b1_args = (q, k, v, lse, ssum, dbar, do, ckpt)
+  passes = [
+      ("F1 row_stats", None, lambda q, k: dilution_fwd.row_stats(q, k, seg, with_pk=True, **kw),
+       (q, k)),
+      ("F2 key_sweep", None, lambda q, k, v, lse: dilution_fwd.key_sweep(
           q, k, v, seg, lse, eps=1e-9, with_ckpt=True, **kw), (q, k, v, lse)),
-      "B1 reverse_sweep": (lambda q, k, v, lse, ssum, dbar, do, ckpt: dilution_bwd.reverse_sweep(
-          q, k, v, seg, lse, ssum, dbar, do, ckpt, eps=1e-9, **kw),
-                           (q, k, v, lse, ssum, dbar, do, ckpt)),
-      "B2 dk_correction": (lambda q, k, lse, ghat: dilution_bwd.dk_correction(
-          q, k, seg, lse, ghat, **kw), (q, k, lse, ghat)),
-  }
+  ]
+  for variant in b1_variants:
+    # The checkpoints are per key (any block_k reads them); block_k must divide T.
+    kw_v = dict(kw, bs=dataclasses.replace(bs, **B1_VARIANTS[variant]))
+    passes.append(("B1 reverse_sweep", variant,
+                   lambda *a, kw_v=kw_v: dilution_bwd.reverse_sweep(*a[:3], seg, *a[3:],
+                                                                    eps=1e-9, **kw_v), b1_args))
+  passes.append(("B2 dk_correction", None, lambda q, k, lse, ghat: dilution_bwd.dk_correction(
+      q, k, seg, lse, ghat, **kw), (q, k, lse, ghat)))
   rows = []
-  for name, (fn, args) in passes.items():
-    _entry(rows, "pass", name, shape, lambda fn=fn, args=args: _time(fn, args, reps))
+  for name, variant, fn, args in passes:
+    _entry(rows, "pass", name, shape, lambda fn=fn, args=args: _time(fn, args, reps), variant)
     if "ms" in rows[-1]:
       tflop = matmuls[name] * B * H * T * T * D / 1e12
       rows[-1].update(matmul_TFLOP=tflop, TFLOP_per_s=tflop / rows[-1]["ms"] * 1e3)
-      print(f"          {name}: {matmuls[name]} matmuls per tile pair, {tflop:.3f} TFLOP, "
+      print(f"          {name}{f' [{variant}]' if variant else ''}: {matmuls[name]} matmuls per tile pair, {tflop:.3f} TFLOP, "
             f"{rows[-1]['TFLOP_per_s']:.0f} TFLOP/s")
   return rows
 
@@ -162,9 +179,16 @@ def main(argv=None):
                   help="only the SWEEP tile variants (fwd, fwd+bwd, F1 alone) at (2,12,16K,64)")
   ap.add_argument("--passes", action="store_true",
                   help="only each training kernel pass alone (F1, F2, B1, B2) at (2,12,16K,64)")
+  ap.add_argument("--b1-variants", default="default",
+                  help="with --passes: comma list of B1_VARIANTS names to time B1 for, or 'all' "
+                       f"({','.join(B1_VARIANTS)})")
   ap.add_argument("--skip", default="", help="comma list of sections to skip: train,prefill,decode")
   args = ap.parse_args(argv)
 
+  b1_variants = list(B1_VARIANTS) if args.b1_variants == "all" else args.b1_variants.split(",")
+  for name in b1_variants:
+    if name not in B1_VARIANTS:
+      raise ValueError(f"--b1-variants: {name!r} is not one of {list(B1_VARIANTS)} or 'all'")
   dtype = jnp.dtype(args.dtype)
   impls = [i for i in args.impls.split(",") if i]
   skip = set(args.skip.split(","))
@@ -179,7 +203,7 @@ def main(argv=None):
   print(f"backend={jax.default_backend()} device={jax.devices()[0].device_kind} "
         f"jax={jax.__version__} dtype={dtype.name} interpret={interpret}")
   print(f"{'kind':<9} {'impl':<9} {'(B, H, T, D)':<26} {'ms':>10} {'temp_MiB':>10} "
-        f"{'peak_MiB':>10}")
+        f"{'peak_MiB':>10}  variant")
   rows = []
 
   if args.sweep:
@@ -200,7 +224,7 @@ def main(argv=None):
 
   if args.passes:
     rows += _passes(train_shapes[1] if not args.smoke else train_shapes[0], dtype, reps,
-                    interpret, bs or dilution.BlockSizes())
+                    interpret, bs or dilution.BlockSizes(), b1_variants)
     skip |= {"train", "prefill", "decode"}
 
   if "train" not in skip:

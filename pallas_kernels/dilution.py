@@ -37,7 +37,9 @@ Memory (no T×T tensor anywhere). Per (batch, query head), float32, T padded to 
   → extra ≈ B·Hq·(6·T·D + 4·T + ceil(T/R)·T)·4 bytes, R = ckpt_rows (default 1024 ≥ 1024).
   E.g. B2 Hq12 T16K D64: the 6·T·D terms 576 MiB, checkpoints 24·16·16K·4 B = 24 MiB per layer
   (the released kernels' every-32-rows checkpoints: 768 MiB).
-  Registers: each B1 program holds an [R/32, 64] fp32 carry array (R = 1024: 8 KiB).
+  Registers: each B1 program holds an [R/32, 64] fp32 carry array (R = 1024: 8 KiB), or with
+  BlockSizes.b1_carries="scratch" an HBM slice of that size per program instead (transient
+  B·Hq·T·R/32 fp32: 48 MiB at B2 Hq12 T16K; dilution_bwd.py says why).
 
 Prefill (`dilution_prefill`): F1 without pk + F2 without checkpoints; returns out and the demand
 totals (F2's final carries). Extra memory B·Hq·(2·T·D + 3T)·4 bytes (N and the fp32 output, lse,

@@ -13,8 +13,17 @@ its row tiles BOTTOM-UP, because the suffix Σ_{r>i} g_rj is a per-key running s
 rows already visited. The forward's carry c is needed in the opposite (top-down) direction, so rows
 are processed in super-blocks of `ckpt_rows` rows, last super-block first (notes §9.3):
   1. forward mini-sweep: from checkpoint s (stored by F2) rebuild the carry at every row tile of the
-     super-block and keep them in a [ckpt_rows/block_q, block_k] register array (one-hot select
-     writes/reads: no dynamic register indexing, exact);
+     super-block and keep them (exact, bit for bit) either
+       b1_carries="registers" (default): in a [ckpt_rows/block_q, block_k] register array, one-hot
+         select writes/reads (no dynamic register indexing): per tile 2 selects over the whole
+         array (2·32·64 at R=1024, 32×64 tiles) and a cross-warp column reduction, and the array
+         holds 16 fp32 registers per thread (4 warps) for the whole kernel; or
+       b1_carries="scratch": in the program's own [ckpt_rows/block_q, block_k] slice of an HBM
+         output used as scratch (8 KiB, L1/L2-resident): one block_k-row store and load per tile
+         at a dynamic row, a CTA barrier after the mini-sweep and after the reverse pass (other
+         warps read what one stored); memory B·Hq·T·(ckpt_rows/block_q) fp32 (R=1024, block_q=32:
+         32·T per head, 48 MiB at B2 Hq12 T16K), transient. The freed registers are what made
+         block_k=128 spill before; 128 halves the dq atomics (T²·D/block_k per head).
   2. reverse pass over the same tiles: dv_J += Aᵀ dO_I, dk_J += Wᵀ Q_I (registers, stored once),
      ĝ_I += rowsum(W) and dq_I += s W K_J (fp32 atomics, shared by all key blocks).
 No subtraction ever reconstructs a carry or a suffix, so there is no cancellation (§9.2's fp32
