@@ -7,10 +7,11 @@ Entries: training forward and forward+backward at (B, H, T, D) = (8,8,4K,64), (2
 (1,16,8K,128); prefill at 32K/64K/128K (B1 H12 D64); one decode step against a 16K and a 128K
 cache. `--passes`: each training kernel pass (F1, F2, B1, B2) timed alone at (2,12,16K,64), to
 see where forward+backward goes; `--b1-variants default,scratch,...` (or `all`) times B1 once per
-B1_VARIANTS entry (rows carry `variant`). Each entry is jitted, warmed up, then timed as the median of --reps runs with
-block_until_ready. Memory: `temp_MiB` is XLA's compiled scratch for that function (per entry);
-`peak_MiB` is the device's process-lifetime peak_bytes_in_use after the entry (monotonic: read it
-as "at most"). Every entry is wrapped in try/except (OOM, unsupported) and reported as an error.
+B1_VARIANTS entry (rows carry `variant`). Each entry is jitted, warmed up, then timed as the
+median of --reps runs with block_until_ready. Memory: `temp_MiB` is XLA's compiled scratch for
+that function (per entry); `peak_MiB` is the device's process-lifetime peak_bytes_in_use after the
+entry (monotonic: read it as "at most"). Every entry is wrapped in try/except (OOM, unsupported)
+and reported as an error.
 """
 
 from __future__ import annotations
@@ -162,7 +163,8 @@ def _passes(shape, dtype, reps, interpret, bs, b1_variants=("default",)):
     if "ms" in rows[-1]:
       tflop = matmuls[name] * B * H * T * T * D / 1e12
       rows[-1].update(matmul_TFLOP=tflop, TFLOP_per_s=tflop / rows[-1]["ms"] * 1e3)
-      print(f"          {name}{f' [{variant}]' if variant else ''}: {matmuls[name]} matmuls per tile pair, {tflop:.3f} TFLOP, "
+      label = f"{name} [{variant}]" if variant else name
+      print(f"          {label}: {matmuls[name]} matmuls per tile pair, {tflop:.3f} TFLOP, "
             f"{rows[-1]['TFLOP_per_s']:.0f} TFLOP/s")
   return rows
 

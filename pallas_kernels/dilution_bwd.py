@@ -16,14 +16,16 @@ are processed in super-blocks of `ckpt_rows` rows, last super-block first (notes
      super-block and keep them (exact, bit for bit) either
        b1_carries="registers" (default): in a [ckpt_rows/block_q, block_k] register array, one-hot
          select writes/reads (no dynamic register indexing): per tile 2 selects over the whole
-         array (2·32·64 at R=1024, 32×64 tiles) and a cross-warp column reduction, and the array
-         holds 16 fp32 registers per thread (4 warps) for the whole kernel; or
+         array (2·32·64 at R=1024, 32×64 tiles) and an axis-0 reduction (across warps in the
+         blocked layout), and the array holds 16 fp32 registers per thread (4 warps) throughout; or
        b1_carries="scratch": in the program's own [ckpt_rows/block_q, block_k] slice of an HBM
-         output used as scratch (8 KiB, L1/L2-resident): one block_k-row store and load per tile
-         at a dynamic row, a CTA barrier after the mini-sweep and after the reverse pass (other
-         warps read what one stored); memory B·Hq·T·(ckpt_rows/block_q) fp32 (R=1024, block_q=32:
-         32·T per head, 48 MiB at B2 Hq12 T16K), transient. The freed registers are what made
-         block_k=128 spill before; 128 halves the dq atomics (T²·D/block_k per head).
+         output used as scratch (8 KiB, expected to stay in L1/L2): one block_k-row store and
+         load per tile at a dynamic row, a CTA barrier after the mini-sweep and after the
+         reverse pass (other warps read what one stored); memory B·Hq·T·(ckpt_rows/block_q)
+         fp32, transient (R=1024, block_q=32: 32·T per head, 48 MiB at B2 Hq12 T16K). It frees
+         the array's registers, which double with block_k: block_k=128 (half the dq atomics,
+         T²·D/block_k per head) slowed B1 before, register pressure the suspect;
+         bench/dilution.py --b1-variants times both.
   2. reverse pass over the same tiles: dv_J += Aᵀ dO_I, dk_J += Wᵀ Q_I (registers, stored once),
      ĝ_I += rowsum(W) and dq_I += s W K_J (fp32 atomics, shared by all key blocks).
 No subtraction ever reconstructs a carry or a suffix, so there is no cancellation (§9.2's fp32
@@ -80,7 +82,6 @@ def _reverse_sweep_kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, ssum_ref, dbar_
   k_SD = k_ref[...]
   v_SD = v_ref[...]
   segk_S = seg_ref[pl.ds(k0, block_k)]
-  slot_CS = lax.broadcasted_iota(jnp.int32, (ckpt_tiles, block_k), 0)
   later_TT = (lax.broadcasted_iota(jnp.int32, (block_q, block_q), 0)
               < lax.broadcasted_iota(jnp.int32, (block_q, block_q), 1)).astype(jnp.bfloat16)
 
@@ -95,7 +96,7 @@ def _reverse_sweep_kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, ssum_ref, dbar_
 
     if carry_ref:
       # b1_carries="scratch": this program's own [ckpt_tiles, block_k] slice of an HBM buffer
-      # (L1/L2-resident: 8 KiB), one row store / row load per tile at a dynamic slot.
+      # (8 KiB, written and re-read by this program only): one row store / load per tile.
       def mini_forward(i, carry_S):
         carry_ref[0][i - s * ckpt_tiles, :] = carry_S
         return carry_S + probs(i * block_q).sum(axis=0)
@@ -105,6 +106,8 @@ def _reverse_sweep_kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, ssum_ref, dbar_
         pltriton.debug_barrier()
       carry_at = lambda slot: carry_ref[0][slot, :]
     else:
+      slot_CS = lax.broadcasted_iota(jnp.int32, (ckpt_tiles, block_k), 0)
+
       def mini_forward(i, state):
         carry_S, carry_CS = state
         carry_CS = jnp.where(slot_CS == i - s * ckpt_tiles, carry_S[None, :], carry_CS)
