@@ -46,10 +46,11 @@ run_for $(( ${BASE_LIMIT:-220} > 0 ? ${BASE_LIMIT:-220} + 30 : 0 )) python3 benc
   --time_limit "${BASE_LIMIT:-220}" -- --config.data.retrieval_mix="${BASE_MIX:-0.3}" 2>&1 \
   | quiet > "$OUT/base.log"
 tail -n 4 "$OUT/base.log" 2>/dev/null
-# Can the base read a passkey inside its own context? FocusLLM cannot carry what it cannot.
-run_for "${BASE_PASSKEY_LIMIT:-40}" python3 eval.py --workdir "$BASE" --suites passkey \
+# Can the base read a passkey inside its own context, and copy a span of text it holds (the
+# copy suite: reconstruction samples assume it)? FocusLLM cannot carry what the base cannot read.
+run_for "${BASE_PASSKEY_LIMIT:-40}" python3 eval.py --workdir "$BASE" --suites passkey,copy \
   --max_multiplier 1 --passkey_seeds "${SEEDS:-10}" --noplots 2>&1 | quiet > "$OUT/eval_base_passkey.log"
-tail -n 3 "$OUT/eval_base_passkey.log"
+tail -n 6 "$OUT/eval_base_passkey.log"
 
 # 1b. The copy-initialised adapter (no training) on the passkey suite: at init every candidate IS
 #     the base's hidden state on [chunk | prompt], so its `candidate reads key` column says whether

@@ -6,6 +6,9 @@
   passkey, keyword  long-context retrieval (focaljax/retrieval.py)
   attention_probe   one query's attention under softmax vs focal temperature (focal paper Fig. 1)
   samples           greedy and nucleus-sampled continuations
+  copy_score        a span of real text read twice in one context: NLL on the first and the
+                    second reading (can the model copy what its context holds? FocusLLM's
+                    reconstruction task assumes the base can)
 
 `run` (eval.py's entry point) loads a workdir, runs the chosen suites, writes DIR/eval/<suite>.json,
 DIR/eval/results.json and PNG plots, and prints a table. Functions taking `model` accept an nnx
@@ -30,7 +33,7 @@ from focaljax import loaded as loaded_lib
 from focaljax import model as model_lib
 from focaljax import retrieval
 
-SUITES = ("val", "longdoc", "passkey", "keyword", "attention", "sample")
+SUITES = ("val", "longdoc", "passkey", "keyword", "attention", "sample", "copy")
 
 
 def _module(model):
@@ -203,6 +206,34 @@ def samples(loaded, prompts, *, max_new_tokens: int = 48, seed: int = 0) -> dict
 SAMPLE_PROMPTS = ("Once upon a time", "The meaning of the word")
 
 
+def copy_score(model, spans) -> dict:
+  """Mean NLL of each span's tokens (after its first) on the first reading of [span | span] and on
+  the second: a model with induction heads drives the second toward 0, one without stays near the
+  first. `spans`: equal-length token lists (2·len must fit the trained context)."""
+  x_BN = np.asarray(spans, np.int32)
+  n = x_BN.shape[1]
+  seq_BT = np.concatenate([x_BN, x_BN], axis=1)
+  nll_BT = np.asarray(gen_lib.token_nll(_module(model), seq_BT[:, :-1], seq_BT[:, 1:]))
+  first, second = nll_BT[:, :n - 1].mean(), nll_BT[:, n:].mean()
+  return {"span_len": n, "spans": len(spans), "first_nll": float(first),
+          "second_nll": float(second), "copy_gain": float(first - second)}
+
+
+def _copy_suite(m, num_spans: int = 16) -> dict:
+  from focaljax import data  # pylint: disable=import-outside-toplevel
+  n = m.trained_len // 2
+  valid = data.documents(_data_config(m), "valid")
+  stream = []
+  for i in range(len(valid)):
+    stream += m.tokenizer.encode(valid[i]) + [m.tokenizer.eos_id]
+    if len(stream) >= n * num_spans:
+      break
+  spans = [stream[i:i + n] for i in range(0, len(stream) - n + 1, n)][:num_spans]
+  if not spans:
+    raise ValueError(f"copy: the validation documents hold fewer than {n} tokens")
+  return copy_score(m, spans)
+
+
 def _data_config(m, **overrides):
   from focaljax import config as config_lib  # pylint: disable=import-outside-toplevel
   # The loaded tokenizer is passed to the pipeline directly; the config's spec is not re-read.
@@ -278,6 +309,9 @@ def format_suite(suite: str, r: dict) -> str:
     return (f"{head}\n  layer {r['layer']} head {r['head']} ({r['variant']}): entropy softmax "
             f"{r['entropy']['softmax']:.3f} vs focal t={r['temperature']} "
             f"{r['entropy']['focal']:.3f} nats")
+  if suite == "copy":
+    return (f"{head}\n  span {r['span_len']} x{r['spans']}: NLL first reading "
+            f"{r['first_nll']:.3f}, second {r['second_nll']:.3f} (copy gain {r['copy_gain']:.3f})")
   if suite == "sample":
     return "\n".join([head] + [f"  {s['prompt']!r} -> greedy {s['greedy']!r}\n"
                                 f"  {' ' * len(repr(s['prompt']))}    sampled {s['sampled']!r}"
@@ -313,6 +347,7 @@ def run(path: str, *, suites=SUITES, books: str | None = None, max_multiplier: i
       "keyword": lambda: retrieval.keyword_retrieval(m, m.tokenizer, lengths, depths),
       "attention": lambda: attention_probe(m, probe_tokens(m)),
       "sample": lambda: samples(m, SAMPLE_PROMPTS),
+      "copy": lambda: _copy_suite(m),
   }
   for suite in SUITES:
     if suite not in suites:

@@ -44,6 +44,20 @@ def test_position_ranges_double_and_cover():
   assert evaluate.position_ranges(32, 96)[-1] == [64, 96]
 
 
+def test_copy_score_reads_each_half_separately():
+  """The first reading is scored on the span's own next tokens, the second on the repeat (its
+  first target is the span's second token); a random model has no induction, so no gain."""
+  model = tiny("softmax:rope", vocab=64)
+  spans = np.random.default_rng(0).integers(0, 64, (3, 16)).tolist()
+  r = evaluate.copy_score(model, spans)
+  assert r["span_len"] == 16 and r["spans"] == 3
+  seq = np.concatenate([spans, spans], axis=1)
+  nll = np.asarray(gen_lib.token_nll(model, seq[:, :-1], seq[:, 1:]))
+  np.testing.assert_allclose(r["first_nll"], nll[:, :15].mean(), rtol=1e-6)
+  np.testing.assert_allclose(r["second_nll"], nll[:, 16:].mean(), rtol=1e-6)
+  assert abs(r["copy_gain"]) < 0.5
+
+
 @pytest.mark.parametrize("pattern,curves", [("softmax:rope,dilution:none",
                                               {"full", "doubling", "unscaled"}),
                                              ("dilution:none", {"full"})])
