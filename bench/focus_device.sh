@@ -63,7 +63,7 @@ focus.save_adapter(sys.argv[2], focus.init_adapter(m.model), focus.FocusConfig(
     int(sys.argv[3]), prompt_len=int(sys.argv[4]), implementation=sys.argv[5],
     candidate_positions=sys.argv[6]), sys.argv[1])" \
     "$BASE" "$ROOT/focus_init" "${CHUNKS%%,*}" "${PROMPT:-256}" "${FOCUS_IMPL:-pallas}" \
-    "${CAND_POS:-shared}"
+    "${CAND_POS:-sequential}"
   run_for "${INIT_LIMIT}" python3 eval.py --workdir "$BASE" --focus_adapter "$ROOT/focus_init" \
     --suites focus_passkey --focus_multipliers "${INIT_MULTS:-2,8}" --passkey_seeds "${SEEDS:-10}" \
     --focus_dtype "${DTYPE:-bfloat16}" --focus_local_len "${LOCAL:-512}" 2>&1 | quiet \
@@ -82,7 +82,7 @@ run_for "${FOCUS_LIMIT:-130}" python3 train.py --config configs/focus.py --workd
   --config.train.log_every=10 --config.train.ckpt_every="${FOCUS_CKPT:-50}" \
   --config.train.compute_dtype="${DTYPE:-bfloat16}" \
   --config.focus.implementation="${FOCUS_IMPL:-pallas}" \
-  --config.focus.candidate_positions="${CAND_POS:-shared}" \
+  --config.focus.candidate_positions="${CAND_POS:-sequential}" \
   --config.focus.retrieval_mix="${FOCUS_MIX:-0.5}" 2>&1 | quiet > "$OUT/adapter.log"
 tail -n 4 "$OUT/adapter.log" 2>/dev/null
 

@@ -4,7 +4,8 @@
       --config.focus.base_workdir=runs/focal_400m --config.focus.chunk_sizes=64,128,256,512,1024
   python train.py --config configs/focus.py --workdir runs/focus_tiny \
       --config.focus.base_workdir=runs/default --config.focus.chunk_sizes=16,32,64 \
-      --config.focus.prompt_len=32 --config.focus.local_len=64 --config.focus.num_targets=8
+      --config.focus.prompt_len=32 --config.focus.local_len=64 --config.focus.num_targets=8 \
+      --config.focus.doc_min_tokens=512
 
 The model is the base workdir's (model.* and data.seq_len here are ignored); data.source,
 data.global_batch, seed, optim.* and train.* apply. Every chunk size must keep chunk + dynamic
@@ -31,8 +32,9 @@ def get_config(arg=None):
       retrieval_mix=0.0,        # share of continuation samples turned into passkey drills
       implementation="xla",     # candidate/local attention: "xla" (einsum spec) | "pallas"
                                 # (pallas_kernels/condense.py; compiled on GPU, interpreted on CPU)
-      candidate_positions="shared",   # local-decoder RoPE layout: "shared" (all at 0) |
-                                      # "sequential" (official: 0..C-1, window after; see focus.py)
+      candidate_positions="sequential",   # local-decoder RoPE layout: "sequential" (official:
+                                          # candidates 0..C-1, window after) | "shared" (all at 0)
+                                          # (focus.py; only "sequential" learned to read, FOCUSLLM.md)
       base_attention="xla",     # the frozen base's own attention: "xla" | "pallas", whatever it
                                 # was trained with (focus.with_attention: cuDNN wants 16-bit q/k/v)
   ))

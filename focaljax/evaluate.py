@@ -213,7 +213,9 @@ def copy_score(model, spans) -> dict:
   x_BN = np.asarray(spans, np.int32)
   n = x_BN.shape[1]
   seq_BT = np.concatenate([x_BN, x_BN], axis=1)
-  nll_BT = np.asarray(gen_lib.token_nll(_module(model), seq_BT[:, :-1], seq_BT[:, 1:]))
+  # All 2n tokens go in (fused kernels want lengths in whole tiles); the last target is a dummy.
+  nll_BT = np.asarray(gen_lib.token_nll(_module(model), seq_BT, np.roll(seq_BT, -1, axis=1)))
+  nll_BT = nll_BT[:, :-1]
   first, second = nll_BT[:, :n - 1].mean(), nll_BT[:, n:].mean()
   return {"span_len": n, "spans": len(spans), "first_nll": float(first),
           "second_nll": float(second), "copy_gain": float(first - second)}

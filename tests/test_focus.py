@@ -102,7 +102,7 @@ def test_positions_stay_inside_trained_context(monkeypatch):
     return rope(x, positions, theta)
 
   monkeypatch.setattr(model_lib, "apply_rope", recording_rope)
-  cfg = focus.FocusConfig(chunk_size=16, prompt_len=8)
+  cfg = focus.FocusConfig(chunk_size=16, prompt_len=8, candidate_positions="shared")  # 64 chunks
   memory = tokens(4, (1, 32 * 32))       # 32× the trained context: 64 chunks
   local = tokens(5, (1, 24))
   graphdef, params = split(base, adapter)
@@ -245,7 +245,8 @@ def test_sequential_positions_follow_chunk_order_and_fit_the_context():
                     for i in range(2)], base.cfg.rope_theta, sequential_positions=seq)
   np.testing.assert_allclose(got, local_fn(range(4), True), atol=1e-5, rtol=1e-5)
   assert float(jnp.abs(got - local_fn(range(3, -1, -1), True)).max()) > 1e-3
-  shared = jitted(graphdef, focus.logits, cfg=focus.FocusConfig(chunk_size=8, prompt_len=4))
+  shared = jitted(graphdef, focus.logits, cfg=focus.FocusConfig(chunk_size=8, prompt_len=4,
+                                                                candidate_positions="shared"))
   assert float(jnp.abs(got - shared(params, memory, local)).max()) > 1e-3
   # 20 chunks + a 14-token window = 34 positions > the base's 32: refused; "shared" fits.
   long_memory, window = tokens(24, (1, 160)), tokens(25, (1, 14))

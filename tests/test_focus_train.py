@@ -153,7 +153,7 @@ def test_train_saves_adapter_keeps_base_and_resumes(tmp_path, monkeypatch):
   adapter, saved_cfg, saved_base = focus.load_adapter(second["adapter_dir"])
   assert second["adapter_dir"] == str(wd / "adapter" / "4")
   assert saved_base == str(base_wd) and saved_cfg.chunk_size == 16 and saved_cfg.prompt_len == 8
-  assert saved_cfg.candidate_positions == "shared"
+  assert saved_cfg.candidate_positions == "sequential"
   changed = jax.tree.map(lambda a, b: bool(np.any(np.asarray(a) != np.asarray(b))), adapter, init)
   # The last layer's candidate q and o shape only the candidate's final hidden state, which
   # nothing reads (candidates contribute keys/values): they get no gradient. All else trains.
