@@ -22,7 +22,9 @@
 # never read a needle even inside their context); the adapter turns FOCUS_MIX (0.5) of its
 # continuation samples into drills (focus.retrieval_mix). The adapter uses the paper's recipe
 # (configs/focus.py) with chunks that fit the base's 1K context: chunk + prompt + targets - 1 <= 1024.
-# CAND_POS=sequential: the official layout of focus.candidate_positions (stages 1b and 2).
+# CAND_POS: focus.candidate_positions for stages 1b and 2, default sequential (the official
+# layout); shared for the A/B. The settings that read the memory (tenth session, FOCUSLLM.md):
+# CHUNKS=512 FOCUS_LR=1e-3 FOCUS_WARMUP=50 FOCUS_MIX=0.9 and ~2800 steps (configs/focus_drills.py).
 set -uo pipefail
 . "$(dirname "$0")/device_env.sh"
 ROOT=${ROOT:-/tmp/focus}; mkdir -p "$ROOT"; cp -r .data/study/tokenizer "$ROOT/"
