@@ -18,12 +18,16 @@ every grid (blocks, B, Hq) with the block axis first (CUDA caps grid axes 1-2 at
                     committed-demand carry (registers), walks 32-row tiles top-down;
                     S_i, N_i by fp32 atomics; carry checkpoint every R rows  [QKᵀ, σV]
   out = N / (S + eps)  (XLA elementwise)
-  B1 reverse_sweep  grid (T/64, B, Hq), key-parallel, R-row super-blocks bottom-up: a
-                    forward mini-sweep rebuilds the R/32 tile carries from the checkpoint
-                    into a register array, then the reverse pass carries the per-key
-                    g-suffix; dv, dk_main in registers; ĝ, dq_main by fp32 atomics
+  B1 reverse_sweep  grid (T/Kb1, B, Hq), key-parallel, Kb1 = b1_block_k or block_k (64) keys
+                    and b1_warps or num_warps' rule warps per program; R-row super-blocks
+                    bottom-up: a forward mini-sweep rebuilds the R/32 tile carries from the
+                    checkpoint into a register array (or an HBM scratch slice), then the
+                    reverse pass carries the per-key g-suffix; dv, dk_main in registers;
+                    ĝ, dq_main by fp32 atomics
                     [2 QKᵀ, dO·Vᵀ, AᵀdO, W·K, Wᵀ·Q, triangular suffix (3 bf16 dots, fp32-exact)]
-  B2 dk_correction  grid (T/64, B, Hq): corr_j = Σ_i p_ij ĝ_i q_i            [QKᵀ, (PĝᵀQ)]
+  B2 dk_correction  grid (T/block_k, B, Hq): corr_j = Σ_i p_ij ĝ_i q_i       [QKᵀ, (PĝᵀQ)]
+  B1 and B2 exchange only whole per-row / per-key buffers (ĝ, and dq_main, dk_main, dv, corr
+  combined in XLA), so their key blocks are independent; T is padded to a multiple of both.
   dq = dq_main − ĝ ⊙ pk,  dk = scale·(dk_main − corr),  GQA groups summed  (XLA).
   The gradient is exact (notes/dilution.md §3, §9.3): it flows through the cumulative demand
   and the renormalisation; nothing is treated as a constant. Carries are only ever rebuilt by
@@ -37,14 +41,14 @@ Memory (no T×T tensor anywhere). Per (batch, query head), float32, T padded to 
   → extra ≈ B·Hq·(6·T·D + 4·T + ceil(T/R)·T)·4 bytes, R = ckpt_rows (default 1024 ≥ 1024).
   E.g. B2 Hq12 T16K D64: the 6·T·D terms 576 MiB, checkpoints 24·16·16K·4 B = 24 MiB per layer
   (the released kernels' every-32-rows checkpoints: 768 MiB).
-  Registers: each B1 program holds an [R/32, 64] fp32 carry array (R = 1024: 8 KiB), or with
-  BlockSizes.b1_carries="scratch" an HBM slice of that size per program instead (transient
-  B·Hq·T·R/32 fp32: 48 MiB at B2 Hq12 T16K; dilution_bwd.py says why).
+  Registers: each B1 program holds an [R/32, Kb1] fp32 carry array (R = 1024, Kb1 = 64: 8 KiB),
+  or with BlockSizes.b1_carries="scratch" an HBM slice of that size per program instead
+  (transient B·Hq·T·R/32 fp32 whatever Kb1: 48 MiB at B2 Hq12 T16K; dilution_bwd.py says why).
 
 Prefill (`dilution_prefill`): F1 without pk + F2 without checkpoints; returns out and the demand
 totals (F2's final carries). Extra memory B·Hq·(2·T·D + 3T)·4 bytes (N and the fp32 output, lse,
 S, totals), linear in T: B1 Hq12 T128K D64 → 768 MiB + 18 MiB, plus the q-sized output (and a
-padded copy of q, k, v when T is not a multiple of the largest block, 64 by default).
+padded copy of q, k, v when T is not a multiple of the largest forward block, 128 by default).
 
 Decode (`dilution_decode_step`): flash-decoding over key splits (dilution_decode.py): one launch
 for logits + per-split softmax stats, an XLA merge, one launch for shares, Σσv and the in-place
@@ -71,6 +75,7 @@ from pallas_kernels import dilution_bwd, dilution_decode, dilution_fwd, referenc
 
 
 B1_CARRIES = ("registers", "scratch")
+B1_WARPS = (1, 2, 4, 8, 16)  # Triton: a power of two; 16 warps = 512 threads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +84,7 @@ class BlockSizes:
   block_q_stats: int = 64     # F1 rows per program
   block_k_stats: int = 64     # F1 keys per loop step
   block_q: int = 32           # row tile of the key-parallel sweeps F2, B1, B2
-  block_k: int = 64           # keys owned by one B1/B2 program (its demand carry)
+  block_k: int = 64           # keys owned by one B2 program, and by one B1 program by default
   # F2's key block: larger tiles cut its fp32 atomics (T²·D/block_k per head). On the H200 at
   # (2,12,16K,64) 128 took the forward from 21.7 to 18.0 ms, while B1 with 128 slowed 100→173 ms.
   # Carries and checkpoints are per key, so F2 and B1/B2 may tile the keys differently.
@@ -95,9 +100,28 @@ class BlockSizes:
   # and a cross-warp column reduction per tile) or "scratch" (a per-program HBM slice, one
   # block_k-row store and load per tile; frees the array's registers, so block_k=128 fits).
   b1_carries: str = "registers"
+  # B1-only tile: None = block_k / warps(D). B1 and B2 share no tile state (dq, ĝ, dk_main, dv,
+  # corr are whole [T]-indexed buffers; F2's checkpoints are per key), so each tiles T by its own
+  # key block. On the H200 at (2,12,16K,64) B1 alone: 55.5 ms default, 51.8 ms with scratch
+  # carries, 128 keys, 8 warps; these fields let B1 take that while B2 keeps 64 keys, 4 warps.
+  b1_block_k: int | None = None
+  b1_warps: int | None = None
 
   def warps(self, D: int) -> int:
     return self.num_warps or (4 if D <= 64 else 8)
+
+  def keys_b1(self) -> int:
+    """Keys owned by one B1 program."""
+    return self.b1_block_k or self.block_k
+
+  def warps_b1(self, D: int) -> int:
+    return self.b1_warps or self.warps(D)
+
+  def pad_multiple(self, training: bool = True) -> int:
+    """T is padded to this: a multiple of every row/key block the passes run use (all powers of
+    two, so the largest is a multiple of the rest); B1/B2's key blocks only when training."""
+    fwd = max(self.block_q_stats, self.block_k_stats, self.block_q, self.block_k_fwd)
+    return max(fwd, self.block_k, self.keys_b1()) if training else fwd
 
   def validate(self, D: int):
     if self.b1_carries not in B1_CARRIES:
@@ -107,6 +131,13 @@ class BlockSizes:
       if f.name.startswith("block") or f.name in ("ckpt_rows", "split_k_decode"):
         if x < 16 or x & (x - 1):
           raise ValueError(f"BlockSizes.{f.name}={x} must be a power of two >= 16")
+    x = self.b1_block_k
+    if x is not None and (not isinstance(x, int) or x < 16 or x & (x - 1)):
+      raise ValueError(f"BlockSizes.b1_block_k={x!r} must be None (use block_k) or a power of "
+                       "two >= 16")
+    if self.b1_warps is not None and self.b1_warps not in B1_WARPS:
+      raise ValueError(f"BlockSizes.b1_warps={self.b1_warps!r} must be None (the num_warps rule) "
+                       f"or one of {B1_WARPS}")
     if self.ckpt_rows % self.block_q or self.split_k_decode % self.block_k_decode:
       raise ValueError("ckpt_rows must be a multiple of block_q and split_k_decode of "
                        "block_k_decode")
@@ -203,8 +234,7 @@ def dilution_attention(q, k, v, *, scale=None, eps=1e-9, segment_ids=None, block
   B, T, _ = _check(q, k, v, scale, bs)
   seg = (jnp.zeros((B, T), jnp.int32) if segment_ids is None
          else jnp.asarray(segment_ids, jnp.int32))
-  multiple = max(bs.block_q_stats, bs.block_k_stats, bs.block_q, bs.block_k, bs.block_k_fwd)
-  qp, kp, vp, segp = _pad(q, k, v, seg, multiple)
+  qp, kp, vp, segp = _pad(q, k, v, seg, bs.pad_multiple())
   return _dilution_core(qp, kp, vp, segp, scale, float(eps), bs, interpret)[:, :T]
 
 
@@ -221,8 +251,7 @@ def dilution_prefill(q, k, v, *, scale=None, eps=1e-9, block_sizes=None, interpr
     return reference.dilution_attention(q, k, v, scale=scale, eps=eps)
   B, T, _ = _check(q, k, v, scale, bs)
   seg = jnp.zeros((B, T), jnp.int32)
-  multiple = max(bs.block_q_stats, bs.block_k_stats, bs.block_q, bs.block_k, bs.block_k_fwd)
-  qp, kp, vp, segp = _pad(q, k, v, seg, multiple)
+  qp, kp, vp, segp = _pad(q, k, v, seg, bs.pad_multiple(training=False))
   out_f32, (_, _, _, total, _) = _forward(qp, kp, vp, segp, scale, float(eps), bs, interpret,
                                           training=False)
   return out_f32[:, :T].astype(q.dtype), total[:, :, :T]

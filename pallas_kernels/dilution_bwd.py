@@ -8,7 +8,8 @@ committed demand, inv = 1/(c + p + eps), σ = p·inv, S_i = Σ_j σ_ij, A = σ/(
     ĝ_i   = Σ_j W_ij;   dz = W − p ĝ   (softmax Jacobian)
     dq_i  = s Σ_j W_ij k_j − ĝ_i pk_i;   dk_j = s Σ_i W_ij q_i − s Σ_i p_ij ĝ_i q_i;   dv_j = Σ_i A_ij dO_i
 
-B1 `reverse_sweep` (grid T/block_k × B × Hq, key-parallel): a program owns key block J and walks
+B1 `reverse_sweep` (grid T/Kb1 × B × Hq, key-parallel; Kb1 = BlockSizes.keys_b1(): b1_block_k,
+else block_k; BlockSizes.warps_b1(D) warps): a program owns key block J (Kb1 keys) and walks
 its row tiles BOTTOM-UP, because the suffix Σ_{r>i} g_rj is a per-key running sum `sufk_J` of the
 rows already visited. The forward's carry c is needed in the opposite (top-down) direction, so rows
 are processed in super-blocks of `ckpt_rows` rows, last super-block first (notes §9.3):
@@ -25,7 +26,7 @@ are processed in super-blocks of `ckpt_rows` rows, last super-block first (notes
          fp32, transient (R=1024, block_q=32: 32·T per head, 48 MiB at B2 Hq12 T16K). It frees
          the array's registers, which double with block_k: block_k=128 (half the dq atomics,
          T²·D/block_k per head) slowed B1 before, register pressure the suspect;
-         bench/dilution.py --b1-variants times both.
+         bench/dilution.py --b1-variants times both. (Here block_k means Kb1.)
   2. reverse pass over the same tiles: dv_J += Aᵀ dO_I, dk_J += Wᵀ Q_I (registers, stored once),
      ĝ_I += rowsum(W) and dq_I += s W K_J (fp32 atomics, shared by all key blocks).
 No subtraction ever reconstructs a carry or a suffix, so there is no cancellation (§9.2's fp32
@@ -34,8 +35,12 @@ accuracy on tensor cores (`exact_mask_dot`).
 Cost: one extra QKᵀ per tile for the mini-sweep, three small bf16 tensor-core products (g split
 into bf16 pieces) for the suffix instead of one IEEE fp32 product on CUDA cores.
 
-B2 `dk_correction` (same grid, top-down): needs the finished ĝ, so it is its own pass:
-corr_J = Σ_I (P_IJ ⊙ ĝ_I)ᵀ Q_I. dilution.py forms dk = s (dk_main − corr) and dq = dq_main − ĝ ⊙ pk.
+B2 `dk_correction` (grid T/block_k × B × Hq, top-down; warps(D) warps): needs the finished ĝ, so
+it is its own pass: corr_J = Σ_I (P_IJ ⊙ ĝ_I)ᵀ Q_I, a [block_k, D] fp32 accumulator per program.
+dilution.py forms dk = s (dk_main − corr) and dq = dq_main − ĝ ⊙ pk.
+B1 and B2 tile the keys independently: they share only whole buffers (ĝ [T] per head, read by B2
+after B1 finished; dk_main, dv, corr [T, D] combined in XLA; F2's checkpoints are per key), so a
+wide B1 block (128 keys: half the dq atomics) needs no wide B2 block. T % Kb1 == T % block_k == 0.
 """
 
 from __future__ import annotations
@@ -68,6 +73,13 @@ def exact_mask_dot(mask_TT, x_TS):
   mask_TT = mask_TT.astype(jnp.bfloat16)
   # Small pieces first, so the big one is added to their already-combined sum.
   return dot(mask_TT, hi_TS) + (dot(mask_TT, mid_TS) + dot(mask_TT, lo_TS))
+
+
+def _check_tiles(T, block_k, field):
+  """The grid is T/block_k programs; dilution.py pads T to BlockSizes.pad_multiple()."""
+  if T % block_k:
+    raise ValueError(f"T={T} must be a multiple of BlockSizes.{field}={block_k} (pad T, or pick "
+                     f"a power of two >= 16 dividing T)")
 
 
 def _reverse_sweep_kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, ssum_ref, dbar_ref, do_ref,
@@ -168,7 +180,8 @@ def reverse_sweep(q, k, v, seg, lse, ssum, dbar, do, ckpt, *, scale, eps, bs, in
   """
   B, T, N, D = q.shape
   G = N // k.shape[2]
-  bq, bk = bs.block_q, bs.block_k
+  bq, bk = bs.block_q, bs.keys_b1()
+  _check_tiles(T, bk, "b1_block_k" if bs.b1_block_k else "block_k")
   n_super = ckpt.shape[2]
   row_spec = pl.BlockSpec((None, None, T), lambda j, b, h: (b, h, 0))
   full_spec = pl.BlockSpec((None, T, None, D), lambda j, b, h: (b, 0, h, 0))
@@ -199,7 +212,7 @@ def reverse_sweep(q, k, v, seg, lse, ssum, dbar, do, ckpt, *, scale, eps, bs, in
       out_specs=out_specs,
       out_shape=out_shape,
       input_output_aliases={9: 0, 10: 1},
-      compiler_params=pltriton.CompilerParams(num_warps=bs.warps(D),
+      compiler_params=pltriton.CompilerParams(num_warps=bs.warps_b1(D),
                                               num_stages=bs.num_stages_bwd),
       interpret=interpret,
       name="dilution_reverse_sweep",
@@ -232,6 +245,7 @@ def dk_correction(q, k, seg, lse, ghat, *, scale, bs, interpret):
   B, T, N, D = q.shape
   G = N // k.shape[2]
   bq, bk = bs.block_q, bs.block_k
+  _check_tiles(T, bk, "block_k")
   row_spec = pl.BlockSpec((None, None, T), lambda j, b, h: (b, h, 0))
   kernel = functools.partial(_dk_correction_kernel, scale=scale, block_q=bq, block_k=bk)
   return pl.pallas_call(
