@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import dilution, reference
+from pallas_kernels import dilution, dilution_bwd, reference
 from pallas_kernels.dilution_bwd import exact_mask_dot
 
 # Small tiles so T = 64..96 spans several key blocks, row tiles and checkpoint super-blocks; F2
@@ -28,7 +28,15 @@ SMALL = dilution.BlockSizes(block_q_stats=16, block_k_stats=16, block_q=16, bloc
 # the compiled long test also runs the wider key block that bench/dilution.py times with scratch.
 B1_VARIANTS = {"scratch": dict(b1_carries="scratch")}
 B1_VARIANTS_LONG = {"default": {}, **B1_VARIANTS,
-                    "scratch_k128_w8": dict(b1_carries="scratch", block_k=128, num_warps=8)}
+                    "scratch_k128_w8": dict(b1_carries="scratch", block_k=128, num_warps=8),
+                    # B1-only: 128 keys, 8 warps for B1 while B2 keeps 64 keys, 4 warps.
+                    "scratch_b1k128_w8": dict(b1_carries="scratch", b1_block_k=128, b1_warps=8)}
+# B1's key block unlike B2's (on SMALL, T = 96): B1 wider (3 blocks of 32 vs B2's 6 of 16, as
+# b1_block_k=128 over block_k=64 on the GPU) and narrower (6 of 16 vs 3 of 32); warps only matter
+# compiled.
+B1_TILES = {"b1k32_b2k16_scratch": dict(block_k=16, b1_block_k=32, b1_warps=8,
+                                        b1_carries="scratch"),
+            "b1k16_b2k32": dict(b1_block_k=16, b1_warps=2)}
 TOL = {jnp.float32: dict(out=2e-5, grad=1e-4), jnp.bfloat16: dict(out=1e-2, grad=2e-2),
        jnp.float16: dict(out=2e-3, grad=4e-3)}
 
@@ -89,6 +97,13 @@ class _DilutionKernelChecks:
   def test_b1_variant_gradients_match_reference(self, variant, dtype):
     self._check_against_reference(dtype, True, dataclasses.replace(self.BS,
                                                                    **B1_VARIANTS[variant]))
+
+  # Same GQA + segments case with B1 and B2 tiling the keys differently: they must exchange only
+  # whole per-row/per-key buffers (ĝ, dq, dk_main, dv, corr), never a tile-indexed one.
+  @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+  @pytest.mark.parametrize("tiles", sorted(B1_TILES))
+  def test_b1_key_block_unlike_b2_gradients_match_reference(self, tiles, dtype):
+    self._check_against_reference(dtype, True, dataclasses.replace(self.BS, **B1_TILES[tiles]))
 
   def _check_against_reference(self, dtype, segments, bs):
     q, k, v, seg = _inputs(1 + segments, 2, self.T, 4, 2, 64, dtype, segments=segments)
@@ -207,6 +222,29 @@ class TestCompiledGPU(_DilutionKernelChecks):
 def test_bad_b1_carries_names_the_field():
   with pytest.raises(ValueError, match="b1_carries"):
     dilution.BlockSizes(b1_carries="shared").validate(64)
+
+
+@pytest.mark.parametrize("field, value", [("b1_block_k", 48), ("b1_block_k", 8),
+                                          ("b1_warps", 3), ("b1_warps", 32)])
+def test_bad_b1_tile_names_the_field(field, value):
+  with pytest.raises(ValueError, match=field):
+    dilution.BlockSizes(**{field: value}).validate(64)
+
+
+def test_b1_block_k_sets_padding_and_refuses_a_non_dividing_t():
+  bs = dilution.BlockSizes(b1_block_k=256, b1_warps=8)
+  bs.validate(64)
+  assert (bs.keys_b1(), bs.warps_b1(64), bs.warps(64)) == (256, 8, 4)
+  assert dilution.BlockSizes().keys_b1() == 64 and dilution.BlockSizes().warps_b1(128) == 8
+  # Training pads T to a multiple of both key blocks; prefill runs neither B1 nor B2.
+  assert bs.pad_multiple() == 256 and bs.pad_multiple(training=False) == 128
+  q = jnp.zeros((1, 384, 2, 64), jnp.float32)  # 384 = 3·128: not a multiple of 256
+  with pytest.raises(ValueError, match="b1_block_k=256"):
+    dilution_bwd.reverse_sweep(q, q, q, None, None, None, None, None, None, scale=0.125,
+                               eps=1e-9, bs=bs, interpret=True)
+  with pytest.raises(ValueError, match="block_k=256"):
+    dilution_bwd.dk_correction(q, q, None, None, None, scale=0.125,
+                               bs=dataclasses.replace(bs, block_k=256), interpret=True)
 
 
 def test_exact_mask_dot_matches_fp32_product():
