@@ -7,7 +7,11 @@ Entries: training forward and forward+backward at (B, H, T, D) = (8,8,4K,64), (2
 (1,16,8K,128); prefill at 32K/64K/128K (B1 H12 D64); one decode step against a 16K and a 128K
 cache. `--passes`: each training kernel pass (F1, F2, B1, B2) timed alone at (2,12,16K,64), to
 see where forward+backward goes; `--b1-variants default,scratch,...` (or `all`) times B1 once per
-B1_VARIANTS entry (rows carry `variant`). Each entry is jitted, warmed up, then timed as the
+B1_VARIANTS entry (rows carry `variant`); `--train-variants default,b1_scratch_k128_w8,...` (or
+`all`) times the dilution training entries (fwd, fwd+bwd of dilution_attention) once per
+B1_VARIANTS entry applied to the whole op, so a variant's effect on B2 (and, for block_k or
+num_warps, on every pass) is in the number; `--train-shapes 2x12x16384x64` keeps only those
+training shapes (not with --smoke). Each entry is jitted, warmed up, then timed as the
 median of --reps runs with block_until_ready. Memory: `temp_MiB` is XLA's compiled scratch for
 that function (per entry); `peak_MiB` is the device's process-lifetime peak_bytes_in_use after the
 entry (monotonic: read it as "at most"). Every entry is wrapped in try/except (OOM, unsupported)
@@ -44,9 +48,12 @@ SWEEP = [dict(), dict(block_k=128), dict(block_q=64), dict(block_q=16, block_k=1
 # smoke ones), same inputs. scratch: the super-block carries in an HBM slice, not a one-hot
 # register array; k128_w8: a 128-key block halves the dq atomics (T²·D/block_k per head) but
 # doubles dk/dv registers, so 8 warps; with scratch the carry array no longer doubles too.
+# block_k and num_warps also set B2's tile (num_warps every pass's): b1_scratch_k128_w8 gives the
+# 128 keys and 8 warps to B1 alone. --train-variants applies these to dilution_attention whole.
 B1_VARIANTS = {"default": dict(), "scratch": dict(b1_carries="scratch"),
                "scratch_k128_w8": dict(b1_carries="scratch", block_k=128, num_warps=8),
-               "k128_w8": dict(block_k=128, num_warps=8)}
+               "k128_w8": dict(block_k=128, num_warps=8),
+               "b1_scratch_k128_w8": dict(b1_carries="scratch", b1_block_k=128, b1_warps=8)}
 SMOKE_BLOCKS = dilution.BlockSizes(block_q_stats=16, block_k_stats=16, block_q=16, block_k=32,
                                    block_k_fwd=32, ckpt_rows=32, block_k_decode=16, split_k_decode=64)
 
@@ -169,6 +176,14 @@ def _passes(shape, dtype, reps, interpret, bs, b1_variants=("default",)):
   return rows
 
 
+def _variant_names(flag, value):
+  names = list(B1_VARIANTS) if value == "all" else value.split(",")
+  for name in names:
+    if name not in B1_VARIANTS:
+      raise ValueError(f"{flag}: {name!r} is not one of {list(B1_VARIANTS)} or 'all'")
+  return names
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--out", default=None, help="write the rows as JSON here")
@@ -184,19 +199,28 @@ def main(argv=None):
   ap.add_argument("--b1-variants", default="default",
                   help="with --passes: comma list of B1_VARIANTS names to time B1 for, or 'all' "
                        f"({','.join(B1_VARIANTS)})")
+  ap.add_argument("--train-variants", default=None,
+                  help="comma list of B1_VARIANTS names (or 'all'): the dilution training entries "
+                       "once per BlockSizes variant, rows carry 'variant' (default: once, plain)")
+  ap.add_argument("--train-shapes", default=None,
+                  help="comma list of BxHxTxD training shapes (default: TRAIN_SHAPES)")
   ap.add_argument("--skip", default="", help="comma list of sections to skip: train,prefill,decode")
   args = ap.parse_args(argv)
 
-  b1_variants = list(B1_VARIANTS) if args.b1_variants == "all" else args.b1_variants.split(",")
-  for name in b1_variants:
-    if name not in B1_VARIANTS:
-      raise ValueError(f"--b1-variants: {name!r} is not one of {list(B1_VARIANTS)} or 'all'")
+  b1_variants = _variant_names("--b1-variants", args.b1_variants)
+  # [None]: the plain dilution rows (no "variant" key), as before --train-variants existed.
+  train_variants = ([None] if args.train_variants is None
+                    else _variant_names("--train-variants", args.train_variants))
   dtype = jnp.dtype(args.dtype)
   impls = [i for i in args.impls.split(",") if i]
   skip = set(args.skip.split(","))
   interpret = args.smoke or jax.default_backend() != "gpu"
   bs = SMOKE_BLOCKS if args.smoke else None
   train_shapes, prefill_t, decode_s = TRAIN_SHAPES, PREFILL_T, DECODE_S
+  if args.train_shapes:
+    train_shapes = [tuple(int(x) for x in s.split("x")) for s in args.train_shapes.split(",")]
+    if any(len(s) != 4 for s in train_shapes):
+      raise ValueError(f"--train-shapes: want BxHxTxD items, got {args.train_shapes!r}")
   reps = args.reps
   if args.smoke:
     train_shapes, prefill_t, decode_s = [(1, 2, 128, 64)], [128], [256]
@@ -225,7 +249,7 @@ def main(argv=None):
     skip |= {"train", "prefill", "decode"}
 
   if args.passes:
-    rows += _passes(train_shapes[1] if not args.smoke else train_shapes[0], dtype, reps,
+    rows += _passes(train_shapes[0] if args.smoke else TRAIN_SHAPES[1], dtype, reps,
                     interpret, bs or dilution.BlockSizes(), b1_variants)
     skip |= {"train", "prefill", "decode"}
 
@@ -233,10 +257,14 @@ def main(argv=None):
     for B, H, T, D in train_shapes:
       q, k, v = _qkv(B, H, T, D, dtype)
       for impl in impls:
-        fn = _attn_fns(impl, D**-0.5, interpret, bs)
-        _entry(rows, "fwd", impl, (B, H, T, D), lambda fn=fn: _time(fn, (q, k, v), reps))
-        _entry(rows, "fwd+bwd", impl, (B, H, T, D),
-               lambda fn=fn: _time(_fwd_bwd(fn), (q, k, v), reps))
+        for variant in (train_variants if impl == "dilution" else [None]):
+          b = bs if variant is None else dataclasses.replace(bs or dilution.BlockSizes(),
+                                                             **B1_VARIANTS[variant])
+          fn = _attn_fns(impl, D**-0.5, interpret, b)
+          _entry(rows, "fwd", impl, (B, H, T, D), lambda fn=fn: _time(fn, (q, k, v), reps),
+                 variant)
+          _entry(rows, "fwd+bwd", impl, (B, H, T, D),
+                 lambda fn=fn: _time(_fwd_bwd(fn), (q, k, v), reps), variant)
       del q, k, v
 
   if "prefill" not in skip:
