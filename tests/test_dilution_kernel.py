@@ -4,12 +4,14 @@ Invariants: forward and exact gradients (q, k, v) match the reference (fp32 tigh
 with GQA, packed segments and a padded length; prefill demand == Σ_i p; prefill + decode steps
 reproduce whole-sequence dilution attention; causality by gradient. `TestInterpret` runs in Pallas
 interpret mode (CPU); `TestCompiledGPU` repeats the comparisons compiled (Triton) on a GPU.
-`test_lowers_to_triton` checks on any host that every kernel lowers to Triton IR for CUDA.
+`test_lowers_to_triton` checks on any host that every kernel lowers to Triton IR for CUDA, and
+that the B1-only tile fields (b1_block_k, b1_warps) change B1's launch alone.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 import warnings
 
 import jax
@@ -280,3 +282,21 @@ def test_lowers_to_triton():
     for fn in (grad, prefill, decode):
       text = jax.jit(fn).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
       assert "__gpu$xla.gpu.triton" in text
+
+
+def test_b1_tile_reaches_only_the_reverse_sweep():
+  """b1_block_k / b1_warps change B1's launch (grid, warps) and leave B2's and the forward's."""
+  q = jnp.zeros((1, 256, 2, 64), jnp.bfloat16)
+  kv = jnp.zeros((1, 256, 1, 64), jnp.bfloat16)
+  bs = dilution.BlockSizes(**B1_VARIANTS_LONG["scratch_b1k128_w8"])
+  grad = jax.grad(lambda q, k, v: dilution.dilution_attention(
+      q, k, v, scale=0.125, block_sizes=bs).astype(jnp.float32).sum(), (0, 1, 2))
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    text = jax.jit(grad).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+  launches = re.findall(r'grid_x = (\d+)[^\n]*?name = "dilution_(\w+)", num_stages = \d+ : i32, '
+                        r'num_warps = (\d+)', text)
+  # (programs along T, warps): T/128 and 8 for B1; T/64 and 4 for B2 (D = 64).
+  assert dict((name, (int(g), int(w))) for g, name, w in launches) == {
+      "row_stats": (4, 4), "key_sweep": (2, 4), "reverse_sweep": (2, 8),
+      "dk_correction": (4, 4)}
