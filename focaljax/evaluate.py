@@ -221,16 +221,21 @@ def copy_score(model, spans) -> dict:
           "second_nll": float(second), "copy_gain": float(first - second)}
 
 
-def _copy_suite(m, num_spans: int = 16) -> dict:
+def _validation_pieces(m, n: int, count: int) -> list[list[int]]:
+  """Up to `count` consecutive n-token pieces of the validation documents joined with eos."""
   from focaljax import data  # pylint: disable=import-outside-toplevel
-  n = m.trained_len // 2
   valid = data.documents(_data_config(m), "valid")
   stream = []
   for i in range(len(valid)):
     stream += m.tokenizer.encode(valid[i]) + [m.tokenizer.eos_id]
-    if len(stream) >= n * num_spans:
+    if len(stream) >= n * count:
       break
-  spans = [stream[i:i + n] for i in range(0, len(stream) - n + 1, n)][:num_spans]
+  return [stream[i:i + n] for i in range(0, len(stream) - n + 1, n)][:count]
+
+
+def _copy_suite(m, num_spans: int = 16) -> dict:
+  n = m.trained_len // 2
+  spans = _validation_pieces(m, n, num_spans)
   if not spans:
     raise ValueError(f"copy: the validation documents hold fewer than {n} tokens")
   return copy_score(m, spans)
@@ -257,14 +262,7 @@ def _longdoc_suite(m, books: str | None, max_multiplier: int, max_books: int) ->
     source = books
   else:
     # No long books: the validation documents, joined with eos, cut into L + 1 token pieces.
-    from focaljax import data  # pylint: disable=import-outside-toplevel
-    valid = data.documents(_data_config(m), "valid")
-    stream = []
-    for i in range(len(valid)):
-      stream += m.tokenizer.encode(valid[i]) + [m.tokenizer.eos_id]
-      if len(stream) >= (L + 1) * max_books:
-        break
-    docs = [stream[i:i + L + 1] for i in range(0, len(stream) - L, L + 1)][:max_books]
+    docs = _validation_pieces(m, L + 1, max_books)
     source = "validation split documents concatenated (no --books file)"
   return {**loss_by_position(m, docs, m.trained_len, max_multiplier), "source": source}
 
