@@ -28,10 +28,10 @@ Position ids (no RoPE position ever exceeds the base's trained context; never NT
     "shared"       local tokens 0..T-1 (+1 per generated token); every candidate key is rotated
                    at CANDIDATE_POSITION (0): all memory sits "at the start" with one phase, and
                    positions do not grow with C. Kept for A/B: on the H200 (tenth session) a
-                   97.5M base's adapter learned to read the memory in this layout's rival within
-                   ~1000 steps (drill answer NLL 11.9 -> 1.0), and in this one not in 1600 (needle
-                   in memory 0/10 at 2x-100x), plausibly because position 0 is where a trained
-                   base keeps its attention sink.
+                   97.5M base's adapter learned to read the memory with "sequential" within ~1000
+                   steps (drill answer NLL 11.9 -> 1.0), and with "shared" not in 1600 (needle in
+                   memory 0/10 at 2x-100x), plausibly because position 0 is where a trained base
+                   keeps its attention sink.
   `check_positions` raises (naming the field) unless max(s + sep + P - 1, [C +] T - 1) + generated
   tokens stays below the base's `max_seq_len`.
 
