@@ -26,8 +26,19 @@
 # layout); shared for the A/B. The settings that read the memory (tenth session, FOCUSLLM.md):
 # CHUNKS=512 FOCUS_LR=1e-3 FOCUS_WARMUP=50 FOCUS_MIX=0.9 and ~2800 steps (configs/focus_drills.py).
 set -uo pipefail
+ROOT=${ROOT:-/tmp/focus}
+# A call that skips the base (BASE_LIMIT=0) needs the one an earlier call left on this machine. A
+# machine idle for 30 s is released with its files (eleventh session: a base lost that way), so fail
+# in seconds, before the wheels install, instead of spending the call on nothing.
+uses_base=$(( ${BASE_PASSKEY_LIMIT:-40} + ${INIT_LIMIT:-0} + ${FOCUS_LIMIT:-130} + ${EVAL_LIMIT:-130} \
+  + ${BASE_EVAL_LIMIT:-50} ))
+if [ "${BASE_LIMIT:-220}" = 0 ] && [ "$uses_base" != 0 ] && [ ! -f "$ROOT/softmax_rope-s0/config.json" ]; then
+  echo "focus_device.sh: BASE_LIMIT=0 but no base at $ROOT/softmax_rope-s0 (a fresh machine?);" \
+       "train the base first" >&2
+  exit 3
+fi
 . "$(dirname "$0")/device_env.sh"
-ROOT=${ROOT:-/tmp/focus}; mkdir -p "$ROOT"; cp -r .data/study/tokenizer "$ROOT/"
+mkdir -p "$ROOT"; cp -r .data/study/tokenizer "$ROOT/"
 C=.data/corpus
 # RUN: the adapter's workdir; a second arm on the same warm machine needs its own (an existing
 # one resumes), e.g. RUN=/tmp/focus/focus_seq.
