@@ -50,8 +50,10 @@ from focaljax import model as model_lib  # pylint: disable=wrong-import-position
 MODES = ("batched", "sequential", "base")
 GPU = dict(size="400m", chunk_size=1024, prompt_len=512, local_len=1024, new_tokens=32,
            multipliers="8,32")
-SMOKE = dict(size="small", chunk_size=16, prompt_len=8, local_len=32, new_tokens=4,
-             multipliers="8,32")
+# The small preset's 64-token context holds at most 64 - 32 - 2 = 30 candidates in the official
+# ("sequential") layout: 8x and 3 new tokens is the most that fits.
+SMOKE = dict(size="small", chunk_size=16, prompt_len=8, local_len=32, new_tokens=3,
+             multipliers="8")
 
 
 def build(args, mode: str):
@@ -127,6 +129,9 @@ def sequential(base, adapter, cfg, memory, local, new):
   graphdef, base_state = nnx.split(base)
   B, T = local.shape
   s = cfg.chunk_size
+  # The same refusal as focus_generate.prefill: this loop calls the pieces beneath it.
+  focus.check_positions(base.cfg, cfg, T, cfg.prompt_tokens(T), extra=new - 1,
+                        memory_len=memory.shape[1])
   prefill_one, step_one, local_fn = _seq_fns(graphdef, cfg, T, new)
 
   def step(st, token_B):

@@ -15,7 +15,7 @@
 #             eval ~3.5; stage limits BASE_LIMIT, FOCUS_LIMIT, EVAL_LIMIT, BASE_EVAL_LIMIT)
 # CPU check:  SIZE=tiny BASE_STEPS=20 SEQ=128 FOCUS_STEPS=4 CHUNKS=16,32 PROMPT=16 LOCAL=64 \
 #             FOCUS_WARMUP=1 DOC_MIN=512 BATCH=2 MULTS=2 MAXMULT=2 SEEDS=2 \
-#             DECODE=1 DECODE_ARGS=--smoke bash bench/focus_device.sh
+#             DECODE=1 DECODE_ARGS=--smoke COPY_MIN=0 bash bench/focus_device.sh
 #
 # The base is the study's softmax+RoPE arm (bench/study.py: same tokenizer, data and preset) with
 # fewer steps and BASE_MIX (0.3) of its rows passkey drills (data.retrieval_mix: the study's bases
@@ -85,8 +85,20 @@ focus.save_adapter(sys.argv[2], focus.init_adapter(m.model), focus.FocusConfig(
 fi
 
 # 2. The adapter (SIGTERM at the limit: train.py saves the adapter and exits).
-stage adapter "${FOCUS_LIMIT:-130}"
-run_for "${FOCUS_LIMIT:-130}" python3 train.py --config configs/focus.py --workdir "$RUN" \
+# COPY_MIN gates it on the base's copy gain (the copy suite above): the one adapter that learned to
+# read the memory sat on a base with gain 0.23, the one that did not on 0.12 (FOCUSLLM.md, tenth and
+# eleventh sessions). Two runs, so a heuristic: COPY_MIN=0 turns the gate off.
+FOCUS_RUN=${FOCUS_LIMIT:-130}
+gain=$(python3 -c "import json, sys; print(json.load(open(sys.argv[1]))['copy_gain'])" \
+  "$BASE/eval/copy.json" 2>/dev/null)
+if [ "$FOCUS_RUN" != 0 ] && [ -n "$gain" ] && \
+   python3 -c "import sys; sys.exit(float(sys.argv[1]) >= float(sys.argv[2]))" "$gain" "${COPY_MIN:-0.18}"; then
+  echo "adapter skipped: the base's copy gain $gain < COPY_MIN=${COPY_MIN:-0.18}; train a stronger" \
+       "base (more BASE_STEPS), or COPY_MIN=0 to train the adapter anyway"
+  FOCUS_RUN=0
+fi
+stage adapter "$FOCUS_RUN"
+run_for "$FOCUS_RUN" python3 train.py --config configs/focus.py --workdir "$RUN" \
   --config.focus.base_workdir="$BASE" --config.data.source="text:$C/train.jsonl.xz" \
   --config.focus.chunk_sizes="${CHUNKS:-128,256,512}" --config.focus.prompt_len="${PROMPT:-256}" \
   --config.focus.local_len="${LOCAL:-512}" --config.focus.doc_min_tokens="${DOC_MIN:-3000}" \
