@@ -15,7 +15,7 @@ _FOCAL_PAPER = {  # LLaMA-style, QK-norm, 2K context, vocab 32K (their tokenizer
     "9.5b": (4608, 12288, 36, 36, dict(peak_lr=4e-4)),
 }
 
-NAMES = ("tiny", "small", "100m", "209m", *_FOCAL_PAPER)
+NAMES = ("tiny", "small", "35m", "100m", "209m", *_FOCAL_PAPER)
 
 
 def apply(c: ml_collections.ConfigDict, name: str) -> None:
@@ -25,6 +25,12 @@ def apply(c: ml_collections.ConfigDict, name: str) -> None:
   if name == "small":       # CPU tests and smoke runs: seconds
     m.update(d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, d_ff=128)
     c.data.update(seq_len=64, global_batch=8)
+  elif name == "35m":       # ~35.7M with a 16K vocabulary: ~2.6x fewer FLOPs a token than 100m, so
+    # a FocusLLM base, its adapter and the evaluation might fit one 10-minute device call (untested)
+    m.update(d_model=512, num_layers=8, num_heads=8, num_kv_heads=8, d_ff=1536)
+    c.data.update(seq_len=1024, global_batch=64)
+    c.optim.update(peak_lr=1e-3, warmup_steps=500)
+    c.train.update(steps=10_000, compute_dtype="bfloat16")
   elif name == "100m":      # the study-sized decoder (~100M with a 16K vocabulary)
     m.update(d_model=768, num_layers=12, num_heads=12, num_kv_heads=12, d_ff=2048)
     c.data.update(seq_len=1024, global_batch=64)
