@@ -25,7 +25,9 @@ def get_config(arg=None):
       chunk_sizes="64,128,256,512,1024,2048",  # one drawn per step (paper set + the code's 512)
       prompt_len=512,           # dynamic prompt: the last min(prompt_len, chunk) local tokens
       p_reconstruction=0.5,     # share of samples whose local window repeats a span of the memory
-      doc_min_tokens=3000,      # shorter documents are skipped; sets the memory length (see module)
+      doc_min_tokens=3000,      # shorter documents are skipped; the default memory length (below)
+      memory_tokens="",         # memory lengths, one drawn per step ("" = doc_min_tokens -
+                                # local_len - 1; focaljax/focus_samples.py)
       doc_max_tokens=8000,      # longer documents are cropped to their first doc_max_tokens
       local_len=512,            # local-window tokens the frozen decoder reads (<= base context)
       num_targets=16,           # supervised query points per sample: the window's last tokens

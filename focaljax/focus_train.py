@@ -1,19 +1,7 @@
 """FocusLLM training (configs/focus.py): the candidate adapter learns, the base stays frozen.
 
-Samples (one chunk size s per step, drawn from `focus.chunk_sizes`; every sample of the step uses
-it, so each size compiles once). Documents shorter than `doc_min_tokens` are skipped, longer ones
-cropped to their first `doc_max_tokens`. The memory has a fixed length per chunk size,
-M_s = s·⌊(doc_min_tokens − local_len − 1) / s⌋, so shapes depend on s alone (longer documents give
-other windows, not longer memories). With local_len = T:
-  continuation     a random window of M_s + T + 1 tokens: memory = its first M_s, local tokens =
-                   the rest (the text right after the memory).
-  reconstruction   a random window of M_s tokens is the memory; the local tokens are T + 1
-                   consecutive tokens copied from inside it (probability `p_reconstruction`).
-The seed's summary says the chunks are the tokens "before and after" the span; the official code
-(shared/notes/focus_focal.md §1.6) keeps the span and its targets in the memory, which is what
-teaches copying (the ablation's passkey result), and the brief's "repeats a span" agrees: we do
-the same. With `focus.retrieval_mix`, that share of continuation samples become passkey drills
-(`Sampler._drill`; the base's own drills are data.retrieval_mix). The loss is
+Samples: focus_samples.py (one chunk size and one memory length per step, from long documents;
+continuation, reconstruction and passkey-drill samples). The loss is
 `focus.target_nll`'s leak-free objective over the last `num_targets` local tokens (the official
 code supervises one token per sample; the paper's Eq. 6 all of them).
 
@@ -41,33 +29,14 @@ import numpy as np
 import optax
 from flax import nnx
 
-from focaljax import checkpoint, distributed, focus, focus_attention, metrics, optim, retrieval
+from focaljax import checkpoint, distributed, focus, focus_attention, focus_samples, metrics
+from focaljax import optim
 from focaljax import sharding
 from focaljax import trainer
 from focaljax import config as config_lib
-from focaljax import data as data_lib
 
 ADAPTER_DIR = "adapter"
-_MAX_DRAWS = 1000   # document draws per sample before concluding the source has no long documents
-
-
-def _fail(field: str, msg: str):
-  raise config_lib.ConfigError(f"config field focus.{field}: {msg}")
-
-
-def chunk_sizes(config) -> tuple[int, ...]:
-  try:
-    sizes = tuple(int(s) for s in config.focus.chunk_sizes.split(","))
-  except ValueError:
-    sizes = ()
-  if not sizes or min(sizes) < 1:
-    _fail("chunk_sizes", f"{config.focus.chunk_sizes!r} must be a comma list of positive ints")
-  return sizes
-
-
-def memory_len(config, chunk: int) -> int:
-  f = config.focus
-  return chunk * ((f.doc_min_tokens - f.local_len - 1) // chunk)
+_fail = focus_samples.fail
 
 
 def base_context(config) -> int:
@@ -97,7 +66,7 @@ def validate(config, context: int) -> None:
   if f.candidate_positions not in focus.CANDIDATE_POSITIONS:
     _fail("candidate_positions", f"{f.candidate_positions!r} must be one of "
           f"{focus.CANDIDATE_POSITIONS}")
-  sizes = chunk_sizes(config)
+  sizes = focus_samples.chunk_sizes(config)
   for name in ("prompt_len", "doc_min_tokens"):
     if f[name] < 1:
       _fail(name, f"must be >= 1, got {f[name]}")
@@ -120,15 +89,29 @@ def validate(config, context: int) -> None:
             f"({f.num_targets - 1}) = {s + prompt + f.num_targets - 1} positions exceed the "
             f"base's trained context data.seq_len={context} ({f.base_workdir}); use chunks <= "
             f"{context - prompt - f.num_targets + 1} or lower focus.prompt_len")
-    chunks = memory_len(config, s) // s   # "sequential": candidates at 0..C-1, then the window
-    if f.candidate_positions == "sequential" and chunks + f.local_len > context:
-      _fail("candidate_positions", f"'sequential' puts {chunks} candidates (chunk {s}) before "
-            f"focus.local_len={f.local_len}: over the base's data.seq_len={context} (the official "
-            f"layout's memory limit); use larger chunks, a lower doc_min_tokens or 'shared'")
-    if memory_len(config, s) < max(s, f.local_len + 1):
-      _fail("doc_min_tokens", f"{f.doc_min_tokens} leaves a memory of {memory_len(config, s)} "
-            f"tokens for chunk {s} after the local window (local_len + 1 = {f.local_len + 1}); "
-            f"need >= {max(s, f.local_len + 1)} (one chunk, and room for a reconstruction span)")
+    for m in focus_samples.memory_tokens(config):
+      _check_memory(config, context, s, m)
+
+
+def _check_memory(config, context: int, s: int, m: int) -> None:
+  """One (chunk size, memory length) pair of focus_samples: it fits the documents, holds a chunk
+  and a reconstruction span, and in the "sequential" layout leaves room for the local window."""
+  f = config.focus
+  field = "memory_tokens" if f.get("memory_tokens", "") else "doc_min_tokens"
+  if m > f.doc_min_tokens - f.local_len - 1:
+    _fail("memory_tokens", f"{m} + local_len + 1 ({f.local_len + 1}) exceeds "
+          f"focus.doc_min_tokens={f.doc_min_tokens}, the shortest document drawn; raise "
+          f"doc_min_tokens or use shorter memories")
+  M = focus_samples.memory_len(s, m)
+  if M < max(s, f.local_len + 1):
+    _fail(field, f"{getattr(f, field)} leaves a memory of {M} tokens for chunk {s} after the "
+          f"local window (local_len + 1 = {f.local_len + 1}); need >= {max(s, f.local_len + 1)} "
+          f"(one chunk, and room for a reconstruction span)")
+  if f.candidate_positions == "sequential" and M // s + f.local_len > context:
+    # "sequential": candidates at 0..C-1, then the window.
+    _fail("candidate_positions", f"'sequential' puts {M // s} candidates (chunk {s}, memory {M}) "
+          f"before focus.local_len={f.local_len}: over the base's data.seq_len={context} (the "
+          f"official layout's memory limit); use larger chunks, shorter memories or 'shared'")
 
 
 def focus_config(config, chunk: int) -> focus.FocusConfig:
@@ -136,79 +119,6 @@ def focus_config(config, chunk: int) -> focus.FocusConfig:
   f = config.focus
   return focus.FocusConfig(chunk, prompt_len=f.prompt_len, implementation=f.implementation,
                            candidate_positions=f.candidate_positions)
-
-
-class Sampler:
-  """Batches as a pure function of (seed, step, process): resumable without iterator state."""
-
-  def __init__(self, config, tokenizer, process_index: int, local_batch: int):
-    self.f, self.seed, self.pidx = config.focus, config.seed, process_index
-    self.local_batch = local_batch
-    self.tok, self.retrieval_mix = tokenizer, self.f.get("retrieval_mix", 0.0)
-    # A drill's tail is question + answer: its answer starts this many tokens in.
-    self._question_len = len(tokenizer.encode(retrieval.PASSKEY_QUESTION))
-    self.sizes = chunk_sizes(config)
-    self.docs = data_lib.documents(config_lib.data_config(config), "train")
-    self.mem = {s: memory_len(config, s) for s in self.sizes}
-    # Documents are re-drawn many times: keep their token ids (the crop bounds the memory use).
-    # Books run to 1M tokens: cut the text first (a BPE token spans far fewer than 16 chars).
-    n = self.f.doc_max_tokens
-    self._tokens = functools.lru_cache(maxsize=512)(
-        lambda i: np.asarray(tokenizer.encode(self.docs[i][:16 * n])[:n], np.int32))
-
-  def chunk_size(self, step: int) -> int:
-    """The same on every process: all of them must build the same shapes."""
-    return self.sizes[np.random.default_rng([self.seed, step]).integers(len(self.sizes))]
-
-  def _document(self, rng) -> np.ndarray:
-    for _ in range(_MAX_DRAWS):
-      ids = self._tokens(int(rng.integers(len(self.docs))))
-      if len(ids) >= self.f.doc_min_tokens:
-        return ids
-    _fail("doc_min_tokens", f"{_MAX_DRAWS} random documents of data.source were all shorter than "
-          f"{self.f.doc_min_tokens} tokens; lower it or use a source with longer documents")
-
-  def _drill(self, memory, local, rng) -> tuple[np.ndarray, np.ndarray]:
-    """A continuation sample turned passkey drill (focus.retrieval_mix): the needle overwrites a
-    random stretch of the memory and the local window ends with the question and " K.", so the
-    key's tokens are among the supervised last targets and only the memory holds them."""
-    needle, tail = retrieval.drill_pieces(self.tok, rng)
-    if len(needle) > len(memory) or len(tail) > min(len(local), self.f.num_targets):
-      _fail("retrieval_mix", f"a drill needs a memory of >= {len(needle)} tokens and "
-            f"focus.num_targets >= {len(tail)} (its question and key)")
-    memory = memory.copy()
-    at = int(rng.integers(len(memory) - len(needle) + 1))
-    memory[at:at + len(needle)] = needle
-    # Where among the num_targets targets the answer " K." starts (it ends the window).
-    # The answer " K." ends the window: it starts at this index among the num_targets targets.
-    return (memory, np.concatenate([local[:len(local) - len(tail)], np.asarray(tail, np.int32)]),
-            self.f.num_targets - (len(tail) - self._question_len))
-
-  def batch(self, step: int) -> dict[str, np.ndarray]:
-    """memory int32 [b, M_s], tokens int32 [b, local_len + 1], reconstruction float32 [b],
-    key_at int32 [b]: where a drill's answer " K." starts among the last num_targets, or -1."""
-    s, T = self.chunk_size(step), self.f.local_len
-    M = self.mem[s]
-    rng = np.random.default_rng([self.seed, step, self.pidx, 1])
-    memory, tokens, recon, key_at = [], [], [], []
-    for _ in range(self.local_batch):
-      ids = self._document(rng)
-      is_recon, at = rng.random() < self.f.p_reconstruction, -1
-      n = M if is_recon else M + T + 1
-      window = ids[(o := rng.integers(len(ids) - n + 1)):o + n]
-      memory.append(window[:M])
-      if is_recon:
-        tokens.append(window[(r := rng.integers(M - T)):r + T + 1])
-      elif rng.random() < self.retrieval_mix:
-        memory[-1], local, at = self._drill(window[:M], window[M:], rng)
-        tokens.append(local)
-      else:
-        tokens.append(window[M:])
-      recon.append(float(is_recon))
-      key_at.append(at)
-    return {"memory": np.stack(memory), "tokens": np.stack(tokens),
-            "reconstruction": np.asarray(recon, np.float32),
-            "key_at": np.asarray(key_at, np.int32)}
 
 
 def answer_nll_sum(nll_BQ, key_at_B):
@@ -267,9 +177,10 @@ def _save(workdir: str, step: int, adapter, opt_state, cfg: focus.FocusConfig, b
 def _dry_run(config, step_fns, state, batch_sh, mesh) -> dict:
   B, T = config.data.global_batch, config.focus.local_len
   out = {"dry_run": True}
-  for s, fn in step_fns.items():
-    shapes = {"memory": (B, memory_len(config, s)), "tokens": (B, T + 1), "reconstruction": (B,),
-              "key_at": (B,)}
+  longest = max(focus_samples.memory_tokens(config))
+  for s, fn in step_fns.items():   # the longest memory of each chunk size: the peak
+    shapes = {"memory": (B, focus_samples.memory_len(s, longest)), "tokens": (B, T + 1),
+              "reconstruction": (B,), "key_at": (B,)}
     batch = {k: jax.ShapeDtypeStruct(v, jnp.float32 if k == "reconstruction" else jnp.int32,
                                      sharding=batch_sh[k]) for k, v in shapes.items()}
     with jax.set_mesh(mesh):
@@ -307,7 +218,7 @@ def train(config, workdir: str, *, dry_run: bool = False, stop_at: int | None = 
                                        base_attention=f.base_attention)
   if primary:
     checkpoint.write_config(workdir, config)
-  sizes = chunk_sizes(config)
+  sizes = focus_samples.chunk_sizes(config)
   save_cfg = focus_config(config, max(sizes))   # the largest chunk: the inference default
 
   mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
@@ -337,11 +248,11 @@ def train(config, workdir: str, *, dry_run: bool = False, stop_at: int | None = 
         num_targets=f.num_targets, skip_nonfinite=config.train.nonfinite == "skip"),
         in_shardings=(replicated, replicated, base_sh, batch_sh),
         out_shardings=(replicated, replicated, replicated), donate_argnums=(0, 1))
-  step_fns = {s: step_fn(s) for s in sizes}   # jit compiles each on its first call
+  step_fns = {s: step_fn(s) for s in sizes}   # jit compiles each (s, M) on its first call
   if dry_run:
     return _dry_run(config, step_fns, (adapter, opt_state, base_params), batch_sh, mesh)
 
-  sampler = Sampler(config, loaded.tokenizer, jax.process_index(),
+  sampler = focus_samples.Sampler(config, loaded.tokenizer, jax.process_index(),
                     config.data.global_batch // pcount)
   steps = config.train.steps
   writer = metrics.Writer(workdir, steps, start, enabled=primary)
@@ -380,7 +291,7 @@ def train(config, workdir: str, *, dry_run: bool = False, stop_at: int | None = 
   try:
     with jax.set_mesh(mesh):
       while step < steps:
-        chunk = sampler.chunk_size(step)
+        chunk, M = sampler.shape(step)
         local = sampler.batch(step)
         batch = {k: jax.make_array_from_process_local_data(batch_sh[k], v)
                  for k, v in local.items()}
@@ -388,7 +299,7 @@ def train(config, workdir: str, *, dry_run: bool = False, stop_at: int | None = 
         step += 1
         if pending is not None:
           finish(pending)   # after dispatching this step: the device never waits for the host
-        pending = (step, chunk, config.data.global_batch * (sampler.mem[chunk] + f.local_len), m)
+        pending = (step, chunk, config.data.global_batch * (M + f.local_len), m)
         preempted = preempt.reached(step)  # one agreed step on every host
         stopping = preempted or step == stop_at
         if step % config.train.ckpt_every == 0 or step == steps or stopping:

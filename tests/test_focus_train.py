@@ -17,6 +17,7 @@ from configs import focus as focus_config
 from focaljax import checkpoint
 from focaljax import config as config_lib
 from focaljax import focus
+from focaljax import focus_samples
 from focaljax import focus_train
 from focaljax import loaded
 from focaljax import model as model_lib
@@ -64,11 +65,11 @@ def digest(path):
 def test_sampler_builds_both_tasks_from_documents(tmp_path):
   make_base(tmp_path / "base")
   cfg = focus_cfg(tmp_path / "base", p_reconstruction=0.5)
-  sampler = focus_train.Sampler(cfg, tokenizer_lib.bundled(), 0, 16)
+  sampler = focus_samples.Sampler(cfg, tokenizer_lib.bundled(), 0, 16)
   docs = [sampler._tokens(i) for i in range(len(sampler.docs))]  # pylint: disable=protected-access
   for step in range(4):
-    chunk, b = sampler.chunk_size(step), sampler.batch(step)
-    M = 64 - 17 - (64 - 17) % chunk           # doc_min - local_len - 1, whole chunks
+    (chunk, M), b = sampler.shape(step), sampler.batch(step)
+    assert M == 64 - 17 - (64 - 17) % chunk   # doc_min - local_len - 1, whole chunks
     assert b["memory"].shape == (16, M) and b["tokens"].shape == (16, 17)
     assert 0 < b["reconstruction"].sum() < 16
     for memory, tokens, recon in zip(b["memory"], b["tokens"], b["reconstruction"]):
@@ -85,7 +86,7 @@ def test_sampler_drills_put_the_key_in_memory_and_at_the_targets(tmp_path):
   tok = tokenizer_lib.bundled()
   cfg = focus_cfg(tmp_path / "base", p_reconstruction=0.0, retrieval_mix=0.5, local_len=32,
                   num_targets=24, doc_min_tokens=128)
-  b = focus_train.Sampler(cfg, tok, 0, 16).batch(0)
+  b = focus_samples.Sampler(cfg, tok, 0, 16).batch(0)
   drills = 0
   Q = cfg.focus.num_targets
   for memory, tokens, key_at in zip(b["memory"], b["tokens"], b["key_at"]):
@@ -107,13 +108,36 @@ def test_sampler_drills_put_the_key_in_memory_and_at_the_targets(tmp_path):
   with pytest.raises(config_lib.ConfigError, match="focus.retrieval_mix.*1"):
     focus_train.validate(focus_cfg(tmp_path / "base", retrieval_mix=1.0), 64)
   with pytest.raises(config_lib.ConfigError, match="focus.retrieval_mix.*num_targets"):
-    focus_train.Sampler(focus_cfg(tmp_path / "base", p_reconstruction=0.0, retrieval_mix=0.9),
+    focus_samples.Sampler(focus_cfg(tmp_path / "base", p_reconstruction=0.0, retrieval_mix=0.9),
                         tok, 0, 16).batch(0)
 
 
 def _contains(hay, needle):
   n = len(needle)
   return any(np.array_equal(hay[i:i + n], needle) for i in range(len(hay) - n + 1))
+
+
+def test_memory_lengths_are_drawn_per_step_and_validated(tmp_path):
+  make_base(tmp_path / "base")
+  cfg = focus_cfg(tmp_path / "base", memory_tokens="32,47", doc_min_tokens=64)
+  focus_train.validate(cfg, 64)
+  sampler = focus_samples.Sampler(cfg, tokenizer_lib.bundled(), 0, 4)
+  default = focus_samples.Sampler(focus_cfg(tmp_path / "base"), tokenizer_lib.bundled(), 0, 4)
+  seen = set()
+  for step in range(24):
+    (chunk, M), b = sampler.shape(step), sampler.batch(step)
+    assert M in {chunk * (32 // chunk), chunk * (47 // chunk)} and b["memory"].shape == (4, M)
+    assert chunk == default.shape(step)[0]   # the chunk-size stream is unchanged by the lengths
+    seen.add((chunk, M))
+  assert seen == {(8, 32), (8, 40), (16, 32)}
+  # Longer than the shortest document admits (47 + local 16 + 1 = 64 is the most).
+  with pytest.raises(config_lib.ConfigError, match="focus.memory_tokens.*48.*doc_min_tokens=64"):
+    focus_train.validate(focus_cfg(tmp_path / "base", memory_tokens="48"), 64)
+  # Shorter than one chunk plus a reconstruction span.
+  with pytest.raises(config_lib.ConfigError, match="focus.memory_tokens.*16.*need >= 17"):
+    focus_train.validate(focus_cfg(tmp_path / "base", memory_tokens="16"), 64)
+  with pytest.raises(config_lib.ConfigError, match="focus.memory_tokens.*comma list"):
+    focus_train.validate(focus_cfg(tmp_path / "base", memory_tokens="20,x"), 64)
 
 
 def test_train_saves_adapter_keeps_base_and_resumes(tmp_path, monkeypatch):
@@ -124,14 +148,14 @@ def test_train_saves_adapter_keeps_base_and_resumes(tmp_path, monkeypatch):
   cfg = focus_cfg(base_wd)
 
   # SIGTERM while step 2's batch is built: the loop saves step 2 and exits.
-  batch = focus_train.Sampler.batch
+  batch = focus_samples.Sampler.batch
   def batch_then_sigterm(self, step):
     if step == 1:
       os.kill(os.getpid(), signal.SIGTERM)
     return batch(self, step)
-  monkeypatch.setattr(focus_train.Sampler, "batch", batch_then_sigterm)
+  monkeypatch.setattr(focus_samples.Sampler, "batch", batch_then_sigterm)
   first = focus_train.train(cfg, str(wd))
-  monkeypatch.setattr(focus_train.Sampler, "batch", batch)
+  monkeypatch.setattr(focus_samples.Sampler, "batch", batch)
   assert first["preempted"] and first["step"] == 2 and np.isfinite(first["loss"])
   assert focus_train.saved_steps(str(wd)) == [2]
   second = focus_train.train(cfg, str(wd))
