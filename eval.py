@@ -8,7 +8,7 @@
   python eval.py --workdir runs/default --focus_adapter runs/focus/adapter/2000 \
       --suites focus_passkey --focus_multipliers 2,8 --passkey_seeds 10
 
-Suites: val, longdoc, passkey, keyword, attention, sample (default: all). Long documents default
+Suites: val, longdoc, passkey, keyword, copy, attention, sample (default: all). Long documents default
 to ../shared/data/corpus/longeval.jsonl.xz next to the repository when it exists, else the
 validation split's documents concatenated (the output says which).
 
@@ -50,7 +50,8 @@ _FOCUS_MULTIPLIERS = flags.DEFINE_list("focus_multipliers",
                                        [str(m) for m in focus_eval.DEFAULT_MULTIPLIERS],
                                        "focus_passkey lengths / the base's trained context")
 _FOCUS_LOCAL_LEN = flags.DEFINE_integer("focus_local_len", None,
-                                        "local window tokens; default: trained context // 2")
+                                        "local window tokens; default: the adapter run's "
+                                        "focus.local_len, else trained context // 2")
 _FOCUS_CHUNK_SIZE = flags.DEFINE_integer("focus_chunk_size", None,
                                          "memory chunk size; default: the adapter's focus.json")
 _FOCUS_IMPLEMENTATION = flags.DEFINE_enum("focus_implementation", None, ["xla", "pallas"],

@@ -21,8 +21,8 @@ prefill, which also yields the first new token's logits) and tok_per_s = batch x
 / decode_s, the seconds of the new_tokens - 1 steps after it (block_until_ready at the end).
 peak_GiB is the device's peak_bytes_in_use (None on CPU); with --isolate (default unless --smoke)
 every entry runs in a fresh process so the peak is its own, otherwise it is the process peak so
-far. Note focus.frozen_prefill allocates the chunk caches in float32 whatever --dtype is, so the
-focus modes' chunk prefill runs the base with --chunk_attention (default xla; cudnn needs 16-bit).
+far. focus.frozen_prefill allocates the chunk caches in the base's dtype (--dtype); the focus
+modes' chunk prefill runs the base with --chunk_attention (default xla; cudnn needs 16-bit).
 """
 
 from __future__ import annotations

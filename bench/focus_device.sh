@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Issue 5 in one device call: a small base pretrained on the carried corpus, the FocusLLM adapter
 # over it, then the evaluation (passkey at 2-100x, loss by position to 32x, the base's own NTK
-# curve) and the decode benchmark. A device machine starts bare and its files do not survive the
-# call, so every stage runs here, each under its own wall limit, and the small outputs (configs,
+# curve) and, with DECODE=1, the decode benchmark. A device machine starts bare and its files
+# survive only while it stays warm (30 s idle), so every stage can run in one call, each under its
+# own wall limit, and the small outputs (configs,
 # metrics, eval JSON, logs; no weights) come back packed in $OUT/focus_run.tgz.
 #
 # Once, here (the study's set-up, see bench/study_device.sh): .data/corpus/*.xz, the 16K BPE in

@@ -4,8 +4,8 @@
   "xla"     the pure-JAX references of pallas_kernels.condense (the spec): einsums that
             materialise [rows, heads, T, S] float32 probabilities.
   "pallas"  pallas_kernels.condense: split-K candidate attention and a flash local decoder
-            attention with its backward; compiled on GPU, Pallas interpret mode elsewhere (the
-            same rule as ops.py; slow, for tests).
+            attention with its backward (Triton lowering); compiled on GPU, Pallas interpret
+            mode on CPU (slow, for tests); on TPU it raises (no Mosaic-TPU port).
 Both compute the same function (tests/test_condense.py). Letters as in focus.py.
 """
 

@@ -2,8 +2,9 @@
 
 Lengths are multiples of the base's trained context (`base.cfg.max_seq_len`, "ctx" below). Every
 input is split into a local window (the last T tokens, the local decoder's input) and the memory
-(everything before it, cut into chunks of `cfg.chunk_size`). T defaults to ctx // 2, the official
-ratio (local_window 2048 on LLaMA-2's 4K). The memory must be whole chunks (focus.chunk_rows):
+(everything before it, cut into chunks of `cfg.chunk_size`). T defaults (in `run`) to the
+adapter run's focus.local_len, the window it was trained on, else ctx // 2, the official ratio
+(local_window 2048 on LLaMA-2's 4K). The memory must be whole chunks (focus.chunk_rows):
 
   passkey           keeps the requested total length exactly and takes the largest window
                     T <= local_len with (length - T) % chunk_size == 0, or the smallest above it
