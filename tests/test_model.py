@@ -245,8 +245,8 @@ def loss_and_grads(model, tokens):
 def assert_same_loss_and_grads(a, b):
   """Two backward implementations of one model give one training signal (test_mlp uses it)."""
   np.testing.assert_allclose(a[0], b[0], rtol=1e-6)
-  for x, y in zip(jax.tree.leaves(a[1]), jax.tree.leaves(b[1])):
-    np.testing.assert_allclose(x, y, rtol=2e-5, atol=1e-7)
+  for x, y in zip(jax.tree.leaves(a[1]), jax.tree.leaves(b[1])):   # atol: see the norm test
+    np.testing.assert_allclose(x, y, rtol=2e-5, atol=1e-6)
 
 
 def test_model_gradients_do_not_depend_on_the_qk_rope_backward():
