@@ -117,9 +117,9 @@ def _seq_fns(graphdef, cfg, T, new):
   @jax.jit
   def local(base_state, tokens_BL, kv, index):
     base = nnx.merge(graphdef, base_state)
-    logits = focus.local_logits(base, tokens_BL, kv, base.cfg.rope_theta, implementation=impl,
-                                sequential_positions=cfg.sequential_positions)
-    return jax.lax.dynamic_index_in_dim(logits, index, axis=1, keepdims=False)
+    return focus.local_logits(base, tokens_BL, kv, base.cfg.rope_theta, implementation=impl,
+                              sequential_positions=cfg.sequential_positions,
+                              at_B=jnp.full((tokens_BL.shape[0],), index))
 
   return prefill_one, step_one, local
 

@@ -273,11 +273,13 @@ def candidates(adapter, base, caches, tokens_RQ, positions_RQ, theta: float, *,
 
 
 def local_logits(base, tokens_BT, cand_kv, theta: float, *, implementation: str = "xla",
-                 sequential_positions: bool = False):
+                 sequential_positions: bool = False, at_B=None):
   """The frozen decoder over the local window with the C candidates of each row (per layer (k
   before RoPE, v) [B, C, K, D], chunk order) prepended and visible to every token. Positions: local
   tokens 0..T-1, candidates at CANDIDATE_POSITION; with `sequential_positions`, candidates 0..C-1
-  and local tokens C..C+T-1 (FocusConfig.candidate_positions, module docstring)."""
+  and local tokens C..C+T-1 (FocusConfig.candidate_positions, module docstring).
+  Logits [B, T, V], or with `at_B` (int [B]) only row b's position at_B[b]: [B, V]. Training and
+  decoding read one position per row, and the [B·Q, T, V] head matmul would cost ~10% of a step."""
   B, T = tokens_BT.shape
   C = cand_kv[0][0].shape[1]
   if sequential_positions:
@@ -295,6 +297,9 @@ def local_logits(base, tokens_BT, cand_kv, theta: float, *, implementation: str 
     out = focus_attention.local(implementation, attn, q, k, v, kc_BCKD, vc_BCKD)
     x_BTE = x_BTE + jnp.einsum("BTND,NDE->BTE", out, attn.wo[...].astype(out.dtype))
     x_BTE = x_BTE + block.mlp(block.mlp_norm(x_BTE))
+  if at_B is not None:
+    x_BTE = jnp.take_along_axis(x_BTE, jnp.asarray(at_B)[:, None, None], axis=1)
+    return base._logits(x_BTE)[:, 0]  # pylint: disable=protected-access
   return base._logits(x_BTE)  # pylint: disable=protected-access
 
 
@@ -384,11 +389,12 @@ def target_nll(adapter, base, memory_BM, tokens_BT, cfg: FocusConfig, num_target
   C = kv[0][0].shape[1]
   # Row (b, q) carries candidates_q of every chunk; B-major like the repeated local tokens.
   rows = lambda x: x.transpose(0, 2, 1, 3, 4).reshape(B * Q, C, *x.shape[3:])
-  logits_RTV = local_logits(base, jnp.repeat(inputs_BT, Q, axis=0),
-                            [(rows(k), rows(v)) for k, v in kv], base.cfg.rope_theta,
-                            implementation=cfg.implementation,
-                            sequential_positions=cfg.sequential_positions)
-  at_RV = logits_RTV.reshape(B, Q, T, -1)[:, jnp.arange(Q), first + jnp.arange(Q)]
+  # Row (b, q) is read only at its own query point first + q.
+  at_RV = local_logits(base, jnp.repeat(inputs_BT, Q, axis=0),
+                       [(rows(k), rows(v)) for k, v in kv], base.cfg.rope_theta,
+                       implementation=cfg.implementation,
+                       sequential_positions=cfg.sequential_positions,
+                       at_B=jnp.tile(first + jnp.arange(Q), B)).reshape(B, Q, -1)
   target_BQ = tokens_BT[:, first + 1:]
   picked = jnp.take_along_axis(at_RV, target_BQ[..., None], axis=-1)[..., 0]
   return jax.nn.logsumexp(at_RV, axis=-1) - picked

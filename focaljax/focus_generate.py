@@ -37,10 +37,10 @@ _STATIC = ("implementation", "sequential_positions")   # state entries that are 
 
 def _local_at(base, state, index, implementation, sequential_positions):
   """Next-token logits float32 [B, V] read at buffer position `index` (a traced scalar)."""
-  logits_BTV = focus.local_logits(base, state["tokens"], state["kv"], base.cfg.rope_theta,
-                                  implementation=implementation,
-                                  sequential_positions=sequential_positions)
-  return jax.lax.dynamic_index_in_dim(logits_BTV, index, axis=1, keepdims=False)
+  return focus.local_logits(base, state["tokens"], state["kv"], base.cfg.rope_theta,
+                            implementation=implementation,
+                            sequential_positions=sequential_positions,
+                            at_B=jnp.full((state["tokens"].shape[0],), index))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "max_new_tokens"))

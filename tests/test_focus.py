@@ -148,6 +148,25 @@ def test_objective_does_not_leak_targets(layout):
   assert np.abs(np.asarray(g_embed)[int(seq[0, i + 1])]).sum() > 0
 
 
+def test_each_target_is_scored_as_generation_predicts_it():
+  """target_nll[b, q] is the NLL of x_{i+1}, i = first + q, from focus.logits on the window ending
+  at i with the dynamic prompt grown by q tokens (as generation grows it; see the generation test):
+  each training row is read at its own query point (local_logits' at_B)."""
+  base = tiny_base()
+  graphdef, params = split(base, perturbed(focus.init_adapter(base)))
+  cfg = focus.FocusConfig(chunk_size=16, prompt_len=6)
+  memory, seq = tokens(11, (2, 32)), tokens(12, (2, 15))
+  T, Q = 14, 5
+  nll = jitted(graphdef, focus.target_nll, cfg=cfg, num_targets=Q)(params, memory, seq)
+  for q in range(Q):
+    i = T - Q + q
+    grown = dataclasses.replace(cfg, prompt_len=6 + q)
+    last = jax.nn.log_softmax(jitted(graphdef, focus.logits, cfg=grown)(params, memory,
+                                                                       seq[:, :i + 1])[:, -1])
+    want = -np.take_along_axis(np.asarray(last), np.asarray(seq[:, i + 1])[:, None], 1)[:, 0]
+    np.testing.assert_allclose(nll[:, q], want, rtol=1e-5, atol=1e-5)
+
+
 def test_optimizer_mask_updates_only_the_adapter():
   base = tiny_base()
   graphdef, params = split(base, focus.init_adapter(base))
