@@ -25,6 +25,7 @@
 # (configs/focus.py) with chunks that fit the base's 1K context: chunk + prompt + targets - 1 <= 1024.
 # MEM: focus.memory_tokens, memory lengths drawn per step (default: DOC_MIN - LOCAL - 1, i.e. 4
 # chunks of 512); e.g. DOC_MIN=8000 MEM=2048,4096,7168 for 4 to 14 chunks.
+# TARGETS: focus.num_targets (16); the local decoder runs BATCH x TARGETS rows, most of a step.
 # CAND_POS: focus.candidate_positions for stages 1b and 2, default sequential (the official
 # layout); shared for the A/B. The settings that read the memory (tenth session, FOCUSLLM.md):
 # CHUNKS=512 FOCUS_LR=1e-3 FOCUS_WARMUP=50 FOCUS_MIX=0.9 and ~2800 steps (configs/focus_drills.py).
@@ -105,7 +106,7 @@ run_for "$FOCUS_RUN" python3 train.py --config configs/focus.py --workdir "$RUN"
   --config.focus.base_workdir="$BASE" --config.data.source="text:$C/train.jsonl.xz" \
   --config.focus.chunk_sizes="${CHUNKS:-128,256,512}" --config.focus.prompt_len="${PROMPT:-256}" \
   --config.focus.local_len="${LOCAL:-512}" --config.focus.doc_min_tokens="${DOC_MIN:-3000}" \
-  ${MEM:+--config.focus.memory_tokens=$MEM} \
+  ${MEM:+--config.focus.memory_tokens=$MEM} ${TARGETS:+--config.focus.num_targets=$TARGETS} \
   --config.data.global_batch="${BATCH:-8}" --config.train.steps="${FOCUS_STEPS:-400}" \
   --config.optim.warmup_steps="${FOCUS_WARMUP:-30}" ${FOCUS_LR:+--config.optim.peak_lr=$FOCUS_LR} \
   --config.train.log_every=10 --config.train.ckpt_every="${FOCUS_CKPT:-50}" \

@@ -103,15 +103,17 @@ class Sampler:
     random stretch of the memory and the local window ends with the question and " K.", so the
     key's tokens are among the supervised last targets and only the memory holds them."""
     needle, tail = retrieval.drill_pieces(self.tok, rng)
-    if len(needle) > len(memory) or len(tail) > min(len(local), self.f.num_targets):
-      fail("retrieval_mix", f"a drill needs a memory of >= {len(needle)} tokens and "
-           f"focus.num_targets >= {len(tail)} (its question and key)")
+    answer = len(tail) - self._question_len
+    # Only the answer must be supervised; question tokens before the targets are plain input.
+    if len(needle) > len(memory) or len(tail) > len(local) or answer > self.f.num_targets:
+      fail("retrieval_mix", f"a drill needs a memory of >= {len(needle)} tokens, a local window "
+           f"of >= {len(tail)} (question and key) and focus.num_targets >= {answer} (the key)")
     memory = memory.copy()
     at = int(rng.integers(len(memory) - len(needle) + 1))
     memory[at:at + len(needle)] = needle
     # The answer " K." ends the window: it starts at this index among the num_targets targets.
     return (memory, np.concatenate([local[:len(local) - len(tail)], np.asarray(tail, np.int32)]),
-            self.f.num_targets - (len(tail) - self._question_len))
+            self.f.num_targets - answer)
 
   def batch(self, step: int) -> dict[str, np.ndarray]:
     """memory int32 [b, M], tokens int32 [b, local_len + 1], reconstruction float32 [b],

@@ -81,11 +81,12 @@ def test_sampler_builds_both_tasks_from_documents(tmp_path):
     np.testing.assert_array_equal(sampler.batch(step)["tokens"], b["tokens"])  # resumable
 
 
-def test_sampler_drills_put_the_key_in_memory_and_at_the_targets(tmp_path):
+@pytest.mark.parametrize("num_targets", [24, 8])   # 8: the answer only (question before them)
+def test_sampler_drills_put_the_key_in_memory_and_at_the_targets(tmp_path, num_targets):
   make_base(tmp_path / "base")
   tok = tokenizer_lib.bundled()
   cfg = focus_cfg(tmp_path / "base", p_reconstruction=0.0, retrieval_mix=0.5, local_len=32,
-                  num_targets=24, doc_min_tokens=128)
+                  num_targets=num_targets, doc_min_tokens=128)
   b = focus_samples.Sampler(cfg, tok, 0, 16).batch(0)
   drills = 0
   Q = cfg.focus.num_targets
@@ -97,6 +98,7 @@ def test_sampler_drills_put_the_key_in_memory_and_at_the_targets(tmp_path):
     drills += 1
     key = text.rsplit("The pass key is", 1)[1].strip().rstrip(".")
     # key_at (the loss_key metric) is where the answer starts among the Q targets.
+    assert 0 <= key_at < Q
     assert tokens[-Q + key_at] == tok.encode(f" {key}.")[0]
     assert tok.decode(tokens[-Q + key_at:].tolist()) == f" {key}."
     assert f"The pass key is {key}. Remember it." in tok.decode(memory.tolist())
