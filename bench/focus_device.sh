@@ -25,6 +25,7 @@
 # (configs/focus.py) with chunks that fit the base's 1K context: chunk + prompt + targets - 1 <= 1024.
 # MEM: focus.memory_tokens, memory lengths drawn per step (default: DOC_MIN - LOCAL - 1, i.e. 4
 # chunks of 512); e.g. DOC_MIN=8000 MEM=2048,4096,7168 for 4 to 14 chunks.
+# PK_BATCH: passkey trials per generate call in the eval stage (eval.py --focus_passkey_batch, 1).
 # TARGETS: focus.num_targets (16); the local decoder runs BATCH x TARGETS rows, most of a step.
 # CAND_POS: focus.candidate_positions for stages 1b and 2, default sequential (the official
 # layout); shared for the A/B. The settings that read the memory (tenth session, FOCUSLLM.md):
@@ -121,7 +122,8 @@ stage eval "${EVAL_LIMIT:-130}"
 run_for "${EVAL_LIMIT:-130}" python3 eval.py --workdir "$BASE" --focus_adapter "$RUN" \
   --books $C/longeval.jsonl.xz --focus_dtype "${DTYPE:-bfloat16}" \
   --focus_multipliers "${MULTS:-2,8,32,100}" --passkey_seeds "${SEEDS:-10}" \
-  --max_multiplier "${MAXMULT:-32}" --max_books "${MAXBOOKS:-8}" 2>&1 | quiet > "$OUT/eval_focus.log"
+  --max_multiplier "${MAXMULT:-32}" --max_books "${MAXBOOKS:-8}" \
+  --focus_passkey_batch "${PK_BATCH:-1}" 2>&1 | quiet > "$OUT/eval_focus.log"
 tail -n 12 "$OUT/eval_focus.log" 2>/dev/null
 run_for "${BASE_EVAL_LIMIT:-50}" python3 eval.py --workdir "$BASE" --suites longdoc \
   --books $C/longeval.jsonl.xz --max_multiplier "${MAXMULT:-32}" --max_books "${MAXBOOKS:-8}" \

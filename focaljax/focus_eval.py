@@ -114,6 +114,9 @@ def passkey(adapter, base, cfg: focus.FocusConfig, tokenizer, multipliers=DEFAUL
   `seeds`: a count (seeds 0..n-1) or a list. `batch_size` trials share one generate call; 1 by
   default because at 100x a single trial's chunk caches are large.
   """
+  if batch_size < 1:
+    raise ValueError(f"focus passkey: batch_size (eval.py --focus_passkey_batch) must be >= 1; "
+                     f"got {batch_size}")
   base = _module(base)
   ctx = base.cfg.max_seq_len
   seeds = list(range(seeds)) if isinstance(seeds, int) else list(seeds)
@@ -323,13 +326,14 @@ def run(base_path: str, adapter_path: str, *, suites=FOCUS_SUITES, books: str | 
         max_multiplier: int = 32, max_books: int = 8, multipliers=DEFAULT_MULTIPLIERS,
         seeds: int = 10, local_len: int | None = None, chunk_size: int | None = None,
         implementation: str | None = None, dtype: str = "float32", base_attention: str = "xla",
-        out_dir: str | None = None, log=print) -> dict:
+        passkey_batch: int = 1, out_dir: str | None = None, log=print) -> dict:
   """eval.py's FocusLLM suites: loads the base (`base_path`, a workdir or checkpoints/<step>) and
   the adapter (resolve_adapter), writes <suite>.json and focus_results.json under out_dir
   (default: the focus run's eval/, or eval/adapter_<step> for an explicit adapter/<step>).
   `local_len` defaults to the focus run's config focus.local_len, else context // 2. `dtype`
   casts base and adapter once (bfloat16: faster on GPU; the chunk caches follow it).
-  `base_attention` replaces the base's attention implementation (focus.with_attention says why)."""
+  `base_attention` replaces the base's attention implementation (focus.with_attention says why).
+  `passkey_batch` trials share one generate call (passkey's batch_size)."""
   unknown = set(suites) - set(FOCUS_SUITES)
   if unknown:
     raise ValueError(f"unknown focus suites {sorted(unknown)}; allowed: {list(FOCUS_SUITES)}")
@@ -365,7 +369,8 @@ def run(base_path: str, adapter_path: str, *, suites=FOCUS_SUITES, books: str | 
             "source": books}
 
   tasks = {"focus_passkey": lambda: passkey(adapter, base, cfg, m.tokenizer, multipliers,
-                                            seeds, local_len=local_len, log=log),
+                                            seeds, local_len=local_len,
+                                            batch_size=passkey_batch, log=log),
            "focus_longdoc": longdoc}
   for suite in FOCUS_SUITES:
     if suite not in suites:

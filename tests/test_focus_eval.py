@@ -140,6 +140,11 @@ def test_passkey_with_a_model_is_well_formed(tiny, tok):
   assert r["candidate_readout"][0] is None or 0 <= r["candidate_readout"][0] <= 1
   assert "focus_passkey" in focus_eval.format_suite("focus_passkey", r)
   json.dumps(r)
+  # Batched trials (eval.py --focus_passkey_batch) generate what one at a time does.
+  batched = focus_eval.passkey(adapter, base, cfg, tok, multipliers=(2,), seeds=3, batch_size=2)
+  single = focus_eval.passkey(adapter, base, cfg, tok, multipliers=(2,), seeds=3)
+  assert [t["output"] for t in batched["rows"][0]["trials"]] == [
+      t["output"] for t in single["rows"][0]["trials"]]
 
 
 def test_loss_by_position_ranges(tiny):
