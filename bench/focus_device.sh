@@ -93,11 +93,11 @@ fi
 # COPY_MIN gates it on the base's copy gain (the copy suite above): the one adapter that learned to
 # read the memory sat on a base with gain 0.23, the one that did not on 0.12 (FOCUSLLM.md, tenth and
 # eleventh sessions). Two runs, so a heuristic: COPY_MIN=0 turns the gate off.
+# The check prints the gain and succeeds only when it is below COPY_MIN (no copy.json: no gate).
 FOCUS_RUN=${FOCUS_LIMIT:-130}
-gain=$(python3 -c "import json, sys; print(json.load(open(sys.argv[1]))['copy_gain'])" \
-  "$BASE/eval/copy.json" 2>/dev/null)
-if [ "$FOCUS_RUN" != 0 ] && [ -n "$gain" ] && \
-   python3 -c "import sys; sys.exit(float(sys.argv[1]) >= float(sys.argv[2]))" "$gain" "${COPY_MIN:-0.18}"; then
+if [ "$FOCUS_RUN" != 0 ] && gain=$(python3 -c "import json, sys
+g = json.load(open(sys.argv[1]))['copy_gain']; print(g); sys.exit(g >= float(sys.argv[2]))" \
+     "$BASE/eval/copy.json" "${COPY_MIN:-0.18}" 2>/dev/null); then
   echo "adapter skipped: the base's copy gain $gain < COPY_MIN=${COPY_MIN:-0.18}; train a stronger" \
        "base (more BASE_STEPS), or COPY_MIN=0 to train the adapter anyway"
   FOCUS_RUN=0

@@ -111,7 +111,7 @@ def test_sampler_drills_put_the_key_in_memory_and_at_the_targets(tmp_path, num_t
     focus_train.validate(focus_cfg(tmp_path / "base", retrieval_mix=1.0), 64)
   with pytest.raises(config_lib.ConfigError, match="focus.retrieval_mix.*num_targets"):
     focus_samples.Sampler(focus_cfg(tmp_path / "base", p_reconstruction=0.0, retrieval_mix=0.9),
-                        tok, 0, 16).batch(0)
+                          tok, 0, 16).batch(0)
 
 
 def _contains(hay, needle):
