@@ -24,6 +24,8 @@ a 1K context has 63.
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import functools
 
 import numpy as np
@@ -33,6 +35,10 @@ from focaljax import data as data_lib
 from focaljax import retrieval
 
 _MAX_DRAWS = 1000   # document draws per sample before concluding the source has no long documents
+# Token ids kept per process, in bytes: every long document of the bundled corpus fits (~2.3K of
+# 4.9K at 8000 tokens: 74 MB), so after the first pass no step tokenizes (~20 ms a document).
+_CACHE_BYTES = 512 << 20
+PREFETCH = 2        # batches built ahead on worker threads (0: on the training thread)
 
 
 def fail(field: str, msg: str):
@@ -79,8 +85,11 @@ class Sampler:
     # Documents are re-drawn many times: keep their token ids (the crop bounds the memory use).
     # Books run to 1M tokens: cut the text first (a BPE token spans far fewer than 16 chars).
     n = self.f.doc_max_tokens
-    self._tokens = functools.lru_cache(maxsize=512)(
+    self._tokens = functools.lru_cache(maxsize=max(64, _CACHE_BYTES // (4 * n)))(
         lambda i: np.asarray(tokenizer.encode(self.docs[i][:16 * n])[:n], np.int32))
+    # Documents found too short are never tokenized again (most draws, early in a run). Skipping
+    # one still consumes its draw, so the samples are those of a sampler without this set.
+    self._short: set[int] = set()
 
   def shape(self, step: int) -> tuple[int, int]:
     """(chunk size, memory length) of the step, the same on every process: all of them must
@@ -92,9 +101,13 @@ class Sampler:
 
   def _document(self, rng) -> np.ndarray:
     for _ in range(_MAX_DRAWS):
-      ids = self._tokens(int(rng.integers(len(self.docs))))
+      i = int(rng.integers(len(self.docs)))
+      if i in self._short:
+        continue
+      ids = self._tokens(i)
       if len(ids) >= self.f.doc_min_tokens:
         return ids
+      self._short.add(i)
     fail("doc_min_tokens", f"{_MAX_DRAWS} random documents of data.source were all shorter than "
          f"{self.f.doc_min_tokens} tokens; lower it or use a source with longer documents")
 
@@ -140,3 +153,27 @@ class Sampler:
     return {"memory": np.stack(memory), "tokens": np.stack(tokens),
             "reconstruction": np.asarray(recon, np.float32),
             "key_at": np.asarray(key_at, np.int32)}
+
+
+def prefetch(sampler: Sampler, start: int, stop: int, depth: int | None = None):
+  """Yields (step, sampler.batch(step)) for steps [start, stop), `depth` batches ahead on worker
+  threads, so the host's sampling overlaps the device's earlier steps instead of sitting between
+  them (the training loop blocks on the device only when it reads a step's metrics). Batches are
+  pure functions of the step: threads change no sample. Close the generator to stop the workers."""
+  depth = PREFETCH if depth is None else depth
+  if depth == 0:
+    for step in range(start, stop):
+      yield step, sampler.batch(step)
+    return
+  with concurrent.futures.ThreadPoolExecutor(depth, thread_name_prefix="focus-sampler") as pool:
+    ahead: collections.deque = collections.deque()
+    queued = start
+    try:
+      for step in range(start, stop):
+        while queued < stop and queued <= step + depth:
+          ahead.append(pool.submit(sampler.batch, queued))
+          queued += 1
+        yield step, ahead.popleft().result()
+    finally:
+      for future in ahead:
+        future.cancel()

@@ -288,11 +288,11 @@ def train(config, workdir: str, *, dry_run: bool = False, stop_at: int | None = 
       writer.progress(pstep, scalars)
       acc, t_last = [], now
 
+  batches = focus_samples.prefetch(sampler, start, steps)
   try:
     with jax.set_mesh(mesh):
-      while step < steps:
+      for step, local in batches:
         chunk, M = sampler.shape(step)
-        local = sampler.batch(step)
         batch = {k: jax.make_array_from_process_local_data(batch_sh[k], v)
                  for k, v in local.items()}
         adapter, opt_state, m = step_fns[chunk](adapter, opt_state, base_params, batch)
@@ -315,6 +315,7 @@ def train(config, workdir: str, *, dry_run: bool = False, stop_at: int | None = 
       if pending is not None:
         finish(pending)
   finally:
+    batches.close()
     writer.close()
     preempt.restore()
   summary["step"] = step

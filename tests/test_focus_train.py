@@ -114,6 +114,22 @@ def test_sampler_drills_put_the_key_in_memory_and_at_the_targets(tmp_path, num_t
                           tok, 0, 16).batch(0)
 
 
+def test_prefetched_batches_are_the_steps_own(tmp_path):
+  make_base(tmp_path / "base")
+  sampler = focus_samples.Sampler(focus_cfg(tmp_path / "base", p_reconstruction=0.5),
+                                  tokenizer_lib.bundled(), 0, 4)
+  fresh = focus_samples.Sampler(focus_cfg(tmp_path / "base", p_reconstruction=0.5),
+                                tokenizer_lib.bundled(), 0, 4)
+  ahead = focus_samples.prefetch(sampler, 3, 9, depth=2)
+  got = [next(ahead) for _ in range(4)]
+  ahead.close()   # stopping early (SIGTERM, stop_at) leaves no worker behind
+  assert [s for s, _ in got] == [3, 4, 5, 6]
+  for step, b in got:   # worker threads and the short-document skip change no sample
+    for k, v in fresh.batch(step).items():
+      np.testing.assert_array_equal(b[k], v)
+  assert list(focus_samples.prefetch(sampler, 5, 5)) == []
+
+
 def _contains(hay, needle):
   n = len(needle)
   return any(np.array_equal(hay[i:i + n], needle) for i in range(len(hay) - n + 1))
@@ -149,7 +165,9 @@ def test_train_saves_adapter_keeps_base_and_resumes(tmp_path, monkeypatch):
   init = focus.init_adapter(before.model)
   cfg = focus_cfg(base_wd)
 
-  # SIGTERM while step 2's batch is built: the loop saves step 2 and exits.
+  # SIGTERM while step 2's batch is built: the loop saves step 2 and exits. Batches are built on
+  # the training thread here, so the signal lands at a known step.
+  monkeypatch.setattr(focus_samples, "PREFETCH", 0)
   batch = focus_samples.Sampler.batch
   def batch_then_sigterm(self, step):
     if step == 1:
