@@ -262,9 +262,11 @@ def train(config, workdir: str, *, dry_run: bool = False, stop_at: int | None = 
   preempt = trainer.Preemption()
   summary = {"start_step": start}
   acc, t_last, step, pending = [], time.perf_counter(), start, None
+  waited = 0.0   # seconds the loop waited for the sampler in this logging interval
+
 
   def finish(pending):
-    nonlocal acc, t_last
+    nonlocal acc, t_last, waited
     pstep, chunk, tokens, m = pending
     m = jax.device_get(m)
     if not m["finite"]:
@@ -280,18 +282,22 @@ def train(config, workdir: str, *, dry_run: bool = False, stop_at: int | None = 
       sums = {k: sum(float(a[k]) for a, _ in acc) for k in acc[0][0] if k != "finite"}
       scalars = {"loss": sums["loss"] / len(acc), "grad_norm": sums["grad_norm"] / len(acc),
                  "lr": lr_at(pstep - 1), "chunk_size": chunk,
-                 "tokens_per_s": sum(t for _, t in acc) / max(now - t_last, 1e-9)}
+                 "tokens_per_s": sum(t for _, t in acc) / max(now - t_last, 1e-9),
+                 # Near 0 when the prefetch keeps up; near 1 when the host, not the device, paces.
+                 "host_wait_frac": waited / max(now - t_last, 1e-9)}
       for task, key in (("continuation", "cont"), ("reconstruction", "recon"), ("key", "key")):
         if sums[f"{key}_n"]:
           scalars[f"loss_{task}"] = sums[f"{key}_sum"] / sums[f"{key}_n"]
       writer.write(pstep, scalars)
       writer.progress(pstep, scalars)
-      acc, t_last = [], now
+      acc, t_last, waited = [], now, 0.0
 
   batches = focus_samples.prefetch(sampler, start, steps)
   try:
     with jax.set_mesh(mesh):
+      asked = time.perf_counter()
       for step, local in batches:
+        waited += time.perf_counter() - asked
         chunk, M = sampler.shape(step)
         batch = {k: jax.make_array_from_process_local_data(batch_sh[k], v)
                  for k, v in local.items()}
@@ -312,6 +318,7 @@ def train(config, workdir: str, *, dry_run: bool = False, stop_at: int | None = 
           break
         if stopping:
           break
+        asked = time.perf_counter()
       if pending is not None:
         finish(pending)
   finally:

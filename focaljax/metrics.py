@@ -71,6 +71,8 @@ class Writer:
     shown = {"loss": f"{scalars['loss']:.3f}", "tok/s": f"{scalars['tokens_per_s']:.0f}"}
     if "mfu" in scalars:
       shown["mfu"] = f"{100 * scalars['mfu']:.1f}%"
+    if "host_wait_frac" in scalars:   # the loop waiting for its input: the host paces the run
+      shown["wait"] = f"{100 * scalars['host_wait_frac']:.0f}%"
     self.bar.set_postfix(shown, refresh=True)
 
   def message(self, text: str) -> None:

@@ -185,6 +185,7 @@ def test_train_saves_adapter_keeps_base_and_resumes(tmp_path, monkeypatch):
   assert [m["step"] for m in logged] == [1, 2, 3, 4]
   assert {m["chunk_size"] for m in logged} == {8, 16}    # both buckets compiled and ran
   assert all(np.isfinite(m["loss"]) for m in logged)
+  assert all(0 <= m["host_wait_frac"] <= 1 for m in logged)
   assert (wd / "config.json").is_file()
 
   # The base: its workdir bytes and its params are exactly as before.
