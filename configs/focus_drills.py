@@ -6,9 +6,12 @@
 On one H200 (tenth session, docs/FOCUSLLM.md) over a 97.5M base pretrained 3000 steps with
 data.retrieval_mix=0.5, this recipe's drill-answer NLL (`loss_key`) sat at the prior (~11.9)
 for ~400 steps, then fell to 1.0 by step 1400 and 0.4 by 2800; passkey 2/8/32/100x: 1.0/1.0/0.8/0.8.
-One run, not yet reproduced: in the eleventh session an adapter over a weaker base (copy gain 0.12,
-not 0.22) with chunk sizes {256, 512} stayed at the prior for all of its 1400 steps. Check the base
-first (`eval.py --suites copy`: a gain of ~0.2 or more) and keep the chunk size at 512.
+It learned in two runs of three. In the eleventh session an adapter over a weaker base (copy gain
+0.12, not 0.22) with chunk sizes {256, 512} stayed at the prior for all of its 1400 steps; in the
+twelfth (base copy gain 0.27, one 2500-step schedule) `loss_key` fell from 8.4 to 0.9 between
+steps 1500 and 2063 (passkey 8/32x: 0.6/0.4 there). In both runs that learned, the drop began as
+the cosine brought the rate to ~3.7e-4: a longer schedule delays it. Check the base first
+(`eval.py --suites copy`: a gain of ~0.2 or more) and keep the chunk size at 512.
 Differences from configs/focus.py (the paper's 7B recipe, lr 5e-5, which moved nothing here):
   - 90% of continuation samples are passkey drills: the base copies ordinary text too weakly
     (its `copy` suite gain is 0.23 nats) for the reconstruction samples to teach the carry;
