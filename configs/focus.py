@@ -32,6 +32,8 @@ def get_config(arg=None):
       local_len=512,            # local-window tokens the frozen decoder reads (<= base context)
       num_targets=16,           # supervised query points per sample: the window's last tokens
       retrieval_mix=0.0,        # share of continuation samples turned into passkey drills
+      drill_in_window=0.0,      # share of drills with the needle in the local window, not the
+                                # memory (focaljax/focus_samples.py)
       implementation="xla",     # candidate/local attention: "xla" (einsum spec) | "pallas"
                                 # (pallas_kernels/condense.py; compiled on GPU, interpreted on CPU)
       candidate_positions="sequential",   # local-decoder RoPE layout: "sequential" (official:

@@ -78,6 +78,7 @@ class Sampler:
     self.f, self.seed, self.pidx = config.focus, config.seed, process_index
     self.local_batch = local_batch
     self.tok, self.retrieval_mix = tokenizer, self.f.get("retrieval_mix", 0.0)
+    self.in_window = self.f.get("drill_in_window", 0.0)
     # A drill's tail is question + answer: its answer starts this many tokens in.
     self._question_len = len(tokenizer.encode(retrieval.PASSKEY_QUESTION))
     self.sizes, self.memories = chunk_sizes(config), memory_tokens(config)
@@ -114,19 +115,34 @@ class Sampler:
   def _drill(self, memory, local, rng) -> tuple[np.ndarray, np.ndarray, int]:
     """A continuation sample turned passkey drill (focus.retrieval_mix): the needle overwrites a
     random stretch of the memory and the local window ends with the question and " K.", so the
-    key's tokens are among the supervised last targets and only the memory holds them."""
+    key's tokens are among the supervised last targets and only the memory holds them.
+
+    A `focus.drill_in_window` share of drills puts the needle in the local window instead, before
+    the question, as the evaluation does for its deepest needles (depth > 0.985 at 32x): with
+    memory-only drills the adapter's candidates learn to answer whatever the memory holds, and
+    an answer in plain sight of the local decoder came out with wrong digits (FOCUSLLM.md)."""
     needle, tail = retrieval.drill_pieces(self.tok, rng)
     answer = len(tail) - self._question_len
     # Only the answer must be supervised; question tokens before the targets are plain input.
     if len(needle) > len(memory) or len(tail) > len(local) or answer > self.f.num_targets:
       fail("retrieval_mix", f"a drill needs a memory of >= {len(needle)} tokens, a local window "
            f"of >= {len(tail)} (question and key) and focus.num_targets >= {answer} (the key)")
-    memory = memory.copy()
-    at = int(rng.integers(len(memory) - len(needle) + 1))
-    memory[at:at + len(needle)] = needle
     # The answer " K." ends the window: it starts at this index among the num_targets targets.
-    return (memory, np.concatenate([local[:len(local) - len(tail)], np.asarray(tail, np.int32)]),
-            self.f.num_targets - answer)
+    key_at = self.f.num_targets - answer
+    context = local[:len(local) - len(tail)].copy()
+    # Drawn only when asked for, so the samples of runs without it stay as they were.
+    if self.in_window and rng.random() < self.in_window:
+      if len(needle) > len(context):
+        fail("drill_in_window", f"the needle ({len(needle)} tokens) and the question and key "
+             f"({len(tail)}) do not fit the local window of {len(local)} tokens")
+      at = int(rng.integers(len(context) - len(needle) + 1))
+      context[at:at + len(needle)] = needle
+      key_at = -1   # loss_key stays the memory's metric; the answer is still a target
+    else:
+      memory = memory.copy()
+      at = int(rng.integers(len(memory) - len(needle) + 1))
+      memory[at:at + len(needle)] = needle
+    return memory, np.concatenate([context, np.asarray(tail, np.int32)]), key_at
 
   def batch(self, step: int) -> dict[str, np.ndarray]:
     """memory int32 [b, M], tokens int32 [b, local_len + 1], reconstruction float32 [b],

@@ -72,6 +72,11 @@ def validate(config, context: int) -> None:
       _fail(name, f"must be >= 1, got {f[name]}")
   if not 0.0 <= f.get("retrieval_mix", 0.0) < 1.0:
     _fail("retrieval_mix", f"must be in [0, 1), got {f.retrieval_mix}")
+  if not 0.0 <= f.get("drill_in_window", 0.0) <= 1.0:
+    _fail("drill_in_window", f"must be in [0, 1], got {f.drill_in_window}")
+  if f.get("drill_in_window", 0.0) and not f.get("retrieval_mix", 0.0):
+    _fail("drill_in_window", f"{f.drill_in_window} places drills' needles, but "
+          "focus.retrieval_mix is 0 (no drills)")
   if not 0.0 <= f.p_reconstruction <= 1.0:
     _fail("p_reconstruction", f"must be in [0, 1], got {f.p_reconstruction}")
   if f.doc_max_tokens < f.doc_min_tokens:

@@ -130,6 +130,37 @@ def test_prefetched_batches_are_the_steps_own(tmp_path):
   assert list(focus_samples.prefetch(sampler, 5, 5)) == []
 
 
+def test_drills_in_window_put_the_needle_before_the_question(tmp_path):
+  make_base(tmp_path / "base")
+  tok = tokenizer_lib.bundled()
+  kw = dict(p_reconstruction=0.0, retrieval_mix=0.9, local_len=64, num_targets=16,
+            doc_min_tokens=192)
+  b = focus_samples.Sampler(focus_cfg(tmp_path / "base", drill_in_window=1.0, **kw),
+                            tok, 0, 16).batch(0)
+  drills = 0
+  for memory, tokens, key_at in zip(b["memory"], b["tokens"], b["key_at"]):
+    text = tok.decode(tokens.tolist())
+    if "What is the pass key?" not in text:
+      continue
+    drills += 1
+    before, answer = text.rsplit("The pass key is", 1)
+    key = answer.strip().rstrip(".")
+    assert f"The pass key is {key}. Remember it." in before   # in the window, before the question
+    assert "pass key" not in tok.decode(memory.tolist())       # and nowhere in the memory
+    assert key_at == -1                                        # loss_key counts memory drills only
+  assert drills > 8
+  # Off (the default), the samples are those of a sampler without the field.
+  plain = focus_samples.Sampler(focus_cfg(tmp_path / "base", **kw), tok, 0, 16).batch(3)
+  off = focus_samples.Sampler(focus_cfg(tmp_path / "base", drill_in_window=0.0, **kw),
+                              tok, 0, 16).batch(3)
+  for k in plain:
+    np.testing.assert_array_equal(plain[k], off[k])
+  with pytest.raises(config_lib.ConfigError, match="focus.drill_in_window.*retrieval_mix"):
+    focus_train.validate(focus_cfg(tmp_path / "base", drill_in_window=0.5), 64)
+  with pytest.raises(config_lib.ConfigError, match="focus.drill_in_window.*got 1.5"):
+    focus_train.validate(focus_cfg(tmp_path / "base", drill_in_window=1.5, retrieval_mix=0.5), 64)
+
+
 def _contains(hay, needle):
   n = len(needle)
   return any(np.array_equal(hay[i:i + n], needle) for i in range(len(hay) - n + 1))
