@@ -28,6 +28,7 @@
 # PK_BATCH: passkey trials per generate call in the eval stage (eval.py --focus_passkey_batch, 1).
 # TARGETS: focus.num_targets (16); the local decoder runs BATCH x TARGETS rows, most of a step.
 # WINDOW: focus.drill_in_window, the share of drills whose needle sits in the local window (0).
+# ADAPTER: what the eval stage reads (default: the adapter run's latest adapter/<step>).
 # CAND_POS: focus.candidate_positions for stages 1b and 2, default sequential (the official
 # layout); shared for the A/B. The settings that read the memory (tenth session, FOCUSLLM.md):
 # CHUNKS=512 FOCUS_LR=1e-3 FOCUS_WARMUP=50 FOCUS_MIX=0.9 and ~2800 steps (configs/focus_drills.py).
@@ -121,7 +122,7 @@ tail -n 4 "$OUT/adapter.log" 2>/dev/null
 
 # 3. Evaluation: the FocusLLM suites, then the base alone (full attention, NTK-scaled RoPE).
 stage eval "${EVAL_LIMIT:-130}"
-run_for "${EVAL_LIMIT:-130}" python3 eval.py --workdir "$BASE" --focus_adapter "$RUN" \
+run_for "${EVAL_LIMIT:-130}" python3 eval.py --workdir "$BASE" --focus_adapter "${ADAPTER:-$RUN}" \
   --books $C/longeval.jsonl.xz --focus_dtype "${DTYPE:-bfloat16}" \
   --focus_multipliers "${MULTS:-2,8,32,100}" --passkey_seeds "${SEEDS:-10}" \
   --max_multiplier "${MAXMULT:-32}" --max_books "${MAXBOOKS:-8}" \
