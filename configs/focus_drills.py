@@ -8,9 +8,9 @@ data.retrieval_mix=0.5, this recipe's drill-answer NLL (`loss_key`) sat at the p
 for ~400 steps, then fell to 1.0 by step 1400 and 0.4 by 2800; passkey 2/8/32/100x: 1.0/1.0/0.8/0.8.
 It learned in two runs of three. In the eleventh session an adapter over a weaker base (copy gain
 0.12, not 0.22) with chunk sizes {256, 512} stayed at the prior for all of its 1400 steps; in the
-twelfth (base copy gain 0.27, one 2500-step schedule) `loss_key` fell from 8.4 to 0.9 between
-steps 1500 and 2063 (passkey 8/32x: 0.6/0.4 there). In both runs that learned, the drop began as
-the cosine brought the rate to ~3.7e-4: a longer schedule delays it. Check the base first
+twelfth (base copy gain 0.27, one 2500-step schedule) `loss_key` fell from ~8.6 at step 1500 to
+0.9 by step 2063 (passkey 8/32x: 0.6/0.4 there). In both runs that learned, the drop began as
+the cosine brought the rate to ~3.7-3.8e-4: a longer schedule delays it. Check the base first
 (`eval.py --suites copy`: a gain of ~0.2 or more) and keep the chunk size at 512.
 Differences from configs/focus.py (the paper's 7B recipe, lr 5e-5, which moved nothing here):
   - 90% of continuation samples are passkey drills: the base copies ordinary text too weakly

@@ -38,7 +38,9 @@ _MAX_DRAWS = 1000   # document draws per sample before concluding the source has
 # Token ids kept per process, in bytes: every long document of the bundled corpus fits (~2.3K of
 # 4.9K at 8000 tokens: 74 MB), so after the first pass no step tokenizes (~20 ms a document).
 _CACHE_BYTES = 512 << 20
-PREFETCH = 2        # batches built ahead on worker threads (0: on the training thread)
+# Batches built ahead on worker threads, so sampling overlaps the device's steps (0: on the
+# training thread; tests that signal at a known step use that). Two cover a slow draw.
+PREFETCH = 2
 
 
 def fail(field: str, msg: str):
@@ -134,7 +136,8 @@ class Sampler:
     if self.in_window and rng.random() < self.in_window:
       if len(needle) > len(context):
         fail("drill_in_window", f"the needle ({len(needle)} tokens) and the question and key "
-             f"({len(tail)}) do not fit the local window of {len(local)} tokens")
+             f"({len(tail)}) do not fit focus.local_len + 1 = {len(local)} tokens; raise "
+             "focus.local_len or set drill_in_window to 0")
       at = int(rng.integers(len(context) - len(needle) + 1))
       context[at:at + len(needle)] = needle
       key_at = -1   # loss_key stays the memory's metric; the answer is still a target

@@ -269,7 +269,6 @@ def train(config, workdir: str, *, dry_run: bool = False, stop_at: int | None = 
   acc, t_last, step, pending = [], time.perf_counter(), start, None
   waited = 0.0   # seconds the loop waited for the sampler in this logging interval
 
-
   def finish(pending):
     nonlocal acc, t_last, waited
     pstep, chunk, tokens, m = pending

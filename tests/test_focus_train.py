@@ -209,6 +209,7 @@ def test_train_saves_adapter_keeps_base_and_resumes(tmp_path, monkeypatch):
   monkeypatch.setattr(focus_samples.Sampler, "batch", batch)
   assert first["preempted"] and first["step"] == 2 and np.isfinite(first["loss"])
   assert focus_train.saved_steps(str(wd)) == [2]
+  monkeypatch.setattr(focus_samples, "PREFETCH", 2)   # the resumed run samples on worker threads
   second = focus_train.train(cfg, str(wd))
   assert second["start_step"] == 2 and second["step"] == 4 and np.isfinite(second["loss"])
   assert focus_train.saved_steps(str(wd)) == [2, 4]
