@@ -59,6 +59,9 @@ _FOCUS_IMPLEMENTATION = flags.DEFINE_enum("focus_implementation", None, ["xla", 
 _FOCUS_PASSKEY_BATCH = flags.DEFINE_integer(
     "focus_passkey_batch", 1, "focus_passkey trials per generate call (each holds its own chunk "
     "caches: at 100x a 1K context, ~5.7 GB in bfloat16 for a 97.5M base)")
+_FOCUS_PASSKEY_FILLER = flags.DEFINE_enum(
+    "focus_passkey_filler", "grass", ["grass", "books"], "focus_passkey filler: the official "
+    "grass/sky/sun sentences, or the first of --books (a diagnostic: varied filler chunks)")
 _FOCUS_DTYPE = flags.DEFINE_enum("focus_dtype", "float32", ["float32", "bfloat16"],
                                  "cast base and adapter for the FocusLLM suites")
 
@@ -92,7 +95,7 @@ def main(argv):
         seeds=_SEEDS.value if present("passkey_seeds") else 10,
         local_len=_FOCUS_LOCAL_LEN.value, chunk_size=_FOCUS_CHUNK_SIZE.value,
         implementation=_FOCUS_IMPLEMENTATION.value, dtype=_FOCUS_DTYPE.value,
-        passkey_batch=_FOCUS_PASSKEY_BATCH.value,
+        passkey_batch=_FOCUS_PASSKEY_BATCH.value, passkey_filler=_FOCUS_PASSKEY_FILLER.value,
         out_dir=_OUT_DIR.value)
 
 

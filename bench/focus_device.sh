@@ -29,6 +29,7 @@
 # TARGETS: focus.num_targets (16); the local decoder runs BATCH x TARGETS rows, most of a step.
 # WINDOW: focus.drill_in_window, the share of drills whose needle sits in the local window (0).
 # ADAPTER: what the eval stage reads (default: the adapter run's latest adapter/<step>).
+# FILLER=books: passkey prompts filled with a held-out book instead of the official sentences.
 # CAND_POS: focus.candidate_positions for stages 1b and 2, default sequential (the official
 # layout); shared for the A/B. The settings that read the memory (tenth session, FOCUSLLM.md):
 # CHUNKS=512 FOCUS_LR=1e-3 FOCUS_WARMUP=50 FOCUS_MIX=0.9 and ~2800 steps (configs/focus_drills.py).
@@ -126,7 +127,8 @@ run_for "${EVAL_LIMIT:-130}" python3 eval.py --workdir "$BASE" --focus_adapter "
   --books $C/longeval.jsonl.xz --focus_dtype "${DTYPE:-bfloat16}" \
   --focus_multipliers "${MULTS:-2,8,32,100}" --passkey_seeds "${SEEDS:-10}" \
   --max_multiplier "${MAXMULT:-32}" --max_books "${MAXBOOKS:-8}" \
-  --focus_passkey_batch "${PK_BATCH:-1}" 2>&1 | quiet > "$OUT/eval_focus.log"
+  --focus_passkey_batch "${PK_BATCH:-1}" --focus_passkey_filler "${FILLER:-grass}" 2>&1 | quiet \
+  > "$OUT/eval_focus.log"
 tail -n 12 "$OUT/eval_focus.log" 2>/dev/null
 run_for "${BASE_EVAL_LIMIT:-50}" python3 eval.py --workdir "$BASE" --suites longdoc \
   --books $C/longeval.jsonl.xz --max_multiplier "${MAXMULT:-32}" --max_books "${MAXBOOKS:-8}" \

@@ -108,11 +108,14 @@ def _share(flags) -> float | None:
 
 
 def passkey(adapter, base, cfg: focus.FocusConfig, tokenizer, multipliers=DEFAULT_MULTIPLIERS,
-            seeds=10, *, local_len: int | None = None, batch_size: int = 1, log=None) -> dict:
+            seeds=10, *, local_len: int | None = None, batch_size: int = 1, filler_ids=None,
+            log=None) -> dict:
   """Passkey accuracy per length m x ctx (module docstring) and every trial's raw generation.
 
   `seeds`: a count (seeds 0..n-1) or a list. `batch_size` trials share one generate call; 1 by
-  default because at 100x a single trial's chunk caches are large.
+  default because at 100x a single trial's chunk caches are large. `filler_ids` (a book's tokens)
+  replace the official grass/sky/sun filler, whose repeats make every filler chunk's candidate
+  nearly the same: a diagnostic, not the protocol.
   """
   if batch_size < 1:
     raise ValueError(f"focus passkey: batch_size (eval.py --focus_passkey_batch) must be >= 1; "
@@ -147,7 +150,7 @@ def passkey(adapter, base, cfg: focus.FocusConfig, tokenizer, multipliers=DEFAUL
     t0 = time.time()
     prompts = []
     for s, key, depth in draws:
-      p = np.asarray(retrieval.passkey_prompt(tokenizer, L, depth, key), np.int32)
+      p = np.asarray(retrieval.passkey_prompt(tokenizer, L, depth, key, filler_ids), np.int32)
       needle = tokenizer.encode(retrieval.PASSKEY_NEEDLE.format(key=key))
       at = _find(p, needle)
       prompts.append(p)
@@ -181,7 +184,7 @@ def passkey(adapter, base, cfg: focus.FocusConfig, tokenizer, multipliers=DEFAUL
   by_length = [acc(r["trials"]) for r in rows]
   scored = [a for a in by_length if a is not None]
   return {"context": ctx, "chunk_size": cfg.chunk_size, "prompt_len": cfg.prompt_len,
-          "seeds": seeds, "max_new_tokens": max_new, "min_length": overhead,
+          "filler": "grass" if filler_ids is None else "text", "seeds": seeds, "max_new_tokens": max_new, "min_length": overhead,
           "multipliers": list(multipliers), "lengths": [r["length"] for r in rows],
           "accuracy_by_length": by_length,
           "accuracy_needle_in_memory": [acc([t for t in r["trials"] if t["needle_in_memory"]])
@@ -298,7 +301,7 @@ def format_suite(suite: str, r: dict) -> str:
   fmt = lambda x: "     -" if x is None else f"{x:6.3f}"
   if suite == "focus_passkey":
     lines = [head, f"  base context {r['context']}, chunk {r['chunk_size']}, prompt "
-             f"{r['prompt_len']}, {len(r['seeds'])} seeds",
+             f"{r['prompt_len']}, {len(r['seeds'])} seeds, {r.get('filler', 'grass')} filler",
              "      x   length   memory  chunks  local   acc  in memory  candidate reads key"]
     for row, a, am, cr in zip(r["rows"], r["accuracy_by_length"], r["accuracy_needle_in_memory"],
                               r.get("candidate_readout", [None] * len(r["rows"]))):
@@ -326,17 +329,22 @@ def run(base_path: str, adapter_path: str, *, suites=FOCUS_SUITES, books: str | 
         max_multiplier: int = 32, max_books: int = 8, multipliers=DEFAULT_MULTIPLIERS,
         seeds: int = 10, local_len: int | None = None, chunk_size: int | None = None,
         implementation: str | None = None, dtype: str = "float32", base_attention: str = "xla",
-        passkey_batch: int = 1, out_dir: str | None = None, log=print) -> dict:
+        passkey_batch: int = 1, passkey_filler: str = "grass", out_dir: str | None = None,
+        log=print) -> dict:
   """eval.py's FocusLLM suites: loads the base (`base_path`, a workdir or checkpoints/<step>) and
   the adapter (resolve_adapter), writes <suite>.json and focus_results.json under out_dir
   (default: the focus run's eval/, or eval/adapter_<step> for an explicit adapter/<step>).
   `local_len` defaults to the focus run's config focus.local_len, else context // 2. `dtype`
   casts base and adapter once (bfloat16: faster on GPU; the chunk caches follow it).
   `base_attention` replaces the base's attention implementation (focus.with_attention says why).
-  `passkey_batch` trials share one generate call (passkey's batch_size)."""
+  `passkey_batch` trials share one generate call (passkey's batch_size). `passkey_filler`
+  "books" fills the passkey prompts with the first of `books` instead of the official filler."""
   unknown = set(suites) - set(FOCUS_SUITES)
   if unknown:
     raise ValueError(f"unknown focus suites {sorted(unknown)}; allowed: {list(FOCUS_SUITES)}")
+  if passkey_filler not in ("grass", "books") or (passkey_filler == "books" and not books):
+    raise ValueError(f"focus passkey filler {passkey_filler!r}: must be 'grass' or 'books' (books "
+                     "needs --books)")
   m = loaded_lib.load(base_path)
   adapter_dir, run_dir, step = resolve_adapter(adapter_path)
   adapter, cfg, recorded_base = focus.load_adapter(adapter_dir)
@@ -368,9 +376,13 @@ def run(base_path: str, adapter_path: str, *, suites=FOCUS_SUITES, books: str | 
     return {**loss_by_position(adapter, base, cfg, docs, max_multiplier, local_len=local_len),
             "source": books}
 
+  filler_ids = None
+  if passkey_filler == "books":
+    filler_ids = evaluate.load_books(books, m.tokenizer, 1, max_tokens=ctx * max(multipliers))[0]
   tasks = {"focus_passkey": lambda: passkey(adapter, base, cfg, m.tokenizer, multipliers,
                                             seeds, local_len=local_len,
-                                            batch_size=passkey_batch, log=log),
+                                            batch_size=passkey_batch, filler_ids=filler_ids,
+                                            log=log),
            "focus_longdoc": longdoc}
   for suite in FOCUS_SUITES:
     if suite not in suites:

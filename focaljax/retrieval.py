@@ -43,10 +43,11 @@ DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 
 
 def build_prompt(tokenizer, length: int, depth: float, *, head: str, filler: str, needle: str,
-                 question: str) -> list[int]:
+                 question: str, filler_ids=None) -> list[int]:
   """head + filler[:i] + needle + filler[i:] + question, exactly `length` tokens; i = depth·filler.
 
-  needle="" gives the needle-free control of the same length.
+  needle="" gives the needle-free control of the same length. `filler_ids` (token ids, e.g. a
+  book's) replace the encoded `filler`, repeated as needed like it.
   """
   if not 0.0 <= depth <= 1.0:
     raise ValueError(f"depth must be in [0, 1], got {depth}")
@@ -56,15 +57,16 @@ def build_prompt(tokenizer, length: int, depth: float, *, head: str, filler: str
   if n < 0:
     raise ValueError(f"length {length} is shorter than the prompt without filler "
                      f"({length - n} tokens)")
-  unit = tokenizer.encode(filler)
+  unit = list(filler_ids) if filler_ids is not None else tokenizer.encode(filler)
   filler_t = (unit * (n // len(unit) + 1))[:n]
   at = int(depth * n)
   return head_t + filler_t[:at] + needle_t + filler_t[at:] + question_t
 
 
-def passkey_prompt(tokenizer, length: int, depth: float, key: int) -> list[int]:
+def passkey_prompt(tokenizer, length: int, depth: float, key: int, filler_ids=None) -> list[int]:
   return build_prompt(tokenizer, length, depth, head=PASSKEY_HEAD, filler=PASSKEY_FILLER,
-                      needle=PASSKEY_NEEDLE.format(key=key), question=PASSKEY_QUESTION)
+                      needle=PASSKEY_NEEDLE.format(key=key), question=PASSKEY_QUESTION,
+                      filler_ids=filler_ids)
 
 
 def drill_pieces(tokenizer, rng: np.random.Generator) -> tuple[list[int], list[int]]:

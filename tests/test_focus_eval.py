@@ -147,6 +147,29 @@ def test_passkey_with_a_model_is_well_formed(tiny, tok):
       t["output"] for t in single["rows"][0]["trials"]]
 
 
+def test_passkey_filler_from_a_book(tiny, tok, monkeypatch):
+  base, adapter, cfg = tiny
+  book = tok.encode("It was a bright cold day in April, and the clocks were striking thirteen.")
+  seen = []
+  def record(adapter, base, memory_BM, local_BT, cfg, max_new_tokens, readout):
+    seen.append(np.concatenate([memory_BM, local_BT], 1))
+    out = jnp.zeros((memory_BM.shape[0], local_BT.shape[1] + max_new_tokens), jnp.int32)
+    return out, np.zeros((memory_BM.shape[0], memory_BM.shape[1] // cfg.chunk_size), np.int32)
+  monkeypatch.setattr(focus_generate, "generate", record)
+  r = focus_eval.passkey(adapter, base, cfg, tok, multipliers=(2,), seeds=2, filler_ids=book)
+  assert r["filler"] == "text" and "text filler" in focus_eval.format_suite("focus_passkey", r)
+  for prompt, t in zip(seen, r["rows"][0]["trials"]):
+    text = tok.decode(prompt[0].tolist())
+    assert "the clocks were striking thirteen" in text and retrieval.PASSKEY_FILLER not in text
+    assert text.count(retrieval.PASSKEY_NEEDLE.format(key=t["key"])) == 1
+    assert prompt.shape[1] == r["rows"][0]["length"]
+  # Refused before anything loads, naming the allowed values.
+  with pytest.raises(ValueError, match="filler 'books'.*needs --books"):
+    focus_eval.run("no-base", "no-adapter", passkey_filler="books")
+  with pytest.raises(ValueError, match="filler 'sky'.*'grass' or 'books'"):
+    focus_eval.run("no-base", "no-adapter", passkey_filler="sky", books="b.txt")
+
+
 def test_loss_by_position_ranges(tiny):
   base, adapter, cfg = tiny
   rng = np.random.default_rng(0)
