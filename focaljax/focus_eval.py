@@ -184,7 +184,8 @@ def passkey(adapter, base, cfg: focus.FocusConfig, tokenizer, multipliers=DEFAUL
   by_length = [acc(r["trials"]) for r in rows]
   scored = [a for a in by_length if a is not None]
   return {"context": ctx, "chunk_size": cfg.chunk_size, "prompt_len": cfg.prompt_len,
-          "filler": "grass" if filler_ids is None else "text", "seeds": seeds, "max_new_tokens": max_new, "min_length": overhead,
+          "filler": "grass" if filler_ids is None else "text", "seeds": seeds,
+          "max_new_tokens": max_new, "min_length": overhead,
           "multipliers": list(multipliers), "lengths": [r["length"] for r in rows],
           "accuracy_by_length": by_length,
           "accuracy_needle_in_memory": [acc([t for t in r["trials"] if t["needle_in_memory"]])
@@ -376,13 +377,15 @@ def run(base_path: str, adapter_path: str, *, suites=FOCUS_SUITES, books: str | 
     return {**loss_by_position(adapter, base, cfg, docs, max_multiplier, local_len=local_len),
             "source": books}
 
-  filler_ids = None
-  if passkey_filler == "books":
-    filler_ids = evaluate.load_books(books, m.tokenizer, 1, max_tokens=ctx * max(multipliers))[0]
-  tasks = {"focus_passkey": lambda: passkey(adapter, base, cfg, m.tokenizer, multipliers,
-                                            seeds, local_len=local_len,
-                                            batch_size=passkey_batch, filler_ids=filler_ids,
-                                            log=log),
+  def passkey_suite():
+    filler_ids = None   # read only when the suite runs: a whole book takes seconds to tokenize
+    if passkey_filler == "books":
+      filler_ids = evaluate.load_books(books, m.tokenizer, 1,
+                                       max_tokens=ctx * max(multipliers))[0]
+    return passkey(adapter, base, cfg, m.tokenizer, multipliers, seeds, local_len=local_len,
+                   batch_size=passkey_batch, filler_ids=filler_ids, log=log)
+
+  tasks = {"focus_passkey": passkey_suite,
            "focus_longdoc": longdoc}
   for suite in FOCUS_SUITES:
     if suite not in suites:

@@ -258,7 +258,7 @@ def train(config, workdir: str, *, dry_run: bool = False, stop_at: int | None = 
     return _dry_run(config, step_fns, (adapter, opt_state, base_params), batch_sh, mesh)
 
   sampler = focus_samples.Sampler(config, loaded.tokenizer, jax.process_index(),
-                    config.data.global_batch // pcount)
+                                  config.data.global_batch // pcount)
   steps = config.train.steps
   writer = metrics.Writer(workdir, steps, start, enabled=primary)
   if start:
