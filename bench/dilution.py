@@ -44,15 +44,18 @@ DECODE_S = [16384, 131072]
 SWEEP = [dict(), dict(block_k=128), dict(block_q=64), dict(block_q=16, block_k=128),
          dict(block_q=64, block_k=128, num_warps=8), dict(num_warps=8), dict(num_stages_fwd=3),
          dict(block_q_stats=128, block_k_stats=64)]
-# --passes --b1-variants: B1 alone per BlockSizes setting (on top of the default blocks, or the
-# smoke ones), same inputs. scratch: the super-block carries in an HBM slice, not a one-hot
-# register array; k128_w8: a 128-key block halves the dq atomics (T²·D/block_k per head) but
-# doubles dk/dv registers, so 8 warps; with scratch the carry array no longer doubles too.
+# --passes --b1-variants: B1 alone per BlockSizes setting (on top of BlockSizes.default(D), what
+# dilution_attention runs, or the smoke blocks), same inputs; "plain" is the fields' own defaults
+# (the default before the thirteenth session). scratch: the super-block carries in an HBM slice,
+# not a one-hot register array; k128_w8: a 128-key block halves the dq atomics (T²·D/block_k per
+# head) but doubles dk/dv registers, so 8 warps; with scratch the carry array no longer doubles too.
 # block_k and num_warps also set B2's tile (num_warps every pass's): b1_scratch_k128_w8 gives the
 # 128 keys and 8 warps to B1 alone. --train-variants applies these to dilution_attention whole.
-B1_VARIANTS = {"default": dict(), "scratch": dict(b1_carries="scratch"),
-               "scratch_k128_w8": dict(b1_carries="scratch", block_k=128, num_warps=8),
-               "k128_w8": dict(block_k=128, num_warps=8),
+B1_PLAIN = dict(b1_carries="registers", b1_block_k=None, b1_warps=None)
+B1_VARIANTS = {"default": dict(), "plain": B1_PLAIN,
+               "scratch": dict(B1_PLAIN, b1_carries="scratch"),
+               "scratch_k128_w8": dict(B1_PLAIN, b1_carries="scratch", block_k=128, num_warps=8),
+               "k128_w8": dict(B1_PLAIN, block_k=128, num_warps=8),
                "b1_scratch_k128_w8": dict(b1_carries="scratch", b1_block_k=128, b1_warps=8)}
 SMOKE_BLOCKS = dilution.BlockSizes(block_q_stats=16, block_k_stats=16, block_q=16, block_k=32,
                                    block_k_fwd=32, ckpt_rows=32, block_k_decode=16, split_k_decode=64)
@@ -250,7 +253,7 @@ def main(argv=None):
 
   if args.passes:
     rows += _passes(train_shapes[0] if args.smoke else TRAIN_SHAPES[1], dtype, reps,
-                    interpret, bs or dilution.BlockSizes(), b1_variants)
+                    interpret, bs or dilution.BlockSizes.default(64), b1_variants)
     skip |= {"train", "prefill", "decode"}
 
   if "train" not in skip:
@@ -258,7 +261,7 @@ def main(argv=None):
       q, k, v = _qkv(B, H, T, D, dtype)
       for impl in impls:
         for variant in (train_variants if impl == "dilution" else [None]):
-          b = bs if variant is None else dataclasses.replace(bs or dilution.BlockSizes(),
+          b = bs if variant is None else dataclasses.replace(bs or dilution.BlockSizes.default(D),
                                                              **B1_VARIANTS[variant])
           fn = _attn_fns(impl, D**-0.5, interpret, b)
           _entry(rows, "fwd", impl, (B, H, T, D), lambda fn=fn: _time(fn, (q, k, v), reps),

@@ -15,10 +15,11 @@ rows already visited. The forward's carry c is needed in the opposite (top-down)
 are processed in super-blocks of `ckpt_rows` rows, last super-block first (notes §9.3):
   1. forward mini-sweep: from checkpoint s (stored by F2) rebuild the carry at every row tile of the
      super-block and keep them (exact, bit for bit) either
-       b1_carries="registers" (default): in a [ckpt_rows/block_q, block_k] register array, one-hot
-         select writes/reads (no dynamic register indexing): per tile 2 selects over the whole
-         array (2·32·64 at R=1024, 32×64 tiles) and an axis-0 reduction (across warps in the
-         blocked layout), and the array holds 16 fp32 registers per thread (4 warps) throughout; or
+       b1_carries="registers" (the field's default; BlockSizes.default picks scratch at D <= 64):
+         in a [ckpt_rows/block_q, block_k] register array, one-hot select writes/reads (no
+         dynamic register indexing): per tile 2 selects over the whole array (2·32·64 at
+         R=1024, 32×64 tiles) and an axis-0 reduction (across warps in the blocked layout),
+         and the array holds 16 fp32 registers per thread (4 warps) throughout; or
        b1_carries="scratch": in the program's own [ckpt_rows/block_q, block_k] slice of an HBM
          output used as scratch (8 KiB, expected to stay in L1/L2): one block_k-row store and
          load per tile at a dynamic row, a CTA barrier after the mini-sweep and after the

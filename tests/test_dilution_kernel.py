@@ -238,6 +238,10 @@ def test_b1_block_k_sets_padding_and_refuses_a_non_dividing_t():
   bs.validate(64)
   assert (bs.keys_b1(), bs.warps_b1(64), bs.warps(64)) == (256, 8, 4)
   assert dilution.BlockSizes().keys_b1() == 64 and dilution.BlockSizes().warps_b1(128) == 8
+  # The op's default: B1's measured tile at D <= 64, the plain fields at D = 128.
+  d64 = dilution.BlockSizes.default(64)
+  assert (d64.b1_carries, d64.keys_b1(), d64.warps_b1(64), d64.block_k) == ("scratch", 128, 8, 64)
+  assert dilution.BlockSizes.default(128) == dilution.BlockSizes()
   # Training pads T to a multiple of both key blocks; prefill runs neither B1 nor B2.
   assert bs.pad_multiple() == 256 and bs.pad_multiple(training=False) == 128
   q = jnp.zeros((1, 384, 2, 64), jnp.float32)  # 384 = 3·128: not a multiple of 256
