@@ -32,8 +32,9 @@
 # ADAPTER: what the eval stage reads (default: the adapter run's latest adapter/<step>).
 # FILLER=books: passkey prompts filled with a held-out book instead of the official sentences.
 # CAND_POS: focus.candidate_positions for stages 1b and 2, default sequential (the official
-# layout); shared for the A/B. The settings that read the memory (tenth session, FOCUSLLM.md):
-# CHUNKS=512 FOCUS_LR=1e-3 FOCUS_WARMUP=50 FOCUS_MIX=0.9 and ~2800 steps (configs/focus_drills.py).
+# layout); shared for the A/B. configs/focus_drills.py's recipe (FOCUSLLM.md, tenth and
+# thirteenth sessions): CHUNKS=512 TARGETS=8 PRECON=0 FOCUS_LR=1e-3 FOCUS_WARMUP=50 FOCUS_MIX=0.9
+# and ~2800 steps; with TARGETS=16 and the paper's PRECON (0.5) it learned in two runs of four.
 set -uo pipefail
 ROOT=${ROOT:-/tmp/focus}
 # A call that skips the base (BASE_LIMIT=0) needs the one an earlier call left on this machine. A
