@@ -29,6 +29,7 @@
 # TARGETS: focus.num_targets (16); the local decoder runs BATCH x TARGETS rows, most of a step.
 # WINDOW: focus.drill_in_window, the share of drills whose needle sits in the local window (0).
 # PRECON: focus.p_reconstruction (the paper's 0.5); lower it to give the drills' answers more of the loss.
+# ANSWER_W: focus.answer_weight, how many times a drill answer's targets count in the loss (1).
 # ADAPTER: what the eval stage reads (default: the adapter run's latest adapter/<step>).
 # FILLER=books: passkey prompts filled with a held-out book instead of the official sentences.
 # CAND_POS: focus.candidate_positions for stages 1b and 2, default sequential (the official
@@ -114,6 +115,7 @@ run_for "$FOCUS_RUN" python3 train.py --config configs/focus.py --workdir "$RUN"
   --config.focus.local_len="${LOCAL:-512}" --config.focus.doc_min_tokens="${DOC_MIN:-3000}" \
   ${MEM:+--config.focus.memory_tokens=$MEM} ${TARGETS:+--config.focus.num_targets=$TARGETS} \
   ${WINDOW:+--config.focus.drill_in_window=$WINDOW} ${PRECON:+--config.focus.p_reconstruction=$PRECON} \
+  ${ANSWER_W:+--config.focus.answer_weight=$ANSWER_W} \
   --config.data.global_batch="${BATCH:-8}" --config.train.steps="${FOCUS_STEPS:-400}" \
   --config.optim.warmup_steps="${FOCUS_WARMUP:-30}" ${FOCUS_LR:+--config.optim.peak_lr=$FOCUS_LR} \
   --config.train.log_every=10 --config.train.ckpt_every="${FOCUS_CKPT:-50}" \

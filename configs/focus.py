@@ -34,6 +34,8 @@ def get_config(arg=None):
       retrieval_mix=0.0,        # share of continuation samples turned into passkey drills
       drill_in_window=0.0,      # share of drills with the needle in the local window, not the
                                 # memory (focaljax/focus_samples.py)
+      answer_weight=1.0,        # how many times a drill answer's targets count in the loss
+                                # (focus_train.weighted_loss; 1.0: the plain mean)
       implementation="xla",     # candidate/local attention: "xla" (einsum spec) | "pallas"
                                 # (pallas_kernels/condense.py; compiled on GPU, interpreted on CPU)
       candidate_positions="sequential",   # local-decoder RoPE layout: "sequential" (official:

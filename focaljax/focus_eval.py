@@ -21,7 +21,8 @@ exactly the requested number of tokens), 10 trials per length with seeds 0-9, gr
 depth uniform in [0, 1) like the official random split point. A trial is correct when the leading
 number of the continuation is exactly K. As in the official code the needle can land in the local
 window (at 2x, about T / length of the trials); `accuracy_needle_in_memory` counts only the trials
-whose needle lies wholly in the memory. For those, `candidate_readout` is the share whose
+whose needle lies wholly in the memory, and `digits_in_memory` the mean share of their key's digits
+read in place (`key_digits`: partial reads). For those, `candidate_readout` is the share whose
 needle chunk's candidate, read through the base's LM head, predicts the key's first token by itself
 (knowing the key, whether or not the local decoder then uses it); trials whose key starts with a
 digit-free token (a lone space) get none.
@@ -107,6 +108,14 @@ def _share(flags) -> float | None:
   return float(np.mean(flags)) if flags else None
 
 
+def key_digits(output: str, key: int) -> float:
+  """Share of the key's digits that the answer's leading number has in the same place, counted
+  from the last digit: a partial read (" 75381." for 85381: 0.8) that exact match scores 0."""
+  match, want = re.match(r"\s*(\d+)", output), str(key)
+  got = match.group(1) if match else ""
+  return sum(a == b for a, b in zip(reversed(got), reversed(want))) / len(want)
+
+
 def passkey(adapter, base, cfg: focus.FocusConfig, tokenizer, multipliers=DEFAULT_MULTIPLIERS,
             seeds=10, *, local_len: int | None = None, batch_size: int = 1, filler_ids=None,
             log=None) -> dict:
@@ -165,7 +174,8 @@ def passkey(adapter, base, cfg: focus.FocusConfig, tokenizer, multipliers=DEFAUL
                                    np.asarray(top_BC)):
         text = tokenizer.decode(new.tolist())
         match = re.match(r"\s*(\d+)", text)
-        trial.update(output=text, correct=bool(match) and match.group(1) == str(trial["key"]))
+        trial.update(output=text, correct=bool(match) and match.group(1) == str(trial["key"]),
+                     digits=key_digits(text, trial["key"]))
         first = tokenizer.encode(f" {trial['key']}")[0]
         # A tokenizer that spells " 86556" as " ", "8", ... makes the first token a bare space:
         # predicting it says nothing about the key, so such trials get no readout.
@@ -190,6 +200,8 @@ def passkey(adapter, base, cfg: focus.FocusConfig, tokenizer, multipliers=DEFAUL
           "accuracy_by_length": by_length,
           "accuracy_needle_in_memory": [acc([t for t in r["trials"] if t["needle_in_memory"]])
                                         for r in rows],
+          "digits_in_memory": [_share([t["digits"] for t in r["trials"] if t["needle_in_memory"]])
+                               for r in rows],
           "candidate_readout": [_share([t["candidate_reads_key"] for t in r["trials"]
                                         if "candidate_reads_key" in t]) for r in rows],
           "overall": float(np.mean(scored)) if scored else None, "rows": rows}
@@ -303,12 +315,15 @@ def format_suite(suite: str, r: dict) -> str:
   if suite == "focus_passkey":
     lines = [head, f"  base context {r['context']}, chunk {r['chunk_size']}, prompt "
              f"{r['prompt_len']}, {len(r['seeds'])} seeds, {r.get('filler', 'grass')} filler",
-             "      x   length   memory  chunks  local   acc  in memory  candidate reads key"]
-    for row, a, am, cr in zip(r["rows"], r["accuracy_by_length"], r["accuracy_needle_in_memory"],
-                              r.get("candidate_readout", [None] * len(r["rows"]))):
+             "      x   length   memory  chunks  local   acc  in memory  digits"
+             "  candidate reads key"]
+    none = [None] * len(r["rows"])
+    for row, a, am, dm, cr in zip(r["rows"], r["accuracy_by_length"],
+                                  r["accuracy_needle_in_memory"], r.get("digits_in_memory", none),
+                                  r.get("candidate_readout", none)):
       lines.append(f"  {row['multiplier']:>5} {row['length']:>8} {row['memory_len']:>8} "
-                   f"{row['num_chunks']:>7} {row['local_len']:>6} {fmt(a)}     {fmt(am)}   "
-                   f"{fmt(cr)}")
+                   f"{row['num_chunks']:>7} {row['local_len']:>6} {fmt(a)}     {fmt(am)} "
+                   f"{fmt(dm)}   {fmt(cr)}")
     lines += [f"  {row['multiplier']}x skipped: {row['skipped']}" for row in r["rows"]
               if "skipped" in row]
     lines.append(f"  overall {fmt(r['overall']).strip()}")

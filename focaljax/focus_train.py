@@ -77,6 +77,12 @@ def validate(config, context: int) -> None:
   if f.get("drill_in_window", 0.0) and not f.get("retrieval_mix", 0.0):
     _fail("drill_in_window", f"{f.drill_in_window} places drills' needles, but "
           "focus.retrieval_mix is 0 (no drills)")
+  if not f.get("answer_weight", 1.0) > 0:
+    _fail("answer_weight", f"must be > 0 (1.0: every target counts the same), got "
+          f"{f.answer_weight}")
+  if f.get("answer_weight", 1.0) != 1.0 and not f.get("retrieval_mix", 0.0):
+    _fail("answer_weight", f"{f.answer_weight} weights drills' answers, but "
+          "focus.retrieval_mix is 0 (no drills)")
   if not 0.0 <= f.p_reconstruction <= 1.0:
     _fail("p_reconstruction", f"must be in [0, 1], got {f.p_reconstruction}")
   if f.doc_max_tokens < f.doc_min_tokens:
@@ -126,21 +132,36 @@ def focus_config(config, chunk: int) -> focus.FocusConfig:
                            candidate_positions=f.candidate_positions)
 
 
+def _in_answer(Q: int, key_at_B):
+  """[B, Q] bool: the targets key_at.. of each memory drill (the answer " K."); none for -1."""
+  return (jnp.arange(Q)[None] >= key_at_B[:, None]) & (key_at_B[:, None] >= 0)
+
+
 def answer_nll_sum(nll_BQ, key_at_B):
   """Σ over drills of the NLL of targets key_at.. (the answer); rows with key_at = -1 add 0."""
-  Q = nll_BQ.shape[1]
-  in_answer_BQ = (jnp.arange(Q)[None] >= key_at_B[:, None]) & (key_at_B[:, None] >= 0)
-  return jnp.where(in_answer_BQ, nll_BQ, 0.0).sum()
+  return jnp.where(_in_answer(nll_BQ.shape[1], key_at_B), nll_BQ, 0.0).sum()
+
+
+def weighted_loss(nll_BQ, key_at_B, answer_weight: float):
+  """The mean target NLL with each memory drill's answer targets counted `answer_weight` times
+  (focus.answer_weight): a weighted mean, so 1.0 is the plain mean. Over a small base the answers
+  carry the only signal that reaches the memory, and their share of the targets decided whether
+  the adapter learned (FOCUSLLM.md, thirteenth session); the weight raises that share without
+  dropping the paper's reconstruction samples or targets."""
+  if answer_weight == 1.0:
+    return nll_BQ.mean()
+  w_BQ = jnp.where(_in_answer(nll_BQ.shape[1], key_at_B), answer_weight, 1.0)
+  return (w_BQ * nll_BQ).sum() / w_BQ.sum()
 
 
 def train_step(adapter, opt_state, base_params, batch, *, graphdef, tx, cfg: focus.FocusConfig,
-               num_targets: int, skip_nonfinite: bool):
+               num_targets: int, skip_nonfinite: bool, answer_weight: float = 1.0):
   """One optimizer step on the adapter; the base is read, never returned. Pure."""
   base = nnx.merge(graphdef, base_params)
 
   def loss_fn(adapter):
     nll_BQ = focus.target_nll(adapter, base, batch["memory"], batch["tokens"], cfg, num_targets)
-    return nll_BQ.mean(), nll_BQ
+    return weighted_loss(nll_BQ, batch["key_at"], answer_weight), nll_BQ
 
   (loss, nll_BQ), grads = jax.value_and_grad(loss_fn, has_aux=True)(adapter)
   nll_B = nll_BQ.mean(axis=1)
@@ -250,7 +271,8 @@ def train(config, workdir: str, *, dry_run: bool = False, stop_at: int | None = 
     return jax.jit(functools.partial(
         train_step, graphdef=graphdef, tx=tx,
         cfg=focus_config(config, s),
-        num_targets=f.num_targets, skip_nonfinite=config.train.nonfinite == "skip"),
+        num_targets=f.num_targets, skip_nonfinite=config.train.nonfinite == "skip",
+        answer_weight=float(f.get("answer_weight", 1.0))),
         in_shardings=(replicated, replicated, base_sh, batch_sh),
         out_shardings=(replicated, replicated, replicated), donate_argnums=(0, 1))
   step_fns = {s: step_fn(s) for s in sizes}   # jit compiles each (s, M) on its first call

@@ -105,6 +105,7 @@ def test_passkey_feeds_the_official_prompt_and_scores_exact_keys(tiny, tok, monk
       assert t["correct"] == t["needle_in_memory"], t
   assert r["seeds"] == list(range(8)) and any(t["needle_in_memory"] for t in r["rows"][1]["trials"])
   assert all(a in (None, 1.0) for a in r["accuracy_needle_in_memory"])
+  assert r["digits_in_memory"] == r["accuracy_needle_in_memory"]
   # The diagnostic: every needle-in-memory trial reads the needle chunk's guess at the key's
   # first token; the others do not.
   # Keys this tokenizer starts with a bare space (" ", "8", ...) get no readout: a space says
@@ -237,3 +238,11 @@ def test_decode_bench_smoke(tmp_path):
   assert [r["mode"] for r in rows] == ["batched", "sequential", "base"]
   for r in rows:
     assert "error" not in r and r["tok_per_s"] > 0 and r["length"] == 8 * 64, r
+
+
+def test_key_digits_counts_partial_reads_from_the_last_digit():
+  assert focus_eval.key_digits(" 85381.", 85381) == 1.0
+  assert focus_eval.key_digits(" 75381.", 85381) == 0.8     # the first token missed
+  assert focus_eval.key_digits(" 7379.<|endoftext|>", 75379) == 0.6   # a digit dropped
+  assert focus_eval.key_digits(" 5:1.", 83035) == 0.2 and focus_eval.key_digits(" The", 1) == 0.0
+

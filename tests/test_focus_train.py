@@ -107,6 +107,16 @@ def test_sampler_drills_put_the_key_in_memory_and_at_the_targets(tmp_path, num_t
   assert 0 < drills < 16
   nll_BQ = np.arange(2 * Q, dtype=np.float32).reshape(2, Q)
   assert focus_train.answer_nll_sum(nll_BQ, np.asarray([Q - 2, -1])) == (Q - 2) + (Q - 1)
+  # answer_weight: a weighted mean over the targets; 1.0 is the plain mean, bit for bit.
+  key_at_B = np.asarray([Q - 2, -1])
+  assert focus_train.weighted_loss(nll_BQ, key_at_B, 1.0) == nll_BQ.mean()
+  w_BQ = np.ones_like(nll_BQ)
+  w_BQ[0, Q - 2:] = 3.0
+  np.testing.assert_allclose(focus_train.weighted_loss(nll_BQ, key_at_B, 3.0),
+                             (w_BQ * nll_BQ).sum() / w_BQ.sum(), rtol=1e-6)
+  for bad, why in ((0.0, "> 0"), (2.0, "retrieval_mix is 0")):
+    with pytest.raises(config_lib.ConfigError, match=f"focus.answer_weight.*{why}"):
+      focus_train.validate(focus_cfg(tmp_path / "base", answer_weight=bad), 64)
   with pytest.raises(config_lib.ConfigError, match="focus.retrieval_mix.*1"):
     focus_train.validate(focus_cfg(tmp_path / "base", retrieval_mix=1.0), 64)
   with pytest.raises(config_lib.ConfigError, match="focus.retrieval_mix.*num_targets"):
