@@ -48,6 +48,25 @@ if [ "${BASE_LIMIT:-220}" = 0 ] && [ "$uses_base" != 0 ] && [ ! -f "$ROOT/softma
        "train the base first" >&2
   exit 3
 fi
+# RUN_TAG (e.g. the session's name, the same in all of its calls) guards against a machine that
+# holds an earlier session's $ROOT (thirteenth session: a machine reported cold held the
+# eleventh's adapter). The base stage starts a $ROOT tagged otherwise afresh (study.py would
+# resume a stale base); later calls that skip the base fail in seconds unless the tags match.
+tag=$(cat "$ROOT/run_tag" 2>/dev/null || true)
+if [ -n "${RUN_TAG:-}" ] && [ "$tag" != "$RUN_TAG" ]; then
+  if [ "${BASE_LIMIT:-220}" = 0 ] && [ "$uses_base" != 0 ]; then
+    echo "focus_device.sh: $ROOT is tagged '${tag:-none}', not RUN_TAG=$RUN_TAG: its base is not" \
+         "this run's; train the base first" >&2
+    exit 3
+  fi
+  if [ "${BASE_LIMIT:-220}" != 0 ] && [ -d "$ROOT" ]; then
+    echo "focus_device.sh: $ROOT is tagged '${tag:-none}', not RUN_TAG=$RUN_TAG: starting it afresh"
+    rm -rf "$ROOT"
+  fi
+fi
+if [ -n "${RUN_TAG:-}" ] && [ "${BASE_LIMIT:-220}" != 0 ]; then
+  mkdir -p "$ROOT" && echo "$RUN_TAG" > "$ROOT/run_tag"
+fi
 . "$(dirname "$0")/device_env.sh"
 mkdir -p "$ROOT"; cp -r .data/study/tokenizer "$ROOT/"
 C=.data/corpus
