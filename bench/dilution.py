@@ -56,7 +56,9 @@ B1_VARIANTS = {"default": dict(), "plain": B1_PLAIN,
                "scratch": dict(B1_PLAIN, b1_carries="scratch"),
                "scratch_k128_w8": dict(B1_PLAIN, b1_carries="scratch", block_k=128, num_warps=8),
                "k128_w8": dict(B1_PLAIN, block_k=128, num_warps=8),
-               "b1_scratch_k128_w8": dict(b1_carries="scratch", b1_block_k=128, b1_warps=8)}
+               "b1_scratch_k128_w8": dict(b1_carries="scratch", b1_block_k=128, b1_warps=8),
+               # B1 on Hopper's wgmma/TMA (pallas_kernels/dilution_mgpu.py; 16-bit only).
+               "b1_mosaic": dict(b1_impl="mosaic")}
 SMOKE_BLOCKS = dilution.BlockSizes(block_q_stats=16, block_k_stats=16, block_q=16, block_k=32,
                                    block_k_fwd=32, ckpt_rows=32, block_k_decode=16, split_k_decode=64)
 
@@ -163,8 +165,8 @@ def _passes(shape, dtype, reps, interpret, bs, b1_variants=("default",)):
     # The checkpoints are per key (any block_k reads them); block_k must divide T.
     kw_v = dict(kw, bs=dataclasses.replace(bs, **B1_VARIANTS[variant]))
     passes.append(("B1 reverse_sweep", variant,
-                   lambda *a, kw_v=kw_v: dilution_bwd.reverse_sweep(*a[:3], seg, *a[3:],
-                                                                    eps=1e-9, **kw_v), b1_args))
+                   lambda *a, kw_v=kw_v: dilution.b1_reverse_sweep(*a[:3], seg, *a[3:],
+                                                                 eps=1e-9, **kw_v), b1_args))
   passes.append(("B2 dk_correction", None, lambda q, k, lse, ghat: dilution_bwd.dk_correction(
       q, k, seg, lse, ghat, **kw), (q, k, lse, ghat)))
   rows = []

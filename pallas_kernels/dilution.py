@@ -71,10 +71,11 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import dilution_bwd, dilution_decode, dilution_fwd, reference
+from pallas_kernels import dilution_bwd, dilution_decode, dilution_fwd, dilution_mgpu, reference
 
 
 B1_CARRIES = ("registers", "scratch")
+B1_IMPLS = ("triton", "mosaic")
 B1_WARPS = (1, 2, 4, 8, 16)  # Triton: a power of two; 16 warps = 512 threads
 
 
@@ -106,6 +107,9 @@ class BlockSizes:
   # carries, 128 keys, 8 warps; these fields let B1 take that while B2 keeps 64 keys, 4 warps.
   b1_block_k: int | None = None
   b1_warps: int | None = None
+  # B1's kernel: "triton" (dilution_bwd, every dtype) or "mosaic" (dilution_mgpu: Hopper wgmma/TMA,
+  # 16-bit inputs, 64-row tiles; interpret-tested and lowered on CPU, not yet compiled on a GPU).
+  b1_impl: str = "triton"
 
   @classmethod
   def default(cls, head_dim: int) -> "BlockSizes":
@@ -136,6 +140,8 @@ class BlockSizes:
   def validate(self, D: int):
     if self.b1_carries not in B1_CARRIES:
       raise ValueError(f"BlockSizes.b1_carries={self.b1_carries!r} must be one of {B1_CARRIES}")
+    if self.b1_impl not in B1_IMPLS:
+      raise ValueError(f"BlockSizes.b1_impl={self.b1_impl!r} must be one of {B1_IMPLS}")
     for f in dataclasses.fields(self):
       x = getattr(self, f.name)
       if f.name.startswith("block") or f.name in ("ckpt_rows", "split_k_decode"):
@@ -195,6 +201,18 @@ def _forward(q, k, v, seg, scale, eps, bs, interpret, *, training):
   return out_f32, (lse, pk, ssum, total, ckpt)
 
 
+def b1_reverse_sweep(q, k, v, seg, lse, ssum, dbar, do, ckpt, *, scale, eps, bs, interpret):
+  """B1 by `BlockSizes.b1_impl`: (dq_main, ĝ, dk_main, dv), as dilution_bwd.reverse_sweep."""
+  if bs.b1_impl == "mosaic":
+    why = dilution_mgpu.supported(q, bs.ckpt_rows)
+    if why:
+      raise ValueError(f"BlockSizes.b1_impl='mosaic': {why}; use b1_impl='triton'")
+    return dilution_mgpu.reverse_sweep(q, k, v, seg, lse, ssum, dbar, do, ckpt, scale=scale,
+                                       eps=eps, ckpt_rows=bs.ckpt_rows, interpret=interpret)
+  return dilution_bwd.reverse_sweep(q, k, v, seg, lse, ssum, dbar, do, ckpt, scale=scale, eps=eps,
+                                    bs=bs, interpret=interpret)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
 def _dilution_core(q, k, v, seg, scale, eps, bs, interpret):
   out_f32, _ = _forward(q, k, v, seg, scale, eps, bs, interpret, training=False)
@@ -213,7 +231,7 @@ def _core_bwd(scale, eps, bs, interpret, res, do):
   K = k.shape[2]
   # dbar_i = dO_i·O_i with the fp32 output (exact identity Σ_k σ_ik dO_i·v_k/(S_i+eps)).
   dbar = jnp.einsum("BTND,BTND->BNT", do.astype(jnp.float32), out_f32)
-  dq_main, ghat, dk_main, dv = dilution_bwd.reverse_sweep(
+  dq_main, ghat, dk_main, dv = b1_reverse_sweep(
       q, k, v, seg, lse, ssum, dbar, do.astype(q.dtype), ckpt, scale=scale, eps=eps, bs=bs,
       interpret=interpret)
   corr = dilution_bwd.dk_correction(q, k, seg, lse, ghat, scale=scale, bs=bs,

@@ -1,0 +1,284 @@
+"""Dilution attention's B1 reverse sweep on Hopper (Pallas Mosaic GPU: wgmma, TMA, warpgroups).
+
+The same math and outputs as `dilution_bwd.reverse_sweep` (its docstring has the formulas): for a
+key block J, the super-blocks of `ckpt_rows` rows are visited last first; in each, a forward
+mini-sweep rebuilds the per-key carry at every row tile from F2's checkpoint, then a reverse pass
+walks the same tiles bottom-up and accumulates dv_J += Aᵀ dO, dk_J += Wᵀ Q (registers), and adds
+ĝ_I = rowsum(W) and dq_I = s·W K_J into float32 global accumulators.
+
+Grid (Hq, T / bkv, B): one CTA per (query head, key block of bkv = 64 keys, batch), two Pallas
+threads: warpgroup 0 computes, warpgroup 1 is the TMA producer (40 registers). One compute
+warpgroup, because ĝ is a cross-warp reduction (W summed over keys) and the lowering's reduction
+scratch is one region per CTA; two CTAs fit an SM instead. Tiles are [keys, queries] ("KQ",
+64 × bq, bq = 64) so that every product is a wgmma with the keys as M:
+  r = k·qᵀ (SMEM × SMEM);  p = exp2(log2e·(s·r − lse)), masked causal and by segment;
+  mini-sweep: carry_K stored per tile (SMEM [ckpt_rows/bq, 64]), carry_K += rowsum(p);
+  reverse:    c = carry + p·U (U strictly upper 0/1: the in-tile exclusive prefix over queries),
+              inv = 1/(c + p + ε), A = p·inv/(S + ε);  dv += A·dO and dP = v·dOᵀ (issued together);
+              dσ = (dP − dbar)/(S + ε), g = −dσ·p·inv², suffix = sufk + g·L (L strictly lower),
+              W = p·(dσ·(c + ε)·inv² + suffix);  sufk += rowsum(g);  dk += W·q (register lhs);
+              W → SMEM (16-bit) → Wᵀ·k (transposed SMEM lhs) → float32 SMEM → TMA reduce-add
+              into dq;  ĝ = colsum(W) → SMEM → TMA reduce-add into ĝ.
+The products with U and L keep float32 accuracy: x is split into three bf16 pieces that sum back
+to x exactly and a 0/1 mask times a bf16 value is exact (`dilution_bwd.exact_mask_dot`), three
+register-lhs wgmmas each. Per tile pair: 2 k·qᵀ, dP, A·dO, W·q, Wᵀ·k and 6 mask products.
+
+The producer streams each super-block's row tiles twice (top-down, then bottom-up): q, dO
+[bq, D] and the rows lse, S, dbar, segment ids through a ring of `steps` slots.
+SMEM (D = 64, 16-bit, steps = 2): k, v 16 KB; U, L 16 KB; ring 33 KB; W 8 KB; dq tile 16 KB;
+dk/dv out tile 16 KB; carries 4·ckpt_rows/bq·64 bytes; ~110 KB. Registers: dk, dv (64 each at
+D = 64) plus the [64, 64] float32 tiles (32 each).
+
+On CPU pass interpret=True (GPU interpret mode): TMA reductions are not interpreted there, so dq
+and ĝ get one slab per key block (every slab row written at most once) and XLA sums them.
+`dilution.dilution_attention` runs it with `BlockSizes(b1_impl="mosaic")` (default "triton").
+Written in the thirteenth session: interpret-tested and lowered for CUDA on CPU
+(tests/test_dilution_mgpu.py), not yet compiled, tested or timed on a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from pallas_kernels import focal_mgpu_bwd as fb
+from pallas_kernels import mgpu_compat as mc
+
+BQ = BKV = 64
+LOG2E = math.log2(math.e)
+# pylint: disable=protected-access
+_tile_smem, _bcast, _drain, _launch_params = (fb._tile_smem, fb._bcast, fb._drain,
+                                               fb._launch_params)
+_F32_TILE = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
+
+
+def _mask_dot(x_KQ, mask_s, *, interpret):
+  """x·mask to float32 accuracy: three bf16 pieces of x, small ones first (exact_mask_dot)."""
+  hi = x_KQ.astype(jnp.bfloat16)
+  res = x_KQ - hi.astype(jnp.float32)
+  mid = res.astype(jnp.bfloat16)
+  lo = (res - mid.astype(jnp.float32)).astype(jnp.bfloat16)
+  acc = mc.mma(lo, mask_s, interpret=interpret)
+  acc = mc.mma(mid, mask_s, acc=acc, interpret=interpret)
+  return mc.mma(hi, mask_s, acc=acc, interpret=interpret)
+
+
+def _bounds(t, *, n_super, ckpt_tiles, i_lo, n_q):
+  """Super-block t of the walk (last first): (s, first row tile, end row tile)."""
+  s = n_super - 1 - t
+  return s, jnp.maximum(s * ckpt_tiles, i_lo), jnp.minimum((s + 1) * ckpt_tiles, n_q)
+
+
+def _kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, ssum_ref, dbar_ref, do_ref, ckpt_ref, up_ref,
+            lo_ref, dq_acc, gh_acc, dk_ref, dv_ref,
+            k_s, v_s, up_s, lo_s, segk_s, ck0_s, ck_s, q_s, do_s, lse_s, ssum_s, dbar_s, segq_s,
+            w_s, dq_s, gh_s, out_s, res_bar, ck_bar, q_bar, q_free,
+            *, scale, eps, n_q, n_super, ckpt_tiles, group, steps, interpret):
+  n, jk, b = lax.axis_index("heads"), lax.axis_index("kv_seq"), lax.axis_index("batch")
+  wg = lax.axis_index("wg")
+  k0 = jk * BKV
+  i_lo = lax.div(k0, jnp.int32(BQ))           # the first row tile that sees a key of J
+  n_visit = n_super - lax.div(i_lo, jnp.int32(ckpt_tiles))
+  bounds = functools.partial(_bounds, n_super=n_super, ckpt_tiles=ckpt_tiles, i_lo=i_lo, n_q=n_q)
+  wgmma = plgpu.Layout.WGMMA
+  row_layout, col_layout = wgmma.reduce(1), wgmma.reduce(0)   # per key / per query vectors
+
+  @pl.when(wg == 0)
+  def _compute():
+    plgpu.set_max_registers(232, action="increase")
+    rows_k = (b, pl.ds(k0, BKV), lax.div(n, jnp.int32(group)))
+    for src, dst in ((k_ref.at[rows_k], k_s), (v_ref.at[rows_k], v_s), (up_ref, up_s),
+                     (lo_ref, lo_s), (seg_ref.at[b, pl.ds(k0, BKV)], segk_s)):
+      plgpu.copy_gmem_to_smem(src, dst, res_bar)
+    plgpu.barrier_wait(res_bar)
+    segk_K = mc.load(segk_s, layout=row_layout, interpret=interpret)
+    # Interpreted: this key block's own slab (no TMA reduction there; module docstring).
+    dq_out = dq_acc.at[jk] if interpret else dq_acc
+    gh_out = gh_acc.at[jk] if interpret else gh_acc
+    shape_KQ = (BKV, BQ)
+    key_KQ = mc.iota(jnp.int32, shape_KQ, 0, wgmma, interpret=interpret) + k0
+    qry_KQ = mc.iota(jnp.int32, shape_KQ, 1, wgmma, interpret=interpret)
+
+    def probs(slot, i):
+      r_KQ = mc.mma(k_s, q_s.at[slot], transpose_b=True, interpret=interpret)
+      lse_Q = mc.load(lse_s.at[slot], layout=col_layout, interpret=interpret)
+      segq_Q = mc.load(segq_s.at[slot], layout=col_layout, interpret=interpret)
+      x_KQ = r_KQ * (scale * LOG2E) - _bcast(lse_Q * LOG2E, shape_KQ, 1)
+      vis = (key_KQ <= qry_KQ + i * BQ) & (_bcast(segk_K, shape_KQ, 0)
+                                          == _bcast(segq_Q, shape_KQ, 1))
+      return jnp.exp2(jnp.where(vis, x_KQ, -jnp.inf))   # exactly 0 where masked
+
+    def reverse_tile(i, slot, carry_K, acc):
+      dk_KD, dv_KD, sufk_K = acc
+      p_KQ = probs(slot, i)
+      c_KQ = _bcast(carry_K, shape_KQ, 0) + _mask_dot(p_KQ, up_s, interpret=interpret)
+      inv_KQ = 1.0 / (c_KQ + p_KQ + eps)
+      rn_Q = _bcast(1.0 / (mc.load(ssum_s.at[slot], layout=col_layout, interpret=interpret)
+                           + eps), shape_KQ, 1)
+      a_KQ = p_KQ * inv_KQ * rn_Q
+      dv_KD, dp_KQ = mc.mma_pair((a_KQ.astype(q_s.dtype), do_s.at[slot], dv_KD, False),
+                                 (v_s, do_s.at[slot], None, True), interpret=interpret)
+      dbar_Q = mc.load(dbar_s.at[slot], layout=col_layout, interpret=interpret)
+      ds_KQ = (dp_KQ - _bcast(dbar_Q, shape_KQ, 1)) * rn_Q
+      inv2_KQ = inv_KQ * inv_KQ
+      g_KQ = -(ds_KQ * p_KQ * inv2_KQ)
+      w_KQ = p_KQ * ds_KQ * (c_KQ + eps) * inv2_KQ
+      w_KQ = w_KQ + p_KQ * (_bcast(sufk_K, shape_KQ, 0) + _mask_dot(g_KQ, lo_s,
+                                                                    interpret=interpret))
+      sufk_K = sufk_K + g_KQ.sum(axis=1)
+      gh_Q = w_KQ.sum(axis=0)
+      w16_KQ = w_KQ.astype(q_s.dtype)
+
+      def store_w():   # overlapped with the dk wgmma; the last step's Wᵀ·k was awaited
+        w_s[...] = w16_KQ
+        plgpu.commit_smem()
+
+      dk_KD = mc.mma(w16_KQ, q_s.at[slot], acc=dk_KD, during=store_w, interpret=interpret)
+      plgpu.barrier_arrive(q_free.at[slot])   # q, dO and the rows of this slot are read
+      dq_QD = mc.mma_t(w_s, k_s, interpret=interpret)
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last reduces have read dq_s, gh_s
+      dq_s[...] = dq_QD * scale
+      gh_s[...] = gh_Q
+      plgpu.commit_smem()
+      mc.copy_smem_to_gmem_add(dq_s, dq_out.at[b, pl.ds(i * BQ, BQ), n], interpret=interpret)
+      mc.copy_smem_to_gmem_add(gh_s, gh_out.at[b, n, pl.ds(i * BQ, BQ)], interpret=interpret)
+      return dk_KD, dv_KD, sufk_K
+
+    def super_block(t, state):
+      st, acc = state
+      s, lo, hi = bounds(t)
+      plgpu.commit_smem()   # order the last super-block's reads of ck0_s before the TMA refill
+      plgpu.copy_gmem_to_smem(ckpt_ref.at[b, n, s, pl.ds(k0, BKV)], ck0_s, ck_bar)
+      plgpu.barrier_wait(ck_bar)
+
+      def mini(i, c):
+        st, carry_K = c
+        slot = lax.rem(st, steps)
+        plgpu.barrier_wait(q_bar.at[slot])
+        p_KQ = probs(slot, i)
+        ck_s.at[i - s * ckpt_tiles][...] = carry_K
+        plgpu.barrier_arrive(q_free.at[slot])
+        return st + 1, carry_K + p_KQ.sum(axis=1)
+
+      st, _ = lax.fori_loop(lo, hi, mini,
+                            (st, mc.load(ck0_s, layout=row_layout, interpret=interpret)))
+
+      def reverse(u, c):
+        st, acc = c
+        i = hi - 1 - u
+        slot = lax.rem(st, steps)
+        plgpu.barrier_wait(q_bar.at[slot])
+        carry_K = mc.load(ck_s.at[i - s * ckpt_tiles], layout=row_layout, interpret=interpret)
+        return st + 1, reverse_tile(i, slot, carry_K, acc)
+
+      return lax.fori_loop(0, hi - lo, reverse, (st, acc))
+
+    D = k_s.shape[-1]
+    zeros_KD = mc.layout_cast(jnp.zeros((BKV, D), jnp.float32), wgmma, interpret=interpret)
+    zeros_K = mc.layout_cast(jnp.zeros((BKV,), jnp.float32), row_layout, interpret=interpret)
+    _, (dk_KD, dv_KD, _) = lax.fori_loop(0, n_visit, super_block,
+                                         (jnp.int32(0), (zeros_KD, zeros_KD, zeros_K)))
+    rows_out = (b, pl.ds(k0, BKV), n)
+    for x_KD, dst in ((dk_KD, dk_ref), (dv_KD, dv_ref)):
+      plgpu.wait_smem_to_gmem(0)   # the tile's last copy (and every reduce) has completed
+      out_s[...] = x_KD
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(out_s, dst.at[rows_out])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == 1)
+  def _producer():
+    plgpu.set_max_registers(40, action="decrease")
+
+    def visit(i, st):
+      slot = lax.rem(st, steps)
+
+      @pl.when(st >= steps)
+      def _():
+        plgpu.barrier_wait(q_free.at[slot])   # the compute warpgroup released step st - steps
+
+      bar, rows, vec = q_bar.at[slot], (b, pl.ds(i * BQ, BQ), n), (b, n, pl.ds(i * BQ, BQ))
+      plgpu.copy_gmem_to_smem(q_ref.at[rows], q_s.at[slot], bar)
+      plgpu.copy_gmem_to_smem(do_ref.at[rows], do_s.at[slot], bar)
+      for src, dst in ((lse_ref, lse_s), (ssum_ref, ssum_s), (dbar_ref, dbar_s)):
+        plgpu.copy_gmem_to_smem(src.at[vec], dst.at[slot], bar)
+      plgpu.copy_gmem_to_smem(seg_ref.at[b, pl.ds(i * BQ, BQ)], segq_s.at[slot], bar)
+      return st + 1
+
+    def super_block(t, st):
+      _, lo, hi = bounds(t)
+      st = lax.fori_loop(lo, hi, visit, st)          # the mini-sweep's tiles, top-down
+      return lax.fori_loop(0, hi - lo, lambda u, st: visit(hi - 1 - u, st), st)   # bottom-up
+
+    _drain(q_free, lax.fori_loop(0, n_visit, super_block, jnp.int32(0)), steps)
+
+
+def supported(q, ckpt_rows: int) -> str | None:
+  """None if this kernel takes these inputs, else why not."""
+  B, T, N, D = q.shape
+  if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    return f"16-bit q/k/v only (wgmma operands), got {q.dtype}"
+  if D not in (64, 128):
+    return f"head dim 64 or 128, got {D}"
+  if T % BQ or ckpt_rows % BQ:
+    return f"T={T} and ckpt_rows={ckpt_rows} must be multiples of {BQ}"
+  return None
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "eps", "ckpt_rows", "steps", "interpret"))
+def reverse_sweep(q, k, v, seg, lse, ssum, dbar, do, ckpt, *, scale, eps, ckpt_rows, steps=2,
+                  interpret=False):
+  """B1 as `dilution_bwd.reverse_sweep`: (dq_main [B,T,Hq,D], ĝ [B,Hq,T], dk_main, dv
+  [B,T,Hq,D] per query head), all float32. seg int32 [B, T]; lse, ssum, dbar float32 [B,Hq,T];
+  do in q.dtype; ckpt float32 [B, Hq, ceil(T / ckpt_rows), T] from F2 with the same ckpt_rows."""
+  why = supported(q, ckpt_rows)
+  if why:
+    raise ValueError(f"dilution_mgpu.reverse_sweep: {why}")
+  B, T, N, D = q.shape
+  flag, params = _launch_params(interpret)
+  n_q, n_kb = T // BQ, T // BKV
+  slab = (n_kb,) if flag else ()   # interpreted: one slab per key block
+  dq_acc = jax.new_ref(jnp.zeros(slab + q.shape, jnp.float32), memory_space=plgpu.GMEM)
+  gh_acc = jax.new_ref(jnp.zeros(slab + (B, N, T), jnp.float32), memory_space=plgpu.GMEM)
+  r_QQ, i_QQ = lax.broadcasted_iota(jnp.int32, (BQ, BQ), 0), lax.broadcasted_iota(
+      jnp.int32, (BQ, BQ), 1)
+  upper, lower = (r_QQ < i_QQ).astype(jnp.bfloat16), (r_QQ > i_QQ).astype(jnp.bfloat16)
+  steps = max(1, min(steps, n_q))
+  ckpt_tiles = ckpt_rows // BQ
+  vec = lambda dtype: plgpu.SMEM((steps, BQ), dtype)
+  dk, dv = mc.ref_kernel(
+      functools.partial(_kernel, scale=float(scale), eps=float(eps), n_q=n_q,
+                        n_super=ckpt.shape[2], ckpt_tiles=ckpt_tiles, group=N // k.shape[2],
+                        steps=steps, interpret=flag),
+      out_type=[jax.ShapeDtypeStruct(q.shape, jnp.float32)] * 2,
+      scratch_types=[
+          _tile_smem((BKV, D), k.dtype), _tile_smem((BKV, D), k.dtype),        # k, v
+          _tile_smem((BQ, BQ), jnp.bfloat16), _tile_smem((BQ, BQ), jnp.bfloat16),  # U, L
+          plgpu.SMEM((BKV,), jnp.int32), plgpu.SMEM((BKV,), jnp.float32),     # key ids, ckpt
+          plgpu.SMEM((ckpt_tiles, BKV), jnp.float32),                         # tile carries
+          _tile_smem((steps, BQ, D), q.dtype), _tile_smem((steps, BQ, D), q.dtype),  # q, dO
+          vec(jnp.float32), vec(jnp.float32), vec(jnp.float32), vec(jnp.int32),  # rows, ids
+          _tile_smem((BKV, BQ), q.dtype),                                     # W, 16-bit
+          plgpu.SMEM((BQ, D), jnp.float32, transforms=_F32_TILE),             # dq tile
+          plgpu.SMEM((BQ,), jnp.float32),                                     # ĝ tile
+          plgpu.SMEM((BKV, D), jnp.float32, transforms=_F32_TILE),            # dk, dv out
+          plgpu.Barrier(num_arrivals=5),                  # k, v, U, L, key ids landed
+          plgpu.Barrier(num_arrivals=1),                  # the super-block's checkpoint landed
+          plgpu.Barrier(num_arrivals=6, num_barriers=steps),   # q, dO, rows, ids of a slot
+          plgpu.Barrier(num_arrivals=1, num_barriers=steps),   # slot released
+      ],
+      grid=(N, n_kb, B), grid_names=("heads", "kv_seq", "batch"),
+      num_threads=2, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(),
+      interpret=params, name="dilution_mgpu_b1")(
+          q, k, v, seg, lse, ssum, dbar, do, ckpt, upper, lower, dq_acc, gh_acc)
+  dq, gh = dq_acc[...], gh_acc[...]
+  if flag:
+    dq, gh = dq.sum(axis=0), gh.sum(axis=0)
+  return dq, gh, dk, dv
