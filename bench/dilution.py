@@ -57,8 +57,10 @@ B1_VARIANTS = {"default": dict(), "plain": B1_PLAIN,
                "scratch_k128_w8": dict(B1_PLAIN, b1_carries="scratch", block_k=128, num_warps=8),
                "k128_w8": dict(B1_PLAIN, block_k=128, num_warps=8),
                "b1_scratch_k128_w8": dict(b1_carries="scratch", b1_block_k=128, b1_warps=8),
-               # B1 on Hopper's wgmma/TMA (pallas_kernels/dilution_mgpu.py; 16-bit only).
-               "b1_mosaic": dict(b1_impl="mosaic")}
+               # B1 (and, for the whole op, F2 too) on Hopper's wgmma/TMA
+               # (pallas_kernels/dilution_mgpu*.py; 16-bit only).
+               "b1_mosaic": dict(b1_impl="mosaic"),
+               "mosaic": dict(b1_impl="mosaic", f2_impl="mosaic")}
 SMOKE_BLOCKS = dilution.BlockSizes(block_q_stats=16, block_k_stats=16, block_q=16, block_k=32,
                                    block_k_fwd=32, ckpt_rows=32, block_k_decode=16, split_k_decode=64)
 
@@ -161,6 +163,11 @@ def _passes(shape, dtype, reps, interpret, bs, b1_variants=("default",)):
       ("F2 key_sweep", None, lambda q, k, v, lse: dilution_fwd.key_sweep(
           q, k, v, seg, lse, eps=1e-9, with_ckpt=True, **kw), (q, k, v, lse)),
   ]
+  if {"mosaic", "b1_mosaic"} & set(b1_variants):   # F2 on wgmma/TMA alongside the Triton F2
+    from pallas_kernels import dilution_mgpu_fwd  # pylint: disable=import-outside-toplevel
+    passes.append(("F2 key_sweep", "mosaic", lambda q, k, v, lse: dilution_mgpu_fwd.key_sweep(
+        q, k, v, seg, lse, scale=kw["scale"], eps=1e-9, ckpt_rows=bs.ckpt_rows, with_ckpt=True,
+        interpret=interpret), (q, k, v, lse)))
   for variant in b1_variants:
     # The checkpoints are per key (any block_k reads them); block_k must divide T.
     kw_v = dict(kw, bs=dataclasses.replace(bs, **B1_VARIANTS[variant]))

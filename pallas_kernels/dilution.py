@@ -71,11 +71,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import dilution_bwd, dilution_decode, dilution_fwd, dilution_mgpu, reference
+from pallas_kernels import (dilution_bwd, dilution_decode, dilution_fwd, dilution_mgpu,
+                            dilution_mgpu_fwd, reference)
 
 
 B1_CARRIES = ("registers", "scratch")
-B1_IMPLS = ("triton", "mosaic")
+KERNEL_IMPLS = ("triton", "mosaic")
 B1_WARPS = (1, 2, 4, 8, 16)  # Triton: a power of two; 16 warps = 512 threads
 
 
@@ -110,6 +111,8 @@ class BlockSizes:
   # B1's kernel: "triton" (dilution_bwd, every dtype) or "mosaic" (dilution_mgpu: Hopper wgmma/TMA,
   # 16-bit inputs, 64-row tiles; interpret-tested and lowered on CPU, not yet compiled on a GPU).
   b1_impl: str = "triton"
+  # F2's kernel likewise: "triton" (dilution_fwd) or "mosaic" (dilution_mgpu_fwd; same status).
+  f2_impl: str = "triton"
 
   @classmethod
   def default(cls, head_dim: int) -> "BlockSizes":
@@ -140,8 +143,10 @@ class BlockSizes:
   def validate(self, D: int):
     if self.b1_carries not in B1_CARRIES:
       raise ValueError(f"BlockSizes.b1_carries={self.b1_carries!r} must be one of {B1_CARRIES}")
-    if self.b1_impl not in B1_IMPLS:
-      raise ValueError(f"BlockSizes.b1_impl={self.b1_impl!r} must be one of {B1_IMPLS}")
+    for field in ("b1_impl", "f2_impl"):
+      if getattr(self, field) not in KERNEL_IMPLS:
+        raise ValueError(f"BlockSizes.{field}={getattr(self, field)!r} must be one of "
+                         f"{KERNEL_IMPLS}")
     for f in dataclasses.fields(self):
       x = getattr(self, f.name)
       if f.name.startswith("block") or f.name in ("ckpt_rows", "split_k_decode"):
@@ -194,8 +199,16 @@ def _pad(q, k, v, seg, multiple):
 def _forward(q, k, v, seg, scale, eps, bs, interpret, *, training):
   lse, pk = dilution_fwd.row_stats(q, k, seg, scale=scale, bs=bs, with_pk=training,
                                    interpret=interpret)
-  n, ssum, total, ckpt = dilution_fwd.key_sweep(q, k, v, seg, lse, scale=scale, eps=eps, bs=bs,
-                                                with_ckpt=training, interpret=interpret)
+  if bs.f2_impl == "mosaic":
+    why = dilution_mgpu.supported(q, bs.ckpt_rows)
+    if why:
+      raise ValueError(f"BlockSizes.f2_impl='mosaic': {why}; use f2_impl='triton'")
+    n, ssum, total, ckpt = dilution_mgpu_fwd.key_sweep(
+        q, k, v, seg, lse, scale=scale, eps=eps, ckpt_rows=bs.ckpt_rows, with_ckpt=training,
+        interpret=interpret)
+  else:
+    n, ssum, total, ckpt = dilution_fwd.key_sweep(q, k, v, seg, lse, scale=scale, eps=eps,
+                                                  bs=bs, with_ckpt=training, interpret=interpret)
   # Row normaliser; fp32 until the final cast to the activation dtype.
   out_f32 = n / (ssum.transpose(0, 2, 1)[..., None] + eps)
   return out_f32, (lse, pk, ssum, total, ckpt)

@@ -58,7 +58,7 @@ _tile_smem, _bcast, _drain, _launch_params = (fb._tile_smem, fb._bcast, fb._drai
 _F32_TILE = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
 
 
-def _mask_dot(x_KQ, mask_s, *, interpret):
+def mask_dot(x_KQ, mask_s, *, interpret):
   """x·mask to float32 accuracy: three bf16 pieces of x, small ones first (exact_mask_dot)."""
   hi = x_KQ.astype(jnp.bfloat16)
   res = x_KQ - hi.astype(jnp.float32)
@@ -67,6 +67,34 @@ def _mask_dot(x_KQ, mask_s, *, interpret):
   acc = mc.mma(lo, mask_s, interpret=interpret)
   acc = mc.mma(mid, mask_s, acc=acc, interpret=interpret)
   return mc.mma(hi, mask_s, acc=acc, interpret=interpret)
+
+
+def tile_probs_kq(k_s, q_tile, lse_tile, segq_tile, segk_K, key_KQ, qry_KQ, i, *, scale,
+                  interpret):
+  """Causal softmax probabilities of one [keys, queries] tile, float32, exactly 0 where masked:
+  p = exp2(log2e·(s·k·qᵀ − lse)) for keys ≤ queries of one segment. key_KQ: the tile's key
+  positions; qry_KQ: 0..bq-1 along the queries (row tile i); the rest are SMEM refs."""
+  shape_KQ = key_KQ.shape
+  col_layout = plgpu.Layout.WGMMA.reduce(0)
+  r_KQ = mc.mma(k_s, q_tile, transpose_b=True, interpret=interpret)
+  lse_Q = mc.load(lse_tile, layout=col_layout, interpret=interpret)
+  segq_Q = mc.load(segq_tile, layout=col_layout, interpret=interpret)
+  x_KQ = r_KQ * (scale * LOG2E) - _bcast(lse_Q * LOG2E, shape_KQ, 1)
+  vis = (key_KQ <= qry_KQ + i * shape_KQ[1]) & (_bcast(segk_K, shape_KQ, 0)
+                                                == _bcast(segq_Q, shape_KQ, 1))
+  return jnp.exp2(jnp.where(vis, x_KQ, -jnp.inf))
+
+
+def ring_slot(st, steps: int, q_free):
+  """The producer's ring slot for its step st, once the compute warpgroup released step
+  st - steps there (the first `steps` steps fill empty slots)."""
+  slot = lax.rem(st, steps)
+
+  @pl.when(st >= steps)
+  def _():
+    plgpu.barrier_wait(q_free.at[slot])
+
+  return slot
 
 
 def _bounds(t, *, n_super, ckpt_tiles, i_lo, n_q):
@@ -106,18 +134,13 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, ssum_ref, dbar_ref, do_ref, c
     qry_KQ = mc.iota(jnp.int32, shape_KQ, 1, wgmma, interpret=interpret)
 
     def probs(slot, i):
-      r_KQ = mc.mma(k_s, q_s.at[slot], transpose_b=True, interpret=interpret)
-      lse_Q = mc.load(lse_s.at[slot], layout=col_layout, interpret=interpret)
-      segq_Q = mc.load(segq_s.at[slot], layout=col_layout, interpret=interpret)
-      x_KQ = r_KQ * (scale * LOG2E) - _bcast(lse_Q * LOG2E, shape_KQ, 1)
-      vis = (key_KQ <= qry_KQ + i * BQ) & (_bcast(segk_K, shape_KQ, 0)
-                                          == _bcast(segq_Q, shape_KQ, 1))
-      return jnp.exp2(jnp.where(vis, x_KQ, -jnp.inf))   # exactly 0 where masked
+      return tile_probs_kq(k_s, q_s.at[slot], lse_s.at[slot], segq_s.at[slot], segk_K, key_KQ,
+                           qry_KQ, i, scale=scale, interpret=interpret)
 
     def reverse_tile(i, slot, carry_K, acc):
       dk_KD, dv_KD, sufk_K = acc
       p_KQ = probs(slot, i)
-      c_KQ = _bcast(carry_K, shape_KQ, 0) + _mask_dot(p_KQ, up_s, interpret=interpret)
+      c_KQ = _bcast(carry_K, shape_KQ, 0) + mask_dot(p_KQ, up_s, interpret=interpret)
       inv_KQ = 1.0 / (c_KQ + p_KQ + eps)
       rn_Q = _bcast(1.0 / (mc.load(ssum_s.at[slot], layout=col_layout, interpret=interpret)
                            + eps), shape_KQ, 1)
@@ -129,7 +152,7 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, ssum_ref, dbar_ref, do_ref, c
       inv2_KQ = inv_KQ * inv_KQ
       g_KQ = -(ds_KQ * p_KQ * inv2_KQ)
       w_KQ = p_KQ * ds_KQ * (c_KQ + eps) * inv2_KQ
-      w_KQ = w_KQ + p_KQ * (_bcast(sufk_K, shape_KQ, 0) + _mask_dot(g_KQ, lo_s,
+      w_KQ = w_KQ + p_KQ * (_bcast(sufk_K, shape_KQ, 0) + mask_dot(g_KQ, lo_s,
                                                                     interpret=interpret))
       sufk_K = sufk_K + g_KQ.sum(axis=1)
       gh_Q = w_KQ.sum(axis=0)
@@ -197,12 +220,7 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, ssum_ref, dbar_ref, do_ref, c
     plgpu.set_max_registers(40, action="decrease")
 
     def visit(i, st):
-      slot = lax.rem(st, steps)
-
-      @pl.when(st >= steps)
-      def _():
-        plgpu.barrier_wait(q_free.at[slot])   # the compute warpgroup released step st - steps
-
+      slot = ring_slot(st, steps, q_free)
       bar, rows, vec = q_bar.at[slot], (b, pl.ds(i * BQ, BQ), n), (b, n, pl.ds(i * BQ, BQ))
       plgpu.copy_gmem_to_smem(q_ref.at[rows], q_s.at[slot], bar)
       plgpu.copy_gmem_to_smem(do_ref.at[rows], do_s.at[slot], bar)

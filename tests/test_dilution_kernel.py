@@ -33,8 +33,9 @@ B1_VARIANTS_LONG = {"default": {}, **B1_VARIANTS,
                     "scratch_k128_w8": dict(b1_carries="scratch", block_k=128, num_warps=8),
                     # B1-only: 128 keys, 8 warps for B1 while B2 keeps 64 keys, 4 warps.
                     "scratch_b1k128_w8": dict(b1_carries="scratch", b1_block_k=128, b1_warps=8),
-                    # B1 on Hopper's wgmma/TMA (dilution_mgpu.py; CPU tests: test_dilution_mgpu).
-                    "b1_mosaic": dict(b1_impl="mosaic")}
+                    # F2 and B1 on Hopper's wgmma/TMA (dilution_mgpu*.py; CPU tests:
+                    # test_dilution_mgpu.py).
+                    "mosaic": dict(b1_impl="mosaic", f2_impl="mosaic")}
 # B1's key block unlike B2's (on SMALL, T = 96): B1 wider (3 blocks of 32 vs B2's 6 of 16, as
 # b1_block_k=128 over block_k=64 on the GPU) and narrower (6 of 16 vs 3 of 32); warps only matter
 # compiled.

@@ -1,23 +1,26 @@
-"""The Hopper (Mosaic GPU) B1 reverse sweep, pallas_kernels/dilution_mgpu.py, on CPU.
+"""The Hopper (Mosaic GPU) dilution kernels on CPU: B1 (pallas_kernels/dilution_mgpu.py) and F2
+(dilution_mgpu_fwd.py).
 
-Invariants: in GPU interpret mode (threads, SMEM, TMA and barriers simulated, race detector on) its
-four outputs equal the Triton B1's on the same forward (bf16, segments, several super-blocks and
-key blocks); the whole op's gradients with BlockSizes(b1_impl="mosaic") match the XLA reference;
-the kernel lowers through Mosaic GPU for CUDA at D = 64 and 128 (layouts and SMEM checked without a
-GPU); float32 inputs are refused naming the field. The compiled comparison runs in
-test_dilution_kernel.py's TestCompiledGPU (variant b1_mosaic).
+Invariants: in GPU interpret mode (threads, SMEM, TMA and barriers simulated, race detector on)
+each kernel's outputs equal its Triton counterpart's on the same inputs (bf16, segments, several
+super-blocks and key blocks); BlockSizes b1_impl/f2_impl="mosaic" route the op's passes to them;
+both lower through Mosaic GPU for CUDA at D = 64 and 128 (layouts and SMEM checked without a
+GPU); float32 inputs are refused naming the field. The compiled comparison runs in test_dilution_kernel.py's TestCompiledGPU (variant
+mosaic).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import dilution, dilution_bwd, dilution_mgpu, mgpu_compat, reference
+from pallas_kernels import (dilution, dilution_bwd, dilution_fwd, dilution_mgpu, dilution_mgpu_fwd,
+                            mgpu_compat)
 
 R = 128   # checkpoint rows: several super-blocks at T = 256..384 with 64-row tiles
 BS = dilution.BlockSizes(block_q_stats=64, block_k_stats=64, block_q=32, block_k=64,
@@ -59,19 +62,42 @@ def test_matches_the_triton_b1_interpret(T, segments):
     assert _rel(a, b) < tol, (name, _rel(a, b))
 
 
-def test_gradients_match_the_reference_interpret():
-  q, k, v, seg, _ = _qkv(256, 4, 2, segments=True, seed=1)   # GQA: 2 query heads per kv head
-  bs = dataclasses.replace(BS, b1_impl="mosaic")
-  f = lambda q, k, v: dilution.dilution_attention(q, k, v, scale=0.125, segment_ids=seg,
-                                                  block_sizes=bs, interpret=True)
-  g = lambda q, k, v: reference.dilution_attention(
-      *(x.astype(jnp.float32) for x in (q, k, v)), scale=0.125, segment_ids_BT=seg)[0]
-  w = jax.random.normal(jax.random.PRNGKey(2), q.shape)
+@pytest.mark.parametrize("T, segments", [(256, False), (384, True)])
+def test_f2_matches_the_triton_f2_interpret(T, segments):
+  q, k, v, seg, _ = _qkv(T, 2, 1, segments=segments)
+  lse, _ = dilution_fwd.row_stats(q, k, seg, scale=0.125, bs=BS, with_pk=False, interpret=True)
+  want = dilution_fwd.key_sweep(q, k, v, seg, lse, scale=0.125, eps=1e-9, bs=BS,
+                                with_ckpt=True, interpret=True)
   with mgpu_compat.cached_interpreter_threads():
-    ga = jax.grad(lambda *a: (f(*a).astype(jnp.float32) * w).sum(), (0, 1, 2))(q, k, v)
-  gb = jax.grad(lambda *a: (g(*a) * w).sum(), (0, 1, 2))(q, k, v)
-  for a, b in zip(ga, gb):
-    assert _rel(a, b) < 2e-2
+    got = jax.block_until_ready(dilution_mgpu_fwd.key_sweep(
+        q, k, v, seg, lse, scale=0.125, eps=1e-9, ckpt_rows=R, with_ckpt=True, interpret=True))
+  assert not mgpu_compat.interpret_races_found()
+  # N contracts the 16-bit σ in both kernels; the probabilities differ by exp2 vs exp.
+  for name, a, b, tol in zip(("N", "S", "total", "ckpt"), got, want, (2e-4, 1e-5, 1e-5, 1e-5)):
+    assert a.shape == b.shape and a.dtype == jnp.float32, name
+    assert _rel(a, b) < tol, (name, _rel(a, b))
+
+
+def test_the_op_runs_both_when_asked():
+  """BlockSizes(b1_impl/f2_impl="mosaic") route dilution_attention's forward and backward (and
+  prefill's forward) to these kernels: their launches appear in the CUDA lowering. (Their output
+  and gradients against the reference run compiled, test_dilution_kernel.TestCompiledGPU; the
+  interpreter nested under jax.grad can starve XLA's CPU thread pool on 2 cores: a thread's
+  barrier wait holds one worker while the other simulated thread waits for one.)"""
+  q, kv = jnp.zeros((1, 256, 2, 64), jnp.bfloat16), jnp.zeros((1, 256, 1, 64), jnp.bfloat16)
+  bs = dataclasses.replace(BS, b1_impl="mosaic", f2_impl="mosaic")
+  grad = jax.grad(lambda q, k, v: dilution.dilution_attention(
+      q, k, v, scale=0.125, block_sizes=bs).astype(jnp.float32).sum(), (0, 1, 2))
+  prefill = lambda q, k, v: dilution.dilution_prefill(q, k, v, scale=0.125, block_sizes=bs)
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # jax >= 0.11 warns that Pallas-Triton is deprecated
+    for fn, triton_kernels in ((grad, ("row_stats", "dk_correction")), (prefill, ("row_stats",))):
+      text = jax.jit(fn).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+      # F1 and B2 stay Triton launches (named); F2 and B1 are Mosaic GPU calls instead.
+      assert "mosaic_gpu" in text
+      assert all(f'name = "dilution_{name}"' in text for name in triton_kernels)
+      assert 'name = "dilution_key_sweep"' not in text
+      assert 'name = "dilution_reverse_sweep"' not in text
 
 
 @pytest.mark.parametrize("D", [64, 128])
@@ -84,6 +110,11 @@ def test_lowers_to_mosaic_gpu(D):
   text = fn.trace(q, kv, kv, S((2, 2048), jnp.int32), rows, rows, rows, q,
                   S((2, 4, 2, 2048), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
+  f2 = jax.jit(lambda *a: dilution_mgpu_fwd.key_sweep(*a, scale=D**-0.5, eps=1e-9,
+                                                      ckpt_rows=1024, with_ckpt=True))
+  text = f2.trace(q, kv, kv, S((2, 2048), jnp.int32), rows).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
 
 
 def test_refuses_what_it_cannot_run():
@@ -93,5 +124,9 @@ def test_refuses_what_it_cannot_run():
                                                         block_sizes=bs, interpret=True).sum())
   with pytest.raises(ValueError, match="b1_impl='mosaic': 16-bit"):
     grad(q)
-  with pytest.raises(ValueError, match="b1_impl"):
-    dilution.BlockSizes(b1_impl="cuda").validate(64)
+  with pytest.raises(ValueError, match="f2_impl='mosaic': 16-bit"):
+    dilution.dilution_attention(q, q[:, :, :1], q[:, :, :1], interpret=True,
+                                block_sizes=dilution.BlockSizes(f2_impl="mosaic"))
+  for field in ("b1_impl", "f2_impl"):
+    with pytest.raises(ValueError, match=field):
+      dilution.BlockSizes(**{field: "cuda"}).validate(64)

@@ -1,0 +1,163 @@
+"""Dilution attention's F2 key sweep on Hopper (Pallas Mosaic GPU), the forward's heavy pass.
+
+The same math and outputs as `dilution_fwd.key_sweep` (its docstring): a key block J walks the row
+tiles that can see it top-down with its per-key committed demand `carry`:
+    inclusive = carry + p·U≤ (U≤[r, i] = r ≤ i: the in-tile inclusive prefix over queries),
+    σ = p / (inclusive + ε);  S_I += colsum(σ);  N_I += σᵀ V_J;  carry += rowsum(p),
+storing the incoming carry at every super-block of `ckpt_rows` rows (the backward's checkpoints)
+and the final carry (the column total, the decode demand).
+
+Grid (Hq, T / 64, B), two Pallas threads (as dilution_mgpu's B1): warpgroup 0 computes on
+[keys, queries] tiles (64 × 64), warpgroup 1 TMA-streams q, lse and segment ids through a ring
+of `steps` slots. Per tile: k·qᵀ and three bf16-piece products against U≤ (float32-exact, see
+dilution_mgpu.mask_dot) on wgmma; σ → SMEM (16-bit: σ ∈ [0, 1]) → σᵀ·V (transposed SMEM lhs)
+→ float32 SMEM → TMA reduce-add into N; colsum(σ) (a cross-warp reduction, hence one compute
+warpgroup) → TMA reduce-add into S. The Triton kernel adds both with per-element fp32 atomics.
+Checkpoints and totals leave through a [64] SMEM vector and a TMA copy; checkpoints of
+super-blocks before the first visible one stay zero (XLA zero-fills the buffer).
+
+On CPU pass interpret=True: N and S then get one slab per key block (TMA reductions are not
+interpreted), summed by XLA. Written in the thirteenth session with dilution_mgpu's B1;
+interpret-tested and lowered for CUDA on CPU, not yet compiled or timed on a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from pallas_kernels import dilution_mgpu as dm
+from pallas_kernels import mgpu_compat as mc
+
+BQ = BKV = dm.BQ
+
+
+def _kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, incl_ref, n_acc, s_acc, ckpt_ref, total_ref,
+            k_s, v_s, incl_s, segk_s, q_s, lse_s, segq_s, sig_s, n_s, s_s, vec_s,
+            res_bar, q_bar, q_free, *, scale, eps, n_q, ckpt_tiles, group, steps, with_ckpt,
+            interpret):
+  n, jk, b = lax.axis_index("heads"), lax.axis_index("kv_seq"), lax.axis_index("batch")
+  wg = lax.axis_index("wg")
+  k0 = jk * BKV
+  i_lo = lax.div(k0, jnp.int32(BQ))           # the first row tile that sees a key of J
+  wgmma = plgpu.Layout.WGMMA
+  row_layout = wgmma.reduce(1)
+
+  @pl.when(wg == 0)
+  def _compute():
+    plgpu.set_max_registers(232, action="increase")
+    rows_k = (b, pl.ds(k0, BKV), lax.div(n, jnp.int32(group)))
+    for src, dst in ((k_ref.at[rows_k], k_s), (v_ref.at[rows_k], v_s), (incl_ref, incl_s),
+                     (seg_ref.at[b, pl.ds(k0, BKV)], segk_s)):
+      plgpu.copy_gmem_to_smem(src, dst, res_bar)
+    plgpu.barrier_wait(res_bar)
+    segk_K = mc.load(segk_s, layout=row_layout, interpret=interpret)
+    n_out = n_acc.at[jk] if interpret else n_acc   # interpreted: this key block's own slab
+    s_out = s_acc.at[jk] if interpret else s_acc
+    shape_KQ = (BKV, BQ)
+    key_KQ = mc.iota(jnp.int32, shape_KQ, 0, wgmma, interpret=interpret) + k0
+    qry_KQ = mc.iota(jnp.int32, shape_KQ, 1, wgmma, interpret=interpret)
+
+    def write_vec(carry_K, dst):
+      """A per-key vector to GMEM: SMEM, then TMA (the last copy out of vec_s has read it)."""
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      vec_s[...] = carry_K
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(vec_s, dst)
+
+    def tile(i, carry_K):
+      if with_ckpt:
+        @pl.when(lax.rem(i, ckpt_tiles) == 0)   # super-block i / ckpt_tiles starts here
+        def _():
+          write_vec(carry_K, ckpt_ref.at[b, n, lax.div(i, ckpt_tiles), pl.ds(k0, BKV)])
+
+      slot = lax.rem(i - i_lo, steps)
+      plgpu.barrier_wait(q_bar.at[slot])
+      p_KQ = dm.tile_probs_kq(k_s, q_s.at[slot], lse_s.at[slot], segq_s.at[slot], segk_K,
+                              key_KQ, qry_KQ, i, scale=scale, interpret=interpret)
+      plgpu.barrier_arrive(q_free.at[slot])   # q, lse and ids of this slot are read
+      incl_KQ = dm._bcast(carry_K, shape_KQ, 0) + dm.mask_dot(p_KQ, incl_s,
+                                                               interpret=interpret)
+      sig_KQ = p_KQ / (incl_KQ + eps)
+      s_Q = sig_KQ.sum(axis=0)
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last reduces have read sig/n/s
+      sig_s[...] = sig_KQ.astype(sig_s.dtype)
+      plgpu.commit_smem()
+      n_QD = mc.mma_t(sig_s, v_s, interpret=interpret)
+      n_s[...] = n_QD
+      s_s[...] = s_Q
+      plgpu.commit_smem()
+      mc.copy_smem_to_gmem_add(n_s, n_out.at[b, pl.ds(i * BQ, BQ), n], interpret=interpret)
+      mc.copy_smem_to_gmem_add(s_s, s_out.at[b, n, pl.ds(i * BQ, BQ)], interpret=interpret)
+      return carry_K + p_KQ.sum(axis=1)
+
+    zeros_K = mc.layout_cast(jnp.zeros((BKV,), jnp.float32), row_layout, interpret=interpret)
+    carry_K = lax.fori_loop(i_lo, n_q, tile, zeros_K)
+    write_vec(carry_K, total_ref.at[b, n, pl.ds(k0, BKV)])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == 1)
+  def _producer():
+    plgpu.set_max_registers(40, action="decrease")
+
+    def visit(i, st):
+      slot = dm.ring_slot(st, steps, q_free)
+      bar = q_bar.at[slot]
+      plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(i * BQ, BQ), n], q_s.at[slot], bar)
+      plgpu.copy_gmem_to_smem(lse_ref.at[b, n, pl.ds(i * BQ, BQ)], lse_s.at[slot], bar)
+      plgpu.copy_gmem_to_smem(seg_ref.at[b, pl.ds(i * BQ, BQ)], segq_s.at[slot], bar)
+      return st + 1
+
+    dm._drain(q_free, lax.fori_loop(i_lo, n_q, visit, jnp.int32(0)), steps)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "eps", "ckpt_rows", "with_ckpt", "steps",
+                                             "interpret"))
+def key_sweep(q, k, v, seg, lse, *, scale, eps, ckpt_rows, with_ckpt, steps=2, interpret=False):
+  """F2 as `dilution_fwd.key_sweep`: (N float32 [B,T,Hq,D], S, total float32 [B,Hq,T], ckpt
+  float32 [B, Hq, ceil(T / ckpt_rows), T] or None). seg int32 [B, T]; lse float32 [B, Hq, T]."""
+  why = dm.supported(q, ckpt_rows)
+  if why:
+    raise ValueError(f"dilution_mgpu_fwd.key_sweep: {why}")
+  B, T, N, D = q.shape
+  flag, params = dm._launch_params(interpret)
+  n_q = T // BQ
+  slab = (T // BKV,) if flag else ()
+  n_acc = jax.new_ref(jnp.zeros(slab + q.shape, jnp.float32), memory_space=plgpu.GMEM)
+  s_acc = jax.new_ref(jnp.zeros(slab + (B, N, T), jnp.float32), memory_space=plgpu.GMEM)
+  n_super = -(-T // ckpt_rows)
+  ckpt = jax.new_ref(jnp.zeros((B, N, n_super if with_ckpt else 1, T), jnp.float32),
+                     memory_space=plgpu.GMEM)
+  r_QQ, i_QQ = (lax.broadcasted_iota(jnp.int32, (BQ, BQ), d) for d in (0, 1))
+  steps = max(1, min(steps, n_q))
+  vec = lambda dtype: plgpu.SMEM((steps, BQ), dtype)
+  total = mc.ref_kernel(
+      functools.partial(_kernel, scale=float(scale), eps=float(eps), n_q=n_q,
+                        ckpt_tiles=ckpt_rows // BQ, group=N // k.shape[2], steps=steps,
+                        with_ckpt=with_ckpt, interpret=flag),
+      out_type=jax.ShapeDtypeStruct((B, N, T), jnp.float32),   # every key block writes its keys
+      scratch_types=[
+          dm._tile_smem((BKV, D), k.dtype), dm._tile_smem((BKV, D), k.dtype),     # k, v
+          dm._tile_smem((BQ, BQ), jnp.bfloat16),                                # U≤
+          plgpu.SMEM((BKV,), jnp.int32),                                        # key ids
+          dm._tile_smem((steps, BQ, D), q.dtype), vec(jnp.float32), vec(jnp.int32),  # q, lse, ids
+          dm._tile_smem((BKV, BQ), q.dtype),                                    # σ, 16-bit
+          plgpu.SMEM((BQ, D), jnp.float32, transforms=dm._F32_TILE),            # N tile
+          plgpu.SMEM((BQ,), jnp.float32), plgpu.SMEM((BKV,), jnp.float32),      # S tile, carry
+          plgpu.Barrier(num_arrivals=4),                   # k, v, U≤, key ids landed
+          plgpu.Barrier(num_arrivals=3, num_barriers=steps),   # q, lse, ids of a slot landed
+          plgpu.Barrier(num_arrivals=1, num_barriers=steps),   # slot released
+      ],
+      grid=(N, T // BKV, B), grid_names=("heads", "kv_seq", "batch"),
+      num_threads=2, thread_name="wg", compiler_params=plgpu.CompilerParams(),
+      interpret=params, name="dilution_mgpu_f2")(
+          q, k, v, seg, lse, (r_QQ <= i_QQ).astype(jnp.bfloat16), n_acc, s_acc, ckpt)
+  n_out, s_out = n_acc[...], s_acc[...]
+  if flag:
+    n_out, s_out = n_out.sum(axis=0), s_out.sum(axis=0)
+  return n_out, s_out, total, ckpt[...] if with_ckpt else None
