@@ -32,20 +32,25 @@ def _rel(a, b):
   return float(np.abs(a - b).max() / (np.abs(b).max() + 1e-30))
 
 
-def _qkv(T, N, K, *, segments, seed=0, D=64):
+def _qkv(T, N, K, *, segments, seed=0, D=64, dtype=jnp.bfloat16):
   ks = jax.random.split(jax.random.PRNGKey(seed), 4)
-  q = (1.5 * jax.random.normal(ks[0], (1, T, N, D))).astype(jnp.bfloat16)
-  k = (1.5 * jax.random.normal(ks[1], (1, T, K, D))).astype(jnp.bfloat16)
-  v = jax.random.normal(ks[2], (1, T, K, D)).astype(jnp.bfloat16)
+  q = (1.5 * jax.random.normal(ks[0], (1, T, N, D))).astype(dtype)
+  k = (1.5 * jax.random.normal(ks[1], (1, T, K, D))).astype(dtype)
+  v = jax.random.normal(ks[2], (1, T, K, D)).astype(dtype)
   pos = jnp.arange(T)[None]
   seg = ((pos >= T // 3).astype(jnp.int32) + (pos >= T // 2 + 5) if segments
          else jnp.zeros((1, T), jnp.int32))
-  return q, k, v, seg, jax.random.normal(ks[3], (1, T, N, D)).astype(jnp.bfloat16)
+  return q, k, v, seg, jax.random.normal(ks[3], (1, T, N, D)).astype(dtype)
 
 
-@pytest.mark.parametrize("T, segments", [(256, False), (384, True)])
-def test_matches_the_triton_b1_interpret(T, segments):
-  q, k, v, seg, do = _qkv(T, 2, 1, segments=segments)
+# (T, segments, D, dtype): 2 or 3 super-blocks, packed documents, the other head dim and fp16.
+CASES = [(256, False, 64, jnp.bfloat16), (384, True, 64, jnp.bfloat16),
+         (256, True, 128, jnp.float16)]
+
+
+@pytest.mark.parametrize("T, segments, D, dtype", CASES)
+def test_matches_the_triton_b1_interpret(T, segments, D, dtype):
+  q, k, v, seg, do = _qkv(T, 2, 1, segments=segments, D=D, dtype=dtype)
   scale, eps = 0.125, 1e-9
   out, (lse, _, ssum, _, ckpt) = dilution._forward(q, k, v, seg, scale, eps, BS, True,
                                                    training=True)
@@ -62,9 +67,9 @@ def test_matches_the_triton_b1_interpret(T, segments):
     assert _rel(a, b) < tol, (name, _rel(a, b))
 
 
-@pytest.mark.parametrize("T, segments", [(256, False), (384, True)])
-def test_f2_matches_the_triton_f2_interpret(T, segments):
-  q, k, v, seg, _ = _qkv(T, 2, 1, segments=segments)
+@pytest.mark.parametrize("T, segments, D, dtype", CASES)
+def test_f2_matches_the_triton_f2_interpret(T, segments, D, dtype):
+  q, k, v, seg, _ = _qkv(T, 2, 1, segments=segments, D=D, dtype=dtype)
   lse, _ = dilution_fwd.row_stats(q, k, seg, scale=0.125, bs=BS, with_pk=False, interpret=True)
   want = dilution_fwd.key_sweep(q, k, v, seg, lse, scale=0.125, eps=1e-9, bs=BS,
                                 with_ckpt=True, interpret=True)
