@@ -164,10 +164,9 @@ def _passes(shape, dtype, reps, interpret, bs, b1_variants=("default",)):
           q, k, v, seg, lse, eps=1e-9, with_ckpt=True, **kw), (q, k, v, lse)),
   ]
   if {"mosaic", "b1_mosaic"} & set(b1_variants):   # F2 on wgmma/TMA alongside the Triton F2
-    from pallas_kernels import dilution_mgpu_fwd  # pylint: disable=import-outside-toplevel
-    passes.append(("F2 key_sweep", "mosaic", lambda q, k, v, lse: dilution_mgpu_fwd.key_sweep(
-        q, k, v, seg, lse, scale=kw["scale"], eps=1e-9, ckpt_rows=bs.ckpt_rows, with_ckpt=True,
-        interpret=interpret), (q, k, v, lse)))
+    kw_m = dict(kw, bs=dataclasses.replace(bs, f2_impl="mosaic"))
+    passes.append(("F2 key_sweep", "mosaic", lambda q, k, v, lse: dilution.f2_key_sweep(
+        q, k, v, seg, lse, eps=1e-9, with_ckpt=True, **kw_m), (q, k, v, lse)))
   for variant in b1_variants:
     # The checkpoints are per key (any block_k reads them); block_k must divide T.
     kw_v = dict(kw, bs=dataclasses.replace(bs, **B1_VARIANTS[variant]))

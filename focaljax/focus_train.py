@@ -74,15 +74,13 @@ def validate(config, context: int) -> None:
     _fail("retrieval_mix", f"must be in [0, 1), got {f.retrieval_mix}")
   if not 0.0 <= f.get("drill_in_window", 0.0) <= 1.0:
     _fail("drill_in_window", f"must be in [0, 1], got {f.drill_in_window}")
-  if f.get("drill_in_window", 0.0) and not f.get("retrieval_mix", 0.0):
-    _fail("drill_in_window", f"{f.drill_in_window} places drills' needles, but "
-          "focus.retrieval_mix is 0 (no drills)")
   if not f.get("answer_weight", 1.0) > 0:
     _fail("answer_weight", f"must be > 0 (1.0: every target counts the same), got "
           f"{f.answer_weight}")
-  if f.get("answer_weight", 1.0) != 1.0 and not f.get("retrieval_mix", 0.0):
-    _fail("answer_weight", f"{f.answer_weight} weights drills' answers, but "
-          "focus.retrieval_mix is 0 (no drills)")
+  for name, off, acts in (("drill_in_window", 0.0, "places drills' needles"),
+                          ("answer_weight", 1.0, "weights drills' answers")):
+    if f.get(name, off) != off and not f.get("retrieval_mix", 0.0):
+      _fail(name, f"{f[name]} {acts}, but focus.retrieval_mix is 0 (no drills)")
   if not 0.0 <= f.p_reconstruction <= 1.0:
     _fail("p_reconstruction", f"must be in [0, 1], got {f.p_reconstruction}")
   if f.doc_max_tokens < f.doc_min_tokens:

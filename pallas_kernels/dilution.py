@@ -199,27 +199,36 @@ def _pad(q, k, v, seg, multiple):
 def _forward(q, k, v, seg, scale, eps, bs, interpret, *, training):
   lse, pk = dilution_fwd.row_stats(q, k, seg, scale=scale, bs=bs, with_pk=training,
                                    interpret=interpret)
-  if bs.f2_impl == "mosaic":
-    why = dilution_mgpu.supported(q, bs.ckpt_rows)
-    if why:
-      raise ValueError(f"BlockSizes.f2_impl='mosaic': {why}; use f2_impl='triton'")
-    n, ssum, total, ckpt = dilution_mgpu_fwd.key_sweep(
-        q, k, v, seg, lse, scale=scale, eps=eps, ckpt_rows=bs.ckpt_rows, with_ckpt=training,
-        interpret=interpret)
-  else:
-    n, ssum, total, ckpt = dilution_fwd.key_sweep(q, k, v, seg, lse, scale=scale, eps=eps,
-                                                  bs=bs, with_ckpt=training, interpret=interpret)
+  n, ssum, total, ckpt = f2_key_sweep(q, k, v, seg, lse, scale=scale, eps=eps, bs=bs,
+                                      with_ckpt=training, interpret=interpret)
   # Row normaliser; fp32 until the final cast to the activation dtype.
   out_f32 = n / (ssum.transpose(0, 2, 1)[..., None] + eps)
   return out_f32, (lse, pk, ssum, total, ckpt)
 
 
+def _uses_mosaic(q, bs, field: str) -> bool:
+  """Whether BlockSizes.<field> picks the Mosaic GPU kernel; refuses inputs it cannot run."""
+  if getattr(bs, field) != "mosaic":
+    return False
+  why = dilution_mgpu.supported(q, bs.ckpt_rows)
+  if why:
+    raise ValueError(f"BlockSizes.{field}='mosaic': {why}; use {field}='triton'")
+  return True
+
+
+def f2_key_sweep(q, k, v, seg, lse, *, scale, eps, bs, with_ckpt, interpret):
+  """F2 by `BlockSizes.f2_impl`: (N, S, total, ckpt), as dilution_fwd.key_sweep."""
+  if _uses_mosaic(q, bs, "f2_impl"):
+    return dilution_mgpu_fwd.key_sweep(q, k, v, seg, lse, scale=scale, eps=eps,
+                                       ckpt_rows=bs.ckpt_rows, with_ckpt=with_ckpt,
+                                       interpret=interpret)
+  return dilution_fwd.key_sweep(q, k, v, seg, lse, scale=scale, eps=eps, bs=bs,
+                                with_ckpt=with_ckpt, interpret=interpret)
+
+
 def b1_reverse_sweep(q, k, v, seg, lse, ssum, dbar, do, ckpt, *, scale, eps, bs, interpret):
   """B1 by `BlockSizes.b1_impl`: (dq_main, ĝ, dk_main, dv), as dilution_bwd.reverse_sweep."""
-  if bs.b1_impl == "mosaic":
-    why = dilution_mgpu.supported(q, bs.ckpt_rows)
-    if why:
-      raise ValueError(f"BlockSizes.b1_impl='mosaic': {why}; use b1_impl='triton'")
+  if _uses_mosaic(q, bs, "b1_impl"):
     return dilution_mgpu.reverse_sweep(q, k, v, seg, lse, ssum, dbar, do, ckpt, scale=scale,
                                        eps=eps, ckpt_rows=bs.ckpt_rows, interpret=interpret)
   return dilution_bwd.reverse_sweep(q, k, v, seg, lse, ssum, dbar, do, ckpt, scale=scale, eps=eps,

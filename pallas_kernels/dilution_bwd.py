@@ -57,6 +57,14 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels.dilution_fwd import idiv, dot, tile_probs
 
 
+def bf16_pieces(x):
+  """(hi, mid, lo) bf16 arrays with hi + mid + lo == x exactly for float32 x (exact_mask_dot)."""
+  hi = x.astype(jnp.bfloat16)
+  res = x - hi.astype(jnp.float32)
+  mid = res.astype(jnp.bfloat16)
+  return hi, mid, (res - mid.astype(jnp.float32)).astype(jnp.bfloat16)
+
+
 def exact_mask_dot(mask_TT, x_TS):
   """mask·x to fp32 accuracy with bf16 tensor-core products; mask entries must be exact in bf16.
 
@@ -67,10 +75,7 @@ def exact_mask_dot(mask_TT, x_TS):
   A 0/1 mask times a bf16 value is exact and the products accumulate in fp32, so the only
   rounding left is the fp32 accumulation that the IEEE product has too.
   """
-  hi_TS = x_TS.astype(jnp.bfloat16)
-  res_TS = x_TS - hi_TS.astype(jnp.float32)
-  mid_TS = res_TS.astype(jnp.bfloat16)
-  lo_TS = (res_TS - mid_TS.astype(jnp.float32)).astype(jnp.bfloat16)
+  hi_TS, mid_TS, lo_TS = bf16_pieces(x_TS)
   mask_TT = mask_TT.astype(jnp.bfloat16)
   # Small pieces first, so the big one is added to their already-combined sum.
   return dot(mask_TT, hi_TS) + (dot(mask_TT, mid_TS) + dot(mask_TT, lo_TS))

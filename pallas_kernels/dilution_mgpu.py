@@ -47,6 +47,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
+from pallas_kernels import dilution_bwd
 from pallas_kernels import focal_mgpu_bwd as fb
 from pallas_kernels import mgpu_compat as mc
 
@@ -60,10 +61,7 @@ _F32_TILE = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
 
 def mask_dot(x_KQ, mask_s, *, interpret):
   """x·mask to float32 accuracy: three bf16 pieces of x, small ones first (exact_mask_dot)."""
-  hi = x_KQ.astype(jnp.bfloat16)
-  res = x_KQ - hi.astype(jnp.float32)
-  mid = res.astype(jnp.bfloat16)
-  lo = (res - mid.astype(jnp.float32)).astype(jnp.bfloat16)
+  hi, mid, lo = dilution_bwd.bf16_pieces(x_KQ)
   acc = mc.mma(lo, mask_s, interpret=interpret)
   acc = mc.mma(mid, mask_s, acc=acc, interpret=interpret)
   return mc.mma(hi, mask_s, acc=acc, interpret=interpret)
