@@ -57,7 +57,8 @@ Keep S_max a multiple of block_k_decode (128), or every step pads (copies) the c
 
 Backends: `interpret=True` runs every kernel in Pallas interpret mode (CPU tests). On GPU the
 kernels lower through Triton (explicit `pltriton.CompilerParams`; jax ≥ 0.11 warns that the Triton
-backend is deprecated). On TPU there is no Mosaic-TPU port (fp32 atomics): when
+backend is deprecated), except that on sm_90 with 16-bit inputs `BlockSizes.default` swaps in the
+Mosaic GPU B1 (D = 64) or F2 (D = 128), whichever the H200 measured faster. On TPU there is no Mosaic-TPU port (fp32 atomics): when
 `jax.default_backend() == "tpu"` and interpret is False, the functions fall back to the XLA
 reference in `pallas_kernels.reference` (T×T memory: short contexts only).
 Atomics make GPU results non-bitwise-deterministic (fp32 summation order).
@@ -72,7 +73,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import (dilution_bwd, dilution_decode, dilution_fwd, dilution_mgpu,
-                            dilution_mgpu_fwd, reference)
+                            dilution_mgpu_fwd, focal_flash, reference)
 
 
 B1_CARRIES = ("registers", "scratch")
@@ -109,20 +110,29 @@ class BlockSizes:
   b1_block_k: int | None = None
   b1_warps: int | None = None
   # B1's kernel: "triton" (dilution_bwd, every dtype) or "mosaic" (dilution_mgpu: Hopper wgmma/TMA,
-  # 16-bit inputs, 64-row tiles; interpret-tested and lowered on CPU, not yet compiled on a GPU).
+  # 16-bit inputs, D 64 or 128, 64-row tiles).
   b1_impl: str = "triton"
-  # F2's kernel likewise: "triton" (dilution_fwd) or "mosaic" (dilution_mgpu_fwd; same status).
+  # F2's kernel likewise: "triton" (dilution_fwd) or "mosaic" (dilution_mgpu_fwd).
   f2_impl: str = "triton"
 
   @classmethod
-  def default(cls, head_dim: int) -> "BlockSizes":
-    """What `dilution_attention` runs without block_sizes. D <= 64: B1 with scratch carries, 128
-    keys and 8 warps (H200, jax 0.11.2, (2,12,16K,64) bf16 forward+backward: 74.6 ms against 78.3
-    with the plain fields, one run; BENCHMARKS.md). D = 128 keeps the plain fields: 128 keys
-    there would hold [128, 128] fp32 dk and dv per program, not measured."""
-    if head_dim <= 64:
-      return cls(b1_carries="scratch", b1_block_k=128, b1_warps=8)
-    return cls()
+  def default(cls, head_dim: int, dtype=None, *, hopper: bool = False) -> "BlockSizes":
+    """What `dilution_attention` runs without block_sizes; `hopper`: compiling for an sm_90 GPU.
+
+    Measured on the H200 (jax 0.11.2, bf16, one run each; BENCHMARKS.md):
+    - D = 64, (2,12,16K,64) forward+backward: Triton B1 with scratch carries, 128 keys and 8 warps
+      74.6 ms (78.3 with the plain fields); with the Mosaic B1 56.5 ms. The Mosaic F2 is slower
+      there (15.3 against 14.5 ms alone), so F2 stays Triton.
+    - D = 128, (1,16,8K,128): the Mosaic B1 is slower (43.3 against 26.9 ms end to end), the
+      Mosaic F2 faster (forward 3.94 against 5.76 ms). B1 keeps the plain Triton fields.
+    The Mosaic kernels take 16-bit inputs at D 64 or 128 only (`dilution_mgpu.supported`);
+    anything else, interpret mode and other GPUs get the Triton passes."""
+    mosaic = hopper and head_dim in (64, 128) and dtype is not None and jnp.dtype(dtype) in (
+        jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    if head_dim <= 64:   # the Triton B1 fields stay, so b1_impl="triton" alone restores them
+      return cls(b1_carries="scratch", b1_block_k=128, b1_warps=8,
+                 b1_impl="mosaic" if mosaic else "triton")
+    return cls(f2_impl="mosaic" if mosaic else "triton")
 
   def warps(self, D: int) -> int:
     return self.num_warps or (4 if D <= 64 else 8)
@@ -276,7 +286,8 @@ def dilution_attention(q, k, v, *, scale=None, eps=1e-9, segment_ids=None, block
 
   `scale` defaults to D**-0.5 (a Python float; static). `segment_ids` int32 [B, T] or None.
   """
-  bs = block_sizes or BlockSizes.default(q.shape[-1])
+  bs = block_sizes or BlockSizes.default(q.shape[-1], q.dtype,
+                                         hopper=not interpret and focal_flash.hopper())
   scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
   if _use_reference(interpret):
     return reference.dilution_attention(q, k, v, scale=scale, eps=eps,
