@@ -273,13 +273,17 @@ def candidates(adapter, base, caches, tokens_RQ, positions_RQ, theta: float, *,
 
 
 def local_logits(base, tokens_BT, cand_kv, theta: float, *, implementation: str = "xla",
-                 sequential_positions: bool = False, at_B=None):
+                 sequential_positions: bool = False, at_B=None, candidate_mass: bool = False):
   """The frozen decoder over the local window with the C candidates of each row (per layer (k
   before RoPE, v) [B, C, K, D], chunk order) prepended and visible to every token. Positions: local
   tokens 0..T-1, candidates at CANDIDATE_POSITION; with `sequential_positions`, candidates 0..C-1
   and local tokens C..C+T-1 (FocusConfig.candidate_positions, module docstring).
   Logits [B, T, V], or with `at_B` (int [B]) only row b's position at_B[b]: [B, V]. Training and
-  decoding read one position per row, and the [B·Q, T, V] head matmul would cost ~10% of a step."""
+  decoding read one position per row, and the [B·Q, T, V] head matmul would cost ~10% of a step.
+  `candidate_mass` (with `at_B`) also returns, per layer, the attention that position puts on each
+  candidate, head-averaged float32 [L, B, C]: a diagnostic of how the memory is read."""
+  if candidate_mass and at_B is None:
+    raise ValueError("focus.local_logits: candidate_mass needs at_B (the positions it reads)")
   B, T = tokens_BT.shape
   C = cand_kv[0][0].shape[1]
   if sequential_positions:
@@ -289,17 +293,22 @@ def local_logits(base, tokens_BT, cand_kv, theta: float, *, implementation: str 
   positions_BT = jnp.broadcast_to(local_T, (B, T))
   cand_BC = jnp.broadcast_to(cand_C, (B, C))
   x_BTE = base.embed[...][tokens_BT]
+  mass = []
   for block, (kc_BCKD, vc_BCKD) in zip(base.blocks, cand_kv):
     attn = block.attn
     q, k, v = attn._project(  # pylint: disable=protected-access
         block.attn_norm(x_BTE), positions_BT, theta)
     kc_BCKD = _rope(attn, kc_BCKD.astype(k.dtype), cand_BC, theta)
+    if candidate_mass:
+      q_BND = jnp.take_along_axis(q, jnp.asarray(at_B)[:, None, None, None], axis=1)[:, 0]
+      mass.append(focus_attention.candidate_mass(attn, q_BND, k, kc_BCKD, at_B).mean(axis=1))
     out = focus_attention.local(implementation, attn, q, k, v, kc_BCKD, vc_BCKD)
     x_BTE = x_BTE + jnp.einsum("BTND,NDE->BTE", out, attn.wo[...].astype(out.dtype))
     x_BTE = x_BTE + block.mlp(block.mlp_norm(x_BTE))
   if at_B is not None:
     x_BTE = jnp.take_along_axis(x_BTE, jnp.asarray(at_B)[:, None, None], axis=1)
-    return base._logits(x_BTE)[:, 0]  # pylint: disable=protected-access
+    logits_BV = base._logits(x_BTE)[:, 0]  # pylint: disable=protected-access
+    return (logits_BV, jnp.stack(mass)) if candidate_mass else logits_BV
   return base._logits(x_BTE)  # pylint: disable=protected-access
 
 

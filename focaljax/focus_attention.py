@@ -105,3 +105,9 @@ def local(implementation: str, attn, q_RTND, k_RTKD, v_RTKD, cand_k_RCKD, cand_v
   return IMPLEMENTATIONS[implementation].local(
       q_RTND, k_RTKD, v_RTKD, cand_k_RCKD.astype(k_RTKD.dtype), cand_v_RCKD.astype(v_RTKD.dtype),
       scale=_scale(attn))
+
+
+def candidate_mass(attn, q_RND, k_RTKD, cand_k_RCKD, at_R):
+  """float32 [R, N, C]: the local query at position at_R's attention on each candidate (XLA under
+  either implementation: a diagnostic of one position per row)."""
+  return condense.candidate_mass_reference(q_RND, k_RTKD, cand_k_RCKD, at_R, scale=_scale(attn))

@@ -168,10 +168,18 @@ def passkey(adapter, base, cfg: focus.FocusConfig, tokenizer, multipliers=DEFAUL
                             "needle_in_memory": 0 <= at and at + len(needle) <= L - T})
     for i in range(0, len(prompts), batch_size):
       batch = np.stack(prompts[i:i + batch_size])
-      out, top_BC = focus_generate.generate(adapter, base, batch[:, :L - T], batch[:, L - T:],
-                                            cfg, max_new_tokens=max_new, readout=True)
-      for trial, new, top_C in zip(row["trials"][i:i + batch_size], np.asarray(out)[:, T:],
-                                   np.asarray(top_BC)):
+      out, readout = focus_generate.generate(adapter, base, batch[:, :L - T], batch[:, L - T:],
+                                             cfg, max_new_tokens=max_new, readout=True)
+      mass_BLC = np.asarray(readout["candidate_mass"]).transpose(1, 0, 2)
+      for trial, new, top_C, mass_LC in zip(row["trials"][i:i + batch_size],
+                                            np.asarray(out)[:, T:],
+                                            np.asarray(readout["candidate_top"]), mass_BLC):
+        # Where the first answer token looks, per layer: all candidates, and the needle's.
+        trial["candidate_mass"] = [round(float(x), 5) for x in mass_LC.sum(-1)]
+        if trial["needle_in_memory"]:
+          needle_L = mass_LC[:, trial["needle_end"] // cfg.chunk_size]
+          trial["needle_mass"] = [round(float(x), 5) for x in needle_L]
+          trial["needle_share"] = float(needle_L.sum() / max(mass_LC.sum(), 1e-30))
         text = tokenizer.decode(new.tolist())
         match = re.match(r"\s*(\d+)", text)
         trial.update(output=text, correct=bool(match) and match.group(1) == str(trial["key"]),
@@ -204,6 +212,12 @@ def passkey(adapter, base, cfg: focus.FocusConfig, tokenizer, multipliers=DEFAUL
                                for r in rows],
           "candidate_readout": [_share([t["candidate_reads_key"] for t in r["trials"]
                                         if "candidate_reads_key" in t]) for r in rows],
+          # Layer-mean attention of the first answer token on all candidates, and the needle
+          # candidate's share of it (uniform would be 1 / chunks).
+          "candidate_mass": [_share([np.mean(t["candidate_mass"]) for t in r["trials"]
+                                     if "candidate_mass" in t]) for r in rows],
+          "needle_share": [_share([t["needle_share"] for t in r["trials"] if "needle_share" in t])
+                           for r in rows],
           "overall": float(np.mean(scored)) if scored else None, "rows": rows}
 
 
@@ -316,14 +330,15 @@ def format_suite(suite: str, r: dict) -> str:
     lines = [head, f"  base context {r['context']}, chunk {r['chunk_size']}, prompt "
              f"{r['prompt_len']}, {len(r['seeds'])} seeds, {r.get('filler', 'grass')} filler",
              "      x   length   memory  chunks  local   acc  in memory  digits"
-             "  candidate reads key"]
+             "  candidate reads key  cand mass  needle/cand"]
     none = [None] * len(r["rows"])
-    for row, a, am, dm, cr in zip(r["rows"], r["accuracy_by_length"],
-                                  r["accuracy_needle_in_memory"], r.get("digits_in_memory", none),
-                                  r.get("candidate_readout", none)):
+    for row, a, am, dm, cr, cm, ns in zip(
+        r["rows"], r["accuracy_by_length"], r["accuracy_needle_in_memory"],
+        r.get("digits_in_memory", none), r.get("candidate_readout", none),
+        r.get("candidate_mass", none), r.get("needle_share", none)):
       lines.append(f"  {row['multiplier']:>5} {row['length']:>8} {row['memory_len']:>8} "
                    f"{row['num_chunks']:>7} {row['local_len']:>6} {fmt(a)}     {fmt(am)} "
-                   f"{fmt(dm)}   {fmt(cr)}")
+                   f"{fmt(dm)}   {fmt(cr)}             {fmt(cm)}       {fmt(ns)}")
     lines += [f"  {row['multiplier']}x skipped: {row['skipped']}" for row in r["rows"]
               if "skipped" in row]
     lines.append(f"  overall {fmt(r['overall']).strip()}")

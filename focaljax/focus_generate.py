@@ -33,14 +33,17 @@ from focaljax import focus
 
 
 _STATIC = ("implementation", "sequential_positions")   # state entries that are not arrays
+_READOUT = ("candidate_top", "candidate_mass")          # prefill's diagnostics (not stepped)
 
 
-def _local_at(base, state, index, implementation, sequential_positions):
-  """Next-token logits float32 [B, V] read at buffer position `index` (a traced scalar)."""
+def _local_at(base, state, index, implementation, sequential_positions, candidate_mass=False):
+  """Next-token logits float32 [B, V] read at buffer position `index` (a traced scalar); with
+  `candidate_mass`, also that position's attention on each candidate, [L, B, C]."""
   return focus.local_logits(base, state["tokens"], state["kv"], base.cfg.rope_theta,
                             implementation=implementation,
                             sequential_positions=sequential_positions,
-                            at_B=jnp.full((state["tokens"].shape[0],), index))
+                            at_B=jnp.full((state["tokens"].shape[0],), index),
+                            candidate_mass=candidate_mass)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "max_new_tokens"))
@@ -62,8 +65,10 @@ def _prefill(graphdef, base_state, adapter, memory_BM, prompt_BT, cfg, max_new_t
   tokens_BL = jnp.zeros((B, T + max_new_tokens - 1), jnp.int32).at[:, :T].set(prompt_BT)
   state = {"tokens": tokens_BL, "length": jnp.int32(T), "caches": caches,
            "kv": [(k[:, :, 0], v[:, :, 0]) for k, v in kv], "candidate_pos": jnp.int32(n - 1)}
-  return state, _local_at(base, state, T - 1, cfg.implementation,
-                          cfg.sequential_positions), top_BC
+  # The first answer token's attention on the candidates: [L, B, C] beside a [B, T] local pass.
+  logits_BV, mass_LBC = _local_at(base, state, T - 1, cfg.implementation,
+                                  cfg.sequential_positions, candidate_mass=True)
+  return state, logits_BV, {"candidate_top": top_BC, "candidate_mass": mass_LBC}
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",) + _STATIC)
@@ -91,8 +96,10 @@ def _step(graphdef, base_state, adapter, state, token_B, implementation, sequent
 
 def prefill(adapter, base, memory_BM, prompt_BT, cfg: focus.FocusConfig, max_new_tokens: int):
   """(state, next-token logits float32 [B, V]); `state` feeds `step`. `state["tokens"][:, :
-  state["length"]]` are the tokens so far; `state["candidate_top"]` int32 [B, C] is each chunk's
-  candidate's own top next token (a diagnostic; `step` does not carry it)."""
+  state["length"]]` are the tokens so far. Two diagnostics that `step` does not carry:
+  `state["candidate_top"]` int32 [B, C], each chunk's candidate's own top next token, and
+  `state["candidate_mass"]` float32 [L, B, C], the attention the last prompt token (the one that
+  predicts the first new token) puts on each candidate per layer, averaged over heads."""
   if max_new_tokens < 1:
     raise ValueError(f"focus generate: max_new_tokens must be >= 1; got {max_new_tokens}")
   focus.check_base(base)
@@ -101,10 +108,10 @@ def prefill(adapter, base, memory_BM, prompt_BT, cfg: focus.FocusConfig, max_new
   focus.check_positions(base.cfg, cfg, T, cfg.prompt_tokens(T), extra=max_new_tokens - 1,
                         memory_len=memory_BM.shape[1])
   graphdef, base_state = nnx.split(base)
-  state, logits_BV, top_BC = _prefill(graphdef, base_state, adapter, memory_BM, prompt_BT, cfg,
-                                      max_new_tokens)
+  state, logits_BV, readout = _prefill(graphdef, base_state, adapter, memory_BM, prompt_BT, cfg,
+                                       max_new_tokens)
   return {**state, "implementation": cfg.implementation,
-          "sequential_positions": cfg.sequential_positions, "candidate_top": top_BC}, logits_BV
+          "sequential_positions": cfg.sequential_positions, **readout}, logits_BV
 
 
 def step(adapter, base, state, token_B):
@@ -115,7 +122,7 @@ def step(adapter, base, state, token_B):
     raise ValueError("focus generate: more steps than prefill's max_new_tokens - 1")
   graphdef, base_state = nnx.split(base)
   static = {k: state[k] for k in _STATIC}
-  arrays = {k: v for k, v in state.items() if k not in _STATIC + ("candidate_top",)}
+  arrays = {k: v for k, v in state.items() if k not in _STATIC + _READOUT}
   arrays, logits_BV = _step(graphdef, base_state, adapter, arrays, jnp.asarray(token_B, jnp.int32),
                             **static)
   return {**arrays, **static}, logits_BV
@@ -123,12 +130,12 @@ def step(adapter, base, state, token_B):
 
 def generate(adapter, base, memory_BM, prompt_BT, cfg: focus.FocusConfig, max_new_tokens: int,
              *, readout: bool = False):
-  """Greedy decoding: int32 [B, T + max_new_tokens]; with `readout`, also prefill's
-  `candidate_top` [B, C] (each chunk's own next-token guess)."""
+  """Greedy decoding: int32 [B, T + max_new_tokens]; with `readout`, also prefill's diagnostics
+  {"candidate_top": [B, C], "candidate_mass": [L, B, C]} (see `prefill`)."""
   state, logits_BV = prefill(adapter, base, memory_BM, prompt_BT, cfg, max_new_tokens)
-  top_BC = state["candidate_top"]
+  readout_ = {k: state[k] for k in _READOUT}
   for _ in range(max_new_tokens - 1):
     state, logits_BV = step(adapter, base, state, jnp.argmax(logits_BV, -1).astype(jnp.int32))
   last_B1 = jnp.argmax(logits_BV, -1)[:, None].astype(jnp.int32)
   tokens_BL = jnp.concatenate([state["tokens"], last_B1], axis=1)
-  return (tokens_BL, top_BC) if readout else tokens_BL
+  return (tokens_BL, readout_) if readout else tokens_BL

@@ -132,6 +132,22 @@ def local_attention_reference(q_RTND, k_RTKD, v_RTKD, cand_k_RCKD, cand_v_RCKD, 
                            jnp.concatenate([cand_v_RCKD, v_RTKD], 1), visible_RTS, scale)
 
 
+def candidate_mass_reference(q_RND, k_RTKD, cand_k_RCKD, at_R, *, scale):
+  """A diagnostic, not a kernel's spec: the probability that `local_attention`'s query at local
+  position at_R[r] (q_RND, already at that position) puts on each candidate, float32 [R, N, C];
+  the rest goes to the local keys s <= at_R[r]."""
+  R, N, D = q_RND.shape
+  T, K = k_RTKD.shape[1:3]
+  C = cand_k_RCKD.shape[1]
+  keys_RSKD = jnp.concatenate([cand_k_RCKD.astype(k_RTKD.dtype), k_RTKD], 1)
+  logits_RKGS = jnp.einsum("RKGD,RSKD->RKGS", q_RND.reshape(R, K, N // K, D), keys_RSKD,
+                           preferred_element_type=jnp.float32) * scale
+  visible_RS = jnp.concatenate([jnp.ones((R, C), bool),
+                                jnp.arange(T)[None, :] <= jnp.asarray(at_R)[:, None]], axis=1)
+  probs_RKGS = jax.nn.softmax(jnp.where(visible_RS[:, None, None], logits_RKGS, _MASKED), -1)
+  return probs_RKGS[..., :C].reshape(R, N, C)
+
+
 # ------------------------------------------------------------------------------------ checks
 
 

@@ -18,7 +18,9 @@ super-blocks before the first visible one stay zero (XLA zero-fills the buffer).
 
 On CPU pass interpret=True: N and S then get one slab per key block (TMA reductions are not
 interpreted), summed by XLA. Written in the thirteenth session with dilution_mgpu's B1;
-interpret-tested and lowered for CUDA on CPU, not yet compiled or timed on a GPU.
+interpret-tested on CPU, compiled and tested on the H200 (jax 0.11.2). Timed there: 15.3 ms against
+the Triton F2's 14.5 at (2,12,16K,64) bf16, but faster at D = 128 (forward 3.94 against 5.76 ms at
+(1,16,8K,128)), where `BlockSizes.default` picks it on sm_90.
 """
 
 from __future__ import annotations

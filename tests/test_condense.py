@@ -122,6 +122,23 @@ def test_local_matches_reference(kw):
 
 
 @pytest.mark.usefixtures("strict_ranks")
+def test_candidate_mass_is_the_local_attentions_weight_on_each_candidate():
+  """With candidate c's value the one-hot e_c and zero local values, local_attention's output at
+  position t is exactly the mass that t puts on each candidate."""
+  R, T, C, N, K, D = 2, 24, 5, 4, 2, 16
+  ks = jax.random.split(jax.random.PRNGKey(3), 3)
+  q = _normal(ks[0], (R, T, N, D), jnp.float32)
+  k = _normal(ks[1], (R, T, K, D), jnp.float32)
+  ck = _normal(ks[2], (R, C, K, D), jnp.float32)
+  cv = jnp.broadcast_to(jnp.eye(C, D)[None, :, None], (R, C, K, D))
+  out_RTND = condense.local_attention_reference(q, k, jnp.zeros_like(k), ck, cv, scale=0.3)
+  at = jnp.array([0, 17])
+  mass_RNC = condense.candidate_mass_reference(q[jnp.arange(R), at], k, ck, at, scale=0.3)
+  np.testing.assert_allclose(mass_RNC, out_RTND[jnp.arange(R), at][..., :C], rtol=1e-5,
+                             atol=1e-6)
+  assert mass_RNC.shape == (R, N, C) and float(mass_RNC.sum(-1).max()) <= 1 + 1e-6
+
+
 def test_lowers_to_triton():
   """Forward + backward of both kernels lower through Pallas' Triton backend for CUDA (no GPU
   needed; PTX is not compiled). The cache-gradient variant only appears when asked for."""

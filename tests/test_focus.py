@@ -223,12 +223,20 @@ def test_incremental_generation_equals_recomputation(layout):
   np.testing.assert_array_equal(out[:, :13], state["tokens"])
   assert out.shape == (2, 14) and out.dtype == jnp.int32
   # The readout: each chunk's candidate (prompt = the last 4 prompt tokens) through the LM head.
-  out2, top_BC = focus_generate.generate(adapter, base, memory, prompt, cfg, max_new_tokens=4,
-                                         readout=True)
+  out2, readout = focus_generate.generate(adapter, base, memory, prompt, cfg, max_new_tokens=4,
+                                          readout=True)
   np.testing.assert_array_equal(out2, out)
-  h_BCQE, _, _ = focus.condense(adapter, base, memory, prompt[:, -4:], 1, cfg)
+  h_BCQE, kv, _ = focus.condense(adapter, base, memory, prompt[:, -4:], 1, cfg)
+  top_BC = readout["candidate_top"]
   np.testing.assert_array_equal(top_BC, jnp.argmax(base._logits(h_BCQE[:, :, 0]), axis=-1))
   assert top_BC.shape == (2, 3)
+  # The attention diagnostic is local_logits' at the last prompt token, which predicts out[:, 10].
+  logits_BV, mass_LBC = focus.local_logits(
+      base, prompt, [(k[:, :, 0], v[:, :, 0]) for k, v in kv], base.cfg.rope_theta,
+      sequential_positions=cfg.sequential_positions, at_B=jnp.full((2,), 9), candidate_mass=True)
+  np.testing.assert_array_equal(jnp.argmax(logits_BV, -1), out[:, 10])
+  np.testing.assert_allclose(readout["candidate_mass"], mass_LBC, rtol=1e-5, atol=1e-6)
+  assert mass_LBC.shape == (len(base.blocks), 2, 3) and float(mass_LBC.min()) >= 0
 
 
 def test_sequential_candidates_read_as_a_preceding_context():

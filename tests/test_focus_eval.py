@@ -82,8 +82,11 @@ def test_passkey_feeds_the_official_prompt_and_scores_exact_keys(tiny, tok, monk
     new[0, :len(answer)] = answer
     out = jnp.asarray(np.concatenate([prompt_BT, new], 1))
     # Every chunk "guesses" the key's first token: the readout must score each needle trial 1.
-    top = np.full((1, memory_BM.shape[1] // cfg.chunk_size), answer[0], np.int32)
-    return (out, top) if readout else out
+    C = memory_BM.shape[1] // cfg.chunk_size
+    top = np.full((1, C), answer[0], np.int32)
+    # Two layers, each putting half its attention on the candidates, spread evenly.
+    mass = np.full((2, 1, C), 0.5 / C, np.float32)
+    return (out, {"candidate_top": top, "candidate_mass": mass}) if readout else out
 
   monkeypatch.setattr(focus_generate, "generate", oracle)
   r = focus_eval.passkey(adapter, base, cfg, tok, multipliers=(2, 3), seeds=8)
@@ -119,6 +122,16 @@ def test_passkey_feeds_the_official_prompt_and_scores_exact_keys(tiny, tok, monk
     assert share == (float(np.mean(flags)) if flags else None)
   assert any(share is not None for share in r["candidate_readout"])
   assert "candidate reads key" in focus_eval.format_suite("focus_passkey", r)
+  # The attention diagnostic: half the mass on the candidates; the needle's candidate holds its
+  # even share, 1 / chunks.
+  for row, mass, share in zip(r["rows"], r["candidate_mass"], r["needle_share"]):
+    assert mass == pytest.approx(0.5)
+    in_memory = [t for t in row["trials"] if t["needle_in_memory"]]
+    assert (share is None) == (not in_memory)
+    if in_memory:
+      assert share == pytest.approx(1 / row["num_chunks"])
+      assert in_memory[0]["needle_mass"] == [pytest.approx(0.5 / row["num_chunks"], abs=1e-5)] * 2
+  assert "needle/cand" in focus_eval.format_suite("focus_passkey", r)
   # "sequential": at 8x the 30 candidates + the 32-token window + the answer pass the 64-token
   # context; that length is skipped and says why, the 2x one still runs.
   seq = dataclasses.replace(cfg, candidate_positions="sequential")
@@ -139,6 +152,8 @@ def test_passkey_with_a_model_is_well_formed(tiny, tok):
              for t in row["trials"])
   assert 0 <= r["accuracy_by_length"][0] <= 1 and r["overall"] == r["accuracy_by_length"][0]
   assert r["candidate_readout"][0] is None or 0 <= r["candidate_readout"][0] <= 1
+  assert 0 <= r["candidate_mass"][0] <= 1
+  assert all(len(t["candidate_mass"]) == len(base.blocks) for t in row["trials"])
   assert "focus_passkey" in focus_eval.format_suite("focus_passkey", r)
   json.dumps(r)
   # Batched trials (eval.py --focus_passkey_batch) generate what one at a time does.
@@ -155,7 +170,9 @@ def test_passkey_filler_from_a_book(tiny, tok, monkeypatch):
   def record(adapter, base, memory_BM, local_BT, cfg, max_new_tokens, readout):
     seen.append(np.concatenate([memory_BM, local_BT], 1))
     out = jnp.zeros((memory_BM.shape[0], local_BT.shape[1] + max_new_tokens), jnp.int32)
-    return out, np.zeros((memory_BM.shape[0], memory_BM.shape[1] // cfg.chunk_size), np.int32)
+    B, C = memory_BM.shape[0], memory_BM.shape[1] // cfg.chunk_size
+    return out, {"candidate_top": np.zeros((B, C), np.int32),
+                 "candidate_mass": np.zeros((1, B, C), np.float32)}
   monkeypatch.setattr(focus_generate, "generate", record)
   r = focus_eval.passkey(adapter, base, cfg, tok, multipliers=(2,), seeds=2, filler_ids=book)
   assert r["filler"] == "text" and "text filler" in focus_eval.format_suite("focus_passkey", r)
