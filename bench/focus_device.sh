@@ -30,6 +30,8 @@
 # WINDOW: focus.drill_in_window, the share of drills whose needle sits in the local window (0).
 # PRECON: focus.p_reconstruction (the paper's 0.5); lower it to give the drills' answers more of the loss.
 # ANSWER_W: focus.answer_weight, how many times a drill answer's targets count in the loss (1).
+# CAND_BIAS: focus.candidate_bias, "none" (the paper) or "log_count" (candidates' logits - log C),
+# for the adapter (and the copy-initialised one); EVAL_CAND_BIAS overrides it in the eval stage.
 # ADAPTER: what the eval stage reads (default: the adapter run's latest adapter/<step>).
 # FILLER=books: passkey prompts filled with a held-out book instead of the official sentences.
 # CAND_POS: focus.candidate_positions for stages 1b and 2, default sequential (the official
@@ -104,9 +106,9 @@ if [ "${INIT_LIMIT:-0}" != 0 ]; then
 m = loaded.load(sys.argv[1])
 focus.save_adapter(sys.argv[2], focus.init_adapter(m.model), focus.FocusConfig(
     int(sys.argv[3]), prompt_len=int(sys.argv[4]), implementation=sys.argv[5],
-    candidate_positions=sys.argv[6]), sys.argv[1])" \
+    candidate_positions=sys.argv[6], candidate_bias=sys.argv[7]), sys.argv[1])" \
     "$BASE" "$ROOT/focus_init" "${CHUNKS%%,*}" "${PROMPT:-256}" "${FOCUS_IMPL:-pallas}" \
-    "${CAND_POS:-sequential}"
+    "${CAND_POS:-sequential}" "${CAND_BIAS:-none}"
   run_for "${INIT_LIMIT}" python3 eval.py --workdir "$BASE" --focus_adapter "$ROOT/focus_init" \
     --suites focus_passkey --focus_multipliers "${INIT_MULTS:-2,8}" --passkey_seeds "${SEEDS:-10}" \
     --focus_dtype "${DTYPE:-bfloat16}" --focus_local_len "${LOCAL:-512}" 2>&1 | quiet \
@@ -141,6 +143,7 @@ run_for "$FOCUS_RUN" python3 train.py --config configs/focus.py --workdir "$RUN"
   --config.train.compute_dtype="${DTYPE:-bfloat16}" \
   --config.focus.implementation="${FOCUS_IMPL:-pallas}" \
   --config.focus.candidate_positions="${CAND_POS:-sequential}" \
+  --config.focus.candidate_bias="${CAND_BIAS:-none}" \
   --config.focus.retrieval_mix="${FOCUS_MIX:-0.5}" 2>&1 | quiet > "$OUT/adapter.log"
 tail -n 4 "$OUT/adapter.log" 2>/dev/null
 
@@ -150,8 +153,8 @@ run_for "${EVAL_LIMIT:-130}" python3 eval.py --workdir "$BASE" --focus_adapter "
   --books $C/longeval.jsonl.xz --focus_dtype "${DTYPE:-bfloat16}" \
   --focus_multipliers "${MULTS:-2,8,32,100}" --passkey_seeds "${SEEDS:-10}" \
   --max_multiplier "${MAXMULT:-32}" --max_books "${MAXBOOKS:-8}" \
-  --focus_passkey_batch "${PK_BATCH:-1}" --focus_passkey_filler "${FILLER:-grass}" 2>&1 | quiet \
-  > "$OUT/eval_focus.log"
+  --focus_passkey_batch "${PK_BATCH:-1}" --focus_passkey_filler "${FILLER:-grass}" \
+  ${EVAL_CAND_BIAS:+--focus_candidate_bias=$EVAL_CAND_BIAS} 2>&1 | quiet > "$OUT/eval_focus.log"
 tail -n 12 "$OUT/eval_focus.log" 2>/dev/null
 run_for "${BASE_EVAL_LIMIT:-50}" python3 eval.py --workdir "$BASE" --suites longdoc \
   --books $C/longeval.jsonl.xz --max_multiplier "${MAXMULT:-32}" --max_books "${MAXBOOKS:-8}" \

@@ -41,6 +41,8 @@ def get_config(arg=None):
       candidate_positions="sequential",   # local-decoder RoPE layout: "sequential" (official:
                                           # candidates 0..C-1, window after) | "shared" (all at 0)
                                           # (focus.py; only "sequential" learned to read, FOCUSLLM.md)
+      candidate_bias="none",    # candidates' logit bias in the local decoder: "none" (the paper)
+                                # | "log_count" (-log C: C identical candidates weigh as one key)
       base_attention="xla",     # the frozen base's own attention: "xla" | "pallas", whatever it
                                 # was trained with (focus.with_attention: cuDNN wants 16-bit q/k/v)
   ))

@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 
 import jax
@@ -82,6 +83,11 @@ from focaljax import sharding
 
 CANDIDATE_POSITION = 0   # the RoPE position of every candidate key in the "shared" layout
 CANDIDATE_POSITIONS = ("shared", "sequential")   # FocusConfig.candidate_positions (module doc)
+# FocusConfig.candidate_bias: the logit bias of every candidate in the local decoder, by the number
+# of candidates C. "none" is the paper's. "log_count" (-log C) makes C identical candidates weigh
+# as one key, so their total weight does not grow with the memory's length (FOCUSLLM.md,
+# fourteenth session: failed adapters' answers broke down as C grew).
+CANDIDATE_BIASES = {"none": lambda C: 0.0, "log_count": lambda C: -math.log(C) if C > 1 else 0.0}
 _PROJ = ("wq", "wk", "wv", "wo")
 
 
@@ -92,6 +98,7 @@ class FocusConfig:
   sep_id: int | None = None         # token between chunk and prompt (the official code: BOS)
   implementation: str = "xla"       # candidate/local attention: "xla" | "pallas" (focus_attention)
   candidate_positions: str = "sequential"   # local-decoder layout: "sequential" | "shared" (module doc)
+  candidate_bias: str = "none"      # candidates' logit bias in the local decoder (CANDIDATE_BIASES)
 
   def __post_init__(self):
     if self.chunk_size < 1 or self.prompt_len < 1:
@@ -101,6 +108,9 @@ class FocusConfig:
     if self.candidate_positions not in CANDIDATE_POSITIONS:
       raise ValueError(f"FocusConfig.candidate_positions must be one of {CANDIDATE_POSITIONS}; "
                        f"got {self.candidate_positions!r}")
+    if self.candidate_bias not in CANDIDATE_BIASES:
+      raise ValueError(f"FocusConfig.candidate_bias must be one of {sorted(CANDIDATE_BIASES)}; "
+                       f"got {self.candidate_bias!r}")
 
   @property
   def sequential_positions(self) -> bool:
@@ -273,7 +283,8 @@ def candidates(adapter, base, caches, tokens_RQ, positions_RQ, theta: float, *,
 
 
 def local_logits(base, tokens_BT, cand_kv, theta: float, *, implementation: str = "xla",
-                 sequential_positions: bool = False, at_B=None, candidate_mass: bool = False):
+                 sequential_positions: bool = False, at_B=None, candidate_mass: bool = False,
+                 candidate_bias: str = "none"):
   """The frozen decoder over the local window with the C candidates of each row (per layer (k
   before RoPE, v) [B, C, K, D], chunk order) prepended and visible to every token. Positions: local
   tokens 0..T-1, candidates at CANDIDATE_POSITION; with `sequential_positions`, candidates 0..C-1
@@ -281,11 +292,13 @@ def local_logits(base, tokens_BT, cand_kv, theta: float, *, implementation: str 
   Logits [B, T, V], or with `at_B` (int [B]) only row b's position at_B[b]: [B, V]. Training and
   decoding read one position per row, and the [B·Q, T, V] head matmul would cost ~10% of a step.
   `candidate_mass` (with `at_B`) also returns, per layer, the attention that position puts on each
-  candidate, head-averaged float32 [L, B, C]: a diagnostic of how the memory is read."""
+  candidate, head-averaged float32 [L, B, C]: a diagnostic of how the memory is read.
+  `candidate_bias` names the candidates' logit bias (CANDIDATE_BIASES, by C)."""
   if candidate_mass and at_B is None:
     raise ValueError("focus.local_logits: candidate_mass needs at_B (the positions it reads)")
   B, T = tokens_BT.shape
   C = cand_kv[0][0].shape[1]
+  bias = CANDIDATE_BIASES[candidate_bias](C)
   if sequential_positions:
     cand_C, local_T = jnp.arange(C), C + jnp.arange(T)
   else:
@@ -301,8 +314,8 @@ def local_logits(base, tokens_BT, cand_kv, theta: float, *, implementation: str 
     kc_BCKD = _rope(attn, kc_BCKD.astype(k.dtype), cand_BC, theta)
     if candidate_mass:
       q_BND = jnp.take_along_axis(q, jnp.asarray(at_B)[:, None, None, None], axis=1)[:, 0]
-      mass.append(focus_attention.candidate_mass(attn, q_BND, k, kc_BCKD, at_B).mean(axis=1))
-    out = focus_attention.local(implementation, attn, q, k, v, kc_BCKD, vc_BCKD)
+      mass.append(focus_attention.candidate_mass(attn, q_BND, k, kc_BCKD, at_B, bias).mean(axis=1))
+    out = focus_attention.local(implementation, attn, q, k, v, kc_BCKD, vc_BCKD, bias)
     x_BTE = x_BTE + jnp.einsum("BTND,NDE->BTE", out, attn.wo[...].astype(out.dtype))
     x_BTE = x_BTE + block.mlp(block.mlp_norm(x_BTE))
   if at_B is not None:
@@ -377,7 +390,8 @@ def logits(adapter, base, memory_BM, local_BT, cfg: FocusConfig):
     _, kv, _ = condense(adapter, base, memory_BM, local_BT[:, T - P:], 1, cfg)
   return local_logits(base, local_BT, [(k[:, :, 0], v[:, :, 0]) for k, v in kv],
                       base.cfg.rope_theta, implementation=cfg.implementation,
-                      sequential_positions=cfg.sequential_positions)
+                      sequential_positions=cfg.sequential_positions,
+                      candidate_bias=cfg.candidate_bias)
 
 
 def target_nll(adapter, base, memory_BM, tokens_BT, cfg: FocusConfig, num_targets: int):
@@ -403,6 +417,7 @@ def target_nll(adapter, base, memory_BM, tokens_BT, cfg: FocusConfig, num_target
                        [(rows(k), rows(v)) for k, v in kv], base.cfg.rope_theta,
                        implementation=cfg.implementation,
                        sequential_positions=cfg.sequential_positions,
+                       candidate_bias=cfg.candidate_bias,
                        at_B=jnp.tile(first + jnp.arange(Q), B)).reshape(B, Q, -1)
   target_BQ = tokens_BT[:, first + 1:]
   picked = jnp.take_along_axis(at_RV, target_BQ[..., None], axis=-1)[..., 0]

@@ -35,13 +35,13 @@ def _rows_local(kernel):
   every device. Every operand is row-major [R, ...]; rows not divisible by the devices that split
   them (or no mesh) run the kernel as is."""
   @functools.wraps(kernel)
-  def wrapped(*args, scale):
+  def wrapped(*args, **static):
     mesh = jax.sharding.get_abstract_mesh()
     axes = None if mesh.empty else sharding.dividing_axes(mesh, "batch", args[0].shape[0])
     if axes is None:
-      return kernel(*args, scale=scale)
+      return kernel(*args, **static)
     specs = tuple(P(axes, *([None] * (a.ndim - 1))) for a in args)
-    return jax.shard_map(functools.partial(kernel, scale=scale), in_specs=specs,
+    return jax.shard_map(functools.partial(kernel, **static), in_specs=specs,
                          out_specs=P(axes), check_vma=False)(*args)
   return wrapped
 
@@ -52,13 +52,14 @@ def _candidate_pallas(q, k, v, visible_len, self_k, self_v, *, scale):
                                       interpret=_interpret())
 
 
-def _local_xla(q, k, v, cand_k, cand_v, *, scale):
-  return condense.local_attention_reference(q, k, v, cand_k, cand_v, scale=scale)
+def _local_xla(q, k, v, cand_k, cand_v, *, scale, cand_bias):
+  return condense.local_attention_reference(q, k, v, cand_k, cand_v, scale=scale,
+                                            cand_bias=cand_bias)
 
 
 @_rows_local
-def _local_pallas(q, k, v, cand_k, cand_v, *, scale):
-  return condense.local_attention(q, k, v, cand_k, cand_v, scale=scale,
+def _local_pallas(q, k, v, cand_k, cand_v, *, scale, cand_bias):
+  return condense.local_attention(q, k, v, cand_k, cand_v, scale=scale, cand_bias=cand_bias,
                                   interpret=_interpret())
 
 
@@ -100,14 +101,16 @@ def candidates(implementation: str, attn, q_RQND, cache_k_RSKD, cache_v_RSKD, k_
       positions_RQ, k_RQKD, v_RQKD, scale=_scale(attn))
 
 
-def local(implementation: str, attn, q_RTND, k_RTKD, v_RTKD, cand_k_RCKD, cand_v_RCKD):
-  """Local token t sees every candidate and the local tokens s <= t."""
+def local(implementation: str, attn, q_RTND, k_RTKD, v_RTKD, cand_k_RCKD, cand_v_RCKD,
+          cand_bias: float = 0.0):
+  """Local token t sees every candidate (its logit + cand_bias) and the local tokens s <= t."""
   return IMPLEMENTATIONS[implementation].local(
       q_RTND, k_RTKD, v_RTKD, cand_k_RCKD.astype(k_RTKD.dtype), cand_v_RCKD.astype(v_RTKD.dtype),
-      scale=_scale(attn))
+      scale=_scale(attn), cand_bias=cand_bias)
 
 
-def candidate_mass(attn, q_RND, k_RTKD, cand_k_RCKD, at_R):
+def candidate_mass(attn, q_RND, k_RTKD, cand_k_RCKD, at_R, cand_bias: float = 0.0):
   """float32 [R, N, C]: the local query at position at_R's attention on each candidate (XLA under
   either implementation: a diagnostic of one position per row)."""
-  return condense.candidate_mass_reference(q_RND, k_RTKD, cand_k_RCKD, at_R, scale=_scale(attn))
+  return condense.candidate_mass_reference(q_RND, k_RTKD, cand_k_RCKD, at_R, scale=_scale(attn),
+                                           cand_bias=cand_bias)

@@ -359,7 +359,8 @@ def format_suite(suite: str, r: dict) -> str:
 def run(base_path: str, adapter_path: str, *, suites=FOCUS_SUITES, books: str | None = None,
         max_multiplier: int = 32, max_books: int = 8, multipliers=DEFAULT_MULTIPLIERS,
         seeds: int = 10, local_len: int | None = None, chunk_size: int | None = None,
-        implementation: str | None = None, dtype: str = "float32", base_attention: str = "xla",
+        implementation: str | None = None, candidate_bias: str | None = None,
+        dtype: str = "float32", base_attention: str = "xla",
         passkey_batch: int = 1, passkey_filler: str = "grass", out_dir: str | None = None,
         log=print) -> dict:
   """eval.py's FocusLLM suites: loads the base (`base_path`, a workdir or checkpoints/<step>) and
@@ -368,6 +369,7 @@ def run(base_path: str, adapter_path: str, *, suites=FOCUS_SUITES, books: str | 
   `local_len` defaults to the focus run's config focus.local_len, else context // 2. `dtype`
   casts base and adapter once (bfloat16: faster on GPU; the chunk caches follow it).
   `base_attention` replaces the base's attention implementation (focus.with_attention says why).
+  `candidate_bias` overrides the adapter's (FocusConfig.candidate_bias; a diagnostic).
   `passkey_batch` trials share one generate call (passkey's batch_size). `passkey_filler`
   "books" fills the passkey prompts with the first of `books` instead of the official filler."""
   unknown = set(suites) - set(FOCUS_SUITES)
@@ -383,7 +385,8 @@ def run(base_path: str, adapter_path: str, *, suites=FOCUS_SUITES, books: str | 
   graphdef, state = nnx.split(focus.with_attention(m.model, base_attention))
   base, adapter = nnx.merge(graphdef, cast(state, dtype)), cast(adapter, dtype)
   cfg = dataclasses.replace(cfg, chunk_size=chunk_size or cfg.chunk_size,
-                            implementation=implementation or cfg.implementation)
+                            implementation=implementation or cfg.implementation,
+                            candidate_bias=candidate_bias or cfg.candidate_bias)
   if local_len is None and os.path.isfile(os.path.join(run_dir, checkpoint.CONFIG_FILE)):
     # Evaluate with the window the adapter was trained on (focus.local_len of its run).
     local_len = checkpoint.read_config(run_dir).get("focus", {}).get("local_len")

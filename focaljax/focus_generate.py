@@ -32,18 +32,19 @@ from flax import nnx
 from focaljax import focus
 
 
-_STATIC = ("implementation", "sequential_positions")   # state entries that are not arrays
+_STATIC = ("implementation", "sequential_positions", "candidate_bias")   # not arrays
 _READOUT = ("candidate_top", "candidate_mass")          # prefill's diagnostics (not stepped)
 
 
-def _local_at(base, state, index, implementation, sequential_positions, candidate_mass=False):
+def _local_at(base, state, index, implementation, sequential_positions, candidate_bias,
+              candidate_mass=False):
   """Next-token logits float32 [B, V] read at buffer position `index` (a traced scalar); with
   `candidate_mass`, also that position's attention on each candidate, [L, B, C]."""
   return focus.local_logits(base, state["tokens"], state["kv"], base.cfg.rope_theta,
                             implementation=implementation,
                             sequential_positions=sequential_positions,
                             at_B=jnp.full((state["tokens"].shape[0],), index),
-                            candidate_mass=candidate_mass)
+                            candidate_mass=candidate_mass, candidate_bias=candidate_bias)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "max_new_tokens"))
@@ -67,12 +68,14 @@ def _prefill(graphdef, base_state, adapter, memory_BM, prompt_BT, cfg, max_new_t
            "kv": [(k[:, :, 0], v[:, :, 0]) for k, v in kv], "candidate_pos": jnp.int32(n - 1)}
   # The first answer token's attention on the candidates: [L, B, C] beside a [B, T] local pass.
   logits_BV, mass_LBC = _local_at(base, state, T - 1, cfg.implementation,
-                                  cfg.sequential_positions, candidate_mass=True)
+                                  cfg.sequential_positions, cfg.candidate_bias,
+                                  candidate_mass=True)
   return state, logits_BV, {"candidate_top": top_BC, "candidate_mass": mass_LBC}
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",) + _STATIC)
-def _step(graphdef, base_state, adapter, state, token_B, implementation, sequential_positions):
+def _step(graphdef, base_state, adapter, state, token_B, implementation, sequential_positions,
+          candidate_bias):
   base = nnx.merge(graphdef, base_state)
   theta = base.cfg.rope_theta
   length, pos, caches = state["length"], state["candidate_pos"], state["caches"]
@@ -91,7 +94,8 @@ def _step(graphdef, base_state, adapter, state, token_B, implementation, sequent
           for k, v in kv_R]
   state = {"tokens": tokens_BL, "length": length + 1, "caches": caches, "kv": kv,
            "candidate_pos": pos}
-  return state, _local_at(base, state, length, implementation, sequential_positions)
+  return state, _local_at(base, state, length, implementation, sequential_positions,
+                          candidate_bias)
 
 
 def prefill(adapter, base, memory_BM, prompt_BT, cfg: focus.FocusConfig, max_new_tokens: int):
@@ -111,7 +115,8 @@ def prefill(adapter, base, memory_BM, prompt_BT, cfg: focus.FocusConfig, max_new
   state, logits_BV, readout = _prefill(graphdef, base_state, adapter, memory_BM, prompt_BT, cfg,
                                        max_new_tokens)
   return {**state, "implementation": cfg.implementation,
-          "sequential_positions": cfg.sequential_positions, **readout}, logits_BV
+          "sequential_positions": cfg.sequential_positions,
+          "candidate_bias": cfg.candidate_bias, **readout}, logits_BV
 
 
 def step(adapter, base, state, token_B):

@@ -66,6 +66,8 @@ def validate(config, context: int) -> None:
   if f.candidate_positions not in focus.CANDIDATE_POSITIONS:
     _fail("candidate_positions", f"{f.candidate_positions!r} must be one of "
           f"{focus.CANDIDATE_POSITIONS}")
+  if f.candidate_bias not in focus.CANDIDATE_BIASES:
+    _fail("candidate_bias", f"{f.candidate_bias!r} must be one of {sorted(focus.CANDIDATE_BIASES)}")
   sizes = focus_samples.chunk_sizes(config)
   for name in ("prompt_len", "doc_min_tokens"):
     if f[name] < 1:
@@ -127,7 +129,8 @@ def focus_config(config, chunk: int) -> focus.FocusConfig:
   """The FocusConfig of config.focus for one chunk size (the train step's and the saved one)."""
   f = config.focus
   return focus.FocusConfig(chunk, prompt_len=f.prompt_len, implementation=f.implementation,
-                           candidate_positions=f.candidate_positions)
+                           candidate_positions=f.candidate_positions,
+                           candidate_bias=f.candidate_bias)
 
 
 def _in_answer(Q: int, key_at_B):

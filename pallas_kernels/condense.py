@@ -15,11 +15,13 @@ candidate_attention  out[r, q] = softmax(scale·q·kᵀ) v over cached keys s < 
   XLA). It writes dk/dv of the cache only when the cache is differentiated (`custom_vjp` with
   symbolic zeros); FocusLLM training closes over the frozen cache and skips them. The self term's
   gradients are XLA.
-local_attention  out[r, t] = softmax over [every candidate c < C | local keys s <= t].
+local_attention  out[r, t] = softmax over [every candidate c < C | local keys s <= t], with an
+  optional constant `cand_bias` on every candidate's logit (FocusConfig.candidate_bias).
   FlashAttention-2 (arXiv 2307.08691 §3.1). Grid (T / block_q, R, N): one program visits the
   candidate blocks unmasked, then the causal local blocks, carrying acc [block_q, D] and m, l;
   it saves lse [R, N, T] f32. Backward (§3.2): a dq pass with the same two loops, and
-  focal_flash's dk/dv kernel run once causal over the local keys and once over the candidates.
+  focal_flash's dk/dv kernel run once causal over the local keys and once over the candidates
+  (which reads the candidates' bias folded into the lse).
   A pass whose inputs need no gradient is skipped.
 Memory: residuals are the inputs, out and lse; no [T, S] matrix is ever formed.
 
@@ -89,19 +91,22 @@ class _Static:
   blocks: BlockSizes
   interpret: bool
   n_cand: int = 0      # local: real candidates (C before padding)
+  cand_bias: float = 0.0   # local: added to every candidate's logit (natural log units)
 
 
 # --------------------------------------------------------------------------------- references
 
 
-def _attend_reference(q_RTND, k_RSKD, v_RSKD, visible_RTS, scale):
-  """softmax(scale·q·kᵀ) v over an explicit visibility: float32 logits and probabilities, cast
-  back to q's dtype; rows with no visible key give 0."""
+def _attend_reference(q_RTND, k_RSKD, v_RSKD, visible_RTS, scale, bias_S=None):
+  """softmax(scale·q·kᵀ + bias) v over an explicit visibility: float32 logits and probabilities,
+  cast back to q's dtype; rows with no visible key give 0. bias_S: float32 [S] per key or None."""
   R, T, N, D = q_RTND.shape
   K = k_RSKD.shape[2]
   q_RTKGD = q_RTND.reshape(R, T, K, N // K, D)
   logits_RKGTS = jnp.einsum("RTKGD,RSKD->RKGTS", q_RTKGD, k_RSKD,
                             preferred_element_type=jnp.float32) * scale
+  if bias_S is not None:
+    logits_RKGTS = logits_RKGTS + bias_S[None, None, None, None]
   logits_RKGTS = jnp.where(visible_RTS[:, None, None], logits_RKGTS, _MASKED)
   probs_RKGTS = jax.nn.softmax(logits_RKGTS, axis=-1)
   out_RTKGD = jnp.einsum("RKGTS,RSKD->RTKGD", probs_RKGTS, v_RSKD.astype(jnp.float32))
@@ -122,17 +127,27 @@ def candidate_attention_reference(q_RQND, k_RSKD, v_RSKD, visible_len_RQ, self_k
   return _attend_reference(q_RQND, k_RSKD, v_RSKD, visible_RQS, scale)
 
 
-def local_attention_reference(q_RTND, k_RTKD, v_RTKD, cand_k_RCKD, cand_v_RCKD, *, scale):
-  """The spec of `local_attention`: [candidates (all visible) | causal local tokens]."""
+def _cand_bias_S(C: int, T: int, cand_bias: float):
+  """Per-key logit bias [C + T]: `cand_bias` on the candidates, 0 on the local keys (or None)."""
+  if not cand_bias:
+    return None
+  return jnp.concatenate([jnp.full((C,), cand_bias, jnp.float32), jnp.zeros((T,), jnp.float32)])
+
+
+def local_attention_reference(q_RTND, k_RTKD, v_RTKD, cand_k_RCKD, cand_v_RCKD, *, scale,
+                              cand_bias: float = 0.0):
+  """The spec of `local_attention`: [candidates (all visible) | causal local tokens], with
+  `cand_bias` added to every candidate's logit."""
   R, T = q_RTND.shape[:2]
   C = cand_k_RCKD.shape[1]
   visible_RTS = jnp.broadcast_to(jnp.concatenate(
       [jnp.ones((T, C), bool), jnp.tril(jnp.ones((T, T), bool))], axis=1), (R, T, C + T))
   return _attend_reference(q_RTND, jnp.concatenate([cand_k_RCKD, k_RTKD], 1),
-                           jnp.concatenate([cand_v_RCKD, v_RTKD], 1), visible_RTS, scale)
+                           jnp.concatenate([cand_v_RCKD, v_RTKD], 1), visible_RTS, scale,
+                           _cand_bias_S(C, T, cand_bias))
 
 
-def candidate_mass_reference(q_RND, k_RTKD, cand_k_RCKD, at_R, *, scale):
+def candidate_mass_reference(q_RND, k_RTKD, cand_k_RCKD, at_R, *, scale, cand_bias: float = 0.0):
   """A diagnostic, not a kernel's spec: the probability that `local_attention`'s query at local
   position at_R[r] (q_RND, already at that position) puts on each candidate, float32 [R, N, C];
   the rest goes to the local keys s <= at_R[r]."""
@@ -142,6 +157,9 @@ def candidate_mass_reference(q_RND, k_RTKD, cand_k_RCKD, at_R, *, scale):
   keys_RSKD = jnp.concatenate([cand_k_RCKD.astype(k_RTKD.dtype), k_RTKD], 1)
   logits_RKGS = jnp.einsum("RKGD,RSKD->RKGS", q_RND.reshape(R, K, N // K, D), keys_RSKD,
                            preferred_element_type=jnp.float32) * scale
+  bias_S = _cand_bias_S(C, T, cand_bias)
+  if bias_S is not None:
+    logits_RKGS = logits_RKGS + bias_S[None, None, None]
   visible_RS = jnp.concatenate([jnp.ones((R, C), bool),
                                 jnp.arange(T)[None, :] <= jnp.asarray(at_R)[:, None]], axis=1)
   probs_RKGS = jax.nn.softmax(jnp.where(visible_RS[:, None, None], logits_RKGS, _MASKED), -1)
@@ -328,9 +346,11 @@ _candidate.defvjp(_candidate_fwd, _candidate_bwd, symbolic_zeros=True)
 
 
 def local_attention(q_RTND, k_RTKD, v_RTKD, cand_k_RCKD, cand_v_RCKD, *, scale: float,
-                    interpret: bool = False, block_sizes: BlockSizes | None = None):
+                    cand_bias: float = 0.0, interpret: bool = False,
+                    block_sizes: BlockSizes | None = None):
   """Every local token t attends to all C candidates and to local tokens s <= t (module
-  docstring); C may be 0. Returns [R, T, N, D] in q.dtype; differentiable in all five inputs."""
+  docstring); C may be 0. `cand_bias` (a Python float, natural log units) is added to every
+  candidate's logit. Returns [R, T, N, D] in q.dtype; differentiable in all five inputs."""
   _check(q_RTND, {"k_RTKD": k_RTKD, "v_RTKD": v_RTKD, "cand_k_RCKD": cand_k_RCKD,
                   "cand_v_RCKD": cand_v_RCKD})
   if k_RTKD.shape != v_RTKD.shape or k_RTKD.shape[1] != q_RTND.shape[1]:
@@ -340,7 +360,8 @@ def local_attention(q_RTND, k_RTKD, v_RTKD, cand_k_RCKD, cand_v_RCKD, *, scale: 
     raise ValueError(f"cand_k_RCKD {cand_k_RCKD.shape} and cand_v_RCKD {cand_v_RCKD.shape} must "
                      f"be [R, C, K={k_RTKD.shape[2]}, D]")
   _check_backend(interpret)
-  st = _Static(float(scale), block_sizes or BlockSizes(), interpret, cand_k_RCKD.shape[1])
+  st = _Static(float(scale), block_sizes or BlockSizes(), interpret, cand_k_RCKD.shape[1],
+               float(cand_bias))
   return _local_jit(q_RTND, k_RTKD, v_RTKD, cand_k_RCKD, cand_v_RCKD, st=st)
 
 
@@ -355,13 +376,15 @@ def _local_jit(q, k, v, ck, cv, *, st: _Static):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _local(q, k, v, ck, cv, st: _Static):
-  return kern.local_fwd(q, k, v, ck, cv, scale=st.scale, n_cand=st.n_cand, bs=st.blocks,
+  return kern.local_fwd(q, k, v, ck, cv, scale=st.scale, n_cand=st.n_cand,
+                        cand_b2=st.cand_bias * ff.LOG2E, bs=st.blocks,
                         interpret=st.interpret)[0]
 
 
 def _local_fwd(q, k, v, ck, cv, st: _Static):
   (q, pq), (k, pk), (v, pv), (ck, pck), (cv, pcv) = map(_unwrap, (q, k, v, ck, cv))
-  out, lse_RNT = kern.local_fwd(q, k, v, ck, cv, scale=st.scale, n_cand=st.n_cand, bs=st.blocks,
+  out, lse_RNT = kern.local_fwd(q, k, v, ck, cv, scale=st.scale, n_cand=st.n_cand,
+                                cand_b2=st.cand_bias * ff.LOG2E, bs=st.blocks,
                                 interpret=st.interpret)
   return out, (q, k, v, ck, cv, out, lse_RNT, _flags(pq, pk or pv, pck or pcv))
 
@@ -377,15 +400,16 @@ def _local_bwd(st: _Static, res, do):
   dq = dk = dv = dck = dcv = None
   if need_q:
     dq = kern.local_dq(q, k, v, ck, cv, lse_RNT, delta_RNT, do, scale=st.scale,
-                       n_cand=st.n_cand, **kw)
+                       n_cand=st.n_cand, cand_b2=st.cand_bias * ff.LOG2E, **kw)
   s_RNT = jnp.full(lse_RNT.shape, st.scale, jnp.float32)   # focal_flash's per-row scale
   if need_kv:
     dk, dv = kern.local_dkv(q, k, v, s_RNT, lse_RNT, delta_RNT, do, causal=True,
                             name="condense_local_dkv", **kw)
   if need_c and ck is not None:
     # Padded candidates (zeros past C) get gradients too; the slice in _local_jit drops them.
-    dck, dcv = kern.local_dkv(q, ck, cv, s_RNT, lse_RNT, delta_RNT, do, causal=False,
-                              name="condense_local_dkv_cand", **kw)
+    # The candidates' bias b folds into the lse: exp2(x + b - lse) = exp2(x - (lse - b)).
+    dck, dcv = kern.local_dkv(q, ck, cv, s_RNT, lse_RNT - st.cand_bias * ff.LOG2E, delta_RNT, do,
+                              causal=False, name="condense_local_dkv_cand", **kw)
   return dq, dk, dv, dck, dcv
 
 

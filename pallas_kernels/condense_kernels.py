@@ -166,7 +166,8 @@ def candidate_bwd(q_RKMD, k_RSKD, v_RSKD, len_RM, lse_RKM, delta_RKM, do_RKMD, *
 
 
 def _cand_loop(step, carry, ck_ref, cv_ref, block_c, n_cand):
-  """Visits every candidate block; only the zero padding past n_cand is masked."""
+  """Visits every candidate block; only the zero padding past n_cand is masked. `step` gets
+  cand=True (it adds the candidates' logit bias)."""
   if ck_ref is None:
     return carry
   pad = ck_ref.shape[0] != n_cand
@@ -174,7 +175,7 @@ def _cand_loop(step, carry, ck_ref, cv_ref, block_c, n_cand):
   def body(j, carry):
     keys = pl.ds(j * block_c, block_c)
     vis = (j * block_c + jnp.arange(block_c, dtype=jnp.int32))[None, :] < n_cand if pad else None
-    return step(carry, ck_ref[keys, :], cv_ref[keys, :], vis)
+    return step(carry, ck_ref[keys, :], cv_ref[keys, :], vis, cand=True)
 
   return lax.fori_loop(0, ck_ref.shape[0] // block_c, body, carry)
 
@@ -192,13 +193,15 @@ def _local_loop(step, carry, k_ref, v_ref, i, block_q, block_k):
                       masked_first=False)
 
 
-def _local_fwd_kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, o_ref, lse_ref, *, c2, block_q,
-                      block_k, block_c, n_cand, n_q):
+def _local_fwd_kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, o_ref, lse_ref, *, c2, cand_b2,
+                      block_q, block_k, block_c, n_cand, n_q):
   i = ff.q_block(pl.program_id(0), n_q, True)
   q_QD = q_ref[...]
 
-  def step(carry, k_KD, v_KD, vis):
+  def step(carry, k_KD, v_KD, vis, cand=False):
     x_QK = ff.dot(q_QD, k_KD, 1, 1) * c2
+    if cand and cand_b2:
+      x_QK = x_QK + cand_b2
     return _online(carry, x_QK if vis is None else jnp.where(vis, x_QK, -jnp.inf), v_KD)
 
   carry = _cand_loop(step, _init(*q_QD.shape), ck_ref, cv_ref, block_c, n_cand)
@@ -209,13 +212,15 @@ def _local_fwd_kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, o_ref, lse_ref, *, c2
 
 
 def _local_dq_kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, lse_ref, delta_ref, do_ref, dq_ref, *,
-                     c2, scale, block_q, block_k, block_c, n_cand, n_q):
+                     c2, cand_b2, scale, block_q, block_k, block_c, n_cand, n_q):
   i = ff.q_block(pl.program_id(0), n_q, True)
   q_QD, do_QD = q_ref[...], do_ref[...]
   lse_Q, delta_Q = lse_ref[...], delta_ref[...]
 
-  def step(dq_QD, k_KD, v_KD, vis):
+  def step(dq_QD, k_KD, v_KD, vis, cand=False):
     x_QK = ff.dot(q_QD, k_KD, 1, 1) * c2
+    if cand and cand_b2:
+      x_QK = x_QK + cand_b2
     p_QK = jnp.exp2((x_QK if vis is None else jnp.where(vis, x_QK, -jnp.inf)) - lse_Q[:, None])
     ds_QK = p_QK * (ff.dot(do_QD, v_KD, 1, 1) - delta_Q[:, None])
     return dq_QD + ff.dot(ds_QK.astype(k_KD.dtype), k_KD, 1, 0)
@@ -234,14 +239,16 @@ def _local_specs(T, Cp, D, G, bq, n_q):
   return tile_q, row_tile, full_kv, full_c
 
 
-def local_fwd(q, k, v, ck, cv, *, scale, n_cand, bs, interpret):
-  """(out [R, T, N, D] q.dtype, lse [R, N, T] f32 base 2); ck/cv [R, Cp, K, D] or None."""
+def local_fwd(q, k, v, ck, cv, *, scale, n_cand, bs, interpret, cand_b2=0.0):
+  """(out [R, T, N, D] q.dtype, lse [R, N, T] f32 base 2); ck/cv [R, Cp, K, D] or None; cand_b2:
+  the candidates' logit bias in base-2 units."""
   R, T, N, D = q.shape
   Cp = 0 if ck is None else ck.shape[1]
   bq, bk = bs.fit("block_q", T), bs.fit("block_kv", T)
   n_q = T // bq
   tile_q, row_tile, full_kv, full_c = _local_specs(T, Cp, D, N // k.shape[2], bq, n_q)
-  kernel = functools.partial(_local_fwd_kernel, c2=scale * ff.LOG2E, block_q=bq, block_k=bk,
+  kernel = functools.partial(_local_fwd_kernel, c2=scale * ff.LOG2E, cand_b2=cand_b2,
+                             block_q=bq, block_k=bk,
                              block_c=bs.fit("block_kv", Cp) if Cp else 0, n_cand=n_cand, n_q=n_q)
   return pl.pallas_call(
       kernel, grid=(n_q, R, N), in_specs=[tile_q, full_kv, full_kv, full_c, full_c],
@@ -252,13 +259,15 @@ def local_fwd(q, k, v, ck, cv, *, scale, n_cand, bs, interpret):
       interpret=interpret, name="condense_local_fwd")(q, k, v, ck, cv)
 
 
-def local_dq(q, k, v, ck, cv, lse_RNT, delta_RNT, do, *, scale, n_cand, bs, interpret):
+def local_dq(q, k, v, ck, cv, lse_RNT, delta_RNT, do, *, scale, n_cand, bs, interpret,
+             cand_b2=0.0):
   R, T, N, D = q.shape
   Cp = 0 if ck is None else ck.shape[1]
   bq, bk = bs.fit("block_q_dq", T), bs.fit("block_kv_dq", T)
   n_q = T // bq
   tile_q, row_tile, full_kv, full_c = _local_specs(T, Cp, D, N // k.shape[2], bq, n_q)
-  kernel = functools.partial(_local_dq_kernel, c2=scale * ff.LOG2E, scale=scale, block_q=bq,
+  kernel = functools.partial(_local_dq_kernel, c2=scale * ff.LOG2E, cand_b2=cand_b2,
+                             scale=scale, block_q=bq,
                              block_k=bk, block_c=bs.fit("block_kv_dq", Cp) if Cp else 0,
                              n_cand=n_cand, n_q=n_q)
   return pl.pallas_call(

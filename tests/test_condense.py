@@ -89,15 +89,15 @@ def _compare_candidate(seed, *, R, Q, S, N, K, D=16, dtype=jnp.float32, self_kv=
 
 
 def _compare_local(seed, *, R, T, C, N, K, D=16, dtype=jnp.float32, wrt=(0, 1, 2, 3, 4),
-                   blocks=SMALL, interpret=True):
+                   blocks=SMALL, interpret=True, cand_bias=0.0):
   ks = jax.random.split(jax.random.key(seed), 6)
   q = _normal(ks[0], (R, T, N, D), dtype)
   k, v = _normal(ks[1], (R, T, K, D), dtype), _normal(ks[2], (R, T, K, D), dtype)
   ck, cv = _normal(ks[3], (R, C, K, D), dtype), _normal(ks[4], (R, C, K, D), dtype)
   do = _normal(ks[5], (R, T, N, D), dtype)
-  kernel = lambda *a: condense.local_attention(*a, scale=0.3, interpret=interpret,
-                                               block_sizes=blocks)
-  spec = lambda *a: condense.local_attention_reference(*a, scale=0.3)
+  kernel = lambda *a: condense.local_attention(*a, scale=0.3, cand_bias=cand_bias,
+                                               interpret=interpret, block_sizes=blocks)
+  spec = lambda *a: condense.local_attention_reference(*a, scale=0.3, cand_bias=cand_bias)
   _check_vjp(kernel, spec, (q, k, v, ck, cv), wrt, do, dtype)
 
 
@@ -115,6 +115,7 @@ def test_candidate_matches_reference(kw):
     dict(R=2, T=40, C=5, N=4, K=2),                                 # T and C padded, GQA
     dict(R=3, T=64, C=16, N=4, K=1, dtype=jnp.bfloat16, blocks=None),  # MQA, default tiles
     dict(R=2, T=32, C=0, N=2, K=2),                                 # no memory: causal only
+    dict(R=2, T=40, C=5, N=4, K=2, cand_bias=-1.6),                 # FocusConfig.candidate_bias
 ])  # Gradients w.r.t. the candidates alone (layer 0 in training): the FocusLLM test below.
 @pytest.mark.usefixtures("strict_ranks")
 def test_local_matches_reference(kw):
@@ -137,6 +138,11 @@ def test_candidate_mass_is_the_local_attentions_weight_on_each_candidate():
   np.testing.assert_allclose(mass_RNC, out_RTND[jnp.arange(R), at][..., :C], rtol=1e-5,
                              atol=1e-6)
   assert mass_RNC.shape == (R, N, C) and float(mass_RNC.sum(-1).max()) <= 1 + 1e-6
+  # A logit bias b on every candidate scales their weights by e^b before the normalisation.
+  biased = condense.candidate_mass_reference(q[jnp.arange(R), at], k, ck, at, scale=0.3,
+                                             cand_bias=-1.6)
+  odds = lambda m: m / (1 - m.sum(-1, keepdims=True))   # candidate weight / local weight
+  np.testing.assert_allclose(odds(biased), odds(mass_RNC) * np.exp(-1.6), rtol=1e-4)
 
 
 def test_lowers_to_triton():
@@ -206,16 +212,18 @@ def _tiny_base():
   return base, adapter
 
 
-def test_focus_loss_and_adapter_gradient_match_xla():
+@pytest.mark.parametrize("bias", ["none", "log_count"])
+def test_focus_loss_and_adapter_gradient_match_xla(bias):
   """Covers the reduced backward passes too: layer 0's local q/k/v and every chunk cache are
-  unperturbed (the base is closed over), so only the candidates' dk/dv and dq run there."""
+  unperturbed (the base is closed over), so only the candidates' dk/dv and dq run there. With
+  candidate_bias "log_count" the candidates' dk/dv read the bias folded into the lse."""
   base, adapter = _tiny_base()
   graphdef, base_state = nnx.split(base)
   tokens = lambda seed, shape: jax.random.randint(jax.random.key(seed), shape, 1, 97)
   memory, seq = tokens(1, (2, 24)), tokens(2, (2, 13))   # 3 chunks of 8; 4 targets
 
   def loss_and_grad(impl):
-    cfg = focus.FocusConfig(chunk_size=8, prompt_len=4, implementation=impl)
+    cfg = focus.FocusConfig(chunk_size=8, prompt_len=4, implementation=impl, candidate_bias=bias)
     loss = lambda a, s: focus.loss(a, nnx.merge(graphdef, s), memory, seq, cfg, num_targets=4)
     return jax.jit(jax.value_and_grad(loss))(adapter, base_state)
 

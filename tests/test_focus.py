@@ -203,18 +203,21 @@ def test_batched_chunks_equal_one_at_a_time():
       np.testing.assert_allclose(v[:, c], v_c[:, 0], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("layout", focus.CANDIDATE_POSITIONS)
-def test_incremental_generation_equals_recomputation(layout):
+@pytest.mark.parametrize("layout, bias", [(layout, "none") for layout in focus.CANDIDATE_POSITIONS]
+                         + [("sequential", "log_count")])
+def test_incremental_generation_equals_recomputation(layout, bias):
   base = tiny_base(qk_norm=True)
   adapter = perturbed(focus.init_adapter(base), scale=1.0)
-  cfg = focus.FocusConfig(chunk_size=8, prompt_len=4, candidate_positions=layout)
+  cfg = focus.FocusConfig(chunk_size=8, prompt_len=4, candidate_positions=layout,
+                          candidate_bias=bias)
   memory, prompt = tokens(13, (2, 24)), tokens(14, (2, 10))
   graphdef, params = split(base, adapter)
   state, logits_BV = focus_generate.prefill(adapter, base, memory, prompt, cfg, max_new_tokens=4)
   for t in range(4):
     # From scratch: the dynamic prompt is the last 4 + t tokens (it grows; its start is fixed).
     so_far = state["tokens"][:, :10 + t]
-    grown = focus.FocusConfig(chunk_size=8, prompt_len=4 + t, candidate_positions=layout)
+    grown = focus.FocusConfig(chunk_size=8, prompt_len=4 + t, candidate_positions=layout,
+                              candidate_bias=bias)
     ref = jitted(graphdef, focus.logits, cfg=grown)(params, memory, so_far)[:, -1]
     np.testing.assert_allclose(logits_BV, ref, atol=1e-5, rtol=1e-5)
     if t < 3:
@@ -233,7 +236,8 @@ def test_incremental_generation_equals_recomputation(layout):
   # The attention diagnostic is local_logits' at the last prompt token, which predicts out[:, 10].
   logits_BV, mass_LBC = focus.local_logits(
       base, prompt, [(k[:, :, 0], v[:, :, 0]) for k, v in kv], base.cfg.rope_theta,
-      sequential_positions=cfg.sequential_positions, at_B=jnp.full((2,), 9), candidate_mass=True)
+      sequential_positions=cfg.sequential_positions, at_B=jnp.full((2,), 9), candidate_mass=True,
+      candidate_bias=bias)
   np.testing.assert_array_equal(jnp.argmax(logits_BV, -1), out[:, 10])
   np.testing.assert_allclose(readout["candidate_mass"], mass_LBC, rtol=1e-5, atol=1e-6)
   assert mass_LBC.shape == (len(base.blocks), 2, 3) and float(mass_LBC.min()) >= 0
@@ -254,6 +258,30 @@ def test_sequential_candidates_read_as_a_preceding_context():
   full = base(jnp.concatenate([prefix, local], 1))[:, 5:]
   np.testing.assert_allclose(local_fn(True), full, atol=1e-5, rtol=1e-5)
   assert float(jnp.abs(local_fn(False) - full).max()) > 1e-2   # "shared" is another layout
+
+
+def test_log_count_bias_makes_copies_of_the_candidates_weigh_as_one():
+  """candidate_bias "log_count": every candidate present twice gives the same local decoder as
+  once (C copies of a key weigh as one key); without the bias the copies weigh double. In the
+  "shared" layout, where every candidate sits at one position, so that copies are exact."""
+  base = tiny_base()
+  adapter = perturbed(focus.init_adapter(base))
+  cfg = focus.FocusConfig(chunk_size=8, prompt_len=4, candidate_positions="shared")
+  memory, local = tokens(24, (2, 24)), tokens(25, (2, 10))
+  _, kv, _ = focus.condense(adapter, base, memory, local[:, -4:], 1, cfg)
+  once = [(k[:, :, 0], v[:, :, 0]) for k, v in kv]
+  twice = [(jnp.concatenate([k, k], 1), jnp.concatenate([v, v], 1)) for k, v in once]
+  run = lambda kv, bias: focus.local_logits(base, local, kv, base.cfg.rope_theta,
+                                            candidate_bias=bias)
+  np.testing.assert_allclose(run(twice, "log_count"), run(once, "log_count"), atol=1e-5, rtol=1e-5)
+  assert float(jnp.abs(run(twice, "none") - run(once, "none")).max()) > 1e-3
+  assert float(jnp.abs(run(once, "log_count") - run(once, "none")).max()) > 1e-3
+  # The config carries it to focus.logits; a bad name is refused naming the field.
+  biased = dataclasses.replace(cfg, candidate_bias="log_count")
+  np.testing.assert_allclose(focus.logits(adapter, base, memory, local, biased),
+                             run(once, "log_count"), atol=1e-5, rtol=1e-5)
+  with pytest.raises(ValueError, match="candidate_bias"):
+    focus.FocusConfig(chunk_size=8, candidate_bias="log")
 
 
 def test_sequential_positions_follow_chunk_order_and_fit_the_context():

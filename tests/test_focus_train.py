@@ -265,6 +265,8 @@ def test_refuses_chunks_past_the_base_context_and_dry_runs(tmp_path):
   with pytest.raises(config_lib.ConfigError, match="focus.candidate_positions.*'sequential'"):
     focus_train.train(focus_cfg(tmp_path / "base", candidate_positions="official"),
                       str(tmp_path / "wd"))
+  with pytest.raises(config_lib.ConfigError, match="focus.candidate_bias.*'log_count'"):
+    focus_train.train(focus_cfg(tmp_path / "base", candidate_bias="log"), str(tmp_path / "wd"))
   # "sequential": 576 memory tokens = 72 chunks, whose candidates alone fill more than 64 positions.
   with pytest.raises(config_lib.ConfigError, match="focus.candidate_positions.*72 candidates"):
     focus_train.train(focus_cfg(tmp_path / "base", chunk_sizes="8", doc_min_tokens=600,
@@ -273,6 +275,8 @@ def test_refuses_chunks_past_the_base_context_and_dry_runs(tmp_path):
   # The dry run compiles the "sequential" step (the layout reaches the step's FocusConfig).
   seq = focus_cfg(tmp_path / "base", chunk_sizes="8", candidate_positions="sequential")
   assert focus_train.focus_config(seq, 8).candidate_positions == "sequential"
+  biased = focus_cfg(tmp_path / "base", chunk_sizes="8", candidate_bias="log_count")
+  assert focus_train.focus_config(biased, 8).candidate_bias == "log_count"
   out = focus_train.train(seq, str(tmp_path / "wd"), dry_run=True)
   assert out["dry_run"] and set(out) == {"dry_run", 8}
   assert focus_train.saved_steps(str(tmp_path / "wd")) == []
