@@ -275,8 +275,8 @@ def main(argv=None):
       q, k, v = _qkv(B, H, T, D, dtype)
       for impl in impls:
         for variant in (train_variants if impl == "dilution" else [None]):
-          b = bs if variant is None else dataclasses.replace(bs or _default_blocks(D, dtype, interpret),
-                                                             **B1_VARIANTS[variant])
+          b = bs if variant is None else dataclasses.replace(
+              bs or _default_blocks(D, dtype, interpret), **B1_VARIANTS[variant])
           fn = _attn_fns(impl, D**-0.5, interpret, b)
           _entry(rows, "fwd", impl, (B, H, T, D), lambda fn=fn: _time(fn, (q, k, v), reps),
                  variant)

@@ -102,9 +102,9 @@ tail -n 6 "$OUT/eval_base_passkey.log"
 #     the chunk layout lets the base read the needle at all, before any training (INIT_LIMIT=0 skips).
 if [ "${INIT_LIMIT:-0}" != 0 ]; then
   stage init_adapter "${INIT_LIMIT}"
-  python3 -c "import sys; from focaljax import focus, loaded
+  python3 -c "import sys; from focaljax import focus, focus_adapter, loaded
 m = loaded.load(sys.argv[1])
-focus.save_adapter(sys.argv[2], focus.init_adapter(m.model), focus.FocusConfig(
+focus_adapter.save_adapter(sys.argv[2], focus.init_adapter(m.model), focus.FocusConfig(
     int(sys.argv[3]), prompt_len=int(sys.argv[4]), implementation=sys.argv[5],
     candidate_positions=sys.argv[6], candidate_bias=sys.argv[7]), sys.argv[1])" \
     "$BASE" "$ROOT/focus_init" "${CHUNKS%%,*}" "${PROMPT:-256}" "${FOCUS_IMPL:-pallas}" \

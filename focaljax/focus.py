@@ -66,13 +66,10 @@ w.r.t. the adapter only (close over the base params): the frozen stream then kee
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from focaljax import attention as attn_lib
@@ -151,29 +148,6 @@ def trainable_mask(params: dict):
           "adapter": jax.tree.map(lambda _: True, params["adapter"])}
 
 
-def save_adapter(directory: str, adapter: dict, cfg: FocusConfig, base_workdir: str = "") -> None:
-  """The adapter alone (numpy .npz) + focus.json; the base stays in its own workdir."""
-  os.makedirs(directory, exist_ok=True)
-  np.savez(os.path.join(directory, "adapter.npz"),
-           **{f"{i}/{n}": np.asarray(w) for i, ws in adapter.items() for n, w in ws.items()})
-  with open(os.path.join(directory, "focus.json"), "w") as f:
-    json.dump({"config": dataclasses.asdict(cfg), "base_workdir": base_workdir}, f, indent=2)
-
-
-def load_adapter(directory: str) -> tuple[dict, FocusConfig, str]:
-  """(adapter, FocusConfig, base_workdir) written by `save_adapter`."""
-  with np.load(os.path.join(directory, "adapter.npz")) as z:
-    adapter = {}
-    for key in z.files:
-      i, n = key.split("/")
-      adapter.setdefault(int(i), {})[n] = jnp.asarray(z[key])
-  with open(os.path.join(directory, "focus.json")) as f:
-    meta = json.load(f)
-  # Adapters saved before the field existed were all trained in the then only layout.
-  meta["config"].setdefault("candidate_positions", "shared")
-  return dict(sorted(adapter.items())), FocusConfig(**meta["config"]), meta["base_workdir"]
-
-
 def with_attention(model, implementation: str):
   """The same weights with the base's attention implementation replaced (a `how`, not a `what`).
 
@@ -188,17 +162,6 @@ def with_attention(model, implementation: str):
       model.cfg.attention, implementation=implementation))
   graphdef, _ = loaded.abstract_model(cfg)
   return nnx.merge(graphdef, nnx.state(model))
-
-
-def from_workdir(path: str, adapter_dir: str | None = None, base_attention: str | None = None):
-  """(LoadedModel of the frozen base, adapter): a fresh copy-initialised adapter unless
-  `adapter_dir` names one saved by `save_adapter`; `base_attention` swaps the base's attention
-  implementation (with_attention)."""
-  base = loaded.load(path)
-  if base_attention is not None:
-    base = dataclasses.replace(base, model=with_attention(base.model, base_attention))
-  adapter = init_adapter(base.model) if adapter_dir is None else load_adapter(adapter_dir)[0]
-  return base, adapter
 
 
 def check_positions(base_cfg: model_lib.ModelConfig, cfg: FocusConfig, local_len: int,

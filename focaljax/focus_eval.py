@@ -61,6 +61,7 @@ from flax import nnx
 from focaljax import checkpoint
 from focaljax import evaluate
 from focaljax import focus
+from focaljax import focus_adapter
 from focaljax import focus_generate
 from focaljax import focus_train
 from focaljax import loaded as loaded_lib
@@ -380,7 +381,7 @@ def run(base_path: str, adapter_path: str, *, suites=FOCUS_SUITES, books: str | 
                      "needs --books)")
   m = loaded_lib.load(base_path)
   adapter_dir, run_dir, step = resolve_adapter(adapter_path)
-  adapter, cfg, recorded_base = focus.load_adapter(adapter_dir)
+  adapter, cfg, recorded_base = focus_adapter.load_adapter(adapter_dir)
   _check_shapes(adapter, m.model, adapter_dir)
   graphdef, state = nnx.split(focus.with_attention(m.model, base_attention))
   base, adapter = nnx.merge(graphdef, cast(state, dtype)), cast(adapter, dtype)

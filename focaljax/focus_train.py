@@ -9,7 +9,8 @@ The step differentiates w.r.t. the adapter only: the base params are an argument
 the loss, never in the optimizer (so `optim.make` on the adapter alone; focus.py's docstring), and
 they are cast once to `train.compute_dtype` since no float32 master copy is needed for them.
 
-Workdir layout: config.json, metrics.jsonl (+ tb/), and adapter/<step>/ = `focus.save_adapter`
+Workdir layout: config.json, metrics.jsonl (+ tb/), and adapter/<step>/ =
+`focus_adapter.save_adapter`
 (adapter.npz, focus.json) + opt_state.npz. The base workdir is only read. Sampling is a pure
 function of (seed, step, process), so resuming from adapter/<latest> replays the same stream
 without any iterator state. Saves go to a temporary directory renamed into place (a kill mid-save
@@ -29,7 +30,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from focaljax import checkpoint, distributed, focus, focus_attention, focus_samples, metrics
+from focaljax import checkpoint, distributed, focus, focus_adapter, focus_attention, focus_samples
+from focaljax import metrics
 from focaljax import optim
 from focaljax import sharding
 from focaljax import trainer
@@ -191,7 +193,7 @@ def _save(workdir: str, step: int, adapter, opt_state, cfg: focus.FocusConfig, b
   root = os.path.join(workdir, ADAPTER_DIR)
   final, tmp = os.path.join(root, str(step)), os.path.join(root, f".tmp.{step}")
   shutil.rmtree(tmp, ignore_errors=True)
-  focus.save_adapter(tmp, jax.device_get(adapter), cfg, base_workdir=base_wd)
+  focus_adapter.save_adapter(tmp, jax.device_get(adapter), cfg, base_workdir=base_wd)
   np.savez(os.path.join(tmp, "opt_state.npz"),
            *[np.asarray(x) for x in jax.tree.leaves(jax.device_get(opt_state))])
   shutil.rmtree(final, ignore_errors=True)
@@ -237,11 +239,11 @@ def train(config, workdir: str, *, dry_run: bool = False, stop_at: int | None = 
   start = (saved_steps(workdir) or [0])[-1]
   resume_dir = os.path.join(workdir, ADAPTER_DIR, str(start)) if start else None
   if resume_dir:
-    saved_base = focus.load_adapter(resume_dir)[2]
+    saved_base = focus_adapter.load_adapter(resume_dir)[2]
     if os.path.abspath(saved_base) != base_wd:
       raise config_lib.ConfigError(f"config field focus.base_workdir: {base_wd} differs from "
                                    f"{saved_base}, the base of the adapter in {resume_dir}")
-  loaded, adapter = focus.from_workdir(f.base_workdir, adapter_dir=resume_dir,
+  loaded, adapter = focus_adapter.from_workdir(f.base_workdir, adapter_dir=resume_dir,
                                        base_attention=f.base_attention)
   if primary:
     checkpoint.write_config(workdir, config)

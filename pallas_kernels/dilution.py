@@ -58,9 +58,10 @@ Keep S_max a multiple of block_k_decode (128), or every step pads (copies) the c
 Backends: `interpret=True` runs every kernel in Pallas interpret mode (CPU tests). On GPU the
 kernels lower through Triton (explicit `pltriton.CompilerParams`; jax ≥ 0.11 warns that the Triton
 backend is deprecated), except that on sm_90 with 16-bit inputs `BlockSizes.default` swaps in the
-Mosaic GPU B1 (D = 64) or F2 (D = 128), whichever the H200 measured faster. On TPU there is no Mosaic-TPU port (fp32 atomics): when
-`jax.default_backend() == "tpu"` and interpret is False, the functions fall back to the XLA
-reference in `pallas_kernels.reference` (T×T memory: short contexts only).
+Mosaic GPU B1 (D = 64) or F2 (D = 128), whichever the H200 measured faster. On TPU there is no
+Mosaic-TPU port (fp32 atomics): when `jax.default_backend() == "tpu"` and interpret is False, the
+functions fall back to the XLA reference in `pallas_kernels.reference` (T×T memory: short contexts
+only).
 Atomics make GPU results non-bitwise-deterministic (fp32 summation order).
 """
 

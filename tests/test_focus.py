@@ -16,6 +16,7 @@ from flax import nnx
 
 from focaljax import attention as attn_lib
 from focaljax import focus
+from focaljax import focus_adapter
 from focaljax import focus_generate
 from focaljax import generate as gen_lib
 from focaljax import model as model_lib
@@ -318,8 +319,8 @@ def test_adapter_round_trip_and_unsupported_layers(tmp_path):
   base = tiny_base()
   adapter = perturbed(focus.init_adapter(base))
   cfg = focus.FocusConfig(chunk_size=8, prompt_len=4, sep_id=1, candidate_positions="sequential")
-  focus.save_adapter(str(tmp_path), adapter, cfg, base_workdir="/base")
-  loaded, cfg2, workdir = focus.load_adapter(str(tmp_path))
+  focus_adapter.save_adapter(str(tmp_path), adapter, cfg, base_workdir="/base")
+  loaded, cfg2, workdir = focus_adapter.load_adapter(str(tmp_path))
   assert cfg2 == cfg and workdir == "/base"
   jax.tree.map(np.testing.assert_array_equal, loaded, adapter)
   # A focus.json written before candidate_positions existed loads as the layout it was: "shared".
@@ -328,7 +329,7 @@ def test_adapter_round_trip_and_unsupported_layers(tmp_path):
   del meta["config"]["candidate_positions"]
   with open(tmp_path / "focus.json", "w") as f:
     json.dump(meta, f)
-  old = focus.load_adapter(str(tmp_path))[1]
+  old = focus_adapter.load_adapter(str(tmp_path))[1]
   assert old == dataclasses.replace(cfg, candidate_positions="shared")
   with pytest.raises(NotImplementedError, match="dilution"):
     focus.init_adapter(tiny_base("softmax:rope,dilution:none"))

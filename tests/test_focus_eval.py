@@ -19,6 +19,7 @@ import test_focus_train  # tests/ is on sys.path under pytest: its hand-made bas
 from focaljax import attention as attn_lib
 from focaljax import checkpoint
 from focaljax import focus
+from focaljax import focus_adapter
 from focaljax import focus_eval
 from focaljax import focus_generate
 from focaljax import model as model_lib
@@ -222,7 +223,7 @@ def test_eval_py_focus_adapter_end_to_end(tmp_path, tiny):
   from focaljax import loaded  # pylint: disable=import-outside-toplevel
   run = tmp_path / "focus_run"   # what focus_train writes: its config and adapter/<step>/
   checkpoint.write_config(str(run), test_focus_train.focus_cfg(tmp_path / "base"))   # local 16
-  focus.save_adapter(str(run / "adapter" / "1"), focus.init_adapter(
+  focus_adapter.save_adapter(str(run / "adapter" / "1"), focus.init_adapter(
       loaded.load(str(tmp_path / "base")).model), tiny[2], base_workdir=str(tmp_path / "base"))
   books = tmp_path / "books.jsonl"
   text = "It was the best of times, it was the worst of times, it was the age of wisdom. " * 40

@@ -17,6 +17,7 @@ from configs import focus as focus_config
 from focaljax import checkpoint
 from focaljax import config as config_lib
 from focaljax import focus
+from focaljax import focus_adapter
 from focaljax import focus_samples
 from focaljax import focus_train
 from focaljax import loaded
@@ -237,7 +238,7 @@ def test_train_saves_adapter_keeps_base_and_resumes(tmp_path, monkeypatch):
                nnx.to_pure_dict(nnx.split(before.model)[1]))
 
   # The adapter: saved under the workdir, reloadable, trained away from its copy-init.
-  adapter, saved_cfg, saved_base = focus.load_adapter(second["adapter_dir"])
+  adapter, saved_cfg, saved_base = focus_adapter.load_adapter(second["adapter_dir"])
   assert second["adapter_dir"] == str(wd / "adapter" / "4")
   assert saved_base == str(base_wd) and saved_cfg.chunk_size == 16 and saved_cfg.prompt_len == 8
   assert saved_cfg.candidate_positions == "sequential"
@@ -249,7 +250,7 @@ def test_train_saves_adapter_keeps_base_and_resumes(tmp_path, monkeypatch):
   del changed[last]["wq"], changed[last]["wo"]
   assert all(jax.tree.leaves(changed)), changed
   # Resume continued from step 2's adapter, not from the copy: step 2's save differs from both.
-  at_2 = focus.load_adapter(str(wd / "adapter" / "2"))[0]
+  at_2 = focus_adapter.load_adapter(str(wd / "adapter" / "2"))[0]
   assert any(jax.tree.leaves(jax.tree.map(lambda a, b: bool(np.any(a != b)), at_2, adapter)))
 
 
@@ -289,8 +290,8 @@ def test_base_attention_replaces_the_trained_implementation(tmp_path):
   c = checkpoint.read_config(str(tmp_path / "base"))
   c.model.attention.implementation = "cudnn"
   checkpoint.write_config(str(tmp_path / "base"), c)
-  plain, _ = focus.from_workdir(str(tmp_path / "base"))
-  swapped, _ = focus.from_workdir(str(tmp_path / "base"), base_attention="xla")
+  plain, _ = focus_adapter.from_workdir(str(tmp_path / "base"))
+  swapped, _ = focus_adapter.from_workdir(str(tmp_path / "base"), base_attention="xla")
   assert plain.model.blocks[0].attn.cfg.attention.implementation == "cudnn"
   assert swapped.model.blocks[0].attn.cfg.attention.implementation == "xla"
   jax.tree.map(np.testing.assert_array_equal, nnx.state(swapped.model), nnx.state(plain.model))
