@@ -32,25 +32,26 @@ def _rel(a, b):
   return float(np.abs(a - b).max() / (np.abs(b).max() + 1e-30))
 
 
-def _qkv(T, N, K, *, segments, seed=0, D=64, dtype=jnp.bfloat16):
+def _qkv(T, N, K, *, segments, seed=0, D=64, dtype=jnp.bfloat16, B=1):
   ks = jax.random.split(jax.random.PRNGKey(seed), 4)
-  q = (1.5 * jax.random.normal(ks[0], (1, T, N, D))).astype(dtype)
-  k = (1.5 * jax.random.normal(ks[1], (1, T, K, D))).astype(dtype)
-  v = jax.random.normal(ks[2], (1, T, K, D)).astype(dtype)
-  pos = jnp.arange(T)[None]
+  q = (1.5 * jax.random.normal(ks[0], (B, T, N, D))).astype(dtype)
+  k = (1.5 * jax.random.normal(ks[1], (B, T, K, D))).astype(dtype)
+  v = jax.random.normal(ks[2], (B, T, K, D)).astype(dtype)
+  pos = jnp.arange(T)[None] + 37 * jnp.arange(B)[:, None]   # each row its own segment cuts
   seg = ((pos >= T // 3).astype(jnp.int32) + (pos >= T // 2 + 5) if segments
-         else jnp.zeros((1, T), jnp.int32))
-  return q, k, v, seg, jax.random.normal(ks[3], (1, T, N, D)).astype(dtype)
+         else jnp.zeros((B, T), jnp.int32))
+  return q, k, v, seg, jax.random.normal(ks[3], (B, T, N, D)).astype(dtype)
 
 
-# (T, segments, D, dtype): 2 or 3 super-blocks, packed documents, the other head dim and fp16.
-CASES = [(256, False, 64, jnp.bfloat16), (384, True, 64, jnp.bfloat16),
-         (256, True, 128, jnp.float16)]
+# (T, segments, D, dtype, B, N, K): 2 or 3 super-blocks, packed documents, the other head dim and
+# fp16; and two batch rows with two kv heads (the H200 timings run B = 2, 12 heads).
+CASES = [(256, False, 64, jnp.bfloat16, 1, 2, 1), (384, True, 64, jnp.bfloat16, 1, 2, 1),
+         (256, True, 128, jnp.float16, 1, 2, 1), (256, True, 64, jnp.bfloat16, 2, 4, 2)]
 
 
-@pytest.mark.parametrize("T, segments, D, dtype", CASES)
-def test_matches_the_triton_b1_interpret(T, segments, D, dtype):
-  q, k, v, seg, do = _qkv(T, 2, 1, segments=segments, D=D, dtype=dtype)
+@pytest.mark.parametrize("T, segments, D, dtype, B, N, K", CASES)
+def test_matches_the_triton_b1_interpret(T, segments, D, dtype, B, N, K):
+  q, k, v, seg, do = _qkv(T, N, K, segments=segments, D=D, dtype=dtype, B=B)
   scale, eps = 0.125, 1e-9
   out, (lse, _, ssum, _, ckpt) = dilution._forward(q, k, v, seg, scale, eps, BS, True,
                                                    training=True)
@@ -67,9 +68,9 @@ def test_matches_the_triton_b1_interpret(T, segments, D, dtype):
     assert _rel(a, b) < tol, (name, _rel(a, b))
 
 
-@pytest.mark.parametrize("T, segments, D, dtype", CASES)
-def test_f2_matches_the_triton_f2_interpret(T, segments, D, dtype):
-  q, k, v, seg, _ = _qkv(T, 2, 1, segments=segments, D=D, dtype=dtype)
+@pytest.mark.parametrize("T, segments, D, dtype, B, N, K", CASES)
+def test_f2_matches_the_triton_f2_interpret(T, segments, D, dtype, B, N, K):
+  q, k, v, seg, _ = _qkv(T, N, K, segments=segments, D=D, dtype=dtype, B=B)
   lse, _ = dilution_fwd.row_stats(q, k, seg, scale=0.125, bs=BS, with_pk=False, interpret=True)
   want = dilution_fwd.key_sweep(q, k, v, seg, lse, scale=0.125, eps=1e-9, bs=BS,
                                 with_ckpt=True, interpret=True)
