@@ -25,7 +25,9 @@ whose needle lies wholly in the memory, and `digits_in_memory` the mean share of
 read in place (`key_digits`: partial reads). For those, `candidate_readout` is the share whose
 needle chunk's candidate, read through the base's LM head, predicts the key's first token by itself
 (knowing the key, whether or not the local decoder then uses it); trials whose key starts with a
-digit-free token (a lone space) get none.
+digit-free token (a lone space) get none. `candidate_mass` is the layer-mean attention that the
+first answer token puts on all candidates, and `needle_share` the needle chunk's candidate's share
+of it (uniform: 1 / chunks); every trial keeps both per layer.
 
 loss_by_position: NLL of long documents in doubling position ranges [0, ctx), [ctx, 2ctx),
 [2ctx, 4ctx), ... up to max_multiplier x ctx, through the leak-free `focus.target_nll`. A window
