@@ -26,6 +26,7 @@ from absl import flags
 from absl import logging
 
 from focaljax import evaluate
+from focaljax import focus
 from focaljax import focus_eval
 
 _REPO = os.path.dirname(os.path.abspath(__file__))
@@ -57,8 +58,8 @@ _FOCUS_CHUNK_SIZE = flags.DEFINE_integer("focus_chunk_size", None,
 _FOCUS_IMPLEMENTATION = flags.DEFINE_enum("focus_implementation", None, ["xla", "pallas"],
                                           "candidate/local attention; default: the adapter's")
 _FOCUS_CANDIDATE_BIAS = flags.DEFINE_enum(
-    "focus_candidate_bias", None, ["none", "log_count"], "candidates' logit bias in the local "
-    "decoder (focus.CANDIDATE_BIASES); default: the adapter's")
+    "focus_candidate_bias", None, sorted(focus.CANDIDATE_BIASES),
+    "candidates' logit bias in the local decoder (focus.CANDIDATE_BIASES); default: the adapter's")
 _FOCUS_PASSKEY_BATCH = flags.DEFINE_integer(
     "focus_passkey_batch", 1, "focus_passkey trials per generate call (each holds its own chunk "
     "caches: at 100x a 1K context, ~5.7 GB in bfloat16 for a 97.5M base)")

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from pallas_kernels import dilution, focal_flash, reference  # pylint: disable=wrong-import-position
+from pallas_kernels import dilution, reference  # pylint: disable=wrong-import-position
 
 TRAIN_SHAPES = [(8, 8, 4096, 64), (2, 12, 16384, 64), (1, 16, 8192, 128)]
 PREFILL_T = [32768, 65536, 131072]
@@ -64,11 +64,6 @@ B1_VARIANTS = {"default": dict(), "plain": B1_PLAIN,
                "mosaic": dict(b1_impl="mosaic", f2_impl="mosaic")}
 SMOKE_BLOCKS = dilution.BlockSizes(block_q_stats=16, block_k_stats=16, block_q=16, block_k=32,
                                    block_k_fwd=32, ckpt_rows=32, block_k_decode=16, split_k_decode=64)
-
-
-def _default_blocks(D, dtype, interpret):
-  """What dilution_attention runs without block_sizes on this machine (Mosaic passes on Hopper)."""
-  return dilution.BlockSizes.default(D, dtype, hopper=not interpret and focal_flash.hopper())
 
 
 def _time(fn, args, reps):
@@ -267,7 +262,7 @@ def main(argv=None):
 
   if args.passes:
     rows += _passes(train_shapes[0] if args.smoke else TRAIN_SHAPES[1], dtype, reps,
-                    interpret, bs or _default_blocks(64, dtype, interpret), b1_variants)
+                    interpret, bs or dilution.default_block_sizes(64, dtype, interpret), b1_variants)
     skip |= {"train", "prefill", "decode"}
 
   if "train" not in skip:
@@ -276,7 +271,7 @@ def main(argv=None):
       for impl in impls:
         for variant in (train_variants if impl == "dilution" else [None]):
           b = bs if variant is None else dataclasses.replace(
-              bs or _default_blocks(D, dtype, interpret), **B1_VARIANTS[variant])
+              bs or dilution.default_block_sizes(D, dtype, interpret), **B1_VARIANTS[variant])
           fn = _attn_fns(impl, D**-0.5, interpret, b)
           _entry(rows, "fwd", impl, (B, H, T, D), lambda fn=fn: _time(fn, (q, k, v), reps),
                  variant)

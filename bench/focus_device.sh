@@ -100,21 +100,23 @@ tail -n 6 "$OUT/eval_base_passkey.log"
 # 1b. The copy-initialised adapter (no training) on the passkey suite: at init every candidate IS
 #     the base's hidden state on [chunk | prompt], so its `candidate reads key` column says whether
 #     the chunk layout lets the base read the needle at all, before any training (INIT_LIMIT=0 skips).
-#     INIT_BIASES (default: CAND_BIAS) runs it once per candidate bias, each under INIT_LIMIT, into
-#     $OUT/eval_init_<bias>.log, e.g. INIT_BIASES="none log_count".
+#     INIT_BIASES (default: CAND_BIAS) evaluates it once per candidate bias (eval.py
+#     --focus_candidate_bias), each under INIT_LIMIT, into $OUT/eval_init_<bias>.log, e.g.
+#     INIT_BIASES="none log_count".
 if [ "${INIT_LIMIT:-0}" != 0 ]; then
-  for bias in ${INIT_BIASES:-${CAND_BIAS:-none}}; do
-    stage "init_adapter ($bias)" "${INIT_LIMIT}"
-    python3 -c "import sys; from focaljax import focus, focus_adapter, loaded
+  python3 -c "import sys; from focaljax import focus, focus_adapter, loaded
 m = loaded.load(sys.argv[1])
 focus_adapter.save_adapter(sys.argv[2], focus.init_adapter(m.model), focus.FocusConfig(
     int(sys.argv[3]), prompt_len=int(sys.argv[4]), implementation=sys.argv[5],
     candidate_positions=sys.argv[6], candidate_bias=sys.argv[7]), sys.argv[1])" \
-      "$BASE" "$ROOT/focus_init_$bias" "${CHUNKS%%,*}" "${PROMPT:-256}" "${FOCUS_IMPL:-pallas}" \
-      "${CAND_POS:-sequential}" "$bias"
-    run_for "${INIT_LIMIT}" python3 eval.py --workdir "$BASE" --focus_adapter "$ROOT/focus_init_$bias" \
+    "$BASE" "$ROOT/focus_init" "${CHUNKS%%,*}" "${PROMPT:-256}" "${FOCUS_IMPL:-pallas}" \
+    "${CAND_POS:-sequential}" "${CAND_BIAS:-none}"
+  for bias in ${INIT_BIASES:-${CAND_BIAS:-none}}; do
+    stage "init_adapter ($bias)" "${INIT_LIMIT}"
+    run_for "${INIT_LIMIT}" python3 eval.py --workdir "$BASE" --focus_adapter "$ROOT/focus_init" \
       --suites focus_passkey --focus_multipliers "${INIT_MULTS:-2,8}" --passkey_seeds "${SEEDS:-10}" \
-      --focus_dtype "${DTYPE:-bfloat16}" --focus_local_len "${LOCAL:-512}" 2>&1 | quiet \
+      --focus_dtype "${DTYPE:-bfloat16}" --focus_local_len "${LOCAL:-512}" \
+      --focus_candidate_bias="$bias" --out_dir "$ROOT/focus_init/eval_$bias" 2>&1 | quiet \
       > "$OUT/eval_init_$bias.log"
     tail -n 8 "$OUT/eval_init_$bias.log"
   done

@@ -111,11 +111,16 @@ def _share(flags) -> float | None:
   return float(np.mean(flags)) if flags else None
 
 
+def _leading_number(output: str) -> str:
+  """The digits the answer starts with (after spaces), or ""."""
+  match = re.match(r"\s*(\d+)", output)
+  return match.group(1) if match else ""
+
+
 def key_digits(output: str, key: int) -> float:
   """Share of the key's digits that the answer's leading number has in the same place, counted
   from the last digit: a partial read (" 75381." for 85381: 0.8) that exact match scores 0."""
-  match, want = re.match(r"\s*(\d+)", output), str(key)
-  got = match.group(1) if match else ""
+  got, want = _leading_number(output), str(key)
   return sum(a == b for a, b in zip(reversed(got), reversed(want))) / len(want)
 
 
@@ -184,8 +189,7 @@ def passkey(adapter, base, cfg: focus.FocusConfig, tokenizer, multipliers=DEFAUL
           trial["needle_mass"] = [round(float(x), 5) for x in needle_L]
           trial["needle_share"] = float(needle_L.sum() / max(mass_LC.sum(), 1e-30))
         text = tokenizer.decode(new.tolist())
-        match = re.match(r"\s*(\d+)", text)
-        trial.update(output=text, correct=bool(match) and match.group(1) == str(trial["key"]),
+        trial.update(output=text, correct=_leading_number(text) == str(trial["key"]),
                      digits=key_digits(text, trial["key"]))
         first = tokenizer.encode(f" {trial['key']}")[0]
         # A tokenizer that spells " 86556" as " ", "8", ... makes the first token a bare space:

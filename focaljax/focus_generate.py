@@ -47,8 +47,8 @@ def _local_at(base, state, index, implementation, sequential_positions, candidat
                             candidate_mass=candidate_mass, candidate_bias=candidate_bias)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "max_new_tokens"))
-def _prefill(graphdef, base_state, adapter, memory_BM, prompt_BT, cfg, max_new_tokens):
+@functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "max_new_tokens", "readout"))
+def _prefill(graphdef, base_state, adapter, memory_BM, prompt_BT, cfg, max_new_tokens, readout):
   base = nnx.merge(graphdef, base_state)
   B, T = prompt_BT.shape
   P = cfg.prompt_tokens(T)
@@ -59,13 +59,16 @@ def _prefill(graphdef, base_state, adapter, memory_BM, prompt_BT, cfg, max_new_t
     h_BCQE, kv, caches = focus.condense(adapter, base, memory_BM, prompt_BT[:, T - P:], 1, cfg,
                                         extra=max_new_tokens - 1)
     n = cfg.prefix + P                      # chunk sequence length; the candidate sits at n - 1
-    # Each chunk's own guess at the next token (its candidate through the LM head): [B, C] more
-    # logits rows beside C chunk prefills, so it is always computed; focus_eval reads it.
-    logits_BCV = base._logits(h_BCQE[:, :, 0])  # pylint: disable=protected-access
-    top_BC = jnp.argmax(logits_BCV, axis=-1).astype(jnp.int32)
+    # Each chunk's own guess at the next token (its candidate through the LM head).
+    if readout:
+      logits_BCV = base._logits(h_BCQE[:, :, 0])  # pylint: disable=protected-access
+      top_BC = jnp.argmax(logits_BCV, axis=-1).astype(jnp.int32)
   tokens_BL = jnp.zeros((B, T + max_new_tokens - 1), jnp.int32).at[:, :T].set(prompt_BT)
   state = {"tokens": tokens_BL, "length": jnp.int32(T), "caches": caches,
            "kv": [(k[:, :, 0], v[:, :, 0]) for k, v in kv], "candidate_pos": jnp.int32(n - 1)}
+  if not readout:
+    return state, _local_at(base, state, T - 1, cfg.implementation, cfg.sequential_positions,
+                            cfg.candidate_bias), {}
   # The first answer token's attention on the candidates: [L, B, C] beside a [B, T] local pass.
   logits_BV, mass_LBC = _local_at(base, state, T - 1, cfg.implementation,
                                   cfg.sequential_positions, cfg.candidate_bias,
@@ -98,10 +101,11 @@ def _step(graphdef, base_state, adapter, state, token_B, implementation, sequent
                           candidate_bias)
 
 
-def prefill(adapter, base, memory_BM, prompt_BT, cfg: focus.FocusConfig, max_new_tokens: int):
+def prefill(adapter, base, memory_BM, prompt_BT, cfg: focus.FocusConfig, max_new_tokens: int,
+            *, readout: bool = False):
   """(state, next-token logits float32 [B, V]); `state` feeds `step`. `state["tokens"][:, :
-  state["length"]]` are the tokens so far. Two diagnostics that `step` does not carry:
-  `state["candidate_top"]` int32 [B, C], each chunk's candidate's own top next token, and
+  state["length"]]` are the tokens so far. With `readout`, two diagnostics that `step` does not
+  carry (computed only then: they are not generation's work): `state["candidate_top"]` int32 [B, C], each chunk's candidate's own top next token, and
   `state["candidate_mass"]` float32 [L, B, C], the attention the last prompt token (the one that
   predicts the first new token) puts on each candidate per layer, averaged over heads."""
   if max_new_tokens < 1:
@@ -112,11 +116,11 @@ def prefill(adapter, base, memory_BM, prompt_BT, cfg: focus.FocusConfig, max_new
   focus.check_positions(base.cfg, cfg, T, cfg.prompt_tokens(T), extra=max_new_tokens - 1,
                         memory_len=memory_BM.shape[1])
   graphdef, base_state = nnx.split(base)
-  state, logits_BV, readout = _prefill(graphdef, base_state, adapter, memory_BM, prompt_BT, cfg,
-                                       max_new_tokens)
+  state, logits_BV, diagnostics = _prefill(graphdef, base_state, adapter, memory_BM, prompt_BT,
+                                           cfg, max_new_tokens, readout)
   return {**state, "implementation": cfg.implementation,
           "sequential_positions": cfg.sequential_positions,
-          "candidate_bias": cfg.candidate_bias, **readout}, logits_BV
+          "candidate_bias": cfg.candidate_bias, **diagnostics}, logits_BV
 
 
 def step(adapter, base, state, token_B):
@@ -137,10 +141,11 @@ def generate(adapter, base, memory_BM, prompt_BT, cfg: focus.FocusConfig, max_ne
              *, readout: bool = False):
   """Greedy decoding: int32 [B, T + max_new_tokens]; with `readout`, also prefill's diagnostics
   {"candidate_top": [B, C], "candidate_mass": [L, B, C]} (see `prefill`)."""
-  state, logits_BV = prefill(adapter, base, memory_BM, prompt_BT, cfg, max_new_tokens)
-  readout_ = {k: state[k] for k in _READOUT}
+  state, logits_BV = prefill(adapter, base, memory_BM, prompt_BT, cfg, max_new_tokens,
+                             readout=readout)
+  diagnostics = {k: state[k] for k in _READOUT if k in state}
   for _ in range(max_new_tokens - 1):
     state, logits_BV = step(adapter, base, state, jnp.argmax(logits_BV, -1).astype(jnp.int32))
   last_B1 = jnp.argmax(logits_BV, -1)[:, None].astype(jnp.int32)
   tokens_BL = jnp.concatenate([state["tokens"], last_B1], axis=1)
-  return (tokens_BL, readout_) if readout else tokens_BL
+  return (tokens_BL, diagnostics) if readout else tokens_BL

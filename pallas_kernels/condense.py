@@ -97,18 +97,24 @@ class _Static:
 # --------------------------------------------------------------------------------- references
 
 
-def _attend_reference(q_RTND, k_RSKD, v_RSKD, visible_RTS, scale, bias_S=None):
-  """softmax(scale·q·kᵀ + bias) v over an explicit visibility: float32 logits and probabilities,
-  cast back to q's dtype; rows with no visible key give 0. bias_S: float32 [S] per key or None."""
+def _probs_reference(q_RTND, k_RSKD, visible_RTS, scale, bias_S=None):
+  """softmax(scale·q·kᵀ + bias) over an explicit visibility, float32 [R, K, G, T, S] (G query
+  heads per kv head). bias_S: float32 [S] per key, or None."""
   R, T, N, D = q_RTND.shape
   K = k_RSKD.shape[2]
-  q_RTKGD = q_RTND.reshape(R, T, K, N // K, D)
-  logits_RKGTS = jnp.einsum("RTKGD,RSKD->RKGTS", q_RTKGD, k_RSKD,
+  logits_RKGTS = jnp.einsum("RTKGD,RSKD->RKGTS", q_RTND.reshape(R, T, K, N // K, D), k_RSKD,
                             preferred_element_type=jnp.float32) * scale
   if bias_S is not None:
     logits_RKGTS = logits_RKGTS + bias_S[None, None, None, None]
   logits_RKGTS = jnp.where(visible_RTS[:, None, None], logits_RKGTS, _MASKED)
-  probs_RKGTS = jax.nn.softmax(logits_RKGTS, axis=-1)
+  return jax.nn.softmax(logits_RKGTS, axis=-1)
+
+
+def _attend_reference(q_RTND, k_RSKD, v_RSKD, visible_RTS, scale, bias_S=None):
+  """softmax(scale·q·kᵀ + bias) v over an explicit visibility: float32 logits and probabilities,
+  cast back to q's dtype; rows with no visible key give 0. bias_S: float32 [S] per key or None."""
+  R, T, N, D = q_RTND.shape
+  probs_RKGTS = _probs_reference(q_RTND, k_RSKD, visible_RTS, scale, bias_S)
   out_RTKGD = jnp.einsum("RKGTS,RSKD->RTKGD", probs_RKGTS, v_RSKD.astype(jnp.float32))
   out_RTND = out_RTKGD.reshape(R, T, N, D)
   return jnp.where(visible_RTS.any(-1)[..., None, None], out_RTND, 0.0).astype(q_RTND.dtype)
@@ -151,19 +157,14 @@ def candidate_mass_reference(q_RND, k_RTKD, cand_k_RCKD, at_R, *, scale, cand_bi
   """A diagnostic, not a kernel's spec: the probability that `local_attention`'s query at local
   position at_R[r] (q_RND, already at that position) puts on each candidate, float32 [R, N, C];
   the rest goes to the local keys s <= at_R[r]."""
-  R, N, D = q_RND.shape
-  T, K = k_RTKD.shape[1:3]
-  C = cand_k_RCKD.shape[1]
+  R, N, _ = q_RND.shape
+  T, C = k_RTKD.shape[1], cand_k_RCKD.shape[1]
   keys_RSKD = jnp.concatenate([cand_k_RCKD.astype(k_RTKD.dtype), k_RTKD], 1)
-  logits_RKGS = jnp.einsum("RKGD,RSKD->RKGS", q_RND.reshape(R, K, N // K, D), keys_RSKD,
-                           preferred_element_type=jnp.float32) * scale
-  bias_S = _cand_bias_S(C, T, cand_bias)
-  if bias_S is not None:
-    logits_RKGS = logits_RKGS + bias_S[None, None, None]
   visible_RS = jnp.concatenate([jnp.ones((R, C), bool),
                                 jnp.arange(T)[None, :] <= jnp.asarray(at_R)[:, None]], axis=1)
-  probs_RKGS = jax.nn.softmax(jnp.where(visible_RS[:, None, None], logits_RKGS, _MASKED), -1)
-  return probs_RKGS[..., :C].reshape(R, N, C)
+  probs_RKG1S = _probs_reference(q_RND[:, None], keys_RSKD, visible_RS[:, None], scale,
+                                 _cand_bias_S(C, T, cand_bias))
+  return probs_RKG1S[:, :, :, 0, :C].reshape(R, N, C)
 
 
 # ------------------------------------------------------------------------------------ checks

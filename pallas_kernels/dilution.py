@@ -177,6 +177,12 @@ class BlockSizes:
       raise ValueError(f"head dim {D} must be a power of two >= 16 (64 and 128 are tuned)")
 
 
+def default_block_sizes(head_dim: int, dtype, interpret: bool) -> BlockSizes:
+  """What `dilution_attention` runs without block_sizes on this machine: BlockSizes.default,
+  with the Mosaic passes when compiling for sm_90."""
+  return BlockSizes.default(head_dim, dtype, hopper=not interpret and focal_flash.hopper())
+
+
 def _use_reference(interpret: bool) -> bool:
   return not interpret and jax.default_backend() == "tpu"
 
@@ -287,8 +293,7 @@ def dilution_attention(q, k, v, *, scale=None, eps=1e-9, segment_ids=None, block
 
   `scale` defaults to D**-0.5 (a Python float; static). `segment_ids` int32 [B, T] or None.
   """
-  bs = block_sizes or BlockSizes.default(q.shape[-1], q.dtype,
-                                         hopper=not interpret and focal_flash.hopper())
+  bs = block_sizes or default_block_sizes(q.shape[-1], q.dtype, interpret)
   scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
   if _use_reference(interpret):
     return reference.dilution_attention(q, k, v, scale=scale, eps=eps,
