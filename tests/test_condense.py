@@ -263,7 +263,8 @@ class TestCompiledGPU:
   def test_candidate_small_tiles(self, kw):
     _compare_candidate(10, interpret=False, **kw)
 
-  @pytest.mark.parametrize("kw", [dict(R=2, T=40, C=5, N=4, K=2), dict(R=2, T=32, C=0, N=2, K=2)])
+  @pytest.mark.parametrize("kw", [dict(R=2, T=40, C=5, N=4, K=2), dict(R=2, T=32, C=0, N=2, K=2),
+                                  dict(R=2, T=40, C=5, N=4, K=2, cand_bias=-1.6)])
   def test_local_small_tiles(self, kw):
     _compare_local(11, interpret=False, **kw)
 
@@ -275,6 +276,7 @@ class TestCompiledGPU:
                        blocks=None, interpret=False)
 
   @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-  def test_local_realistic(self, dtype):
+  @pytest.mark.parametrize("cand_bias", [0.0, -4.16])  # -4.16 = -log 64: candidate_bias log_count
+  def test_local_realistic(self, dtype, cand_bias):
     _compare_local(13, R=8, T=512, C=64, N=16, K=4, D=64, dtype=dtype, blocks=None,
-                   interpret=False)
+                   interpret=False, cand_bias=cand_bias)

@@ -207,12 +207,18 @@ class TestInterpret(_DilutionKernelChecks):
 class TestCompiledGPU(_DilutionKernelChecks):
   INTERPRET = False
 
-  @pytest.mark.parametrize("variant", sorted(B1_VARIANTS_LONG))
-  def test_default_blocks_long(self, variant):
-    # Default tiles and R = 1024 checkpoints: T = 2048 spans two super-blocks.
-    q, k, v, seg = _inputs(10, 1, 2048, 4, 2, 64, jnp.bfloat16, segments=True)
-    scale = 0.125
-    bs = dilution.BlockSizes(**B1_VARIANTS_LONG[variant])
+  @pytest.mark.parametrize("variant", sorted(B1_VARIANTS_LONG) + ["machine"])
+  @pytest.mark.parametrize("B, D", [(1, 64), (2, 64), (2, 128)])
+  def test_default_blocks_long(self, variant, B, D):
+    # Default tiles and R = 1024 checkpoints: T = 2048 spans two super-blocks. B = 2 checks the
+    # batch indexing (per-row segment cuts); D = 128 is where the default pairs Triton B1 with
+    # the Mosaic F2.
+    if D == 128 and variant.startswith("scratch_k128"):
+      pytest.skip("the 128-key tiles were only tuned at D = 64")
+    q, k, v, seg = _inputs(10, B, 2048, 4, 2, D, jnp.bfloat16, segments=True)
+    scale = D ** -0.5
+    # "machine": no block_sizes, i.e. what the op picks here (dilution.default_block_sizes).
+    bs = None if variant == "machine" else dilution.BlockSizes(**B1_VARIANTS_LONG[variant])
     f = lambda q, k, v: dilution.dilution_attention(q, k, v, scale=scale, segment_ids=seg,
                                                     block_sizes=bs)
     g = lambda q, k, v: reference.dilution_attention(
