@@ -216,6 +216,7 @@ def main(argv=None):
                        "once per BlockSizes variant, rows carry 'variant' (default: once, plain)")
   ap.add_argument("--train-shapes", default=None,
                   help="comma list of BxHxTxD training shapes (default: TRAIN_SHAPES)")
+  ap.add_argument("--prefill-d", type=int, default=64, help="head dim of the prefill entries")
   ap.add_argument("--skip", default="", help="comma list of sections to skip: train,prefill,decode")
   args = ap.parse_args(argv)
 
@@ -280,14 +281,19 @@ def main(argv=None):
       del q, k, v
 
   if "prefill" not in skip:
+    D = args.prefill_d
     for T in prefill_t:
-      q, k, v = _qkv(1, 12, T, 64, dtype)
-      fn = lambda q, k, v: dilution.dilution_prefill(q, k, v, scale=0.125, block_sizes=bs,
-                                                     interpret=interpret)
-      _entry(rows, "prefill", "dilution", (1, 12, T, 64), lambda fn=fn: _time(fn, (q, k, v), reps))
+      q, k, v = _qkv(1, 12, T, D, dtype)
+      for variant in train_variants:
+        b = bs if variant is None else dataclasses.replace(
+            bs or dilution.default_block_sizes(D, dtype, interpret), **B1_VARIANTS[variant])
+        fn = lambda q, k, v, b=b: dilution.dilution_prefill(q, k, v, scale=D**-0.5, block_sizes=b,
+                                                            interpret=interpret)
+        _entry(rows, "prefill", "dilution", (1, 12, T, D),
+               lambda fn=fn: _time(fn, (q, k, v), reps), variant)
       if "cudnn" in impls:
-        _entry(rows, "prefill", "cudnn", (1, 12, T, 64),
-               lambda: _time(_attn_fns("cudnn", 0.125, False, None), (q, k, v), reps))
+        _entry(rows, "prefill", "cudnn", (1, 12, T, D),
+               lambda: _time(_attn_fns("cudnn", D**-0.5, False, None), (q, k, v), reps))
       del q, k, v
 
   if "decode" not in skip:

@@ -310,9 +310,10 @@ def dilution_prefill(q, k, v, *, scale=None, eps=1e-9, block_sizes=None, interpr
   """Forward-only dilution over a prompt; returns (out [B,T,Hq,D], demand float32 [B,Hq,T]).
 
   demand[b, h, j] = Σ_i p[i, j], the state `dilution_decode_step` continues from. Not
-  differentiable (use `dilution_attention` for training).
+  differentiable (use `dilution_attention` for training). Without block_sizes it runs the
+  training op's F1/F2 choice (`default_block_sizes`: the Mosaic F2 at D = 128 on Hopper).
   """
-  bs = block_sizes or BlockSizes()
+  bs = block_sizes or default_block_sizes(q.shape[-1], q.dtype, interpret)
   scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
   if _use_reference(interpret):
     return reference.dilution_attention(q, k, v, scale=scale, eps=eps)
