@@ -45,7 +45,8 @@ Memory (no T×T tensor anywhere). Per (batch, query head), float32, T padded to 
   or with BlockSizes.b1_carries="scratch" an HBM slice of that size per program instead
   (transient B·Hq·T·R/32 fp32 whatever Kb1: 48 MiB at B2 Hq12 T16K; dilution_bwd.py says why).
 
-Prefill (`dilution_prefill`): F1 without pk + F2 without checkpoints; returns out and the demand
+Prefill (`dilution_prefill`): F1 without pk + F2 without checkpoints (the training op's F2 choice:
+the Mosaic F2 at D = 128 on Hopper, 1.25× the Triton prefill there); returns out and the demand
 totals (F2's final carries). Extra memory B·Hq·(2·T·D + 3T)·4 bytes (N and the fp32 output, lse,
 S, totals), linear in T: B1 Hq12 T128K D64 → 768 MiB + 18 MiB, plus the q-sized output (and a
 padded copy of q, k, v when T is not a multiple of the largest forward block, 128 by default).
