@@ -52,7 +52,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       # RMSNorm backward: explicit (a custom VJP, gain gradient reduced in two stages) | autodiff.
       norm_backward="explicit",
       # QK-norm + RoPE backward: separate (two custom VJPs) | fused (qk_norm_rope: the cotangent
-      # un-rotated once, then the norm's reductions). Only with qk_norm, RoPE layers, explicit.
+      # un-rotated once, then the norm's reductions) | pallas (qk_norm_rope's backward as one
+      # Pallas pass, pallas_kernels/norm_rope.py). Only with qk_norm, RoPE layers, explicit.
       qk_rope_backward="separate",
       # SwiGLU backward: autodiff | explicit (mlp.swiglu: float32, both cotangents in one pass).
       mlp_backward="autodiff",

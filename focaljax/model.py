@@ -21,6 +21,9 @@ from flax import nnx
 from focaljax import attention as attn_lib
 from focaljax import sharding
 from focaljax.mlp import Mlp
+# Re-exported: focus.py, the tests and conversions call these as model.<name>.
+from focaljax.norm_rope import (_rms_norm, apply_rope, qk_norm_rope, rms_norm,  # noqa: F401
+                                rope_tables)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,68 +48,21 @@ class ModelConfig:
   fuse_matmuls: bool = False
   # RMSNorm's backward: "explicit" (rms_norm's custom_vjp) or "autodiff" (kept for A/B runs).
   norm_backward: str = "explicit"
-  # QK-norm then RoPE: "separate" (rms_norm, apply_rope) or "fused" (qk_norm_rope). Fused only
-  # where qk_norm is on, the layer uses RoPE and norm_backward is "explicit".
+  # QK-norm then RoPE: "separate" (rms_norm, apply_rope), or one custom VJP (qk_norm_rope) whose
+  # backward is XLA ("fused") or one Pallas pass ("pallas", pallas_kernels/norm_rope.py; the
+  # XLA one on TPU). The last two only where qk_norm is on, the layer uses RoPE and
+  # norm_backward is "explicit".
   qk_rope_backward: str = "separate"
   # SwiGLU's backward: "autodiff" (of jax.nn.silu(gate) * up) or "explicit" (mlp.swiglu).
   mlp_backward: str = "autodiff"
 
 
-QK_ROPE_BACKWARDS = ("separate", "fused")
+QK_ROPE_BACKWARDS = ("separate", "fused", "pallas")
 
 
 def _param(rngs, shape, std, axes):
   return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32), axes=axes)
 
-
-def _column_sum(v_RD):
-  """Σ over rows of a [rows, D] float32 array in two stages: blocks of up to 1024 rows first,
-  so the first reduction has (rows/G)·D outputs, not just D; the barrier keeps XLA from merging
-  the stages. Meant for the [B·T·N, 128] QK-norm gain gradient; on the H200 the 1.3B step moved
-  271.7 -> 270.3 ms (noise), and the attention block's big reductions stayed (BENCHMARKS.md)."""
-  R, D = v_RD.shape
-  G = next(g for g in (1024, 512, 256, 128, 64, 32, 16, 8, 4, 2, 1) if R % g == 0)
-  partial = jax.lax.optimization_barrier(v_RD.reshape(R // G, G, D).sum(axis=1))
-  return partial.sum(axis=0)
-
-
-def _rms_norm32(x, scale_D, eps: float):
-  # Statistics in float32: bf16 mean-of-squares loses precision over d_model terms.
-  x32 = x.astype(jnp.float32)
-  y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-  return y * scale_D.astype(jnp.float32)
-
-
-def _rms_norm(x, scale_D, eps: float):
-  return _rms_norm32(x, scale_D, eps).astype(x.dtype)
-
-
-# x / rms(x) · scale over the last axis, in x's dtype. The backward recomputes 1/rms from x (the
-# only residual besides the gain) and keeps the whole gradient in float32.
-rms_norm = jax.custom_vjp(_rms_norm, nondiff_argnums=(2,))
-
-
-def _rms_norm_fwd(x, scale_D, eps):
-  return rms_norm(x, scale_D, eps), (x, scale_D)
-
-
-def _rms_norm_vjp32(x, scale_D, eps, g32):
-  """(dx, d_scale) in float32 for the float32 cotangent g32 of the normalized output."""
-  x32 = x.astype(jnp.float32)
-  rstd = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-  xhat = x32 * rstd
-  dxhat = g32 * scale_D.astype(jnp.float32)
-  dx = rstd * (dxhat - xhat * jnp.mean(dxhat * xhat, axis=-1, keepdims=True))
-  return dx, _column_sum((g32 * xhat).reshape(-1, x.shape[-1]))
-
-
-def _rms_norm_bwd(eps, res, g):
-  x, scale_D = res
-  dx, d_scale = _rms_norm_vjp32(x, scale_D, eps, g.astype(jnp.float32))
-  return dx.astype(x.dtype), d_scale.astype(scale_D.dtype)
-
-
-rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 
 
 class RMSNorm(nnx.Module):
@@ -127,62 +83,6 @@ def rope_theta(cfg: ModelConfig, length: int | None) -> float:
   D = cfg.head_dim
   return cfg.rope_theta * (length / cfg.max_seq_len) ** (D / (D - 2))
 
-
-def rope_tables(positions_BT, theta, D: int):
-  """cos, sin [B, T, D/2] float32 of the angles p·θ^(-2i/D): the one place the formula lives."""
-  inv_freq = theta ** (-jnp.arange(0, D, 2, dtype=jnp.float32) / D)
-  angle_BTd = positions_BT[..., None].astype(jnp.float32) * inv_freq
-  return jnp.cos(angle_BTd), jnp.sin(angle_BTd)
-
-
-def _rotate_half(x_BTND, cos_BTd, sin_BTd):
-  """Rotate-half RoPE of a float32 x; with -sin it is the inverse (and transpose) rotation."""
-  half = x_BTND.shape[-1] // 2
-  cos, sin = cos_BTd[..., None, :], sin_BTd[..., None, :]
-  x1, x2 = x_BTND[..., :half], x_BTND[..., half:]
-  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-
-
-def apply_rope(x_BTND, positions_BT, theta: float):
-  """Rotate-half RoPE (the LLaMA / Hugging Face convention, so imported weights agree)."""
-  cos_BTd, sin_BTd = rope_tables(positions_BT, theta, x_BTND.shape[-1])
-  return _rotate_half(x_BTND.astype(jnp.float32), cos_BTd, sin_BTd).astype(x_BTND.dtype)
-
-
-def _qk_norm_rope(x_BTND, scale_D, cos_BTd, sin_BTd, eps: float):
-  # One cast at the end: the separate pair rounds to x's dtype between the norm and the rotation.
-  y_BTND = _rotate_half(_rms_norm32(x_BTND, scale_D, eps), cos_BTd, sin_BTd)
-  return y_BTND.astype(x_BTND.dtype)
-
-
-# apply_rope(rms_norm(x, scale)) with the tables precomputed, as one custom VJP. Its backward
-# un-rotates the cotangent once, instead of inside each of RMSNorm's two reductions.
-qk_norm_rope = jax.custom_vjp(_qk_norm_rope, nondiff_argnums=(4,))
-
-
-def _qk_norm_rope_fwd(x_BTND, scale_D, cos_BTd, sin_BTd, eps):
-  return qk_norm_rope(x_BTND, scale_D, cos_BTd, sin_BTd, eps), (x_BTND, scale_D, cos_BTd, sin_BTd)
-
-
-def _qk_norm_rope_bwd(eps, res, g_BTND):
-  x_BTND, scale_D, cos_BTd, sin_BTd = res
-  # Stage 1, elementwise: the rotation is orthogonal, so its transpose is the rotation by -angle.
-  # The cotangent comes in attention's [B, N, T, D] physical layout, and fused into the norm's
-  # reductions its un-rotation cost ~230 µs each (1.3B, H200). [B, T, N·D] has no layout that
-  # is a bitcast of [B, N, T, D], so the transpose must happen here, in an elementwise fusion that
-  # writes float32 once; the barrier keeps XLA from fusing it into stage 2. (Merging N into D, not
-  # B·T·N rows, keeps a tensor-sharded heads axis expressible.)
-  shape_BTC = g_BTND.shape[:-2] + (-1,)
-  g32_BTC = _rotate_half(g_BTND.astype(jnp.float32), cos_BTd, -sin_BTd).reshape(shape_BTC)
-  g32_BTND = jax.lax.optimization_barrier(g32_BTC).reshape(g_BTND.shape)
-  # Stage 2: RMSNorm's backward on the un-rotated cotangent, reading contiguous rows.
-  dx_BTND, d_scale = _rms_norm_vjp32(x_BTND, scale_D, eps, g32_BTND)
-  # cos/sin come from integer positions: nothing upstream wants their cotangents.
-  return (dx_BTND.astype(x_BTND.dtype), d_scale.astype(scale_D.dtype),
-          jnp.zeros_like(cos_BTd), jnp.zeros_like(sin_BTd))
-
-
-qk_norm_rope.defvjp(_qk_norm_rope_fwd, _qk_norm_rope_bwd)
 
 
 def _segment_bounds(segment_ids_BT, T):
@@ -232,7 +132,7 @@ class Attention(nnx.Module):
       raise ValueError(f"ModelConfig.qk_rope_backward={cfg.qk_rope_backward!r} is not one of "
                        f"{list(QK_ROPE_BACKWARDS)}")
     # autodiff norms keep the separate pair: that A/B arm measures autodiff through all of it.
-    self.fused_qk_rope = (cfg.qk_rope_backward == "fused" and cfg.qk_norm
+    self.fused_qk_rope = (cfg.qk_rope_backward != "separate" and cfg.qk_norm
                           and cfg.norm_backward == "explicit"
                           and spec.position is attn_lib.Position.ROPE)
     if attn_lib.uses_learned_tau(cfg.attention, spec):
@@ -252,8 +152,9 @@ class Attention(nnx.Module):
       v = jnp.einsum("BTE,EKD->BTKD", x_BTE, self.wv[...].astype(dt))
     if self.fused_qk_rope:
       cos_BTd, sin_BTd = rope_tables(positions_BT, theta, self.cfg.head_dim)
-      q = qk_norm_rope(q, self.q_norm.scale[...], cos_BTd, sin_BTd, self.q_norm.eps)
-      k = qk_norm_rope(k, self.k_norm.scale[...], cos_BTd, sin_BTd, self.k_norm.eps)
+      bwd = self.cfg.qk_rope_backward
+      q = qk_norm_rope(q, self.q_norm.scale[...], cos_BTd, sin_BTd, self.q_norm.eps, bwd)
+      k = qk_norm_rope(k, self.k_norm.scale[...], cos_BTd, sin_BTd, self.k_norm.eps, bwd)
       return q, k, v
     if self.cfg.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)

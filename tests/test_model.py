@@ -196,10 +196,12 @@ def _rel_err(got, want):
   return float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
 
 
+@pytest.mark.parametrize("backward", ["fused", "pallas"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("D", [64, 128])
-def test_qk_norm_rope_matches_the_separate_pair(D, dtype):
-  """qk_norm_rope (one custom VJP, the cotangent un-rotated once) == autodiff of
+def test_qk_norm_rope_matches_the_separate_pair(D, dtype, backward):
+  """qk_norm_rope (one custom VJP, the cotangent un-rotated once, in XLA or one Pallas pass) ==
+  autodiff of
   apply_rope(_rms_norm(x)): exactly up to float32 rounding, within bf16 rounding for bfloat16
   (the pair rounds between norm and rotation, the fused function only at the end). Positions are
   offset per row and θ NTK-scaled, so every frequency turns through many periods."""
@@ -212,7 +214,7 @@ def test_qk_norm_rope_matches_the_separate_pair(D, dtype):
   theta = 10000.0 * 4 ** (D / (D - 2))
   cos, sin = M.rope_tables(positions_BT, theta, D)
   rms = M._rms_norm  # pylint: disable=protected-access
-  fused = lambda x, s: M.qk_norm_rope(x, s, cos, sin, eps)  # noqa: E731
+  fused = lambda x, s: M.qk_norm_rope(x, s, cos, sin, eps, backward)  # noqa: E731
   pair = lambda x, s: M.apply_rope(rms(x, s, eps), positions_BT, theta)  # noqa: E731
   out, vjp = jax.jit(lambda x, s: jax.vjp(fused, x, s))(x, scale)
   want, want_vjp = jax.vjp(pair, x, scale)
@@ -250,16 +252,17 @@ def assert_same_loss_and_grads(a, b):
 
 
 def test_model_gradients_do_not_depend_on_the_qk_rope_backward():
-  """Whole-model float32 loss and gradients with qk_rope_backward fused == separate; the fused
-  path runs only in RoPE layers with QK-norm and the explicit norm backward."""
+  """Whole-model float32 loss and gradients with qk_rope_backward fused or pallas == separate;
+  those paths run only in RoPE layers with QK-norm and the explicit norm backward."""
   tokens = jax.random.randint(jax.random.key(9), (2, 12), 0, 96)
   pattern = "softmax:rope,dilution:none"
   results = []
-  for mode in ("separate", "fused"):
+  for mode in ("separate", "fused", "pallas"):
     model = M.Transformer(_cfg(pattern, qk_norm=True, qk_rope_backward=mode), nnx.Rngs(7))
-    assert [b.attn.fused_qk_rope for b in model.blocks] == [mode == "fused", False]
+    assert [b.attn.fused_qk_rope for b in model.blocks] == [mode != "separate", False]
     results.append(loss_and_grads(model, tokens))
-  assert_same_loss_and_grads(*results)
+  assert_same_loss_and_grads(results[0], results[1])
+  assert_same_loss_and_grads(results[0], results[2])
   for kw in (dict(qk_norm=False), dict(qk_norm=True, norm_backward="autodiff")):
     model = M.Transformer(_cfg(pattern, qk_rope_backward="fused", **kw), nnx.Rngs(7))
     assert not any(b.attn.fused_qk_rope for b in model.blocks)

@@ -125,13 +125,28 @@ for name, f in cases.items():
   assert "all-gather" not in hlo, name + ": q/k/v were gathered"
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-4)
+# QK-norm + RoPE with the Pallas backward: per device too, the gain's gradient summed over both.
+from focaljax import norm_rope
+cos, sin = norm_rope.rope_tables(jnp.arange(T)[None] + 5, 10000.0, D)
+gain, w = 1 + 0.1 * jax.random.normal(ks[4], (D,)), jax.random.normal(ks[3], q.shape)
+nr_loss = lambda x, g, bwd: jnp.sum(norm_rope.qk_norm_rope(x, g, cos, sin, 1e-5, bwd) * w)
+want = jax.jit(jax.grad(nr_loss, (0, 1)), static_argnums=2)(q, gain, "fused")
+with jax.set_mesh(mesh):
+  fn = jax.jit(jax.grad(nr_loss, (0, 1)), static_argnums=2)
+  x = jax.device_put(q, NamedSharding(mesh, P("data", None, "tensor", None)))
+  hlo = fn.lower(x, gain, "pallas").compile().as_text()
+  got = fn(x, gain, "pallas")
+assert "all-gather" not in hlo, "norm_rope: x was gathered"
+for a, b in zip(got, want):
+  np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-4)
 print("ok")
 '''
 
 
 def test_pallas_attention_runs_per_device():
   """Under a (data 2, tensor 2) mesh the Pallas kernels run on each device's rows and heads
-  (no all-gather of q/k/v) and give the unsharded values and gradients, GQA and segments too."""
+  (no all-gather of q/k/v) and give the unsharded values and gradients, GQA and segments too;
+  likewise qk_norm_rope's Pallas backward."""
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
              JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
   out = subprocess.run([sys.executable, "-c", _PER_DEVICE], cwd=ROOT, env=env,

@@ -1,0 +1,112 @@
+"""QK-norm then RoPE, backward in one Pallas pass (Triton backend on GPU, interpret mode on CPU).
+
+Forward (the spec, `norm_rope_reference`), per row x of D values (one token's head):
+  x̂ = x·r, r = rsqrt(mean(x²) + ε);   y = rotate_half(x̂·s, cos, sin)   (LLaMA rotate-half RoPE)
+Backward (`norm_rope_bwd`) for the cotangent g of y:
+  u  = rotate_half(g, cos, −sin)                 the rotation's transpose
+  dx = r·(u·s − x̂·mean(u·s·x̂))                  RMSNorm's backward on u
+  ds = Σ_rows u·x̂                                the gain's gradient
+
+Why a kernel: XLA fuses the un-rotation into the norm's two reductions and reads the cotangent
+there in attention's transposed [B, N, T, D] layout; each reduction took ~230 µs per layer at
+1.3B on the H200, ~16× the bandwidth floor, and an XLA-only split (`qk_rope_backward="fused"`)
+did not help (BENCHMARKS.md, eighth and ninth sessions). Here every row is read once, contiguous.
+
+Grid (R / block_rows, N): one program per block of rows (tokens) of one head. Blocks: x, g, dx
+[block_rows, D] (16-bit or float32), cos, sin [block_rows, D/2] float32 (re-read for each head;
+the N programs of a row block share them through L2), s [D]. Passes: one; no carries. Row
+statistics are in-register reductions over D, in float32. The gain's gradient leaves as one
+float32 [D] partial per program, [R / block_rows, N, D] (1 MB at 1.3B), which XLA sums. Memory
+moved per call: read x, g, cos, sin; write dx and the partials; no intermediate in HBM.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+BLOCK_ROWS = 64
+
+
+def rotate_half(x_RND, cos_Rd, sin_Rd):
+  """Rotate-half RoPE of float32 rows; with −sin it is the inverse (and transpose) rotation."""
+  half = x_RND.shape[-1] // 2
+  cos, sin = cos_Rd[..., None, :], sin_Rd[..., None, :]
+  x1, x2 = x_RND[..., :half], x_RND[..., half:]
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def norm_rope_reference(x_RND, scale_D, cos_Rd, sin_Rd, eps: float):
+  """rotate_half(rms_norm(x)·scale) in float32, cast to x's dtype; leading dims are rows."""
+  x32 = x_RND.astype(jnp.float32)
+  xhat = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return rotate_half(xhat * scale_D.astype(jnp.float32), cos_Rd, sin_Rd).astype(x_RND.dtype)
+
+
+def _bwd_kernel(x_ref, g_ref, cos_ref, sin_ref, s_ref, dx_ref, ds_ref, *, eps, half):
+  f32 = jnp.float32
+  lo, hi = pl.ds(0, half), pl.ds(half, half)
+  x1, x2 = x_ref[:, lo].astype(f32), x_ref[:, hi].astype(f32)
+  g1, g2 = g_ref[:, lo].astype(f32), g_ref[:, hi].astype(f32)
+  c, s = cos_ref[...], sin_ref[...]
+  u1, u2 = g1 * c + g2 * s, g2 * c - g1 * s
+  inv_d = 1.0 / (2 * half)
+  r = lax.rsqrt((jnp.sum(x1 * x1, axis=1) + jnp.sum(x2 * x2, axis=1)) * inv_d + eps)[:, None]
+  xh1, xh2 = x1 * r, x2 * r
+  du1, du2 = u1 * s_ref[lo][None, :], u2 * s_ref[hi][None, :]
+  m = ((jnp.sum(du1 * xh1, axis=1) + jnp.sum(du2 * xh2, axis=1)) * inv_d)[:, None]
+  dx_ref[:, lo] = (r * (du1 - xh1 * m)).astype(dx_ref.dtype)
+  dx_ref[:, hi] = (r * (du2 - xh2 * m)).astype(dx_ref.dtype)
+  ds_ref[lo] = jnp.sum(u1 * xh1, axis=0)
+  ds_ref[hi] = jnp.sum(u2 * xh2, axis=0)
+
+
+def _block_rows(R: int, block_rows: int) -> int:
+  """The largest power of two ≤ block_rows that divides R (rows are tokens: B·T)."""
+  b = block_rows
+  while b > 1 and R % b:
+    b //= 2
+  return b
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "block_rows", "interpret"))
+def norm_rope_bwd(x_RND, scale_D, cos_Rd, sin_Rd, g_RND, *, eps: float,
+                  block_rows: int = BLOCK_ROWS, interpret: bool = False):
+  """(dx in x's dtype, d_scale float32 [D]) of `norm_rope_reference` for the cotangent g.
+
+  x, g [R, N, D] (R rows: flatten B·T first); cos, sin float32 [R, D/2]; scale [D]. D must be
+  even and, compiled, a power of two (Triton's block shapes); R is padded to a multiple of 8
+  rows when no power of two ≥ 8 up to block_rows divides it.
+  """
+  R, N, D = x_RND.shape
+  if D % 2 or (not interpret and D & (D - 1)):
+    raise ValueError(f"norm_rope_bwd: head dim D={D} must be even (a power of two compiled)")
+  if g_RND.shape != x_RND.shape or cos_Rd.shape != (R, D // 2) or sin_Rd.shape != cos_Rd.shape:
+    raise ValueError(f"norm_rope_bwd: want g {x_RND.shape}, cos/sin {(R, D // 2)}; got "
+                     f"{g_RND.shape}, {cos_Rd.shape}, {sin_Rd.shape}")
+  br = _block_rows(R, block_rows)
+  Rp = R
+  if br < 8:  # pad the rows: zero x and g give zero dx and no gain gradient
+    br = min(block_rows, 8)
+    Rp = -(-R // br) * br
+    pad = lambda a: jnp.pad(a, [(0, Rp - R)] + [(0, 0)] * (a.ndim - 1))  # noqa: E731
+    x_RND, g_RND, cos_Rd, sin_Rd = map(pad, (x_RND, g_RND, cos_Rd, sin_Rd))
+  rows = pl.BlockSpec((br, None, D), lambda i, h: (i, h, 0))
+  table = pl.BlockSpec((br, D // 2), lambda i, h: (i, 0))
+  dx, ds_partial = pl.pallas_call(
+      functools.partial(_bwd_kernel, eps=float(eps), half=D // 2),
+      grid=(Rp // br, N),
+      in_specs=[rows, rows, table, table, pl.BlockSpec((D,), lambda i, h: (0,))],
+      out_specs=[rows, pl.BlockSpec((None, None, D), lambda i, h: (i, h, 0))],
+      out_shape=[jax.ShapeDtypeStruct((Rp, N, D), x_RND.dtype),
+                 jax.ShapeDtypeStruct((Rp // br, N, D), jnp.float32)],
+      compiler_params=None if interpret else pltriton.CompilerParams(num_warps=4, num_stages=1),
+      interpret=interpret,
+  )(x_RND, g_RND, cos_Rd.astype(jnp.float32), sin_Rd.astype(jnp.float32),
+    scale_D.astype(jnp.float32))
+  return dx[:R], ds_partial.sum(axis=(0, 1))

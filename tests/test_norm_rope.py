@@ -1,0 +1,65 @@
+"""pallas_kernels/norm_rope.py: the QK-norm + RoPE backward kernel against autodiff of its
+reference (dx and the gain's gradient), fp32 and bf16, head dims 64/128 and a row count that
+needs padding; in interpret mode on CPU and compiled (Triton) on a GPU.
+
+Run: python -m pytest -q tests/test_norm_rope.py   (GPU only: -m gpu)
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels import norm_rope as nr
+
+ON_GPU = jax.default_backend() == "gpu"
+
+
+def _rel(a, b):
+  a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+  return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+
+
+def _compare(seed, R, N, D, dtype, *, interpret, block_rows=nr.BLOCK_ROWS):
+  ks = jax.random.split(jax.random.key(seed), 4)
+  x = (3 * jax.random.normal(ks[0], (R, N, D))).astype(dtype)
+  scale = 1 + 0.1 * jax.random.normal(ks[1], (D,))
+  angle = 60 * jax.random.uniform(ks[2], (R, D // 2))  # many periods: every sign of cos/sin
+  cos, sin = jnp.cos(angle), jnp.sin(angle)
+  g = jax.random.normal(ks[3], (R, N, D)).astype(dtype)
+  ref = lambda x, s: nr.norm_rope_reference(x, s, cos, sin, 1e-5).astype(jnp.float32)  # noqa: E731
+  _, vjp = jax.vjp(ref, x, scale)
+  want_dx, want_ds = vjp(g.astype(jnp.float32))
+  dx, ds = nr.norm_rope_bwd(x, scale, cos, sin, g, eps=1e-5, block_rows=block_rows,
+                            interpret=interpret)
+  assert dx.dtype == dtype and ds.dtype == jnp.float32 and ds.shape == (D,)
+  tol = 1e-5 if dtype == jnp.float32 else 1e-2
+  assert _rel(dx, want_dx) < tol and _rel(ds, want_ds) < tol, (_rel(dx, want_dx),
+                                                              _rel(ds, want_ds))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("R, N, D", [(128, 3, 64), (100, 2, 128), (12, 2, 16)])
+def test_matches_autodiff_of_the_reference(R, N, D, dtype):
+  # 100 rows: blocks of 4 would divide them, so the kernel pads to blocks of 8; 12 rows: 4 again.
+  _compare(0, R, N, D, dtype, interpret=True)
+
+
+def test_bad_shapes_name_the_field():
+  x = jnp.zeros((8, 2, 16))
+  with pytest.raises(ValueError, match="cos/sin"):
+    nr.norm_rope_bwd(x, jnp.ones(16), jnp.zeros((8, 4)), jnp.zeros((8, 4)), x, eps=1e-5,
+                     interpret=True)
+  with pytest.raises(ValueError, match="D=15"):
+    x = jnp.zeros((8, 2, 15))
+    nr.norm_rope_bwd(x, jnp.ones(15), jnp.zeros((8, 7)), jnp.zeros((8, 7)), x, eps=1e-5,
+                     interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="the compiled Triton kernel needs a GPU")
+class TestCompiledGPU:
+
+  @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+  @pytest.mark.parametrize("R, N, D", [(16384, 16, 128), (4096, 8, 64), (1000, 4, 128)])
+  def test_matches_autodiff_of_the_reference(self, R, N, D, dtype):
+    _compare(1, R, N, D, dtype, interpret=False)
