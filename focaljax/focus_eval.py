@@ -200,8 +200,15 @@ def passkey(adapter, base, cfg: focus.FocusConfig, tokenizer, multipliers=DEFAUL
                                               == first)
     row["seconds"] = round(time.time() - t0, 1)
     if log:
+      # The whole row as it finishes: a run cut short by its wall limit still reports it
+      # (fifteenth session: the copy-initialised adapter's table was lost that way).
+      mem = [t for t in row["trials"] if t["needle_in_memory"]]
+      shares = [t["needle_share"] for t in mem]
       log(f"  focus passkey {m}x ({L} tokens): {sum(t['correct'] for t in row['trials'])}"
-          f"/{len(seeds)} in {row['seconds']} s")
+          f"/{len(seeds)} in {row['seconds']} s; needle in memory "
+          f"{sum(t['correct'] for t in mem)}/{len(mem)}, cand mass "
+          f"{np.mean([np.mean(t['candidate_mass']) for t in row['trials']]):.3f}, needle/cand "
+          + (f"{np.mean(shares):.3f}" if shares else "-"))
 
   def acc(trials):
     return _share([t["correct"] for t in trials])

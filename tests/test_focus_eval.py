@@ -145,8 +145,11 @@ def test_passkey_feeds_the_official_prompt_and_scores_exact_keys(tiny, tok, monk
 
 def test_passkey_with_a_model_is_well_formed(tiny, tok):
   base, adapter, cfg = tiny
-  r = focus_eval.passkey(adapter, base, cfg, tok, multipliers=(2,), seeds=2)
+  lines = []
+  r = focus_eval.passkey(adapter, base, cfg, tok, multipliers=(2,), seeds=2, log=lines.append)
   row = r["rows"][0]
+  # The row's line carries the diagnostics too, so a run cut short still reports them.
+  assert len(lines) == 1 and "needle in memory" in lines[0] and "cand mass" in lines[0]
   assert row["length"] == 128 and row["num_chunks"] * 16 == row["memory_len"] == 96
   assert [t["seed"] for t in row["trials"]] == [0, 1]
   assert all(isinstance(t["output"], str) and isinstance(t["correct"], bool)
