@@ -106,7 +106,7 @@ def norm_rope_bwd(x_RND, scale_D, cos_Rd, sin_Rd, g_RND, *, eps: float,
       out_shape=[jax.ShapeDtypeStruct((Rp, N, D), x_RND.dtype),
                  jax.ShapeDtypeStruct((Rp // br, N, D), jnp.float32)],
       compiler_params=None if interpret else pltriton.CompilerParams(num_warps=4, num_stages=1),
-      interpret=interpret,
+      interpret=interpret, name="norm_rope_bwd",
   )(x_RND, g_RND, cos_Rd.astype(jnp.float32), sin_Rd.astype(jnp.float32),
     scale_D.astype(jnp.float32))
   return dx[:R], ds_partial.sum(axis=(0, 1))

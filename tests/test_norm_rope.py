@@ -55,6 +55,18 @@ def test_bad_shapes_name_the_field():
                      interpret=True)
 
 
+@pytest.mark.parametrize("D", [64, 128])
+def test_lowers_to_triton(D):
+  """The kernel lowers through Pallas' Triton backend for CUDA (no GPU needed; PTX is not
+  compiled): the half-row slices, row and column reductions and 1-D stores are all expressible."""
+  sds = jax.ShapeDtypeStruct
+  x, t = sds((4096, 8, D), jnp.bfloat16), sds((4096, D // 2), jnp.float32)
+  fn = lambda x, s, c, sn, g: nr.norm_rope_bwd(x, s, c, sn, g, eps=1e-5)  # noqa: E731
+  text = jax.jit(fn).trace(x, sds((D,), jnp.float32), t, t, x).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "__gpu$xla.gpu.triton" in text and 'name = "norm_rope_bwd"' in text, text[:2000]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="the compiled Triton kernel needs a GPU")
 class TestCompiledGPU:
