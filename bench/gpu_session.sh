@@ -30,13 +30,14 @@ for spec in "$@"; do
     fused_bwd) $RUN python3 -m pytest -q -p no:cacheprovider tests/test_focal_mgpu_bwd_fused.py \
              -k Compiled 2>&1 | tee "$OUT/fused_bwd_tests.log" | tail -20
              $RUN python3 bench/focal_mgpu_bwd.py --fused 2>&1 | tee "$OUT/fused_bwd.log" | tail -20 ;;
-    norm_rope)  # issue 3: the Pallas QK-norm + RoPE backward, compiled tests then the step A/B
+    glue_kernels)  # issue 3: the Pallas QK-norm + RoPE backward and SwiGLU passes, compiled
+             # tests, then the step A/B (defaults, each kernel, both) in one process per size
              $RUN python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/test_norm_rope.py \
-               -k Compiled 2>&1 | tee "$OUT/norm_rope_tests.log" | tail -3
-             $RUN python3 bench/train_step.py --sizes "${NR_SIZES:-400m,1.3b}" --impls cudnn \
-               --steps 8 --variants ";model.qk_rope_backward=pallas;model.qk_rope_backward=fused" \
-               --out "$OUT/norm_rope_step.json" 2>&1 | grep --line-buffered -v -i autotun \
-               | tee "$OUT/norm_rope_step.log" | tail -10 ;;
+               tests/test_swiglu_kernel.py -k Compiled 2>&1 | tee "$OUT/glue_tests.log" | tail -3
+             $RUN python3 bench/train_step.py --sizes "${GLUE_SIZES:-400m,1.3b}" --impls cudnn \
+               --steps 8 --variants "${GLUE_VARIANTS:-;model.qk_rope_backward=pallas;model.mlp_backward=pallas;model.qk_rope_backward=pallas,model.mlp_backward=pallas}" \
+               --out "$OUT/glue_step.json" 2>&1 | grep --line-buffered -v -i autotun \
+               | tee "$OUT/glue_step.log" | tail -10 ;;
     dilution_step) $RUN python3 bench/train_step.py --sizes 209m --seq_len 16384 --batch 1 \
              --impls pallas,cudnn --patterns "softmax:rope;dilution:none" --steps 6 \
              --out "$OUT/dilution_step.json" 2>&1 | grep --line-buffered -v -i autotun \

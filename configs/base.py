@@ -55,7 +55,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       # un-rotated once, then the norm's reductions) | pallas (qk_norm_rope's backward as one
       # Pallas pass, pallas_kernels/norm_rope.py). Only with qk_norm, RoPE layers, explicit.
       qk_rope_backward="separate",
-      # SwiGLU backward: autodiff | explicit (mlp.swiglu: float32, both cotangents in one pass).
+      # SwiGLU backward: autodiff | explicit (mlp.swiglu: float32, both cotangents in one pass) |
+      # pallas (mlp.swiglu_pallas: forward and backward as Pallas elementwise passes).
       mlp_backward="autodiff",
   ))
   c.model.attention = ml_collections.ConfigDict(dict(

@@ -3,7 +3,9 @@
 Einsum letters as in model.py: B batch, T positions, E d_model, F d_ff, C the stacked gate/up pair.
 
 `swiglu` is the activation with a hand-written backward; `ModelConfig.mlp_backward` picks it
-("explicit") or autodiff of `jax.nn.silu(gate) * up` ("autodiff", kept for A/B runs).
+("explicit"), autodiff of `jax.nn.silu(gate) * up` ("autodiff", kept for A/B runs), or
+`swiglu_pallas`, forward and backward as Pallas elementwise passes ("pallas",
+pallas_kernels/swiglu.py; the explicit XLA one on TPU).
 """
 
 from __future__ import annotations
@@ -14,10 +16,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from focaljax import sharding
+from pallas_kernels import swiglu as swiglu_kernels
+
 if TYPE_CHECKING:
   from focaljax.model import ModelConfig
 
-MLP_BACKWARDS = ("autodiff", "explicit")
+MLP_BACKWARDS = ("autodiff", "explicit", "pallas")
 
 
 def _swiglu(gate_BTF, up_BTF):
@@ -54,6 +59,48 @@ def _swiglu_bwd(res, dh_BTF):
 swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
+def _per_device(fn, n_out: int, *arrays_BTF):
+  """fn's n_out [B, T, F] outputs (one array when n_out == 1), computed on each device's block
+  of the [B, T, F] inputs (jax.shard_map over the rows and "mlp" columns the devices divide): a
+  pallas_call has no partitioning rule, so XLA would otherwise gather them onto every device."""
+  mesh = jax.sharding.get_abstract_mesh()
+  spec = None if mesh.empty else sharding.dividing_spec(mesh, ("batch", None, "mlp"),
+                                                         arrays_BTF[0].shape)
+  if spec is None or all(a is None for a in spec):
+    return fn(*arrays_BTF)
+  return jax.shard_map(fn, in_specs=(spec,) * len(arrays_BTF),
+                       out_specs=spec if n_out == 1 else (spec,) * n_out,
+                       check_vma=False)(*arrays_BTF)
+
+
+def _interpret() -> bool:
+  return jax.default_backend() not in ("gpu", "cuda", "rocm")
+
+
+@jax.custom_vjp
+def swiglu_pallas(gate_BTF, up_BTF):
+  """swiglu through the Pallas kernels (compiled on GPU, interpreted on CPU; XLA on TPU, where
+  the Triton kernels do not run)."""
+  if jax.default_backend() == "tpu":
+    return _swiglu(gate_BTF, up_BTF)
+  fwd = lambda g, u: swiglu_kernels.swiglu_fwd(g, u, interpret=_interpret())  # noqa: E731
+  return _per_device(fwd, 1, gate_BTF, up_BTF)
+
+
+def _swiglu_pallas_fwd(gate_BTF, up_BTF):
+  return swiglu_pallas(gate_BTF, up_BTF), (gate_BTF, up_BTF)
+
+
+def _swiglu_pallas_bwd(res, dh_BTF):
+  if jax.default_backend() == "tpu":
+    return _swiglu_bwd(res, dh_BTF)
+  bwd = lambda g, u, d: swiglu_kernels.swiglu_bwd(g, u, d, interpret=_interpret())  # noqa: E731
+  return tuple(_per_device(bwd, 2, *res, dh_BTF))
+
+
+swiglu_pallas.defvjp(_swiglu_pallas_fwd, _swiglu_pallas_bwd)
+
+
 def _swiglu_autodiff(gate_BTF, up_BTF):
   return jax.nn.silu(gate_BTF) * up_BTF
 
@@ -75,7 +122,8 @@ class Mlp(nnx.Module):
     if cfg.mlp_backward not in MLP_BACKWARDS:
       raise ValueError(f"ModelConfig.mlp_backward={cfg.mlp_backward!r} is not one of "
                        f"{list(MLP_BACKWARDS)}")
-    self.explicit = cfg.mlp_backward == "explicit"
+    self.activation = {"autodiff": _swiglu_autodiff, "explicit": swiglu,
+                       "pallas": swiglu_pallas}[cfg.mlp_backward]
 
   def __call__(self, x_BTE):
     dt = x_BTE.dtype
@@ -86,5 +134,5 @@ class Mlp(nnx.Module):
     else:
       gate_BTF = jnp.einsum("BTE,EF->BTF", x_BTE, self.w_gate[...].astype(dt))
       up_BTF = jnp.einsum("BTE,EF->BTF", x_BTE, self.w_up[...].astype(dt))
-    h_BTF = (swiglu if self.explicit else _swiglu_autodiff)(gate_BTF, up_BTF)
+    h_BTF = self.activation(gate_BTF, up_BTF)
     return jnp.einsum("BTF,FE->BTE", h_BTF, self.w_down[...].astype(dt))

@@ -53,7 +53,8 @@ class ModelConfig:
   # XLA one on TPU). The last two only where qk_norm is on, the layer uses RoPE and
   # norm_backward is "explicit".
   qk_rope_backward: str = "separate"
-  # SwiGLU's backward: "autodiff" (of jax.nn.silu(gate) * up) or "explicit" (mlp.swiglu).
+  # SwiGLU's backward: "autodiff" (of jax.nn.silu(gate) * up), "explicit" (mlp.swiglu) or
+  # "pallas" (mlp.swiglu_pallas: forward and backward as Pallas passes).
   mlp_backward: str = "autodiff"
 
 

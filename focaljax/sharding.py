@@ -122,6 +122,13 @@ def dividing_axes(mesh, logical: str, size: int) -> tuple[str, ...] | None:
   return axes if n > 1 and size % n == 0 else None
 
 
+def dividing_spec(mesh, logical: tuple[str | None, ...], shape) -> P:
+  """The PartitionSpec that splits each dimension of `shape` by its logical name's mesh axes
+  where they divide it (`dividing_axes`), else keeps it whole. For shard_map'd kernels."""
+  return P(*(None if name is None else dividing_axes(mesh, name, n)
+             for name, n in zip(logical, shape)))
+
+
 def constrain(x, logical: tuple[str | None, ...]):
   """with_sharding_constraint by logical names under the ambient mesh (a no-op without one)."""
   mesh = jax.sharding.get_abstract_mesh()

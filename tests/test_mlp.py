@@ -83,15 +83,18 @@ def _cfg(**kw):
 
 @pytest.mark.parametrize("fuse", [False, True])
 def test_model_does_not_depend_on_the_mlp_backward(fuse):
-  """Whole-model float32 loss and gradients with mlp_backward explicit == autodiff, over both the
-  separate and the stacked gate/up GEMM."""
+  """Whole-model float32 loss and gradients with mlp_backward explicit == pallas == autodiff,
+  over both the separate and the stacked gate/up GEMM."""
   tokens = jax.random.randint(jax.random.key(9), (2, 12), 0, 96)
   results = []
   for mode in mlp.MLP_BACKWARDS:
     model = M.Transformer(_cfg(mlp_backward=mode, fuse_matmuls=fuse), nnx.Rngs(7))
-    assert all(b.mlp.explicit == (mode == "explicit") for b in model.blocks)
+    want = {"autodiff": mlp._swiglu_autodiff,  # pylint: disable=protected-access
+            "explicit": mlp.swiglu, "pallas": mlp.swiglu_pallas}[mode]
+    assert all(b.mlp.activation is want for b in model.blocks)
     results.append(loss_and_grads(model, tokens))
-  assert_same_loss_and_grads(*results)
+  for other in results[1:]:
+    assert_same_loss_and_grads(results[0], other)
 
 
 def test_unknown_mlp_backward_is_refused():

@@ -139,6 +139,19 @@ with jax.set_mesh(mesh):
 assert "all-gather" not in hlo, "norm_rope: x was gathered"
 for a, b in zip(got, want):
   np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-4)
+# The SwiGLU activation's Pallas passes: per device over rows and "mlp" columns.
+from focaljax import mlp
+gate, up = jax.random.normal(ks[0], (B, T, 96)), jax.random.normal(ks[1], (B, T, 96))
+sw_loss = lambda act, g, u: jnp.sum(act(g, u) * jnp.sin(g))
+want = jax.jit(jax.grad(sw_loss, (1, 2)), static_argnums=0)(mlp.swiglu, gate, up)
+with jax.set_mesh(mesh):
+  fn = jax.jit(jax.grad(sw_loss, (1, 2)), static_argnums=0)
+  gu = [jax.device_put(a, NamedSharding(mesh, P("data", None, "tensor"))) for a in (gate, up)]
+  hlo = fn.lower(mlp.swiglu_pallas, *gu).compile().as_text()
+  got = fn(mlp.swiglu_pallas, *gu)
+assert "all-gather" not in hlo, "swiglu: gate/up were gathered"
+for a, b in zip(got, want):
+  np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-4)
 print("ok")
 '''
 
@@ -146,7 +159,7 @@ print("ok")
 def test_pallas_attention_runs_per_device():
   """Under a (data 2, tensor 2) mesh the Pallas kernels run on each device's rows and heads
   (no all-gather of q/k/v) and give the unsharded values and gradients, GQA and segments too;
-  likewise qk_norm_rope's Pallas backward."""
+  likewise qk_norm_rope's Pallas backward and the SwiGLU activation's Pallas passes."""
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
              JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
   out = subprocess.run([sys.executable, "-c", _PER_DEVICE], cwd=ROOT, env=env,
