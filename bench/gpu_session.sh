@@ -38,6 +38,14 @@ for spec in "$@"; do
                --steps 8 --variants "${GLUE_VARIANTS:-;model.qk_rope_backward=pallas;model.mlp_backward=pallas;model.qk_rope_backward=pallas,model.mlp_backward=pallas}" \
                --out "$OUT/glue_step.json" 2>&1 | grep --line-buffered -v -i autotun \
                | tee "$OUT/glue_step.log" | tail -10 ;;
+    dilution_2p)  # issue 4: the Mosaic B1 with two bf16 mask pieces, compiled test then timed
+             $RUN python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/test_dilution_kernel.py \
+               -k "Compiled and mosaic_2p" 2>&1 | tee "$OUT/dilution_2p_tests.log" | tail -3
+             $RUN python3 bench/dilution.py --passes --b1-variants b1_mosaic,b1_mosaic_2p \
+               --out "$OUT/dilution_2p_passes.json" 2>&1 | tee "$OUT/dilution_2p_passes.log" | tail -8
+             $RUN python3 bench/dilution.py --impls dilution,cudnn --skip prefill,decode \
+               --train-variants default,b1_mosaic_2p --train-shapes 2x12x16384x64,1x16x8192x128 \
+               --out "$OUT/dilution_2p.json" 2>&1 | tee "$OUT/dilution_2p.log" | tail -12 ;;
     dilution_step) $RUN python3 bench/train_step.py --sizes 209m --seq_len 16384 --batch 1 \
              --impls pallas,cudnn --patterns "softmax:rope;dilution:none" --steps 6 \
              --out "$OUT/dilution_step.json" 2>&1 | grep --line-buffered -v -i autotun \

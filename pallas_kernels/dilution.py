@@ -116,6 +116,10 @@ class BlockSizes:
   b1_impl: str = "triton"
   # F2's kernel likewise: "triton" (dilution_fwd) or "mosaic" (dilution_mgpu_fwd).
   f2_impl: str = "triton"
+  # The Mosaic B1's in-tile prefix and suffix products (6 of its 12 wgmmas per tile pair at 3):
+  # 3 bf16 pieces keep float32 accuracy; 2 keep ~16 bits (relative error ≲ 2⁻¹⁶) and drop two
+  # products. The Triton B1 ignores it.
+  b1_mask_pieces: int = 3
 
   @classmethod
   def default(cls, head_dim: int, dtype=None, *, hopper: bool = False) -> "BlockSizes":
@@ -159,6 +163,8 @@ class BlockSizes:
       if getattr(self, field) not in KERNEL_IMPLS:
         raise ValueError(f"BlockSizes.{field}={getattr(self, field)!r} must be one of "
                          f"{KERNEL_IMPLS}")
+    if self.b1_mask_pieces not in (2, 3):
+      raise ValueError(f"BlockSizes.b1_mask_pieces={self.b1_mask_pieces!r} must be 2 or 3")
     for f in dataclasses.fields(self):
       x = getattr(self, f.name)
       if f.name.startswith("block") or f.name in ("ckpt_rows", "split_k_decode"):
@@ -248,7 +254,8 @@ def b1_reverse_sweep(q, k, v, seg, lse, ssum, dbar, do, ckpt, *, scale, eps, bs,
   """B1 by `BlockSizes.b1_impl`: (dq_main, ĝ, dk_main, dv), as dilution_bwd.reverse_sweep."""
   if _uses_mosaic(q, bs, "b1_impl"):
     return dilution_mgpu.reverse_sweep(q, k, v, seg, lse, ssum, dbar, do, ckpt, scale=scale,
-                                       eps=eps, ckpt_rows=bs.ckpt_rows, interpret=interpret)
+                                       eps=eps, ckpt_rows=bs.ckpt_rows,
+                                       mask_pieces=bs.b1_mask_pieces, interpret=interpret)
   return dilution_bwd.reverse_sweep(q, k, v, seg, lse, ssum, dbar, do, ckpt, scale=scale, eps=eps,
                                     bs=bs, interpret=interpret)
 

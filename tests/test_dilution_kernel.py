@@ -36,7 +36,9 @@ B1_VARIANTS_LONG = {"default": {}, **B1_VARIANTS,
                     "scratch_b1k128_w8": dict(b1_carries="scratch", b1_block_k=128, b1_warps=8),
                     # F2 and B1 on Hopper's wgmma/TMA (dilution_mgpu*.py; CPU tests:
                     # test_dilution_mgpu.py).
-                    "mosaic": dict(b1_impl="mosaic", f2_impl="mosaic")}
+                    "mosaic": dict(b1_impl="mosaic", f2_impl="mosaic"),
+                    # The Mosaic B1 with two bf16 pieces per in-tile mask product.
+                    "mosaic_2p": dict(b1_impl="mosaic", b1_mask_pieces=2)}
 # B1's key block unlike B2's (on SMALL, T = 96): B1 wider (3 blocks of 32 vs B2's 6 of 16, as
 # b1_block_k=128 over block_k=64 on the GPU) and narrower (6 of 16 vs 3 of 32); warps only matter
 # compiled.

@@ -68,6 +68,28 @@ def test_matches_the_triton_b1_interpret(T, segments, D, dtype, B, N, K):
     assert _rel(a, b) < tol, (name, _rel(a, b))
 
 
+def test_two_mask_pieces_stay_close():
+  """BlockSizes.b1_mask_pieces=2: the in-tile prefix/suffix products from two bf16 pieces (~16
+  significant bits) instead of three stay within bf16-input noise of the Triton B1."""
+  q, k, v, seg, do = _qkv(384, 2, 1, segments=True)
+  scale, eps = 0.125, 1e-9
+  out, (lse, _, ssum, _, ckpt) = dilution._forward(q, k, v, seg, scale, eps, BS, True,
+                                                   training=True)
+  dbar = jnp.einsum("BTND,BTND->BNT", do.astype(jnp.float32), out)
+  args = (q, k, v, seg, lse, ssum, dbar, do, ckpt)
+  want = dilution_bwd.reverse_sweep(*args, scale=scale, eps=eps, bs=BS, interpret=True)
+  with mgpu_compat.cached_interpreter_threads():
+    got = jax.block_until_ready(dilution_mgpu.reverse_sweep(
+        *args, scale=scale, eps=eps, ckpt_rows=R, mask_pieces=2, interpret=True))
+  assert not mgpu_compat.interpret_races_found()
+  # Measured: dq 5.0e-4, ĝ 2.6e-6, dk 5.8e-4, dv 8.9e-4 (three pieces: dv < 2e-4); bf16's own
+  # rounding is 3.9e-3.
+  for name, a, b, tol in zip(("dq", "ghat", "dk", "dv"), got, want, (2e-3, 1e-5, 2e-3, 2e-3)):
+    assert _rel(a, b) < tol, (name, _rel(a, b))
+  with pytest.raises(ValueError, match="b1_mask_pieces"):
+    dilution.BlockSizes(b1_mask_pieces=1).validate(64)
+
+
 @pytest.mark.parametrize("T, segments, D, dtype, B, N, K", CASES)
 def test_f2_matches_the_triton_f2_interpret(T, segments, D, dtype, B, N, K):
   q, k, v, seg, _ = _qkv(T, N, K, segments=segments, D=D, dtype=dtype, B=B)
@@ -106,13 +128,14 @@ def test_the_op_runs_both_when_asked():
       assert 'name = "dilution_reverse_sweep"' not in text
 
 
-@pytest.mark.parametrize("D", [64, 128])
-def test_lowers_to_mosaic_gpu(D):
+@pytest.mark.parametrize("D, mask_pieces", [(64, 3), (128, 3), (64, 2), (128, 2)])
+def test_lowers_to_mosaic_gpu(D, mask_pieces):
   S = jax.ShapeDtypeStruct
   q, kv = S((2, 2048, 4, D), jnp.bfloat16), S((2, 2048, 2, D), jnp.bfloat16)
   rows = S((2, 4, 2048), jnp.float32)
   fn = jax.jit(lambda *a: dilution_mgpu.reverse_sweep(*a, scale=D**-0.5, eps=1e-9,
-                                                      ckpt_rows=1024, interpret=False))
+                                                      ckpt_rows=1024, mask_pieces=mask_pieces,
+                                                      interpret=False))
   text = fn.trace(q, kv, kv, S((2, 2048), jnp.int32), rows, rows, rows, q,
                   S((2, 4, 2, 2048), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
