@@ -60,6 +60,9 @@ _FOCUS_IMPLEMENTATION = flags.DEFINE_enum("focus_implementation", None, ["xla", 
 _FOCUS_CANDIDATE_BIAS = flags.DEFINE_enum(
     "focus_candidate_bias", None, sorted(focus.CANDIDATE_BIASES),
     "candidates' logit bias in the local decoder (focus.CANDIDATE_BIASES); default: the adapter's")
+_FOCUS_SINK = flags.DEFINE_enum(
+    "focus_sink", None, list(focus.SINKS),
+    "attention sink before the candidates (focus.SINKS); default: the adapter's")
 _FOCUS_PASSKEY_BATCH = flags.DEFINE_integer(
     "focus_passkey_batch", 1, "focus_passkey trials per generate call (each holds its own chunk "
     "caches: at 100x a 1K context, ~5.7 GB in bfloat16 for a 97.5M base)")
@@ -98,7 +101,7 @@ def main(argv):
         max_books=_MAX_BOOKS.value, multipliers=[int(m) for m in _FOCUS_MULTIPLIERS.value],
         seeds=_SEEDS.value if present("passkey_seeds") else 10,
         local_len=_FOCUS_LOCAL_LEN.value, chunk_size=_FOCUS_CHUNK_SIZE.value,
-        candidate_bias=_FOCUS_CANDIDATE_BIAS.value,
+        candidate_bias=_FOCUS_CANDIDATE_BIAS.value, sink=_FOCUS_SINK.value,
         implementation=_FOCUS_IMPLEMENTATION.value, dtype=_FOCUS_DTYPE.value,
         passkey_batch=_FOCUS_PASSKEY_BATCH.value, passkey_filler=_FOCUS_PASSKEY_FILLER.value,
         out_dir=_OUT_DIR.value)

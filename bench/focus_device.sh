@@ -32,6 +32,8 @@
 # ANSWER_W: focus.answer_weight, how many times a drill answer's targets count in the loss (1).
 # CAND_BIAS: focus.candidate_bias, "none" (the paper) or "log_count" (candidates' logits - log C),
 # for the adapter (and the copy-initialised one); EVAL_CAND_BIAS overrides it in the eval stage.
+# SINK: focus.sink, "none" (the paper) or "first_token" (the memory's first token's frozen k/v as an
+# attention sink before the candidates; needs CAND_BIAS=none); EVAL_SINK overrides it at eval.
 # ADAPTER: what the eval stage reads (default: the adapter run's latest adapter/<step>).
 # FILLER=books: passkey prompts filled with a held-out book instead of the official sentences.
 # CAND_POS: focus.candidate_positions for stages 1b and 2, default sequential (the official
@@ -102,7 +104,8 @@ tail -n 6 "$OUT/eval_base_passkey.log"
 #     the chunk layout lets the base read the needle at all, before any training (INIT_LIMIT=0 skips).
 #     INIT_BIASES (default: CAND_BIAS) evaluates it once per candidate bias (eval.py
 #     --focus_candidate_bias), each under INIT_LIMIT, into $OUT/eval_init_<bias>.log, e.g.
-#     INIT_BIASES="none log_count".
+#     INIT_BIASES="none log_count"; likewise INIT_SINKS (default: SINK) per sink, e.g.
+#     INIT_SINKS="none first_token" (logs eval_init_<bias>[_<sink>].log; a sink runs with bias none).
 if [ "${INIT_LIMIT:-0}" != 0 ]; then
   python3 -c "import sys; from focaljax import focus, focus_adapter, loaded
 m = loaded.load(sys.argv[1])
@@ -111,14 +114,18 @@ focus_adapter.save_adapter(sys.argv[2], focus.init_adapter(m.model), focus.Focus
     candidate_positions=sys.argv[6], candidate_bias=sys.argv[7]), sys.argv[1])" \
     "$BASE" "$ROOT/focus_init" "${CHUNKS%%,*}" "${PROMPT:-256}" "${FOCUS_IMPL:-pallas}" \
     "${CAND_POS:-sequential}" "${CAND_BIAS:-none}"
-  for bias in ${INIT_BIASES:-${CAND_BIAS:-none}}; do
-    stage "init_adapter ($bias)" "${INIT_LIMIT}"
-    run_for "${INIT_LIMIT}" python3 eval.py --workdir "$BASE" --focus_adapter "$ROOT/focus_init" \
-      --suites focus_passkey --focus_multipliers "${INIT_MULTS:-2,8}" --passkey_seeds "${SEEDS:-10}" \
-      --focus_dtype "${DTYPE:-bfloat16}" --focus_local_len "${LOCAL:-512}" \
-      --focus_candidate_bias="$bias" --out_dir "$ROOT/focus_init/eval_$bias" 2>&1 | quiet \
-      > "$OUT/eval_init_$bias.log"
-    tail -n 8 "$OUT/eval_init_$bias.log"
+  for sink in ${INIT_SINKS:-${SINK:-none}}; do
+    for bias in ${INIT_BIASES:-${CAND_BIAS:-none}}; do
+      [ "$sink" != none ] && [ "$bias" != none ] && continue   # focus.FocusConfig refuses both
+      name=$bias; [ "$sink" != none ] && name=${bias}_$sink
+      stage "init_adapter ($name)" "${INIT_LIMIT}"
+      run_for "${INIT_LIMIT}" python3 eval.py --workdir "$BASE" --focus_adapter "$ROOT/focus_init" \
+        --suites focus_passkey --focus_multipliers "${INIT_MULTS:-2,8}" --passkey_seeds "${SEEDS:-10}" \
+        --focus_dtype "${DTYPE:-bfloat16}" --focus_local_len "${LOCAL:-512}" \
+        --focus_candidate_bias="$bias" --focus_sink="$sink" --out_dir "$ROOT/focus_init/eval_$name" \
+        2>&1 | quiet > "$OUT/eval_init_$name.log"
+      tail -n 8 "$OUT/eval_init_$name.log"
+    done
   done
 fi
 
@@ -149,7 +156,7 @@ run_for "$FOCUS_RUN" python3 train.py --config configs/focus.py --workdir "$RUN"
   --config.train.compute_dtype="${DTYPE:-bfloat16}" \
   --config.focus.implementation="${FOCUS_IMPL:-pallas}" \
   --config.focus.candidate_positions="${CAND_POS:-sequential}" \
-  --config.focus.candidate_bias="${CAND_BIAS:-none}" \
+  --config.focus.candidate_bias="${CAND_BIAS:-none}" --config.focus.sink="${SINK:-none}" \
   --config.focus.retrieval_mix="${FOCUS_MIX:-0.5}" 2>&1 | quiet > "$OUT/adapter.log"
 tail -n 4 "$OUT/adapter.log" 2>/dev/null
 
@@ -160,7 +167,8 @@ run_for "${EVAL_LIMIT:-130}" python3 eval.py --workdir "$BASE" --focus_adapter "
   --focus_multipliers "${MULTS:-2,8,32,100}" --passkey_seeds "${SEEDS:-10}" \
   --max_multiplier "${MAXMULT:-32}" --max_books "${MAXBOOKS:-8}" \
   --focus_passkey_batch "${PK_BATCH:-1}" --focus_passkey_filler "${FILLER:-grass}" \
-  ${EVAL_CAND_BIAS:+--focus_candidate_bias=$EVAL_CAND_BIAS} 2>&1 | quiet > "$OUT/eval_focus.log"
+  ${EVAL_CAND_BIAS:+--focus_candidate_bias=$EVAL_CAND_BIAS} ${EVAL_SINK:+--focus_sink=$EVAL_SINK} \
+  2>&1 | quiet > "$OUT/eval_focus.log"
 tail -n 12 "$OUT/eval_focus.log" 2>/dev/null
 run_for "${BASE_EVAL_LIMIT:-50}" python3 eval.py --workdir "$BASE" --suites longdoc \
   --books $C/longeval.jsonl.xz --max_multiplier "${MAXMULT:-32}" --max_books "${MAXBOOKS:-8}" \

@@ -43,8 +43,10 @@ def get_config(arg=None):
                                           # (focus.py; only "sequential" learned to read, FOCUSLLM.md)
       candidate_bias="none",    # candidates' logit bias in the local decoder: "none" (the paper)
                                 # | "log_count" (-log C: C identical candidates weigh as one key)
+      sink="none",              # "none" (the paper) | "first_token": the memory's first token's
+                                # frozen k/v as an attention sink before the candidates (focus.SINKS)
       base_attention="xla",     # the frozen base's own attention: "xla" | "pallas", whatever it
-                                # was trained with (focus.with_attention: cuDNN wants 16-bit q/k/v)
+                                # was trained with (focus_adapter.with_attention: cuDNN wants 16-bit q/k/v)
   ))
   c.data.global_batch = 8       # the paper's; the local decoder runs global_batch·num_targets rows
   c.train.eval_every = 0        # no FocusLLM validation loop yet

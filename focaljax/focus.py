@@ -70,11 +70,9 @@ import math
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from focaljax import attention as attn_lib
 from focaljax import focus_attention
-from focaljax import loaded
 from focaljax import model as model_lib
 from focaljax import sharding
 
@@ -85,6 +83,13 @@ CANDIDATE_POSITIONS = ("shared", "sequential")   # FocusConfig.candidate_positio
 # as one key, so their total weight does not grow with the memory's length (FOCUSLLM.md,
 # fourteenth session: failed adapters' answers broke down as C grew).
 CANDIDATE_BIASES = {"none": lambda C: 0.0, "log_count": lambda C: -math.log(C) if C > 1 else 0.0}
+# FocusConfig.sink: "first_token" prepends the memory's first token, as the frozen base cached it
+# in chunk 0 (position 0, no context: what every training document starts with), to the local
+# decoder's candidates. The fifteenth session's trained adapters put whole heads' attention on
+# the candidates (per-layer masses in multiples of 1 / heads, flat in the chunk count): the
+# base's attention-sink heads, which in the local window find no first token but the candidates.
+# The official local decoder starts with BOS; these bases have none. "none" is the paper's.
+SINKS = ("none", "first_token")
 _PROJ = ("wq", "wk", "wv", "wo")
 
 
@@ -96,6 +101,7 @@ class FocusConfig:
   implementation: str = "xla"       # candidate/local attention: "xla" | "pallas" (focus_attention)
   candidate_positions: str = "sequential"   # local-decoder layout: "sequential" | "shared" (module doc)
   candidate_bias: str = "none"      # candidates' logit bias in the local decoder (CANDIDATE_BIASES)
+  sink: str = "none"                # an attention sink before the candidates (SINKS)
 
   def __post_init__(self):
     if self.chunk_size < 1 or self.prompt_len < 1:
@@ -108,6 +114,12 @@ class FocusConfig:
     if self.candidate_bias not in CANDIDATE_BIASES:
       raise ValueError(f"FocusConfig.candidate_bias must be one of {sorted(CANDIDATE_BIASES)}; "
                        f"got {self.candidate_bias!r}")
+    if self.sink not in SINKS:
+      raise ValueError(f"FocusConfig.sink must be one of {SINKS}; got {self.sink!r}")
+    if self.sink != "none" and self.candidate_bias != "none":
+      # The kernels bias every key of the candidate block, and the sink rides in it.
+      raise ValueError(f"FocusConfig.sink={self.sink!r} needs candidate_bias='none'; got "
+                       f"{self.candidate_bias!r}")
 
   @property
   def sequential_positions(self) -> bool:
@@ -148,22 +160,6 @@ def trainable_mask(params: dict):
           "adapter": jax.tree.map(lambda _: True, params["adapter"])}
 
 
-def with_attention(model, implementation: str):
-  """The same weights with the base's attention implementation replaced (a `how`, not a `what`).
-
-  The chunk caches take the activations' dtype (frozen_prefill); cuDNN accepts only 16-bit q, k,
-  v, and the frozen prefill attends over a cache with room for later tokens, so FocusLLM runs the
-  base's attention as "xla" (focus.base_attention's default, and eval's) or "pallas" whatever the
-  base was trained with: a base trained with cudnn/auto on a GPU is adapted and evaluated as is."""
-  if implementation not in attn_lib.IMPLEMENTATIONS:
-    raise ValueError(f"focus.with_attention: implementation {implementation!r} must be one of "
-                     f"{attn_lib.IMPLEMENTATIONS}")
-  cfg = dataclasses.replace(model.cfg, attention=dataclasses.replace(
-      model.cfg.attention, implementation=implementation))
-  graphdef, _ = loaded.abstract_model(cfg)
-  return nnx.merge(graphdef, nnx.state(model))
-
-
 def check_positions(base_cfg: model_lib.ModelConfig, cfg: FocusConfig, local_len: int,
                     prompt_len: int, extra: int = 0, memory_len: int = 0) -> None:
   """Raises unless every RoPE position (see the module docstring) is < base max_seq_len.
@@ -174,7 +170,8 @@ def check_positions(base_cfg: model_lib.ModelConfig, cfg: FocusConfig, local_len
     raise ValueError(f"focus: chunk_size ({cfg.chunk_size}) + separator + dynamic prompt "
                      f"({prompt_len}) + new tokens ({extra}) = {chunk_max + 1} exceeds the base's "
                      f"trained context max_seq_len={limit}; lower chunk_size or prompt_len")
-  C = memory_len // cfg.chunk_size if cfg.sequential_positions else 0
+  C = (memory_len // cfg.chunk_size + (cfg.sink != "none" and memory_len > 0)
+       if cfg.sequential_positions else 0)
   if C and C + local_len - 1 + extra >= limit:
     raise ValueError(f"focus: candidate_positions='sequential' puts {C} candidates before the "
                      f"local window ({local_len}) + new tokens ({extra}): {C + local_len + extra} "
@@ -334,6 +331,23 @@ def condense(adapter, base, memory_BM, span_BP, num_candidates: int, cfg: FocusC
   return split(h_RQE), [(split(k), split(v)) for k, v in kv], caches
 
 
+def with_sink(kv, caches, sink: str):
+  """Per layer (k, v) [B, C, *rest, K, D] with, for sink == "first_token" (FocusConfig.sink), the
+  memory's first
+  token prepended as candidate 0: its frozen k/v from chunk 0's cache, broadcast over `rest`
+  (e.g. the Q candidates per chunk). Cached at position 0, its key is also the unrotated one the
+  local decoder re-rotates (RoPE at 0 is the identity)."""
+  if sink == "none" or caches is None:
+    return kv
+  B = kv[0][0].shape[0]
+  C = caches[0]["k"].shape[0] // B
+
+  def cat(x, first_BKD):
+    first = first_BKD.astype(x.dtype).reshape((B, 1) + (1,) * (x.ndim - 4) + x.shape[-2:])
+    return jnp.concatenate([jnp.broadcast_to(first, (B, 1) + x.shape[2:]), x], axis=1)
+  return [(cat(k, c["k"][::C, 0]), cat(v, c["v"][::C, 0])) for (k, v), c in zip(kv, caches)]
+
+
 def no_candidates(base, B: int, Q: int):
   """Zero-chunk candidate k/v per layer, [B, 0, Q, K, D] (no memory: the plain base)."""
   c = base.cfg
@@ -350,7 +364,8 @@ def logits(adapter, base, memory_BM, local_BT, cfg: FocusConfig):
   if memory_BM.shape[1] == 0:
     kv = no_candidates(base, B, 1)
   else:
-    _, kv, _ = condense(adapter, base, memory_BM, local_BT[:, T - P:], 1, cfg)
+    _, kv, caches = condense(adapter, base, memory_BM, local_BT[:, T - P:], 1, cfg)
+    kv = with_sink(kv, caches, cfg.sink)
   return local_logits(base, local_BT, [(k[:, :, 0], v[:, :, 0]) for k, v in kv],
                       base.cfg.rope_theta, implementation=cfg.implementation,
                       sequential_positions=cfg.sequential_positions,
@@ -371,7 +386,8 @@ def target_nll(adapter, base, memory_BM, tokens_BT, cfg: FocusConfig, num_target
   if memory_BM.shape[1] == 0:
     kv = no_candidates(base, B, Q)
   else:
-    _, kv, _ = condense(adapter, base, memory_BM, inputs_BT[:, first - P + 1:], Q, cfg)
+    _, kv, caches = condense(adapter, base, memory_BM, inputs_BT[:, first - P + 1:], Q, cfg)
+    kv = with_sink(kv, caches, cfg.sink)
   C = kv[0][0].shape[1]
   # Row (b, q) carries candidates_q of every chunk; B-major like the repeated local tokens.
   rows = lambda x: x.transpose(0, 2, 1, 3, 4).reshape(B * Q, C, *x.shape[3:])

@@ -1,6 +1,6 @@
 """A FocusLLM adapter on disk: the adapter's weights (numpy .npz) and focus.json, which holds its
 `focus.FocusConfig` and the base workdir it was trained on. The base stays in its own workdir;
-`from_workdir` loads the two together."""
+`from_workdir` loads the two together, `with_attention` swaps the base's attention."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ import os
 
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
+from focaljax import attention as attn_lib
 from focaljax import focus
 from focaljax import loaded
 
@@ -39,12 +41,29 @@ def load_adapter(directory: str) -> tuple[dict, focus.FocusConfig, str]:
   return dict(sorted(adapter.items())), focus.FocusConfig(**meta["config"]), meta["base_workdir"]
 
 
+def with_attention(model, implementation: str):
+  """The same weights with the base's attention implementation replaced (a `how`, not a `what`).
+
+  The chunk caches take the activations' dtype (frozen_prefill); cuDNN accepts only 16-bit q, k,
+  v, and the frozen prefill attends over a cache with room for later tokens, so FocusLLM runs the
+  base's attention as "xla" (focus.base_attention's default, and eval's) or "pallas" whatever the
+  base was trained with: a base trained with cudnn/auto on a GPU is adapted and evaluated as is."""
+  if implementation not in attn_lib.IMPLEMENTATIONS:
+    raise ValueError(f"focus_adapter.with_attention: implementation {implementation!r} must be one of "
+                     f"{attn_lib.IMPLEMENTATIONS}")
+  cfg = dataclasses.replace(model.cfg, attention=dataclasses.replace(
+      model.cfg.attention, implementation=implementation))
+  graphdef, _ = loaded.abstract_model(cfg)
+  return nnx.merge(graphdef, nnx.state(model))
+
+
+
 def from_workdir(path: str, adapter_dir: str | None = None, base_attention: str | None = None):
   """(LoadedModel of the frozen base, adapter): a fresh copy-initialised adapter unless
   `adapter_dir` names one saved by `save_adapter`; `base_attention` swaps the base's attention
   implementation (with_attention)."""
   base = loaded.load(path)
   if base_attention is not None:
-    base = dataclasses.replace(base, model=focus.with_attention(base.model, base_attention))
+    base = dataclasses.replace(base, model=with_attention(base.model, base_attention))
   adapter = focus.init_adapter(base.model) if adapter_dir is None else load_adapter(adapter_dir)[0]
   return base, adapter

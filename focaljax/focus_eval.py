@@ -179,11 +179,17 @@ def passkey(adapter, base, cfg: focus.FocusConfig, tokenizer, multipliers=DEFAUL
       out, readout = focus_generate.generate(adapter, base, batch[:, :L - T], batch[:, L - T:],
                                              cfg, max_new_tokens=max_new, readout=True)
       mass_BLC = np.asarray(readout["candidate_mass"]).transpose(1, 0, 2)
-      for trial, new, top_C, mass_LC in zip(row["trials"][i:i + batch_size],
-                                            np.asarray(out)[:, T:],
-                                            np.asarray(readout["candidate_top"]), mass_BLC):
-        # Where the first answer token looks, per layer: all candidates, and the needle's.
+      # The sink's mass only where there is one (FocusConfig.sink).
+      sink_BL = (np.asarray(readout["sink_mass"]).T if cfg.sink != "none"
+                 else np.zeros(mass_BLC.shape[:2]))
+      for trial, new, top_C, mass_LC, sink_L in zip(row["trials"][i:i + batch_size],
+                                                    np.asarray(out)[:, T:],
+                                                    np.asarray(readout["candidate_top"]),
+                                                    mass_BLC, sink_BL):
+        # Where the first answer token looks, per layer: all candidates, the needle's, the sink.
         trial["candidate_mass"] = [round(float(x), 5) for x in mass_LC.sum(-1)]
+        if cfg.sink != "none":
+          trial["sink_mass"] = [round(float(x), 5) for x in sink_L]
         if trial["needle_in_memory"]:
           needle_L = mass_LC[:, trial["needle_end"] // cfg.chunk_size]
           trial["needle_mass"] = [round(float(x), 5) for x in needle_L]
@@ -204,11 +210,13 @@ def passkey(adapter, base, cfg: focus.FocusConfig, tokenizer, multipliers=DEFAUL
       # (fifteenth session: the copy-initialised adapter's table was lost that way).
       mem = [t for t in row["trials"] if t["needle_in_memory"]]
       shares = [t["needle_share"] for t in mem]
+      sinks = [np.mean(t["sink_mass"]) for t in row["trials"] if "sink_mass" in t]
       log(f"  focus passkey {m}x ({L} tokens): {sum(t['correct'] for t in row['trials'])}"
           f"/{len(seeds)} in {row['seconds']} s; needle in memory "
           f"{sum(t['correct'] for t in mem)}/{len(mem)}, cand mass "
           f"{np.mean([np.mean(t['candidate_mass']) for t in row['trials']]):.3f}, needle/cand "
-          + (f"{np.mean(shares):.3f}" if shares else "-"))
+          + (f"{np.mean(shares):.3f}" if shares else "-")
+          + (f", sink mass {np.mean(sinks):.3f}" if sinks else ""))
 
   def acc(trials):
     return _share([t["correct"] for t in trials])
@@ -232,6 +240,9 @@ def passkey(adapter, base, cfg: focus.FocusConfig, tokenizer, multipliers=DEFAUL
                                      if "candidate_mass" in t]) for r in rows],
           "needle_share": [_share([t["needle_share"] for t in r["trials"] if "needle_share" in t])
                            for r in rows],
+          # FocusConfig.sink: the first answer token's layer-mean attention on the sink.
+          "sink_mass": [_share([np.mean(t["sink_mass"]) for t in r["trials"]
+                                if "sink_mass" in t]) for r in rows],
           "overall": float(np.mean(scored)) if scored else None, "rows": rows}
 
 
@@ -344,15 +355,15 @@ def format_suite(suite: str, r: dict) -> str:
     lines = [head, f"  base context {r['context']}, chunk {r['chunk_size']}, prompt "
              f"{r['prompt_len']}, {len(r['seeds'])} seeds, {r.get('filler', 'grass')} filler",
              "      x   length   memory  chunks  local   acc  in memory  digits"
-             "  candidate reads key  cand mass  needle/cand"]
+             "  candidate reads key  cand mass  needle/cand  sink mass"]
     none = [None] * len(r["rows"])
-    for row, a, am, dm, cr, cm, ns in zip(
+    for row, a, am, dm, cr, cm, ns, sm in zip(
         r["rows"], r["accuracy_by_length"], r["accuracy_needle_in_memory"],
         r.get("digits_in_memory", none), r.get("candidate_readout", none),
-        r.get("candidate_mass", none), r.get("needle_share", none)):
+        r.get("candidate_mass", none), r.get("needle_share", none), r.get("sink_mass", none)):
       lines.append(f"  {row['multiplier']:>5} {row['length']:>8} {row['memory_len']:>8} "
                    f"{row['num_chunks']:>7} {row['local_len']:>6} {fmt(a)}     {fmt(am)} "
-                   f"{fmt(dm)}   {fmt(cr)}             {fmt(cm)}       {fmt(ns)}")
+                   f"{fmt(dm)}   {fmt(cr)}             {fmt(cm)}       {fmt(ns)}     {fmt(sm)}")
     lines += [f"  {row['multiplier']}x skipped: {row['skipped']}" for row in r["rows"]
               if "skipped" in row]
     lines.append(f"  overall {fmt(r['overall']).strip()}")
@@ -374,6 +385,7 @@ def run(base_path: str, adapter_path: str, *, suites=FOCUS_SUITES, books: str | 
         max_multiplier: int = 32, max_books: int = 8, multipliers=DEFAULT_MULTIPLIERS,
         seeds: int = 10, local_len: int | None = None, chunk_size: int | None = None,
         implementation: str | None = None, candidate_bias: str | None = None,
+        sink: str | None = None,
         dtype: str = "float32", base_attention: str = "xla",
         passkey_batch: int = 1, passkey_filler: str = "grass", out_dir: str | None = None,
         log=print) -> dict:
@@ -382,8 +394,8 @@ def run(base_path: str, adapter_path: str, *, suites=FOCUS_SUITES, books: str | 
   (default: the focus run's eval/, or eval/adapter_<step> for an explicit adapter/<step>).
   `local_len` defaults to the focus run's config focus.local_len, else context // 2. `dtype`
   casts base and adapter once (bfloat16: faster on GPU; the chunk caches follow it).
-  `base_attention` replaces the base's attention implementation (focus.with_attention says why).
-  `candidate_bias` overrides the adapter's (FocusConfig.candidate_bias; a diagnostic).
+  `base_attention` replaces the base's attention implementation (focus_adapter.with_attention says why).
+  `candidate_bias` and `sink` override the adapter's (FocusConfig; diagnostics).
   `passkey_batch` trials share one generate call (passkey's batch_size). `passkey_filler`
   "books" fills the passkey prompts with the first of `books` instead of the official filler."""
   unknown = set(suites) - set(FOCUS_SUITES)
@@ -396,11 +408,12 @@ def run(base_path: str, adapter_path: str, *, suites=FOCUS_SUITES, books: str | 
   adapter_dir, run_dir, step = resolve_adapter(adapter_path)
   adapter, cfg, recorded_base = focus_adapter.load_adapter(adapter_dir)
   _check_shapes(adapter, m.model, adapter_dir)
-  graphdef, state = nnx.split(focus.with_attention(m.model, base_attention))
+  graphdef, state = nnx.split(focus_adapter.with_attention(m.model, base_attention))
   base, adapter = nnx.merge(graphdef, cast(state, dtype)), cast(adapter, dtype)
   cfg = dataclasses.replace(cfg, chunk_size=chunk_size or cfg.chunk_size,
                             implementation=implementation or cfg.implementation,
-                            candidate_bias=candidate_bias or cfg.candidate_bias)
+                            candidate_bias=candidate_bias or cfg.candidate_bias,
+                            sink=sink or cfg.sink)
   if local_len is None and os.path.isfile(os.path.join(run_dir, checkpoint.CONFIG_FILE)):
     # Evaluate with the window the adapter was trained on (focus.local_len of its run).
     local_len = checkpoint.read_config(run_dir).get("focus", {}).get("local_len")

@@ -32,8 +32,8 @@ from flax import nnx
 from focaljax import focus
 
 
-_STATIC = ("implementation", "sequential_positions", "candidate_bias")   # not arrays
-_READOUT = ("candidate_top", "candidate_mass")          # prefill's diagnostics (not stepped)
+_STATIC = ("implementation", "sequential_positions", "candidate_bias", "sink")   # not arrays
+_READOUT = ("candidate_top", "candidate_mass", "sink_mass")   # prefill's diagnostics (not stepped)
 
 
 def _local_at(base, state, index, implementation, sequential_positions, candidate_bias,
@@ -65,7 +65,8 @@ def _prefill(graphdef, base_state, adapter, memory_BM, prompt_BT, cfg, max_new_t
       top_BC = jnp.argmax(logits_BCV, axis=-1).astype(jnp.int32)
   tokens_BL = jnp.zeros((B, T + max_new_tokens - 1), jnp.int32).at[:, :T].set(prompt_BT)
   state = {"tokens": tokens_BL, "length": jnp.int32(T), "caches": caches,
-           "kv": [(k[:, :, 0], v[:, :, 0]) for k, v in kv], "candidate_pos": jnp.int32(n - 1)}
+           "kv": [(k[:, :, 0], v[:, :, 0]) for k, v in focus.with_sink(kv, caches, cfg.sink)],
+           "candidate_pos": jnp.int32(n - 1)}
   if not readout:
     return state, _local_at(base, state, T - 1, cfg.implementation, cfg.sequential_positions,
                             cfg.candidate_bias), {}
@@ -73,12 +74,15 @@ def _prefill(graphdef, base_state, adapter, memory_BM, prompt_BT, cfg, max_new_t
   logits_BV, mass_LBC = _local_at(base, state, T - 1, cfg.implementation,
                                   cfg.sequential_positions, cfg.candidate_bias,
                                   candidate_mass=True)
-  return state, logits_BV, {"candidate_top": top_BC, "candidate_mass": mass_LBC}
+  sink = int(cfg.sink != "none" and caches is not None)   # the sink is key 0 of the block
+  sink_LB = mass_LBC[..., 0] if sink else jnp.zeros(mass_LBC.shape[:2])
+  return state, logits_BV, {"candidate_top": top_BC, "candidate_mass": mass_LBC[..., sink:],
+                            "sink_mass": sink_LB}
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",) + _STATIC)
 def _step(graphdef, base_state, adapter, state, token_B, implementation, sequential_positions,
-          candidate_bias):
+          candidate_bias, sink):
   base = nnx.merge(graphdef, base_state)
   theta = base.cfg.rope_theta
   length, pos, caches = state["length"], state["candidate_pos"], state["caches"]
@@ -87,14 +91,14 @@ def _step(graphdef, base_state, adapter, state, token_B, implementation, sequent
                                            (0, length))
   kv = state["kv"]
   if caches is not None:
-    B, C = kv[0][0].shape[:2]
+    B, C = kv[0][0].shape[0], caches[0]["k"].shape[0] // kv[0][0].shape[0]
     # The old candidate token becomes an ordinary frozen token of every chunk's dynamic prompt.
     caches = focus.frozen_step(base, caches, jnp.repeat(prev_B, C), pos, theta)
     pos = pos + 1
     _, kv_R = focus.candidates(adapter, base, caches, jnp.repeat(token_B, C)[:, None],
                                jnp.full((B * C, 1), pos), theta, implementation=implementation)
-    kv = [(k[:, 0].reshape(B, C, *k.shape[2:]), v[:, 0].reshape(B, C, *v.shape[2:]))
-          for k, v in kv_R]
+    split = lambda x: x[:, 0].reshape(B, C, *x.shape[2:])  # noqa: E731
+    kv = focus.with_sink([(split(k), split(v)) for k, v in kv_R], caches, sink)
   state = {"tokens": tokens_BL, "length": length + 1, "caches": caches, "kv": kv,
            "candidate_pos": pos}
   return state, _local_at(base, state, length, implementation, sequential_positions,
@@ -105,9 +109,11 @@ def prefill(adapter, base, memory_BM, prompt_BT, cfg: focus.FocusConfig, max_new
             *, readout: bool = False):
   """(state, next-token logits float32 [B, V]); `state` feeds `step`. `state["tokens"][:, :
   state["length"]]` are the tokens so far. With `readout`, two diagnostics that `step` does not
-  carry (computed only then: they are not generation's work): `state["candidate_top"]` int32 [B, C], each chunk's candidate's own top next token, and
+  carry (computed only then: they are not generation's work): `state["candidate_top"]` int32
+  [B, C], each chunk's candidate's own top next token, and
   `state["candidate_mass"]` float32 [L, B, C], the attention the last prompt token (the one that
-  predicts the first new token) puts on each candidate per layer, averaged over heads."""
+  predicts the first new token) puts on each candidate per layer, averaged over heads, and
+  `state["sink_mass"]` [L, B], its attention on the sink (FocusConfig.sink; zeros without one)."""
   if max_new_tokens < 1:
     raise ValueError(f"focus generate: max_new_tokens must be >= 1; got {max_new_tokens}")
   focus.check_base(base)
@@ -120,7 +126,7 @@ def prefill(adapter, base, memory_BM, prompt_BT, cfg: focus.FocusConfig, max_new
                                            cfg, max_new_tokens, readout)
   return {**state, "implementation": cfg.implementation,
           "sequential_positions": cfg.sequential_positions,
-          "candidate_bias": cfg.candidate_bias, **diagnostics}, logits_BV
+          "candidate_bias": cfg.candidate_bias, "sink": cfg.sink, **diagnostics}, logits_BV
 
 
 def step(adapter, base, state, token_B):
@@ -140,7 +146,7 @@ def step(adapter, base, state, token_B):
 def generate(adapter, base, memory_BM, prompt_BT, cfg: focus.FocusConfig, max_new_tokens: int,
              *, readout: bool = False):
   """Greedy decoding: int32 [B, T + max_new_tokens]; with `readout`, also prefill's diagnostics
-  {"candidate_top": [B, C], "candidate_mass": [L, B, C]} (see `prefill`)."""
+  {"candidate_top": [B, C], "candidate_mass": [L, B, C], "sink_mass": [L, B]} (see `prefill`)."""
   state, logits_BV = prefill(adapter, base, memory_BM, prompt_BT, cfg, max_new_tokens,
                              readout=readout)
   diagnostics = {k: state[k] for k in _READOUT if k in state}

@@ -61,7 +61,7 @@ def validate(config, context: int) -> None:
   f = config.focus
   if f.base_attention not in ("xla", "pallas"):
     _fail("base_attention", f"{f.base_attention!r} must be 'xla' or 'pallas' (the frozen chunk "
-          f"prefill attends over a padded cache in the compute dtype; see focus.with_attention)")
+          f"prefill attends over a padded cache in the compute dtype; see focus_adapter.with_attention)")
   if f.implementation not in focus_attention.IMPLEMENTATIONS:
     _fail("implementation", f"{f.implementation!r} must be one of "
           f"{sorted(focus_attention.IMPLEMENTATIONS)}")
@@ -70,6 +70,10 @@ def validate(config, context: int) -> None:
           f"{focus.CANDIDATE_POSITIONS}")
   if f.candidate_bias not in focus.CANDIDATE_BIASES:
     _fail("candidate_bias", f"{f.candidate_bias!r} must be one of {sorted(focus.CANDIDATE_BIASES)}")
+  if f.get("sink", "none") not in focus.SINKS:
+    _fail("sink", f"{f.sink!r} must be one of {list(focus.SINKS)}")
+  if f.get("sink", "none") != "none" and f.candidate_bias != "none":
+    _fail("sink", f"{f.sink!r} needs focus.candidate_bias='none' (got {f.candidate_bias!r})")
   sizes = focus_samples.chunk_sizes(config)
   for name in ("prompt_len", "doc_min_tokens"):
     if f[name] < 1:
@@ -120,7 +124,8 @@ def _check_memory(config, context: int, s: int, m: int) -> None:
     _fail(field, f"{getattr(f, field)} leaves a memory of {M} tokens for chunk {s} after the "
           f"local window (local_len + 1 = {f.local_len + 1}); need >= {max(s, f.local_len + 1)} "
           f"(one chunk, and room for a reconstruction span)")
-  if f.candidate_positions == "sequential" and M // s + f.local_len > context:
+  sink = f.get("sink", "none") != "none"   # one more key before the window
+  if f.candidate_positions == "sequential" and M // s + sink + f.local_len > context:
     # "sequential": candidates at 0..C-1, then the window.
     _fail("candidate_positions", f"'sequential' puts {M // s} candidates (chunk {s}, memory {M}) "
           f"before focus.local_len={f.local_len}: over the base's data.seq_len={context} (the "
@@ -132,7 +137,7 @@ def focus_config(config, chunk: int) -> focus.FocusConfig:
   f = config.focus
   return focus.FocusConfig(chunk, prompt_len=f.prompt_len, implementation=f.implementation,
                            candidate_positions=f.candidate_positions,
-                           candidate_bias=f.candidate_bias)
+                           candidate_bias=f.candidate_bias, sink=f.get("sink", "none"))
 
 
 def _in_answer(Q: int, key_at_B):

@@ -119,11 +119,12 @@ def test_positions_stay_inside_trained_context(monkeypatch):
     focus.logits(adapter, base, memory, tokens(6, (1, 40)), cfg)
 
 
-@pytest.mark.parametrize("layout", focus.CANDIDATE_POSITIONS)
-def test_objective_does_not_leak_targets(layout):
+@pytest.mark.parametrize("layout, sink", [(layout, "none") for layout in focus.CANDIDATE_POSITIONS]
+                         + [("sequential", "first_token")])
+def test_objective_does_not_leak_targets(layout, sink):
   base = tiny_base()
   graphdef, params = split(base, perturbed(focus.init_adapter(base)))
-  cfg = focus.FocusConfig(chunk_size=8, prompt_len=6, candidate_positions=layout)
+  cfg = focus.FocusConfig(chunk_size=8, prompt_len=6, candidate_positions=layout, sink=sink)
   memory = tokens(7, (1, 16), hi=40)                  # memory ids < 40, local ids unique >= 40
   seq = (40 + jax.random.permutation(jax.random.key(8), V - 40)[:15])[None]
   T, Q = 14, 6
@@ -204,21 +205,22 @@ def test_batched_chunks_equal_one_at_a_time():
       np.testing.assert_allclose(v[:, c], v_c[:, 0], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("layout, bias", [(layout, "none") for layout in focus.CANDIDATE_POSITIONS]
-                         + [("sequential", "log_count")])
-def test_incremental_generation_equals_recomputation(layout, bias):
+@pytest.mark.parametrize("layout, bias, sink",
+                         [(layout, "none", "none") for layout in focus.CANDIDATE_POSITIONS]
+                         + [("sequential", "log_count", "none"), ("sequential", "none", "first_token"),
+                            ("shared", "none", "first_token")])
+def test_incremental_generation_equals_recomputation(layout, bias, sink):
   base = tiny_base(qk_norm=True)
   adapter = perturbed(focus.init_adapter(base), scale=1.0)
   cfg = focus.FocusConfig(chunk_size=8, prompt_len=4, candidate_positions=layout,
-                          candidate_bias=bias)
+                          candidate_bias=bias, sink=sink)
   memory, prompt = tokens(13, (2, 24)), tokens(14, (2, 10))
   graphdef, params = split(base, adapter)
   state, logits_BV = focus_generate.prefill(adapter, base, memory, prompt, cfg, max_new_tokens=4)
   for t in range(4):
     # From scratch: the dynamic prompt is the last 4 + t tokens (it grows; its start is fixed).
     so_far = state["tokens"][:, :10 + t]
-    grown = focus.FocusConfig(chunk_size=8, prompt_len=4 + t, candidate_positions=layout,
-                              candidate_bias=bias)
+    grown = dataclasses.replace(cfg, prompt_len=4 + t)
     ref = jitted(graphdef, focus.logits, cfg=grown)(params, memory, so_far)[:, -1]
     np.testing.assert_allclose(logits_BV, ref, atol=1e-5, rtol=1e-5)
     if t < 3:
@@ -230,18 +232,24 @@ def test_incremental_generation_equals_recomputation(layout, bias):
   out2, readout = focus_generate.generate(adapter, base, memory, prompt, cfg, max_new_tokens=4,
                                           readout=True)
   np.testing.assert_array_equal(out2, out)
-  h_BCQE, kv, _ = focus.condense(adapter, base, memory, prompt[:, -4:], 1, cfg)
+  h_BCQE, kv, caches = focus.condense(adapter, base, memory, prompt[:, -4:], 1, cfg)
   top_BC = readout["candidate_top"]
   np.testing.assert_array_equal(top_BC, jnp.argmax(base._logits(h_BCQE[:, :, 0]), axis=-1))
   assert top_BC.shape == (2, 3)
-  # The attention diagnostic is local_logits' at the last prompt token, which predicts out[:, 10].
+  # The attention diagnostic is local_logits' at the last prompt token, which predicts out[:, 10]
+  # (the sink, when there is one, is key 0 of the candidate block and reported apart).
   logits_BV, mass_LBC = focus.local_logits(
-      base, prompt, [(k[:, :, 0], v[:, :, 0]) for k, v in kv], base.cfg.rope_theta,
-      sequential_positions=cfg.sequential_positions, at_B=jnp.full((2,), 9), candidate_mass=True,
-      candidate_bias=bias)
+      base, prompt, [(k[:, :, 0], v[:, :, 0]) for k, v in focus.with_sink(kv, caches, sink)],
+      base.cfg.rope_theta, sequential_positions=cfg.sequential_positions,
+      at_B=jnp.full((2,), 9), candidate_mass=True, candidate_bias=bias)
   np.testing.assert_array_equal(jnp.argmax(logits_BV, -1), out[:, 10])
-  np.testing.assert_allclose(readout["candidate_mass"], mass_LBC, rtol=1e-5, atol=1e-6)
-  assert mass_LBC.shape == (len(base.blocks), 2, 3) and float(mass_LBC.min()) >= 0
+  n_sink = int(sink != "none")
+  np.testing.assert_allclose(readout["candidate_mass"], mass_LBC[..., n_sink:], rtol=1e-5,
+                             atol=1e-6)
+  assert readout["candidate_mass"].shape == (len(base.blocks), 2, 3)
+  assert float(mass_LBC.min()) >= 0
+  if n_sink:
+    np.testing.assert_allclose(readout["sink_mass"], mass_LBC[..., 0], rtol=1e-5, atol=1e-6)
 
 
 def test_sequential_candidates_read_as_a_preceding_context():
@@ -259,6 +267,35 @@ def test_sequential_candidates_read_as_a_preceding_context():
   full = base(jnp.concatenate([prefix, local], 1))[:, 5:]
   np.testing.assert_allclose(local_fn(True), full, atol=1e-5, rtol=1e-5)
   assert float(jnp.abs(local_fn(False) - full).max()) > 1e-2   # "shared" is another layout
+
+
+def test_the_sink_is_the_memory_s_first_token_as_the_base_reads_it():
+  """sink "first_token": key 0 of the candidate block is the memory's first token as the frozen
+  base caches it at position 0 (no context: a document start); alone before the window in the
+  "sequential" layout, the local decoder is then exactly the base over [that token | window]."""
+  base = tiny_base(qk_norm=True)
+  theta = base.cfg.rope_theta
+  adapter = perturbed(focus.init_adapter(base))
+  cfg = focus.FocusConfig(chunk_size=8, prompt_len=4, sink="first_token")
+  memory, local = tokens(26, (2, 24)), tokens(27, (2, 9))
+  _, kv, caches = focus.condense(adapter, base, memory, local[:, -4:], 1, cfg)
+  with_sink = focus.with_sink(kv, caches, cfg.sink)
+  own = focus.frozen_prefill(base, memory[:, :1], 1, theta)
+  for (k, v), (k0, v0), c in zip(with_sink, kv, own):
+    assert k.shape == (2, 4) + k0.shape[2:]                   # 3 chunks + the sink
+    np.testing.assert_allclose(k[:, 0, 0], c["k"][:, 0], atol=1e-6)
+    np.testing.assert_allclose(v[:, 0, 0], c["v"][:, 0], atol=1e-6)
+    np.testing.assert_array_equal(k[:, 1:], k0)
+  sink_only = [(k[:, :1, 0], v[:, :1, 0]) for k, v in with_sink]
+  full = base(jnp.concatenate([memory[:, :1], local], 1))[:, 1:]
+  np.testing.assert_allclose(focus.local_logits(base, local, sink_only, theta,
+                                                sequential_positions=True), full,
+                             atol=1e-5, rtol=1e-5)
+  # The config refuses a bad name, and the sink with a candidate bias (one bias per block).
+  with pytest.raises(ValueError, match="sink"):
+    focus.FocusConfig(chunk_size=8, sink="bos")
+  with pytest.raises(ValueError, match="sink"):
+    focus.FocusConfig(chunk_size=8, sink="first_token", candidate_bias="log_count")
 
 
 def test_log_count_bias_makes_copies_of_the_candidates_weigh_as_one():

@@ -63,7 +63,7 @@ def test_local_window_leaves_whole_chunks():
 
 def test_with_attention_swaps_the_implementation_only(tiny):
   base = tiny[0]
-  swapped = focus.with_attention(base, "cudnn")
+  swapped = focus_adapter.with_attention(base, "cudnn")
   assert swapped.blocks[0].attn.cfg.attention.implementation == "cudnn"
   assert base.blocks[0].attn.cfg.attention.implementation == "xla"
   jax.tree.map(np.testing.assert_array_equal, nnx.state(swapped), nnx.state(base))
@@ -160,6 +160,12 @@ def test_passkey_with_a_model_is_well_formed(tiny, tok):
   assert all(len(t["candidate_mass"]) == len(base.blocks) for t in row["trials"])
   assert "focus_passkey" in focus_eval.format_suite("focus_passkey", r)
   json.dumps(r)
+  assert r["sink_mass"] == [None]   # no sink, no sink mass
+  # With the sink (FocusConfig.sink), its mass per trial and layer, reported apart.
+  sunk = focus_eval.passkey(adapter, base, dataclasses.replace(cfg, sink="first_token"), tok,
+                            multipliers=(2,), seeds=2)
+  assert 0 <= sunk["sink_mass"][0] <= 1 and 0 <= sunk["candidate_mass"][0] <= 1
+  assert all(len(t["sink_mass"]) == len(base.blocks) for t in sunk["rows"][0]["trials"])
   # Batched trials (eval.py --focus_passkey_batch) generate what one at a time does.
   batched = focus_eval.passkey(adapter, base, cfg, tok, multipliers=(2,), seeds=3, batch_size=2)
   single = focus_eval.passkey(adapter, base, cfg, tok, multipliers=(2,), seeds=3)
