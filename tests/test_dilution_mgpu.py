@@ -49,8 +49,9 @@ CASES = [(256, False, 64, jnp.bfloat16, 1, 2, 1), (384, True, 64, jnp.bfloat16, 
          (256, True, 128, jnp.float16, 1, 2, 1), (256, True, 64, jnp.bfloat16, 2, 4, 2)]
 
 
-@pytest.mark.parametrize("T, segments, D, dtype, B, N, K", CASES)
-def test_matches_the_triton_b1_interpret(T, segments, D, dtype, B, N, K):
+def _b1_both(T, N, K, *, segments, D=64, dtype=jnp.bfloat16, B=1, mask_pieces=3):
+  """(Mosaic B1, Triton B1) outputs on the inputs of a real forward; asserts no interpreter
+  races."""
   q, k, v, seg, do = _qkv(T, N, K, segments=segments, D=D, dtype=dtype, B=B)
   scale, eps = 0.125, 1e-9
   out, (lse, _, ssum, _, ckpt) = dilution._forward(q, k, v, seg, scale, eps, BS, True,
@@ -59,9 +60,15 @@ def test_matches_the_triton_b1_interpret(T, segments, D, dtype, B, N, K):
   args = (q, k, v, seg, lse, ssum, dbar, do, ckpt)
   want = dilution_bwd.reverse_sweep(*args, scale=scale, eps=eps, bs=BS, interpret=True)
   with mgpu_compat.cached_interpreter_threads():
-    got = jax.block_until_ready(dilution_mgpu.reverse_sweep(*args, scale=scale, eps=eps,
-                                                            ckpt_rows=R, interpret=True))
+    got = jax.block_until_ready(dilution_mgpu.reverse_sweep(
+        *args, scale=scale, eps=eps, ckpt_rows=R, mask_pieces=mask_pieces, interpret=True))
   assert not mgpu_compat.interpret_races_found()
+  return got, want
+
+
+@pytest.mark.parametrize("T, segments, D, dtype, B, N, K", CASES)
+def test_matches_the_triton_b1_interpret(T, segments, D, dtype, B, N, K):
+  got, want = _b1_both(T, N, K, segments=segments, D=D, dtype=dtype, B=B)
   # dq and dk contract the 16-bit W in both kernels; the probabilities differ by exp2 vs exp.
   for name, a, b, tol in zip(("dq", "ghat", "dk", "dv"), got, want, (2e-3, 1e-5, 2e-3, 2e-4)):
     assert a.shape == b.shape and a.dtype == jnp.float32, name
@@ -71,17 +78,7 @@ def test_matches_the_triton_b1_interpret(T, segments, D, dtype, B, N, K):
 def test_two_mask_pieces_stay_close():
   """BlockSizes.b1_mask_pieces=2: the in-tile prefix/suffix products from two bf16 pieces (~16
   significant bits) instead of three stay within bf16-input noise of the Triton B1."""
-  q, k, v, seg, do = _qkv(384, 2, 1, segments=True)
-  scale, eps = 0.125, 1e-9
-  out, (lse, _, ssum, _, ckpt) = dilution._forward(q, k, v, seg, scale, eps, BS, True,
-                                                   training=True)
-  dbar = jnp.einsum("BTND,BTND->BNT", do.astype(jnp.float32), out)
-  args = (q, k, v, seg, lse, ssum, dbar, do, ckpt)
-  want = dilution_bwd.reverse_sweep(*args, scale=scale, eps=eps, bs=BS, interpret=True)
-  with mgpu_compat.cached_interpreter_threads():
-    got = jax.block_until_ready(dilution_mgpu.reverse_sweep(
-        *args, scale=scale, eps=eps, ckpt_rows=R, mask_pieces=2, interpret=True))
-  assert not mgpu_compat.interpret_races_found()
+  got, want = _b1_both(384, 2, 1, segments=True, mask_pieces=2)
   # Measured: dq 5.0e-4, ĝ 2.6e-6, dk 5.8e-4, dv 8.9e-4 (three pieces: dv < 2e-4); bf16's own
   # rounding is 3.9e-3.
   for name, a, b, tol in zip(("dq", "ghat", "dk", "dv"), got, want, (2e-3, 1e-5, 2e-3, 2e-3)):
