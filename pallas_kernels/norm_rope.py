@@ -30,7 +30,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-BLOCK_ROWS = 64
+# 32 rows x D/2 float32 per half-tile over 4 warps: 16 values per thread for each of the ~10 live
+# half-tiles at D = 128, inside the register file (64 rows would spill).
+BLOCK_ROWS = 32
 
 
 def rotate_half(x_RND, cos_Rd, sin_Rd):

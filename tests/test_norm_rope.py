@@ -40,7 +40,8 @@ def _compare(seed, R, N, D, dtype, *, interpret, block_rows=nr.BLOCK_ROWS):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("R, N, D", [(128, 3, 64), (100, 2, 128), (12, 2, 16)])
 def test_matches_autodiff_of_the_reference(R, N, D, dtype):
-  # 100 rows: blocks of 4 would divide them, so the kernel pads to blocks of 8; 12 rows: 4 again.
+  # 100 rows: blocks of 4 would divide them, so the kernel pads to blocks of 8; 12 rows: 4 again;
+  # 128 rows: whole blocks of BLOCK_ROWS.
   _compare(0, R, N, D, dtype, interpret=True)
 
 
