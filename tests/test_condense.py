@@ -212,18 +212,21 @@ def _tiny_base():
   return base, adapter
 
 
-@pytest.mark.parametrize("bias", ["none", "log_count"])
-def test_focus_loss_and_adapter_gradient_match_xla(bias):
+@pytest.mark.parametrize("bias, sink", [("none", "none"), ("log_count", "none"),
+                                        ("none", "first_token")])
+def test_focus_loss_and_adapter_gradient_match_xla(bias, sink):
   """Covers the reduced backward passes too: layer 0's local q/k/v and every chunk cache are
   unperturbed (the base is closed over), so only the candidates' dk/dv and dq run there. With
-  candidate_bias "log_count" the candidates' dk/dv read the bias folded into the lse."""
+  candidate_bias "log_count" the candidates' dk/dv read the bias folded into the lse; with the
+  sink (frozen, no gradient of its own) the candidate block has one key more."""
   base, adapter = _tiny_base()
   graphdef, base_state = nnx.split(base)
   tokens = lambda seed, shape: jax.random.randint(jax.random.key(seed), shape, 1, 97)
   memory, seq = tokens(1, (2, 24)), tokens(2, (2, 13))   # 3 chunks of 8; 4 targets
 
   def loss_and_grad(impl):
-    cfg = focus.FocusConfig(chunk_size=8, prompt_len=4, implementation=impl, candidate_bias=bias)
+    cfg = focus.FocusConfig(chunk_size=8, prompt_len=4, implementation=impl, candidate_bias=bias,
+                            sink=sink)
     loss = lambda a, s: focus.loss(a, nnx.merge(graphdef, s), memory, seq, cfg, num_targets=4)
     return jax.jit(jax.value_and_grad(loss))(adapter, base_state)
 
