@@ -333,10 +333,9 @@ def condense(adapter, base, memory_BM, span_BP, num_candidates: int, cfg: FocusC
 
 def with_sink(kv, caches, sink: str):
   """Per layer (k, v) [B, C, *rest, K, D] with, for sink == "first_token" (FocusConfig.sink), the
-  memory's first
-  token prepended as candidate 0: its frozen k/v from chunk 0's cache, broadcast over `rest`
-  (e.g. the Q candidates per chunk). Cached at position 0, its key is also the unrotated one the
-  local decoder re-rotates (RoPE at 0 is the identity)."""
+  memory's first token prepended as candidate 0: its frozen k/v from chunk 0's cache, broadcast
+  over `rest` (e.g. the Q candidates per chunk). Cached at position 0, its key is also the
+  unrotated one the local decoder re-rotates (RoPE at 0 is the identity)."""
   if sink == "none" or caches is None:
     return kv
   B = kv[0][0].shape[0]

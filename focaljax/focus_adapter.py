@@ -49,8 +49,8 @@ def with_attention(model, implementation: str):
   base's attention as "xla" (focus.base_attention's default, and eval's) or "pallas" whatever the
   base was trained with: a base trained with cudnn/auto on a GPU is adapted and evaluated as is."""
   if implementation not in attn_lib.IMPLEMENTATIONS:
-    raise ValueError(f"focus_adapter.with_attention: implementation {implementation!r} must be one of "
-                     f"{attn_lib.IMPLEMENTATIONS}")
+    raise ValueError(f"focus_adapter.with_attention: implementation {implementation!r} must be "
+                     f"one of {attn_lib.IMPLEMENTATIONS}")
   cfg = dataclasses.replace(model.cfg, attention=dataclasses.replace(
       model.cfg.attention, implementation=implementation))
   graphdef, _ = loaded.abstract_model(cfg)

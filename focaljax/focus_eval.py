@@ -394,7 +394,8 @@ def run(base_path: str, adapter_path: str, *, suites=FOCUS_SUITES, books: str | 
   (default: the focus run's eval/, or eval/adapter_<step> for an explicit adapter/<step>).
   `local_len` defaults to the focus run's config focus.local_len, else context // 2. `dtype`
   casts base and adapter once (bfloat16: faster on GPU; the chunk caches follow it).
-  `base_attention` replaces the base's attention implementation (focus_adapter.with_attention says why).
+  `base_attention` replaces the base's attention implementation (focus_adapter.with_attention
+  says why).
   `candidate_bias` and `sink` override the adapter's (FocusConfig; diagnostics).
   `passkey_batch` trials share one generate call (passkey's batch_size). `passkey_filler`
   "books" fills the passkey prompts with the first of `books` instead of the official filler."""

@@ -10,11 +10,10 @@ the loss, never in the optimizer (so `optim.make` on the adapter alone; focus.py
 they are cast once to `train.compute_dtype` since no float32 master copy is needed for them.
 
 Workdir layout: config.json, metrics.jsonl (+ tb/), and adapter/<step>/ =
-`focus_adapter.save_adapter`
-(adapter.npz, focus.json) + opt_state.npz. The base workdir is only read. Sampling is a pure
-function of (seed, step, process), so resuming from adapter/<latest> replays the same stream
-without any iterator state. Saves go to a temporary directory renamed into place (a kill mid-save
-never leaves a partial latest); the newest `train.keep_ckpts` are kept.
+`focus_adapter.save_adapter` (adapter.npz, focus.json) + opt_state.npz. The base workdir is only
+read. Sampling is a pure function of (seed, step, process), so resuming from adapter/<latest>
+replays the same stream without any iterator state. Saves go to a temporary directory renamed
+into place (a kill mid-save never leaves a partial latest); the newest `train.keep_ckpts` are kept.
 """
 
 from __future__ import annotations
@@ -61,7 +60,8 @@ def validate(config, context: int) -> None:
   f = config.focus
   if f.base_attention not in ("xla", "pallas"):
     _fail("base_attention", f"{f.base_attention!r} must be 'xla' or 'pallas' (the frozen chunk "
-          f"prefill attends over a padded cache in the compute dtype; see focus_adapter.with_attention)")
+          f"prefill attends over a padded cache in the compute dtype; see "
+          f"focus_adapter.with_attention)")
   if f.implementation not in focus_attention.IMPLEMENTATIONS:
     _fail("implementation", f"{f.implementation!r} must be one of "
           f"{sorted(focus_attention.IMPLEMENTATIONS)}")
@@ -249,7 +249,7 @@ def train(config, workdir: str, *, dry_run: bool = False, stop_at: int | None = 
       raise config_lib.ConfigError(f"config field focus.base_workdir: {base_wd} differs from "
                                    f"{saved_base}, the base of the adapter in {resume_dir}")
   loaded, adapter = focus_adapter.from_workdir(f.base_workdir, adapter_dir=resume_dir,
-                                       base_attention=f.base_attention)
+                                               base_attention=f.base_attention)
   if primary:
     checkpoint.write_config(workdir, config)
   sizes = focus_samples.chunk_sizes(config)

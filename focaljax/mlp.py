@@ -16,8 +16,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from focaljax import ops
 from focaljax import sharding
 from pallas_kernels import swiglu as swiglu_kernels
+
+_interpret = ops._interpret  # pylint: disable=protected-access
 
 if TYPE_CHECKING:
   from focaljax.model import ModelConfig
@@ -71,10 +74,6 @@ def _per_device(fn, n_out: int, *arrays_BTF):
   return jax.shard_map(fn, in_specs=(spec,) * len(arrays_BTF),
                        out_specs=spec if n_out == 1 else (spec,) * n_out,
                        check_vma=False)(*arrays_BTF)
-
-
-def _interpret() -> bool:
-  return jax.default_backend() not in ("gpu", "cuda", "rocm")
 
 
 @jax.custom_vjp

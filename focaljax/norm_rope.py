@@ -7,13 +7,14 @@ Einsum letters as in model.py: B batch, T positions, N heads, D head dim, d = D/
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from focaljax import ops
 from focaljax import sharding
 from pallas_kernels import norm_rope as nr
+
 
 def _column_sum(v_RD):
   """Σ over rows of a [rows, D] float32 array in two stages: blocks of up to 1024 rows first,
@@ -125,25 +126,26 @@ def _pallas_bwd(x_BTND, scale_D, cos_BTd, sin_BTd, g_BTND, eps):
   gain's gradient summed over those axes."""
   B, T, N, D = x_BTND.shape
   cos_BTd, sin_BTd = (jnp.broadcast_to(a, (B, T, D // 2)) for a in (cos_BTd, sin_BTd))
-  interpret = jax.default_backend() not in ("gpu", "cuda", "rocm")
 
   def local(x, s, c, sn, g):
     b, t, n, _ = x.shape
     dx, ds = nr.norm_rope_bwd(x.reshape(b * t, n, D), s, c.reshape(b * t, D // 2),
                               sn.reshape(b * t, D // 2), g.reshape(b * t, n, D), eps=eps,
-                              interpret=interpret)
+                              interpret=ops._interpret())  # pylint: disable=protected-access
     return dx.reshape(x.shape), ds
 
   mesh = jax.sharding.get_abstract_mesh()
-  rows = None if mesh.empty else sharding.dividing_axes(mesh, "batch", B)
-  heads = None if mesh.empty else sharding.dividing_axes(mesh, "heads", N)
-  if rows is None and heads is None:
+  if mesh.empty:
     return local(x_BTND, scale_D, cos_BTd, sin_BTd, g_BTND)
-  summed = (rows or ()) + (heads or ())
+  xs = sharding.dividing_spec(mesh, ("batch", None, "heads", None), x_BTND.shape)
+  # The mesh axes that split x (a PartitionSpec entry is an axis name or a tuple of them).
+  summed = tuple(a for part in xs if part for a in ((part,) if isinstance(part, str) else part))
+  if not summed:
+    return local(x_BTND, scale_D, cos_BTd, sin_BTd, g_BTND)
 
   def sharded(*a):
     dx, ds = local(*a)
     return dx, jax.lax.psum(ds, summed)
-  xs, ts = P(rows, None, heads, None), P(rows, None, None)
+  ts = P(xs[0], None, None)
   return jax.shard_map(sharded, in_specs=(xs, P(), ts, ts, xs), out_specs=(xs, P()),
                        check_vma=False)(x_BTND, scale_D, cos_BTd, sin_BTd, g_BTND)
