@@ -59,8 +59,9 @@ B1_VARIANTS = {"default": dict(), "plain": B1_PLAIN,
                "b1_scratch_k128_w8": dict(b1_carries="scratch", b1_block_k=128, b1_warps=8),
                # B1 (and, for the whole op, F2 too) on Hopper's wgmma/TMA
                # (pallas_kernels/dilution_mgpu*.py; 16-bit only).
-               "b1_mosaic": dict(b1_impl="mosaic"),
-               "b1_mosaic_2p": dict(b1_impl="mosaic", b1_mask_pieces=2),   # two bf16 mask pieces
+               # three bf16 mask pieces (float32-exact) or two (the D = 64 Hopper default)
+               "b1_mosaic": dict(b1_impl="mosaic", b1_mask_pieces=3),
+               "b1_mosaic_2p": dict(b1_impl="mosaic", b1_mask_pieces=2),
                "triton": dict(b1_impl="triton", f2_impl="triton"),   # the default off Hopper
                "mosaic": dict(b1_impl="mosaic", f2_impl="mosaic")}
 SMOKE_BLOCKS = dilution.BlockSizes(block_q_stats=16, block_k_stats=16, block_q=16, block_k=32,

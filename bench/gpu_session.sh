@@ -31,11 +31,12 @@ for spec in "$@"; do
              -k Compiled 2>&1 | tee "$OUT/fused_bwd_tests.log" | tail -20
              $RUN python3 bench/focal_mgpu_bwd.py --fused 2>&1 | tee "$OUT/fused_bwd.log" | tail -20 ;;
     glue_kernels)  # issue 3: the Pallas QK-norm + RoPE backward and SwiGLU passes, compiled
-             # tests, then the step A/B (defaults, each kernel, both) in one process per size
+             # tests, then the step A/B (the presets' "auto" = both kernels, then the XLA pair,
+             # then each XLA one alone) in one process per size
              $RUN python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/test_norm_rope.py \
                tests/test_swiglu_kernel.py -k Compiled 2>&1 | tee "$OUT/glue_tests.log" | tail -3
              $RUN python3 bench/train_step.py --sizes "${GLUE_SIZES:-400m,1.3b}" --impls cudnn \
-               --steps 8 --variants "${GLUE_VARIANTS:-;model.qk_rope_backward=pallas;model.mlp_backward=pallas;model.qk_rope_backward=pallas,model.mlp_backward=pallas}" \
+               --steps 8 --variants "${GLUE_VARIANTS:-;model.qk_rope_backward=separate,model.mlp_backward=autodiff;model.qk_rope_backward=separate;model.mlp_backward=autodiff}" \
                --out "$OUT/glue_step.json" 2>&1 | grep --line-buffered -v -i autotun \
                | tee "$OUT/glue_step.log" | tail -10 ;;
     dilution_2p)  # issue 4: the Mosaic B1 with two bf16 mask pieces, compiled test then timed

@@ -53,10 +53,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       norm_backward="explicit",
       # QK-norm + RoPE backward: separate (two custom VJPs) | fused (qk_norm_rope: the cotangent
       # un-rotated once, then the norm's reductions) | pallas (qk_norm_rope's backward as one
-      # Pallas pass, pallas_kernels/norm_rope.py). Only with qk_norm, RoPE layers, explicit.
+      # Pallas pass, pallas_kernels/norm_rope.py) | auto (pallas on GPUs, else separate). Only
+      # with qk_norm, RoPE layers, explicit norms.
       qk_rope_backward="separate",
       # SwiGLU backward: autodiff | explicit (mlp.swiglu: float32, both cotangents in one pass) |
-      # pallas (mlp.swiglu_pallas: forward and backward as Pallas elementwise passes).
+      # pallas (mlp.swiglu_pallas: forward and backward as Pallas elementwise passes) |
+      # auto (pallas on GPUs, else autodiff).
       mlp_backward="autodiff",
   ))
   c.model.attention = ml_collections.ConfigDict(dict(

@@ -127,8 +127,10 @@ class BlockSizes:
 
     Measured on the H200 (jax 0.11.2, bf16, one run each; BENCHMARKS.md):
     - D = 64, (2,12,16K,64) forward+backward: Triton B1 with scratch carries, 128 keys and 8 warps
-      74.6 ms (78.3 with the plain fields); with the Mosaic B1 56.5 ms. The Mosaic F2 is slower
-      there (15.3 against 14.5 ms alone), so F2 stays Triton.
+      74.6 ms (78.3 with the plain fields); with the Mosaic B1 56.0 ms, 51.4 ms with two mask
+      pieces (B1 alone 33.8 → 29.1 ms; sixteenth session). Two pieces keep ~16 significant bits in
+      the in-tile prefix/suffix products, far below the bf16 inputs' 8; b1_mask_pieces=3 restores
+      float32 accuracy there. The Mosaic F2 is slower (15.3 against 14.5 ms alone): F2 stays Triton.
     - D = 128, (1,16,8K,128): the Mosaic B1 is slower (43.3 against 26.9 ms end to end), the
       Mosaic F2 faster (forward 3.94 against 5.76 ms). B1 keeps the plain Triton fields.
     The Mosaic kernels take 16-bit inputs at D 64 or 128 only (`dilution_mgpu.supported`);
@@ -137,7 +139,7 @@ class BlockSizes:
         jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
     if head_dim <= 64:   # the Triton B1 fields stay, so b1_impl="triton" alone restores them
       return cls(b1_carries="scratch", b1_block_k=128, b1_warps=8,
-                 b1_impl="mosaic" if mosaic else "triton")
+                 b1_impl="mosaic" if mosaic else "triton", b1_mask_pieces=2 if mosaic else 3)
     return cls(f2_impl="mosaic" if mosaic else "triton")
 
   def warps(self, D: int) -> int:

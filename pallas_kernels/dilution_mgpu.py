@@ -23,8 +23,8 @@ The products with U and L keep float32 accuracy: x is split into three bf16 piec
 to x exactly and a 0/1 mask times a bf16 value is exact (`dilution_bwd.exact_mask_dot`), three
 register-lhs wgmmas each. Per tile pair: 2 k·qᵀ, dP, A·dO, W·q, Wᵀ·k and 6 mask products.
 `BlockSizes.b1_mask_pieces=2` uses two pieces (~16 significant bits; 4 mask products, 10 wgmmas
-per tile pair; CPU interpret: dv within 9e-4 of the Triton B1, against 2e-4 with three); not
-yet timed.
+per tile pair; CPU interpret: dv within 9e-4 of the Triton B1, against 2e-4 with three). H200,
+(2,12,16K,64): B1 29.1 against 33.8 ms with three; the D = 64 Hopper default since then.
 
 The producer streams each super-block's row tiles twice (top-down, then bottom-up): q, dO
 [bq, D] and the rows lse, S, dbar, segment ids through a ring of `steps` slots.

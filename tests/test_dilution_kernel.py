@@ -254,10 +254,10 @@ def test_b1_block_k_sets_padding_and_refuses_a_non_dividing_t():
   d64 = dilution.BlockSizes.default(64)
   assert (d64.b1_carries, d64.keys_b1(), d64.warps_b1(64), d64.block_k) == ("scratch", 128, 8, 64)
   assert dilution.BlockSizes.default(128) == dilution.BlockSizes()
-  # On Hopper with 16-bit inputs: the Mosaic B1 at D = 64, the Mosaic F2 at D = 128; float32,
-  # other head dims and non-Hopper GPUs keep Triton.
+  # On Hopper with 16-bit inputs: the Mosaic B1 (two mask pieces) at D = 64, the Mosaic F2 at
+  # D = 128; float32, other head dims and non-Hopper GPUs keep Triton.
   hop = functools.partial(dilution.BlockSizes.default, hopper=True)
-  assert hop(64, jnp.bfloat16) == dataclasses.replace(d64, b1_impl="mosaic")
+  assert hop(64, jnp.bfloat16) == dataclasses.replace(d64, b1_impl="mosaic", b1_mask_pieces=2)
   assert hop(128, jnp.float16) == dilution.BlockSizes(f2_impl="mosaic")
   assert hop(64, jnp.float32) == d64 and hop(32, jnp.bfloat16) == dilution.BlockSizes.default(32)
   assert hop(128, jnp.float32) == dilution.BlockSizes()

@@ -83,18 +83,25 @@ def _cfg(**kw):
 
 @pytest.mark.parametrize("fuse", [False, True])
 def test_model_does_not_depend_on_the_mlp_backward(fuse):
-  """Whole-model float32 loss and gradients with mlp_backward explicit == pallas == autodiff,
-  over both the separate and the stacked gate/up GEMM."""
+  """Whole-model float32 loss and gradients with mlp_backward explicit == pallas == autodiff
+  (== auto, whichever it picks here), over both the separate and the stacked gate/up GEMM."""
   tokens = jax.random.randint(jax.random.key(9), (2, 12), 0, 96)
   results = []
   for mode in mlp.MLP_BACKWARDS:
     model = M.Transformer(_cfg(mlp_backward=mode, fuse_matmuls=fuse), nnx.Rngs(7))
     want = {"autodiff": mlp._swiglu_autodiff,  # pylint: disable=protected-access
-            "explicit": mlp.swiglu, "pallas": mlp.swiglu_pallas}[mode]
+            "explicit": mlp.swiglu, "pallas": mlp.swiglu_pallas}[mlp.resolve_mlp_backward(mode)]
     assert all(b.mlp.activation is want for b in model.blocks)
     results.append(loss_and_grads(model, tokens))
   for other in results[1:]:
     assert_same_loss_and_grads(results[0], other)
+
+
+def test_auto_is_pallas_only_on_gpus(monkeypatch):
+  for backend, want in (("gpu", "pallas"), ("cpu", "autodiff"), ("tpu", "autodiff")):
+    monkeypatch.setattr(jax, "default_backend", lambda b=backend: b)
+    assert mlp.resolve_mlp_backward("auto") == want
+    assert mlp.resolve_mlp_backward("explicit") == "explicit"   # a named choice stays
 
 
 def test_unknown_mlp_backward_is_refused():

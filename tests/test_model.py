@@ -268,3 +268,12 @@ def test_model_gradients_do_not_depend_on_the_qk_rope_backward():
     assert not any(b.attn.fused_qk_rope for b in model.blocks)
   with pytest.raises(ValueError, match="qk_rope_backward"):
     M.Transformer(_cfg(qk_rope_backward="fast"), nnx.Rngs(7))
+
+
+def test_qk_rope_backward_auto_is_pallas_only_on_gpus(monkeypatch):
+  model = M.Transformer(_cfg("softmax", qk_norm=True, qk_rope_backward="auto"), nnx.Rngs(7))
+  assert not any(b.attn.fused_qk_rope for b in model.blocks)   # this CPU: the separate pair
+  for backend, want in (("gpu", "pallas"), ("cpu", "separate"), ("tpu", "separate")):
+    monkeypatch.setattr(jax, "default_backend", lambda b=backend: b)
+    assert M.resolve_qk_rope_backward("auto") == want
+    assert M.resolve_qk_rope_backward("fused") == "fused"
