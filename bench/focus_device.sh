@@ -34,6 +34,10 @@
 # for the adapter (and the copy-initialised one); EVAL_CAND_BIAS overrides it in the eval stage.
 # SINK: focus.sink, "none" (the paper) or "first_token" (the memory's first token's frozen k/v as an
 # attention sink before the candidates; needs CAND_BIAS=none); EVAL_SINK overrides it at eval.
+# FOCUS_SEED: the adapter run's config.seed (0), i.e. its sample order, drills and keys (the adapter
+# starts as a copy of the base, so that is all it changes): repeats of one arm over one base.
+# FOCUS_SEEDS="1 2 3": stages 2 and 3 once per seed, each in $RUN-s<seed>, logging to
+# adapter_s<seed>.log and eval_focus_s<seed>.log (keep 3 or fewer: the 8-file return limit).
 # ADAPTER: what the eval stage reads (default: the adapter run's latest adapter/<step>).
 # FILLER=books: passkey prompts filled with a held-out book instead of the official sentences.
 # CAND_POS: focus.candidate_positions for stages 1b and 2, default sequential (the official
@@ -142,34 +146,39 @@ g = json.load(open(sys.argv[1]))['copy_gain']; print(g); sys.exit(g >= float(sys
        "base (more BASE_STEPS), or COPY_MIN=0 to train the adapter anyway"
   FOCUS_RUN=0
 fi
-stage adapter "$FOCUS_RUN"
-run_for "$FOCUS_RUN" python3 train.py --config configs/focus.py --workdir "$RUN" \
-  --config.focus.base_workdir="$BASE" --config.data.source="text:$C/train.jsonl.xz" \
-  --config.focus.chunk_sizes="${CHUNKS:-128,256,512}" --config.focus.prompt_len="${PROMPT:-256}" \
-  --config.focus.local_len="${LOCAL:-512}" --config.focus.doc_min_tokens="${DOC_MIN:-3000}" \
-  ${MEM:+--config.focus.memory_tokens=$MEM} ${TARGETS:+--config.focus.num_targets=$TARGETS} \
-  ${WINDOW:+--config.focus.drill_in_window=$WINDOW} ${PRECON:+--config.focus.p_reconstruction=$PRECON} \
-  ${ANSWER_W:+--config.focus.answer_weight=$ANSWER_W} \
-  --config.data.global_batch="${BATCH:-8}" --config.train.steps="${FOCUS_STEPS:-400}" \
-  --config.optim.warmup_steps="${FOCUS_WARMUP:-30}" ${FOCUS_LR:+--config.optim.peak_lr=$FOCUS_LR} \
-  --config.train.log_every=10 --config.train.ckpt_every="${FOCUS_CKPT:-50}" \
-  --config.train.compute_dtype="${DTYPE:-bfloat16}" \
-  --config.focus.implementation="${FOCUS_IMPL:-pallas}" \
-  --config.focus.candidate_positions="${CAND_POS:-sequential}" \
-  --config.focus.candidate_bias="${CAND_BIAS:-none}" --config.focus.sink="${SINK:-none}" \
-  --config.focus.retrieval_mix="${FOCUS_MIX:-0.5}" 2>&1 | quiet > "$OUT/adapter.log"
-tail -n 4 "$OUT/adapter.log" 2>/dev/null
+# One adapter and its evaluation per seed (FOCUS_SEEDS above); without it, one run in $RUN.
+for seed in ${FOCUS_SEEDS:-"${FOCUS_SEED:-}"}; do
+  run=$RUN; sfx=""
+  if [ -n "${FOCUS_SEEDS:-}" ]; then run=$RUN-s$seed; sfx=_s$seed; fi
+  stage "adapter$sfx" "$FOCUS_RUN"
+  run_for "$FOCUS_RUN" python3 train.py --config configs/focus.py --workdir "$run" \
+    --config.focus.base_workdir="$BASE" --config.data.source="text:$C/train.jsonl.xz" \
+    --config.focus.chunk_sizes="${CHUNKS:-128,256,512}" --config.focus.prompt_len="${PROMPT:-256}" \
+    --config.focus.local_len="${LOCAL:-512}" --config.focus.doc_min_tokens="${DOC_MIN:-3000}" \
+    ${MEM:+--config.focus.memory_tokens=$MEM} ${TARGETS:+--config.focus.num_targets=$TARGETS} \
+    ${WINDOW:+--config.focus.drill_in_window=$WINDOW} ${PRECON:+--config.focus.p_reconstruction=$PRECON} \
+    ${ANSWER_W:+--config.focus.answer_weight=$ANSWER_W} ${seed:+--config.seed=$seed} \
+    --config.data.global_batch="${BATCH:-8}" --config.train.steps="${FOCUS_STEPS:-400}" \
+    --config.optim.warmup_steps="${FOCUS_WARMUP:-30}" ${FOCUS_LR:+--config.optim.peak_lr=$FOCUS_LR} \
+    --config.train.log_every=10 --config.train.ckpt_every="${FOCUS_CKPT:-50}" \
+    --config.train.compute_dtype="${DTYPE:-bfloat16}" \
+    --config.focus.implementation="${FOCUS_IMPL:-pallas}" \
+    --config.focus.candidate_positions="${CAND_POS:-sequential}" \
+    --config.focus.candidate_bias="${CAND_BIAS:-none}" --config.focus.sink="${SINK:-none}" \
+    --config.focus.retrieval_mix="${FOCUS_MIX:-0.5}" 2>&1 | quiet > "$OUT/adapter$sfx.log"
+  tail -n 4 "$OUT/adapter$sfx.log" 2>/dev/null
 
-# 3. Evaluation: the FocusLLM suites, then the base alone (full attention, NTK-scaled RoPE).
-stage eval "${EVAL_LIMIT:-130}"
-run_for "${EVAL_LIMIT:-130}" python3 eval.py --workdir "$BASE" --focus_adapter "${ADAPTER:-$RUN}" \
-  --books $C/longeval.jsonl.xz --focus_dtype "${DTYPE:-bfloat16}" \
-  --focus_multipliers "${MULTS:-2,8,32,100}" --passkey_seeds "${SEEDS:-10}" \
-  --max_multiplier "${MAXMULT:-32}" --max_books "${MAXBOOKS:-8}" \
-  --focus_passkey_batch "${PK_BATCH:-1}" --focus_passkey_filler "${FILLER:-grass}" \
-  ${EVAL_CAND_BIAS:+--focus_candidate_bias=$EVAL_CAND_BIAS} ${EVAL_SINK:+--focus_sink=$EVAL_SINK} \
-  2>&1 | quiet > "$OUT/eval_focus.log"
-tail -n 12 "$OUT/eval_focus.log" 2>/dev/null
+  # 3. Evaluation: the FocusLLM suites, then the base alone (full attention, NTK-scaled RoPE).
+  stage "eval$sfx" "${EVAL_LIMIT:-130}"
+  run_for "${EVAL_LIMIT:-130}" python3 eval.py --workdir "$BASE" --focus_adapter "${ADAPTER:-$run}" \
+    --books $C/longeval.jsonl.xz --focus_dtype "${DTYPE:-bfloat16}" \
+    --focus_multipliers "${MULTS:-2,8,32,100}" --passkey_seeds "${SEEDS:-10}" \
+    --max_multiplier "${MAXMULT:-32}" --max_books "${MAXBOOKS:-8}" \
+    --focus_passkey_batch "${PK_BATCH:-1}" --focus_passkey_filler "${FILLER:-grass}" \
+    ${EVAL_CAND_BIAS:+--focus_candidate_bias=$EVAL_CAND_BIAS} ${EVAL_SINK:+--focus_sink=$EVAL_SINK} \
+    2>&1 | quiet > "$OUT/eval_focus$sfx.log"
+  tail -n 12 "$OUT/eval_focus$sfx.log" 2>/dev/null
+done
 run_for "${BASE_EVAL_LIMIT:-50}" python3 eval.py --workdir "$BASE" --suites longdoc \
   --books $C/longeval.jsonl.xz --max_multiplier "${MAXMULT:-32}" --max_books "${MAXBOOKS:-8}" \
   --noplots 2>&1 | quiet \

@@ -18,6 +18,8 @@ Over a 35.7M base (copy gain 0.14), the same recipe with 8 targets and no recons
 left the prior by step 200 (loss_key 3.7 at 1400; the answer's last digits read from memory at 8x
 and 32x), while the 16-target, p=0.5 arm did not move in 961 steps. This config has used those
 two settings since: the drill answer is ~45% of the supervised targets instead of ~11%.
+In the fifteenth session it left the prior by step ~330 over a fresh 97.5M base; in the
+sixteenth, over another base of the same recipe and quality, it stayed there for 2000 steps.
 Differences from configs/focus.py (the paper's 7B recipe, lr 5e-5, which moved nothing here):
   - 90% of continuation samples are passkey drills: the base copies ordinary text too weakly
     (its `copy` suite gain is 0.23 nats) for the reconstruction samples to teach the carry;
