@@ -14,9 +14,9 @@ validation split's documents concatenated (the output says which).
 
 FocusLLM suites (focaljax/focus_eval.py, focus_passkey.py): focus_passkey, focus_longdoc, on the
 base --workdir with the adapter --focus_adapter (a focus run workdir: its latest adapter/<step>;
-or one adapter directory); the default suites with --focus_adapter are these two. Their JSON goes under the focus
-run's eval/ (eval/adapter_<step> for an explicit step). --max_multiplier (default 32 for them),
---passkey_seeds (default 10 for them), --max_books and --books apply to them too.
+or one adapter directory); the default suites with --focus_adapter are these two. Their JSON goes
+under the focus run's eval/ (eval/adapter_<step> for an explicit step). --max_multiplier (default
+32 for them), --passkey_seeds (default 10 for them), --max_books and --books apply to them too.
 """
 
 import os
