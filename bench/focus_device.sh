@@ -38,6 +38,8 @@
 # starts as a copy of the base, so that is all it changes): repeats of one arm over one base.
 # FOCUS_SEEDS="1 2 3": stages 2 and 3 once per seed, each in $RUN-s<seed>, logging to
 # adapter_s<seed>.log and eval_focus_s<seed>.log (keep 3 or fewer: the 8-file return limit).
+# CAND_PATH: focus.candidate_path, "adapter" (the paper: the candidate's own q/k/v/o train) or
+# "frozen" (the candidate's forward stays the base's; only the k/v the window sees train).
 # ADAPTER: what the eval stage reads (default: the adapter run's latest adapter/<step>).
 # FILLER=books: passkey prompts filled with a held-out book instead of the official sentences.
 # CAND_POS: focus.candidate_positions for stages 1b and 2, default sequential (the official
@@ -113,11 +115,12 @@ tail -n 6 "$OUT/eval_base_passkey.log"
 if [ "${INIT_LIMIT:-0}" != 0 ]; then
   python3 -c "import sys; from focaljax import focus, focus_adapter, loaded
 m = loaded.load(sys.argv[1])
-focus_adapter.save_adapter(sys.argv[2], focus.init_adapter(m.model), focus.FocusConfig(
+focus_adapter.save_adapter(sys.argv[2], focus.init_adapter(m.model, sys.argv[8]), focus.FocusConfig(
     int(sys.argv[3]), prompt_len=int(sys.argv[4]), implementation=sys.argv[5],
-    candidate_positions=sys.argv[6], candidate_bias=sys.argv[7]), sys.argv[1])" \
+    candidate_positions=sys.argv[6], candidate_bias=sys.argv[7], candidate_path=sys.argv[8]),
+    sys.argv[1])" \
     "$BASE" "$ROOT/focus_init" "${CHUNKS%%,*}" "${PROMPT:-256}" "${FOCUS_IMPL:-pallas}" \
-    "${CAND_POS:-sequential}" "${CAND_BIAS:-none}"
+    "${CAND_POS:-sequential}" "${CAND_BIAS:-none}" "${CAND_PATH:-adapter}"
   for sink in ${INIT_SINKS:-${SINK:-none}}; do
     for bias in ${INIT_BIASES:-${CAND_BIAS:-none}}; do
       [ "$sink" != none ] && [ "$bias" != none ] && continue   # focus.FocusConfig refuses both
@@ -165,6 +168,7 @@ for seed in ${FOCUS_SEEDS:-"${FOCUS_SEED:-}"}; do
     --config.focus.implementation="${FOCUS_IMPL:-pallas}" \
     --config.focus.candidate_positions="${CAND_POS:-sequential}" \
     --config.focus.candidate_bias="${CAND_BIAS:-none}" --config.focus.sink="${SINK:-none}" \
+    --config.focus.candidate_path="${CAND_PATH:-adapter}" \
     --config.focus.retrieval_mix="${FOCUS_MIX:-0.5}" 2>&1 | quiet > "$OUT/adapter$sfx.log"
   tail -n 4 "$OUT/adapter$sfx.log" 2>/dev/null
 

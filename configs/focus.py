@@ -45,6 +45,9 @@ def get_config(arg=None):
                                 # | "log_count" (-log C: C identical candidates weigh as one key)
       sink="none",              # "none" (the paper) | "first_token": the memory's first token's
                                 # frozen k/v as an attention sink before the candidates (focus.SINKS)
+      candidate_path="adapter",  # the candidate's own forward: "adapter" (the paper: its own
+                                 # q/k/v/o) | "frozen" (the base's; the adapter's wk/wv only map it
+                                 # to the local decoder's k/v; focus.CANDIDATE_PATHS)
       base_attention="xla",     # the frozen base's own attention: "xla" | "pallas", whatever it
                                 # was trained with (focus_adapter.with_attention: cuDNN wants 16-bit q/k/v)
   ))

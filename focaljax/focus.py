@@ -8,7 +8,8 @@ The long input is memory (M tokens, split into C chunks of `chunk_size`) + a loc
 chunk is run as the sequence [chunk | sep? | dynamic prompt], the dynamic prompt being the last
 min(prompt_len, chunk_size) local tokens. Every position runs through the frozen base, except the
 last prompt token (the candidate), which uses the adapter's own q/k/v/o (initialised as copies, so
-at init the candidate IS the base's hidden state there) with the frozen norms and MLP. The local
+at init the candidate IS the base's hidden state there) with the frozen norms and MLP; with
+`candidate_path="frozen"` it runs the base's too, and the adapter only maps it to k/v. The local
 decoder is the frozen base over the local window, with every chunk's candidate k/v prepended at
 every layer and visible to every local token. All chunks run as one batch (rows = B·C).
 
@@ -71,10 +72,12 @@ import math
 import jax
 import jax.numpy as jnp
 
-from focaljax import attention as attn_lib
 from focaljax import focus_attention
 from focaljax import model as model_lib
 from focaljax import sharding
+# The chunk side lives in focus_candidates; its names stay importable from here.
+from focaljax.focus_candidates import (CANDIDATE_PATHS, CandidatePath,  # noqa: F401
+                                       _rope, candidates, frozen_prefill, frozen_step)
 
 CANDIDATE_POSITION = 0   # the RoPE position of every candidate key in the "shared" layout
 CANDIDATE_POSITIONS = ("shared", "sequential")   # FocusConfig.candidate_positions (module doc)
@@ -84,13 +87,10 @@ CANDIDATE_POSITIONS = ("shared", "sequential")   # FocusConfig.candidate_positio
 # fourteenth session: failed adapters' answers broke down as C grew).
 CANDIDATE_BIASES = {"none": lambda C: 0.0, "log_count": lambda C: -math.log(C) if C > 1 else 0.0}
 # FocusConfig.sink: "first_token" prepends the memory's first token, as the frozen base cached it
-# in chunk 0 (position 0, no context: what every training document starts with), to the local
-# decoder's candidates. The fifteenth session's trained adapters put whole heads' attention on
-# the candidates (per-layer masses in multiples of 1 / heads, flat in the chunk count): the
-# base's attention-sink heads, which in the local window find no first token but the candidates.
-# The official local decoder starts with BOS; these bases have none. "none" is the paper's.
+# in chunk 0 (position 0, no context), to the local decoder's candidates, as a BOS-like attention
+# sink (the official local decoder starts with BOS). "none" is the paper's. Untrained and trained
+# adapters put no attention on it (FOCUSLLM.md, sixteenth session).
 SINKS = ("none", "first_token")
-_PROJ = ("wq", "wk", "wv", "wo")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +102,7 @@ class FocusConfig:
   candidate_positions: str = "sequential"   # local-decoder layout: "sequential" | "shared" (module doc)
   candidate_bias: str = "none"      # candidates' logit bias in the local decoder (CANDIDATE_BIASES)
   sink: str = "none"                # an attention sink before the candidates (SINKS)
+  candidate_path: str = "adapter"   # the candidate's own forward: adapter or frozen (CANDIDATE_PATHS)
 
   def __post_init__(self):
     if self.chunk_size < 1 or self.prompt_len < 1:
@@ -116,6 +117,9 @@ class FocusConfig:
                        f"got {self.candidate_bias!r}")
     if self.sink not in SINKS:
       raise ValueError(f"FocusConfig.sink must be one of {SINKS}; got {self.sink!r}")
+    if self.candidate_path not in CANDIDATE_PATHS:
+      raise ValueError(f"FocusConfig.candidate_path must be one of {sorted(CANDIDATE_PATHS)}; got "
+                       f"{self.candidate_path!r}")
     if self.sink != "none" and self.candidate_bias != "none":
       # The kernels bias every key of the candidate block, and the sink rides in it.
       raise ValueError(f"FocusConfig.sink={self.sink!r} needs candidate_bias='none'; got "
@@ -147,10 +151,15 @@ def check_base(base: model_lib.Transformer) -> None:
                                 "(model.attention.learned); only a constant temperature works")
 
 
-def init_adapter(base: model_lib.Transformer) -> dict:
-  """{layer: {wq, wk, wv, wo}}: copies (not ties) of the frozen projections."""
+def init_adapter(base: model_lib.Transformer, candidate_path: str = "adapter") -> dict:
+  """{layer: {wq, wk, wv, wo}} ({wk, wv} for the "frozen" path): copies (not ties) of the frozen
+  projections."""
   check_base(base)
-  return {i: {n: jnp.array(getattr(b.attn, n)[...]) for n in _PROJ}
+  if candidate_path not in CANDIDATE_PATHS:
+    raise ValueError(f"focus.init_adapter: candidate_path must be one of "
+                     f"{sorted(CANDIDATE_PATHS)}; got {candidate_path!r}")
+  leaves = CANDIDATE_PATHS[candidate_path].adapter_leaves
+  return {i: {n: jnp.array(getattr(b.attn, n)[...]) for n in leaves}
           for i, b in enumerate(base.blocks)}
 
 
@@ -182,64 +191,7 @@ def check_positions(base_cfg: model_lib.ModelConfig, cfg: FocusConfig, local_len
                      f"base's trained context max_seq_len={limit}; move tokens into memory")
 
 
-# ---------------------------------------------------------------------------- attention math
-
-
-def _rope(attn, x_RTKD, positions_RT, theta):
-  if attn.spec.position is attn_lib.Position.ROPE:
-    return model_lib.apply_rope(x_RTKD, positions_RT, theta)
-  return x_RTKD
-
-
-def _candidate_project(attn, w, x_RQE, positions_RQ, theta):
-  """Attention._project with the adapter's wq/wk/wv (frozen QK-norm); k also before RoPE."""
-  dt = x_RQE.dtype
-  q = jnp.einsum("RQE,END->RQND", x_RQE, w["wq"].astype(dt))
-  k = jnp.einsum("RQE,EKD->RQKD", x_RQE, w["wk"].astype(dt))
-  v = jnp.einsum("RQE,EKD->RQKD", x_RQE, w["wv"].astype(dt))
-  if attn.cfg.qk_norm:
-    q, k = attn.q_norm(q), attn.k_norm(k)
-  return _rope(attn, q, positions_RQ, theta), _rope(attn, k, positions_RQ, theta), k, v
-
-
-def frozen_prefill(base, tokens_RT, max_len: int, theta: float):
-  """Frozen K/V caches of the chunk sequences (positions 0..T-1) with room for `max_len`."""
-  x_RTE = base.embed[...][tokens_RT]
-  # Caches in the activations' dtype: fused attention (cuDNN, the kernels) wants q, k, v alike.
-  caches = base.init_cache(tokens_RT.shape[0], max_len, x_RTE.dtype)
-  new = []
-  for block, cache in zip(base.blocks, caches):
-    x_RTE, cache = block.cached(x_RTE, cache, 0, theta)
-    new.append(cache)
-  return new
-
-
-def frozen_step(base, caches, token_R, position: int, theta: float):
-  """Appends one token (frozen path) at `position` to every chunk cache."""
-  x_RTE = base.embed[...][token_R[:, None]]
-  new = []
-  for block, cache in zip(base.blocks, caches):
-    x_RTE, cache = block.cached(x_RTE, cache, position, theta)
-    new.append(cache)
-  return new
-
-
-def candidates(adapter, base, caches, tokens_RQ, positions_RQ, theta: float, *,
-               implementation: str = "xla"):
-  """Q candidates per chunk row, each at its position: it sees the cached frozen keys strictly
-  before it and itself (never the other candidates). Returns (h [R, Q, E], per layer
-  (k before RoPE, v) [R, Q, K, D]) -- k is re-rotated in the local decoder."""
-  x_RQE = base.embed[...][tokens_RQ]
-  kv = []
-  for i, (block, cache) in enumerate(zip(base.blocks, caches)):
-    w = adapter[i]
-    q, k, k_pre, v = _candidate_project(block.attn, w, block.attn_norm(x_RQE), positions_RQ, theta)
-    out = focus_attention.candidates(implementation, block.attn, q, cache["k"], cache["v"], k, v,
-                                     positions_RQ)
-    x_RQE = x_RQE + jnp.einsum("RQND,NDE->RQE", out, w["wo"].astype(out.dtype))
-    x_RQE = x_RQE + block.mlp(block.mlp_norm(x_RQE))
-    kv.append((k_pre, v))
-  return x_RQE, kv
+# ------------------------------------------------------------------------ the local decoder
 
 
 def local_logits(base, tokens_BT, cand_kv, theta: float, *, implementation: str = "xla",
@@ -326,7 +278,7 @@ def condense(adapter, base, memory_BM, span_BP, num_candidates: int, cfg: FocusC
   caches = frozen_prefill(base, seq_RN[:, :-1], cache_len, theta)
   positions_RQ = jnp.broadcast_to(jnp.arange(n - Q, n), (R, Q))
   h_RQE, kv = candidates(adapter, base, caches, seq_RN[:, n - Q:], positions_RQ, theta,
-                         implementation=cfg.implementation)
+                         implementation=cfg.implementation, path=cfg.candidate_path)
   split = lambda x: x.reshape(B, C, *x.shape[1:])
   return split(h_RQE), [(split(k), split(v)) for k, v in kv], caches
 

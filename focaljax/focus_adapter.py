@@ -58,12 +58,14 @@ def with_attention(model, implementation: str):
 
 
 
-def from_workdir(path: str, adapter_dir: str | None = None, base_attention: str | None = None):
-  """(LoadedModel of the frozen base, adapter): a fresh copy-initialised adapter unless
-  `adapter_dir` names one saved by `save_adapter`; `base_attention` swaps the base's attention
-  implementation (with_attention)."""
+def from_workdir(path: str, adapter_dir: str | None = None, base_attention: str | None = None,
+                 candidate_path: str = "adapter"):
+  """(LoadedModel of the frozen base, adapter): a fresh copy-initialised adapter for
+  `candidate_path` (focus.CANDIDATE_PATHS) unless `adapter_dir` names one saved by
+  `save_adapter`; `base_attention` swaps the base's attention implementation (with_attention)."""
   base = loaded.load(path)
   if base_attention is not None:
     base = dataclasses.replace(base, model=with_attention(base.model, base_attention))
-  adapter = focus.init_adapter(base.model) if adapter_dir is None else load_adapter(adapter_dir)[0]
+  adapter = (focus.init_adapter(base.model, candidate_path) if adapter_dir is None
+             else load_adapter(adapter_dir)[0])
   return base, adapter

@@ -32,7 +32,8 @@ from flax import nnx
 from focaljax import focus
 
 
-_STATIC = ("implementation", "sequential_positions", "candidate_bias", "sink")   # not arrays
+_STATIC = ("implementation", "sequential_positions", "candidate_bias", "sink",
+           "candidate_path")   # not arrays
 _READOUT = ("candidate_top", "candidate_mass", "sink_mass")   # prefill's diagnostics (not stepped)
 
 
@@ -82,7 +83,7 @@ def _prefill(graphdef, base_state, adapter, memory_BM, prompt_BT, cfg, max_new_t
 
 @functools.partial(jax.jit, static_argnames=("graphdef",) + _STATIC)
 def _step(graphdef, base_state, adapter, state, token_B, implementation, sequential_positions,
-          candidate_bias, sink):
+          candidate_bias, sink, candidate_path):
   base = nnx.merge(graphdef, base_state)
   theta = base.cfg.rope_theta
   length, pos, caches = state["length"], state["candidate_pos"], state["caches"]
@@ -96,7 +97,8 @@ def _step(graphdef, base_state, adapter, state, token_B, implementation, sequent
     caches = focus.frozen_step(base, caches, jnp.repeat(prev_B, C), pos, theta)
     pos = pos + 1
     _, kv_R = focus.candidates(adapter, base, caches, jnp.repeat(token_B, C)[:, None],
-                               jnp.full((B * C, 1), pos), theta, implementation=implementation)
+                               jnp.full((B * C, 1), pos), theta, implementation=implementation,
+                               path=candidate_path)
     split = lambda x: x[:, 0].reshape(B, C, *x.shape[2:])  # noqa: E731
     kv = focus.with_sink([(split(k), split(v)) for k, v in kv_R], caches, sink)
   state = {"tokens": tokens_BL, "length": length + 1, "caches": caches, "kv": kv,
@@ -126,7 +128,8 @@ def prefill(adapter, base, memory_BM, prompt_BT, cfg: focus.FocusConfig, max_new
                                            cfg, max_new_tokens, readout)
   return {**state, "implementation": cfg.implementation,
           "sequential_positions": cfg.sequential_positions,
-          "candidate_bias": cfg.candidate_bias, "sink": cfg.sink, **diagnostics}, logits_BV
+          "candidate_bias": cfg.candidate_bias, "sink": cfg.sink,
+          "candidate_path": cfg.candidate_path, **diagnostics}, logits_BV
 
 
 def step(adapter, base, state, token_B):

@@ -72,6 +72,8 @@ def validate(config, context: int) -> None:
     _fail("candidate_bias", f"{f.candidate_bias!r} must be one of {sorted(focus.CANDIDATE_BIASES)}")
   if f.get("sink", "none") not in focus.SINKS:
     _fail("sink", f"{f.sink!r} must be one of {list(focus.SINKS)}")
+  if f.get("candidate_path", "adapter") not in focus.CANDIDATE_PATHS:
+    _fail("candidate_path", f"{f.candidate_path!r} must be one of {sorted(focus.CANDIDATE_PATHS)}")
   if f.get("sink", "none") != "none" and f.candidate_bias != "none":
     _fail("sink", f"{f.sink!r} needs focus.candidate_bias='none' (got {f.candidate_bias!r})")
   sizes = focus_samples.chunk_sizes(config)
@@ -137,7 +139,8 @@ def focus_config(config, chunk: int) -> focus.FocusConfig:
   f = config.focus
   return focus.FocusConfig(chunk, prompt_len=f.prompt_len, implementation=f.implementation,
                            candidate_positions=f.candidate_positions,
-                           candidate_bias=f.candidate_bias, sink=f.get("sink", "none"))
+                           candidate_bias=f.candidate_bias, sink=f.get("sink", "none"),
+                           candidate_path=f.get("candidate_path", "adapter"))
 
 
 def _in_answer(Q: int, key_at_B):
@@ -243,13 +246,19 @@ def train(config, workdir: str, *, dry_run: bool = False, stop_at: int | None = 
   base_wd = checkpoint.resolve(f.base_workdir)[0]
   start = (saved_steps(workdir) or [0])[-1]
   resume_dir = os.path.join(workdir, ADAPTER_DIR, str(start)) if start else None
+  path = f.get("candidate_path", "adapter")
   if resume_dir:
-    saved_base = focus_adapter.load_adapter(resume_dir)[2]
+    _, saved_cfg, saved_base = focus_adapter.load_adapter(resume_dir)
     if os.path.abspath(saved_base) != base_wd:
       raise config_lib.ConfigError(f"config field focus.base_workdir: {base_wd} differs from "
                                    f"{saved_base}, the base of the adapter in {resume_dir}")
+    if saved_cfg.candidate_path != path:   # the adapter's leaves differ between paths
+      raise config_lib.ConfigError(f"config field focus.candidate_path: {path!r}, but the adapter "
+                                   f"in {resume_dir} was trained with "
+                                   f"{saved_cfg.candidate_path!r}")
   loaded, adapter = focus_adapter.from_workdir(f.base_workdir, adapter_dir=resume_dir,
-                                               base_attention=f.base_attention)
+                                               base_attention=f.base_attention,
+                                               candidate_path=path)
   if primary:
     checkpoint.write_config(workdir, config)
   sizes = focus_samples.chunk_sizes(config)

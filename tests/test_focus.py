@@ -205,15 +205,17 @@ def test_batched_chunks_equal_one_at_a_time():
       np.testing.assert_allclose(v[:, c], v_c[:, 0], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("layout, bias, sink",
-                         [(layout, "none", "none") for layout in focus.CANDIDATE_POSITIONS]
-                         + [("sequential", "log_count", "none"), ("sequential", "none", "first_token"),
-                            ("shared", "none", "first_token")])
-def test_incremental_generation_equals_recomputation(layout, bias, sink):
+@pytest.mark.parametrize("layout, bias, sink, path",
+                         [(layout, "none", "none", "adapter") for layout in focus.CANDIDATE_POSITIONS]
+                         + [("sequential", "log_count", "none", "adapter"),
+                            ("sequential", "none", "first_token", "adapter"),
+                            ("shared", "none", "first_token", "adapter"),
+                            ("sequential", "none", "none", "frozen")])
+def test_incremental_generation_equals_recomputation(layout, bias, sink, path):
   base = tiny_base(qk_norm=True)
-  adapter = perturbed(focus.init_adapter(base), scale=1.0)
+  adapter = perturbed(focus.init_adapter(base, path), scale=1.0)
   cfg = focus.FocusConfig(chunk_size=8, prompt_len=4, candidate_positions=layout,
-                          candidate_bias=bias, sink=sink)
+                          candidate_bias=bias, sink=sink, candidate_path=path)
   memory, prompt = tokens(13, (2, 24)), tokens(14, (2, 10))
   graphdef, params = split(base, adapter)
   state, logits_BV = focus_generate.prefill(adapter, base, memory, prompt, cfg, max_new_tokens=4)
@@ -409,3 +411,36 @@ def test_chunks_of_one_document_spread_over_a_mesh(implementation):
   assert result["shards"] == 8
   assert result["err"] < 1e-4
   assert result["shard_map"] == (implementation == "pallas")  # kernels run per device
+
+
+def test_the_frozen_candidate_path_keeps_the_base_s_candidate():
+  """candidate_path "frozen": the adapter holds only wk/wv; the candidate's hidden state is the
+  base's whatever the adapter (its own reading of the chunk survives training), the local
+  decoder's candidate k/v are the adapter's, copy-initialised it is the "adapter" path, and only
+  wk/wv get gradient (every layer's: each feeds the local decoder)."""
+  base = tiny_base(qk_norm=True)
+  cfg = focus.FocusConfig(chunk_size=8, prompt_len=4, candidate_path="frozen")
+  copy = focus.init_adapter(base, "frozen")
+  assert all(sorted(w) == ["wk", "wv"] for w in copy.values())
+  memory, local = tokens(30, (2, 24)), tokens(31, (2, 9))
+  h_ref, kv_ref, _ = focus.condense(focus.init_adapter(base), base, memory, local[:, -4:], 2,
+                                    dataclasses.replace(cfg, candidate_path="adapter"))
+  h0, kv0, _ = focus.condense(copy, base, memory, local[:, -4:], 2, cfg)
+  moved = perturbed(copy, scale=1.0)
+  h1, kv1, _ = focus.condense(moved, base, memory, local[:, -4:], 2, cfg)
+  for h in (h0, h1):
+    np.testing.assert_allclose(h, h_ref, atol=1e-5, rtol=1e-5)
+  for (k, v), (k0, v0), (k1, v1) in zip(kv_ref, kv0, kv1):
+    np.testing.assert_allclose(k0, k, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(v0, v, atol=1e-5, rtol=1e-5)
+    assert float(jnp.abs(k1 - k).max()) > 1e-3 and float(jnp.abs(v1 - v).max()) > 1e-3
+  np.testing.assert_allclose(
+      focus.logits(copy, base, memory, local, cfg),
+      focus.logits(focus.init_adapter(base), base, memory, local,
+                   dataclasses.replace(cfg, candidate_path="adapter")), atol=1e-5, rtol=1e-5)
+  grads = jax.grad(lambda a: focus.loss(a, base, memory, local, cfg, 3))(moved)
+  assert all(float(jnp.abs(g).max()) > 0 for g in jax.tree.leaves(grads))
+  with pytest.raises(ValueError, match="candidate_path"):
+    focus.FocusConfig(chunk_size=8, candidate_path="frozen_q")
+  with pytest.raises(ValueError, match="candidate_path"):
+    focus.init_adapter(base, "none")

@@ -268,6 +268,8 @@ def test_refuses_chunks_past_the_base_context_and_dry_runs(tmp_path):
                       str(tmp_path / "wd"))
   with pytest.raises(config_lib.ConfigError, match="focus.candidate_bias.*'log_count'"):
     focus_train.train(focus_cfg(tmp_path / "base", candidate_bias="log"), str(tmp_path / "wd"))
+  with pytest.raises(config_lib.ConfigError, match="focus.candidate_path.*'frozen'"):
+    focus_train.train(focus_cfg(tmp_path / "base", candidate_path="base"), str(tmp_path / "wd"))
   # "sequential": 576 memory tokens = 72 chunks, whose candidates alone fill more than 64 positions.
   with pytest.raises(config_lib.ConfigError, match="focus.candidate_positions.*72 candidates"):
     focus_train.train(focus_cfg(tmp_path / "base", chunk_sizes="8", doc_min_tokens=600,
@@ -295,3 +297,23 @@ def test_base_attention_replaces_the_trained_implementation(tmp_path):
   assert plain.model.blocks[0].attn.cfg.attention.implementation == "cudnn"
   assert swapped.model.blocks[0].attn.cfg.attention.implementation == "xla"
   jax.tree.map(np.testing.assert_array_equal, nnx.state(swapped.model), nnx.state(plain.model))
+
+
+def test_the_frozen_candidate_path_trains_only_the_window_s_keys_and_values(tmp_path):
+  """focus.candidate_path="frozen": the saved adapter holds wk/wv only, every one of them trains,
+  its config records the path, and resuming under the other path is refused (other leaves)."""
+  base_wd, wd = tmp_path / "base", tmp_path / "focus"
+  make_base(base_wd)
+  init = focus.init_adapter(loaded.load(str(base_wd)).model, "frozen")
+  cfg = focus_cfg(base_wd, candidate_path="frozen")
+  cfg.train.steps = 2
+  out = focus_train.train(cfg, str(wd))
+  adapter, saved_cfg, _ = focus_adapter.load_adapter(out["adapter_dir"])
+  assert saved_cfg.candidate_path == "frozen"
+  assert all(sorted(w) == ["wk", "wv"] for w in adapter.values())
+  changed = jax.tree.map(lambda a, b: bool(np.any(np.asarray(a) != np.asarray(b))), adapter, init)
+  assert all(jax.tree.leaves(changed)), changed
+  other = focus_cfg(base_wd)
+  other.train.steps = 3
+  with pytest.raises(config_lib.ConfigError, match="focus.candidate_path.*'frozen'"):
+    focus_train.train(other, str(wd))
