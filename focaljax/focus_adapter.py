@@ -57,7 +57,6 @@ def with_attention(model, implementation: str):
   return nnx.merge(graphdef, nnx.state(model))
 
 
-
 def from_workdir(path: str, adapter_dir: str | None = None, base_attention: str | None = None,
                  candidate_path: str = "adapter"):
   """(LoadedModel of the frozen base, adapter): a fresh copy-initialised adapter for

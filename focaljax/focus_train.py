@@ -55,6 +55,15 @@ def base_context(config) -> int:
   return checkpoint.read_config(workdir).data.seq_len
 
 
+# Fields newer than some saved workdir configs: their defaults are the paper's.
+def _sink(f) -> str:
+  return f.get("sink", "none")
+
+
+def _candidate_path(f) -> str:
+  return f.get("candidate_path", "adapter")
+
+
 def validate(config, context: int) -> None:
   """Raises ConfigError naming the first invalid focus.* field; `context` = base max_seq_len."""
   f = config.focus
@@ -70,12 +79,13 @@ def validate(config, context: int) -> None:
           f"{focus.CANDIDATE_POSITIONS}")
   if f.candidate_bias not in focus.CANDIDATE_BIASES:
     _fail("candidate_bias", f"{f.candidate_bias!r} must be one of {sorted(focus.CANDIDATE_BIASES)}")
-  if f.get("sink", "none") not in focus.SINKS:
-    _fail("sink", f"{f.sink!r} must be one of {list(focus.SINKS)}")
-  if f.get("candidate_path", "adapter") not in focus.CANDIDATE_PATHS:
-    _fail("candidate_path", f"{f.candidate_path!r} must be one of {sorted(focus.CANDIDATE_PATHS)}")
-  if f.get("sink", "none") != "none" and f.candidate_bias != "none":
-    _fail("sink", f"{f.sink!r} needs focus.candidate_bias='none' (got {f.candidate_bias!r})")
+  sink, path = _sink(f), _candidate_path(f)
+  if sink not in focus.SINKS:
+    _fail("sink", f"{sink!r} must be one of {list(focus.SINKS)}")
+  if path not in focus.CANDIDATE_PATHS:
+    _fail("candidate_path", f"{path!r} must be one of {sorted(focus.CANDIDATE_PATHS)}")
+  if sink != "none" and f.candidate_bias != "none":
+    _fail("sink", f"{sink!r} needs focus.candidate_bias='none' (got {f.candidate_bias!r})")
   sizes = focus_samples.chunk_sizes(config)
   for name in ("prompt_len", "doc_min_tokens"):
     if f[name] < 1:
@@ -126,7 +136,7 @@ def _check_memory(config, context: int, s: int, m: int) -> None:
     _fail(field, f"{getattr(f, field)} leaves a memory of {M} tokens for chunk {s} after the "
           f"local window (local_len + 1 = {f.local_len + 1}); need >= {max(s, f.local_len + 1)} "
           f"(one chunk, and room for a reconstruction span)")
-  sink = f.get("sink", "none") != "none"   # one more key before the window
+  sink = _sink(f) != "none"   # one more key before the window
   if f.candidate_positions == "sequential" and M // s + sink + f.local_len > context:
     # "sequential": candidates at 0..C-1, then the window.
     _fail("candidate_positions", f"'sequential' puts {M // s} candidates (chunk {s}, memory {M}) "
@@ -139,8 +149,8 @@ def focus_config(config, chunk: int) -> focus.FocusConfig:
   f = config.focus
   return focus.FocusConfig(chunk, prompt_len=f.prompt_len, implementation=f.implementation,
                            candidate_positions=f.candidate_positions,
-                           candidate_bias=f.candidate_bias, sink=f.get("sink", "none"),
-                           candidate_path=f.get("candidate_path", "adapter"))
+                           candidate_bias=f.candidate_bias, sink=_sink(f),
+                           candidate_path=_candidate_path(f))
 
 
 def _in_answer(Q: int, key_at_B):
@@ -246,7 +256,7 @@ def train(config, workdir: str, *, dry_run: bool = False, stop_at: int | None = 
   base_wd = checkpoint.resolve(f.base_workdir)[0]
   start = (saved_steps(workdir) or [0])[-1]
   resume_dir = os.path.join(workdir, ADAPTER_DIR, str(start)) if start else None
-  path = f.get("candidate_path", "adapter")
+  path = _candidate_path(f)
   if resume_dir:
     _, saved_cfg, saved_base = focus_adapter.load_adapter(resume_dir)
     if os.path.abspath(saved_base) != base_wd:

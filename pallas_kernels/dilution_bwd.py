@@ -57,12 +57,16 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels.dilution_fwd import idiv, dot, tile_probs
 
 
-def bf16_pieces(x):
-  """(hi, mid, lo) bf16 arrays with hi + mid + lo == x exactly for float32 x (exact_mask_dot)."""
-  hi = x.astype(jnp.bfloat16)
-  res = x - hi.astype(jnp.float32)
-  mid = res.astype(jnp.bfloat16)
-  return hi, mid, (res - mid.astype(jnp.float32)).astype(jnp.bfloat16)
+def bf16_pieces(x, n: int = 3):
+  """n bf16 arrays, largest first, each the bf16 rounding of what the earlier ones leave of
+  float32 x: (hi, mid, lo) sum to x exactly (exact_mask_dot); (hi, mid) keep ~16 significant
+  bits."""
+  pieces, res = [], x
+  for i in range(n):
+    pieces.append(res.astype(jnp.bfloat16))
+    if i + 1 < n:
+      res = res - pieces[-1].astype(jnp.float32)
+  return tuple(pieces)
 
 
 def exact_mask_dot(mask_TT, x_TS):

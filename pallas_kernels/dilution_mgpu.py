@@ -67,16 +67,12 @@ _F32_TILE = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
 
 def mask_dot(x_KQ, mask_s, *, pieces: int = 3, interpret):
   """x·mask with x split into bf16 pieces, small ones first (exact_mask_dot): three give float32
-  accuracy; two (hi + lo, ~16 significant bits, relative error ≲ 2⁻¹⁶) save a third of these
+  accuracy; two (hi + mid, ~16 significant bits, relative error ≲ 2⁻¹⁶) save a third of these
   products, a sixth of B1's wgmmas (BlockSizes.b1_mask_pieces)."""
-  if pieces == 2:
-    hi = x_KQ.astype(jnp.bfloat16)
-    lo = (x_KQ - hi.astype(jnp.float32)).astype(jnp.bfloat16)
-    return mc.mma(hi, mask_s, acc=mc.mma(lo, mask_s, interpret=interpret), interpret=interpret)
-  hi, mid, lo = dilution_bwd.bf16_pieces(x_KQ)
-  acc = mc.mma(lo, mask_s, interpret=interpret)
-  acc = mc.mma(mid, mask_s, acc=acc, interpret=interpret)
-  return mc.mma(hi, mask_s, acc=acc, interpret=interpret)
+  acc = None
+  for piece in reversed(dilution_bwd.bf16_pieces(x_KQ, pieces)):
+    acc = mc.mma(piece, mask_s, acc=acc, interpret=interpret)
+  return acc
 
 
 def tile_probs_kq(k_s, q_tile, lse_tile, segq_tile, segk_K, key_KQ, qry_KQ, i, *, scale,
