@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import functools
+import os
 
 import numpy as np
 
@@ -39,8 +40,10 @@ _MAX_DRAWS = 1000   # document draws per sample before concluding the source has
 # 4.9K at 8000 tokens: 74 MB), so after the first pass no step tokenizes (~20 ms a document).
 _CACHE_BYTES = 512 << 20
 # Batches built ahead on worker threads, so sampling overlaps the device's steps (0: on the
-# training thread; tests that signal at a known step use that). Two cover a slow draw.
-PREFETCH = 2
+# training thread; tests that signal at a known step use that). Until the cache holds the
+# corpus's documents a batch tokenizes ~12 of them (~0.15 s), slower than a device step; the
+# tokenizer releases the GIL, so the threads build batches in parallel, one per spare core.
+PREFETCH = max(2, min(8, (os.cpu_count() or 2) - 1))
 
 
 def fail(field: str, msg: str):

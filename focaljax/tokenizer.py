@@ -47,7 +47,9 @@ class Tokenizer:
     return hashlib.sha256(self._hf.to_str().encode()).hexdigest()
 
   def encode(self, text: str) -> list[int]:
-    return self._hf.encode(text, add_special_tokens=False).ids
+    # Through encode_batch: it releases the GIL while Rust tokenizes (encode holds it), so the
+    # FocusLLM sampler's prefetch threads tokenize documents in parallel; the ids are the same.
+    return self._hf.encode_batch([text], add_special_tokens=False)[0].ids
 
   def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
     return [e.ids for e in self._hf.encode_batch(list(texts), add_special_tokens=False)]

@@ -67,6 +67,9 @@ def test_train_small_bpe(small):
 
 def test_encode_batch_matches_encode(bundled):
   assert bundled.encode_batch(TEXTS) == [bundled.encode(t) for t in TEXTS]
+  # encode goes through encode_batch (it releases the GIL); the ids are the single-text path's.
+  for t in TEXTS:
+    assert bundled.encode(t) == bundled._hf.encode(t, add_special_tokens=False).ids
 
 
 def test_save_load(small, tmp_path):
