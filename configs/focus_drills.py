@@ -19,7 +19,9 @@ left the prior by step 200 (loss_key 3.7 at 1400; the answer's last digits read 
 and 32x), while the 16-target, p=0.5 arm did not move in 961 steps. This config has used those
 two settings since: the drill answer is ~45% of the supervised targets instead of ~11%.
 In the fifteenth session it left the prior by step ~330 over a fresh 97.5M base; in the
-sixteenth, over another base of the same recipe and quality, it stayed there for 2000 steps.
+sixteenth, over another base of the same recipe and quality, it stayed there for 2000 steps;
+in the seventeenth, three 1000-step runs over one base stayed there, while three with
+focus.candidate_path="frozen" fell steadily below it (none read the memory yet, FOCUSLLM.md).
 Differences from configs/focus.py (the paper's 7B recipe, lr 5e-5, which moved nothing here):
   - 90% of continuation samples are passkey drills: the base copies ordinary text too weakly
     (its `copy` suite gain is 0.23 nats) for the reconstruction samples to teach the carry;
