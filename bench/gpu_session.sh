@@ -48,7 +48,7 @@ for spec in "$@"; do
                --train-variants default,b1_mosaic_2p --train-shapes 2x12x16384x64,1x16x8192x128 \
                --out "$OUT/dilution_2p.json" 2>&1 | tee "$OUT/dilution_2p.log" | tail -12 ;;
     dilution_step) $RUN python3 bench/train_step.py --sizes 209m --seq_len 16384 --batch 1 \
-             --impls pallas,cudnn --patterns "softmax:rope;dilution:none" --steps 6 \
+             --impls pallas,cudnn --patterns "softmax:rope;dilution:none;softmax:rope,dilution:none" --steps 6 \
              --out "$OUT/dilution_step.json" 2>&1 | grep --line-buffered -v -i autotun \
              | tee "$OUT/dilution_step.log" | tail -12 ;;
     mgpu_tests) $RUN python3 -m pytest -q -p no:cacheprovider tests/test_focal_mgpu.py \
