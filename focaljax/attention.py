@@ -58,15 +58,22 @@ IMPLEMENTATIONS = ("xla", "pallas", "cudnn", "tokamax", "auto")
 # passes segment ids, which send "pallas" to the Triton kernel (1.3B/2K step: 328 ms vs 299 ms).
 # cuDNN's fused attention takes only 16-bit inputs: float32 work (eval.py's default dtype) goes
 # to the Pallas kernels, which accumulate in float32 either way.
+# Long packed rows are the exception: segment ids reach cuDNN as a dense [B, 1, T, T] mask, and at
+# 16K the 209M softmax model's step ran 1.23x faster on "pallas" (169.5 vs 209.0 ms, seventeenth
+# session). The crossover between 2K and 16K is not measured, so the switch sits at 16K.
 _AUTO = {"gpu": ("cudnn", "pallas"), "tpu": ("pallas", "pallas"), "cpu": ("xla", "xla")}
 _AUTO_FLOAT32 = {**_AUTO, "gpu": ("pallas", "pallas")}
+_AUTO_LONG_SEGMENTED = {**_AUTO, "gpu": ("pallas", "pallas")}
+_LONG_SEGMENTED_TOKENS = 16384
 
 
-def resolve_implementation(implementation: str, *, dilution: bool, dtype=None) -> str:
-  """The implementation a layer runs; `dtype` (of q) refines `auto`."""
+def resolve_implementation(implementation: str, *, dilution: bool, dtype=None,
+                           seq_len: int | None = None, segments: bool = False) -> str:
+  """The implementation a layer runs; q's `dtype`, length and packing refine `auto`."""
   if implementation == "auto":
     wide = dtype is not None and jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16)
-    table = _AUTO_FLOAT32 if wide else _AUTO
+    long_packed = segments and seq_len is not None and seq_len >= _LONG_SEGMENTED_TOKENS
+    table = _AUTO_FLOAT32 if wide else _AUTO_LONG_SEGMENTED if long_packed else _AUTO
     return table.get(jax.default_backend(), _AUTO["cpu"])[int(dilution)]
   if dilution and implementation in ("cudnn", "tokamax"):
     return "pallas"
@@ -137,7 +144,8 @@ def _scale_focal(cfg: AttentionConfig, head_dim: int, tau_BT):
 def _attend_softmax(cfg, q, k, v, scale, segment_ids):
   return ops.focal_attention(q, k, v, scale=scale, causal=True, segment_ids=segment_ids,
                              implementation=resolve_implementation(
-                                 cfg.implementation, dilution=False, dtype=q.dtype))
+                                 cfg.implementation, dilution=False, dtype=q.dtype,
+                                 seq_len=q.shape[1], segments=segment_ids is not None))
 
 
 def _attend_dilution(cfg, q, k, v, scale, segment_ids):

@@ -1,5 +1,6 @@
 """Invariants of the attention variants: causality by gradient, limits, the learned temperature."""
 
+import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -125,3 +126,18 @@ def test_auto_sends_float32_past_cudnn(monkeypatch):
   assert resolve("auto", dilution=False, dtype=jnp.float32) == "pallas"
   assert resolve("auto", dilution=True, dtype=jnp.float32) == "pallas"
   assert resolve("xla", dilution=False, dtype=jnp.float32) == "xla"
+
+
+def test_auto_sends_long_packed_rows_past_cudnn(monkeypatch):
+  """cuDNN gets packed segments as a dense T x T mask: from 16K with segments, `auto` is pallas."""
+  import jax.numpy as jnp
+  from focaljax import attention
+  monkeypatch.setattr(attention.jax, "default_backend", lambda: "gpu")
+  resolve = functools.partial(attention.resolve_implementation, "auto", dilution=False,
+                              dtype=jnp.bfloat16)
+  assert resolve(seq_len=16384, segments=True) == "pallas"
+  assert resolve(seq_len=8192, segments=True) == "cudnn"
+  assert resolve(seq_len=16384, segments=False) == "cudnn"
+  assert resolve() == "cudnn"
+  monkeypatch.setattr(attention.jax, "default_backend", lambda: "cpu")
+  assert resolve(seq_len=16384, segments=True) == "xla"
