@@ -51,6 +51,13 @@ for spec in "$@"; do
              --impls pallas,cudnn --patterns "softmax:rope;dilution:none;softmax:rope,dilution:none" --steps 6 \
              --out "$OUT/dilution_step.json" 2>&1 | grep --line-buffered -v -i autotun \
              | tee "$OUT/dilution_step.log" | tail -12 ;;
+    auto_crossover)  # issue 3: where packed rows stop favouring cuDNN (its dense segment mask);
+             # the 209M softmax step at 4K and 8K, 16K tokens per step (16K: dilution_step)
+             for t in 4096 8192; do
+               $RUN python3 bench/train_step.py --sizes 209m --seq_len $t --batch $((16384 / t)) \
+                 --impls pallas,cudnn --patterns softmax:rope --steps 6 --out "$OUT/crossover_$t.json" \
+                 2>&1 | grep --line-buffered -v -i autotun | tee "$OUT/crossover_$t.log" | tail -3
+             done ;;
     mgpu_tests) $RUN python3 -m pytest -q -p no:cacheprovider tests/test_focal_mgpu.py \
              tests/test_focal_mgpu_bwd.py tests/test_condense.py -k "Compiled" 2>&1 \
              | tee "$OUT/mgpu_tests.log" | tail -40 ;;
