@@ -171,6 +171,17 @@ for seed in ${FOCUS_SEEDS:-"${FOCUS_SEED:-}"}; do
     --config.focus.candidate_path="${CAND_PATH:-adapter}" \
     --config.focus.retrieval_mix="${FOCUS_MIX:-0.5}" 2>&1 | quiet > "$OUT/adapter$sfx.log"
   tail -n 4 "$OUT/adapter$sfx.log" 2>/dev/null
+  # loss_key (the drills' answer NLL) by 100-step window: a run has left the answer prior (~11.8
+  # over the 16K BPE) once it falls below ~10 (seventeenth session).
+  python3 - "$run/metrics.jsonl" <<'PY' 2>/dev/null
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+win = {}
+for r in rows:
+  if "loss_key" in r:
+    win.setdefault((r["step"] - 1) // 100, []).append(r["loss_key"])
+print("loss_key by 100 steps:", " ".join(f"{sum(v) / len(v):.2f}" for _, v in sorted(win.items())))
+PY
 
   # 3. Evaluation: the FocusLLM suites, then the base alone (full attention, NTK-scaled RoPE).
   stage "eval$sfx" "${EVAL_LIMIT:-130}"
