@@ -54,13 +54,13 @@ IMPLEMENTATIONS = ("xla", "pallas", "cudnn", "tokamax", "auto")
 
 # `auto`: the fastest implementation measured per platform (docs/BENCHMARKS.md). Dilution has
 # only the reference and the fused kernels; a library name falls back to "pallas" there. On the
-# H200 cuDNN stays the focal choice: the Mosaic kernel ties it at 2K-4K in isolation, but training
-# passes segment ids, which send "pallas" to the Triton kernel (1.3B/2K step: 328 ms vs 299 ms).
+# H200 cuDNN is the focal choice at 2K: with unpacked rows the 400M / 1.3B steps ran 192.4 / 274.1
+# ms against the Mosaic kernel's 199.4 / 278.7 (fifth session). Packed rows (segment ids) reach
+# cuDNN as a dense [B, 1, T, T] mask; at 16K the 209M softmax model's step ran 1.23x faster on
+# "pallas" (169.5 vs 209.0 ms, seventeenth session). Packed rows below 16K against the Mosaic
+# kernel's segment masking are not measured yet, so the switch sits at 16K.
 # cuDNN's fused attention takes only 16-bit inputs: float32 work (eval.py's default dtype) goes
 # to the Pallas kernels, which accumulate in float32 either way.
-# Long packed rows are the exception: segment ids reach cuDNN as a dense [B, 1, T, T] mask, and at
-# 16K the 209M softmax model's step ran 1.23x faster on "pallas" (169.5 vs 209.0 ms, seventeenth
-# session). The crossover between 2K and 16K is not measured, so the switch sits at 16K.
 _AUTO = {"gpu": ("cudnn", "pallas"), "tpu": ("pallas", "pallas"), "cpu": ("xla", "xla")}
 _AUTO_FLOAT32 = {**_AUTO, "gpu": ("pallas", "pallas")}
 _AUTO_LONG_SEGMENTED = {**_AUTO, "gpu": ("pallas", "pallas")}
