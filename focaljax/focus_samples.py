@@ -43,7 +43,8 @@ _CACHE_BYTES = 512 << 20
 # training thread; tests that signal at a known step use that). Until the cache holds the
 # corpus's documents a batch tokenizes ~12 of them (~0.15 s), slower than a device step; the
 # tokenizer releases the GIL, so the threads build batches in parallel, one per spare core.
-PREFETCH = max(2, min(8, (os.cpu_count() or 2) - 1))
+_CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
+PREFETCH = max(2, min(8, _CORES - 1))
 
 
 def fail(field: str, msg: str):
