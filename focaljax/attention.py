@@ -62,8 +62,7 @@ IMPLEMENTATIONS = ("xla", "pallas", "cudnn", "tokamax", "auto")
 # cuDNN's fused attention takes only 16-bit inputs: float32 work (eval.py's default dtype) goes
 # to the Pallas kernels, which accumulate in float32 either way.
 _AUTO = {"gpu": ("cudnn", "pallas"), "tpu": ("pallas", "pallas"), "cpu": ("xla", "xla")}
-_AUTO_FLOAT32 = {**_AUTO, "gpu": ("pallas", "pallas")}
-_AUTO_LONG_SEGMENTED = {**_AUTO, "gpu": ("pallas", "pallas")}
+_AUTO_PAST_CUDNN = {**_AUTO, "gpu": ("pallas", "pallas")}   # float32, or long packed rows
 _LONG_SEGMENTED_TOKENS = 16384
 
 
@@ -73,7 +72,7 @@ def resolve_implementation(implementation: str, *, dilution: bool, dtype=None,
   if implementation == "auto":
     wide = dtype is not None and jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16)
     long_packed = segments and seq_len is not None and seq_len >= _LONG_SEGMENTED_TOKENS
-    table = _AUTO_FLOAT32 if wide else _AUTO_LONG_SEGMENTED if long_packed else _AUTO
+    table = _AUTO_PAST_CUDNN if wide or long_packed else _AUTO
     return table.get(jax.default_backend(), _AUTO["cpu"])[int(dilution)]
   if dilution and implementation in ("cudnn", "tokamax"):
     return "pallas"

@@ -59,26 +59,27 @@ def _candidate_project(attn, w, x_RQE, positions_RQ, theta):
   return _rope(attn, q, positions_RQ, theta), _rope(attn, k, positions_RQ, theta), k, v
 
 
-def frozen_prefill(base, tokens_RT, max_len: int, theta: float):
-  """Frozen K/V caches of the chunk sequences (positions 0..T-1) with room for `max_len`."""
+def _extend(base, caches, tokens_RT, position, theta: float):
+  """The caches with tokens_RT run through the frozen blocks from `position` on."""
   x_RTE = base.embed[...][tokens_RT]
-  # Caches in the activations' dtype: fused attention (cuDNN, the kernels) wants q, k, v alike.
-  caches = base.init_cache(tokens_RT.shape[0], max_len, x_RTE.dtype)
-  new = []
-  for block, cache in zip(base.blocks, caches):
-    x_RTE, cache = block.cached(x_RTE, cache, 0, theta)
-    new.append(cache)
-  return new
-
-
-def frozen_step(base, caches, token_R, position: int, theta: float):
-  """Appends one token (frozen path) at `position` to every chunk cache."""
-  x_RTE = base.embed[...][token_R[:, None]]
   new = []
   for block, cache in zip(base.blocks, caches):
     x_RTE, cache = block.cached(x_RTE, cache, position, theta)
     new.append(cache)
   return new
+
+
+def frozen_prefill(base, tokens_RT, max_len: int, theta: float):
+  """Frozen K/V caches of the chunk sequences (positions 0..T-1) with room for `max_len`."""
+  # Caches in the activations' (the embedding's) dtype: fused attention (cuDNN, the kernels)
+  # wants q, k, v alike.
+  caches = base.init_cache(tokens_RT.shape[0], max_len, base.embed[...].dtype)
+  return _extend(base, caches, tokens_RT, 0, theta)
+
+
+def frozen_step(base, caches, token_R, position: int, theta: float):
+  """Appends one token (frozen path) at `position` to every chunk cache."""
+  return _extend(base, caches, token_R[:, None], position, theta)
 
 
 def candidates(adapter, base, caches, tokens_RQ, positions_RQ, theta: float, *,
