@@ -24,7 +24,8 @@
 # continuation samples into drills (focus.retrieval_mix). The adapter uses the paper's recipe
 # (configs/focus.py) with chunks that fit the base's 1K context: chunk + prompt + targets - 1 <= 1024.
 # MEM: focus.memory_tokens, memory lengths drawn per step (default: DOC_MIN - LOCAL - 1, i.e. 4
-# chunks of 512); e.g. DOC_MIN=8000 MEM=2048,4096,7168 for 4 to 14 chunks.
+# chunks of 512); e.g. DOC_MIN=8000 MEM=2048,4096,7168 for 4 to 14 chunks. DOC_MAX:
+# focus.doc_max_tokens (8000), raised with memories past it.
 # PK_BATCH: passkey trials per generate call in the eval stage (eval.py --focus_passkey_batch, 1).
 # TARGETS: focus.num_targets (16); the local decoder runs BATCH x TARGETS rows, most of a step.
 # WINDOW: focus.drill_in_window, the share of drills whose needle sits in the local window (0).
@@ -158,6 +159,7 @@ for seed in ${FOCUS_SEEDS:-"${FOCUS_SEED:-}"}; do
     --config.focus.base_workdir="$BASE" --config.data.source="text:$C/train.jsonl.xz" \
     --config.focus.chunk_sizes="${CHUNKS:-128,256,512}" --config.focus.prompt_len="${PROMPT:-256}" \
     --config.focus.local_len="${LOCAL:-512}" --config.focus.doc_min_tokens="${DOC_MIN:-3000}" \
+    ${DOC_MAX:+--config.focus.doc_max_tokens=$DOC_MAX} \
     ${MEM:+--config.focus.memory_tokens=$MEM} ${TARGETS:+--config.focus.num_targets=$TARGETS} \
     ${WINDOW:+--config.focus.drill_in_window=$WINDOW} ${PRECON:+--config.focus.p_reconstruction=$PRECON} \
     ${ANSWER_W:+--config.focus.answer_weight=$ANSWER_W} ${seed:+--config.seed=$seed} \
