@@ -90,6 +90,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.optim = ml_collections.ConfigDict(dict(
       peak_lr=3e-3,
       warmup_steps=30,           # linear warmup, then cosine decay to min_lr_ratio · peak_lr
+      schedule_steps=0,          # the cosine's length (0: train.steps); longer leaves the run at
+                                 # a higher rate, for stages that resume it (MaxText's
+                                 # learning_rate_schedule_steps)
       min_lr_ratio=0.1,
       b1=0.9,
       b2=0.95,

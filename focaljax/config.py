@@ -85,6 +85,9 @@ def validate(c: ml_collections.ConfigDict, *, vocab_size: int | None = None,
   _require(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", f"must be in [0, 1], got {o.min_lr_ratio}")
   _require(0 <= o.warmup_steps <= t.steps, "optim.warmup_steps",
            f"must be in [0, train.steps={t.steps}], got {o.warmup_steps}")
+  _require(o.get("schedule_steps", 0) == 0 or o.schedule_steps > o.warmup_steps,
+           "optim.schedule_steps", f"must be 0 (train.steps) or > optim.warmup_steps="
+           f"{o.warmup_steps}, got {o.get('schedule_steps')}")
   _require(o.clip_norm > 0, "optim.clip_norm", f"must be > 0, got {o.clip_norm}")
   for item in filter(None, o.no_decay.split(",")):
     _require(item in _NO_DECAY, "optim.no_decay", f"{item!r} is not one of {list(_NO_DECAY)}")
@@ -126,7 +129,8 @@ def optim_config(c: ml_collections.ConfigDict):
   from focaljax import optim  # pylint: disable=import-outside-toplevel
   o = c.optim
   return optim.OptimConfig(
-      peak_lr=o.peak_lr, warmup_steps=o.warmup_steps, total_steps=c.train.steps,
+      peak_lr=o.peak_lr, warmup_steps=o.warmup_steps,
+      total_steps=o.get("schedule_steps", 0) or c.train.steps,
       min_lr_ratio=o.min_lr_ratio, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay,
       no_decay=tuple(filter(None, o.no_decay.split(","))), clip_norm=o.clip_norm,
       mu_dtype=o.get("mu_dtype", "float32"))

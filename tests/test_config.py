@@ -1,6 +1,7 @@
 """Configs: every file loads and builds abstractly; bad values are refused naming the field."""
 
 import glob
+import math
 import os
 import subprocess
 import sys
@@ -61,6 +62,7 @@ def test_size_presets_build_abstractly(size):
     ("model.qk_rope_backward", "fast", "model.qk_rope_backward"),
     ("model.mlp_backward", "fused", "model.mlp_backward"),
     ("optim.mu_dtype", "float16", "optim.mu_dtype"),
+    ("optim.schedule_steps", 10, "optim.schedule_steps"),   # not past the 30 warmup steps
 ])
 def test_invalid_values_name_the_field(field, value, match):
   c = base.get_config()
@@ -71,6 +73,21 @@ def test_invalid_values_name_the_field(field, value, match):
   node[leaf] = value
   with pytest.raises(config_lib.ConfigError, match=match):
     config_lib.validate(c)
+
+
+def test_schedule_steps_sets_the_cosine_length():
+  from focaljax import optim
+  c = base.get_config()
+  assert config_lib.optim_config(c).total_steps == c.train.steps   # 0: train.steps
+  c.optim.schedule_steps = 2 * c.train.steps
+  cfg = config_lib.optim_config(c)
+  lr = optim.schedule(cfg)
+  # At train.steps the cosine over 2·train.steps (after warmup) is not yet half-way down.
+  w, n = cfg.warmup_steps, cfg.total_steps
+  frac = 0.5 * (1 + math.cos(math.pi * (c.train.steps - w) / (n - w)))
+  expect = cfg.peak_lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * frac)
+  assert abs(float(lr(c.train.steps)) - expect) < 1e-6 * cfg.peak_lr
+  assert float(lr(c.train.steps)) > cfg.peak_lr * (1 + cfg.min_lr_ratio) / 2
 
 
 def test_pallas_needs_block_divisible_sequence():
@@ -124,3 +141,18 @@ def test_a_workdir_config_from_before_mlp_backward_still_loads():
   with c.unlocked():
     del c.model["mlp_backward"]
   assert config_lib.model_config(c, vocab_size=256).mlp_backward == "autodiff"
+
+
+@pytest.mark.parametrize("stage", ["1", "2", "3"])
+def test_focus_drills_stages_validate(stage):
+  # Every stage fits a 1K-context base: 63 candidates + the 512-token window at stage 3.
+  from focaljax import focus_train
+  c = _load("focus_drills", f"stage={stage}")
+  c.lock()
+  config_lib.validate(c)
+  focus_train.validate(c, context=1024)
+
+
+def test_focus_drills_refuses_an_unknown_stage():
+  with pytest.raises(ValueError, match="stage='4'"):
+    _load("focus_drills", "stage=4")
