@@ -35,6 +35,10 @@
 # for the adapter (and the copy-initialised one); EVAL_CAND_BIAS overrides it in the eval stage.
 # SINK: focus.sink, "none" (the paper) or "first_token" (the memory's first token's frozen k/v as an
 # attention sink before the candidates; needs CAND_BIAS=none); EVAL_SINK overrides it at eval.
+# STAGES="1:150 2:150 3:400": instead of the knobs above, the committed staged recipe
+# (configs/focus_drills.py:stage=N, FOCUSLLM.md § Eighteenth), each stage resuming $RUN under its
+# own limit in seconds; BATCH, FOCUS_CKPT, DTYPE, FOCUS_IMPL and FOCUS_ARGS (free-form overrides,
+# e.g. "--config.optim.peak_lr=2e-3") still apply. FOCUS_LIMIT=0 skips it too.
 # FOCUS_SEED: the adapter run's config.seed (0), i.e. its sample order, drills and keys (the adapter
 # starts as a copy of the base, so that is all it changes): repeats of one arm over one base.
 # FOCUS_SEEDS="1 2 3": stages 2 and 3 once per seed, each in $RUN-s<seed>, logging to
@@ -154,24 +158,42 @@ fi
 for seed in ${FOCUS_SEEDS:-"${FOCUS_SEED:-}"}; do
   run=$RUN; sfx=""
   if [ -n "${FOCUS_SEEDS:-}" ]; then run=$RUN-s$seed; sfx=_s$seed; fi
-  stage "adapter$sfx" "$FOCUS_RUN"
-  run_for "$FOCUS_RUN" python3 train.py --config configs/focus.py --workdir "$run" \
-    --config.focus.base_workdir="$BASE" --config.data.source="text:$C/train.jsonl.xz" \
-    --config.focus.chunk_sizes="${CHUNKS:-128,256,512}" --config.focus.prompt_len="${PROMPT:-256}" \
-    --config.focus.local_len="${LOCAL:-512}" --config.focus.doc_min_tokens="${DOC_MIN:-3000}" \
-    ${DOC_MAX:+--config.focus.doc_max_tokens=$DOC_MAX} \
-    ${MEM:+--config.focus.memory_tokens=$MEM} ${TARGETS:+--config.focus.num_targets=$TARGETS} \
-    ${WINDOW:+--config.focus.drill_in_window=$WINDOW} ${PRECON:+--config.focus.p_reconstruction=$PRECON} \
-    ${ANSWER_W:+--config.focus.answer_weight=$ANSWER_W} ${seed:+--config.seed=$seed} \
-    --config.data.global_batch="${BATCH:-8}" --config.train.steps="${FOCUS_STEPS:-400}" \
-    --config.optim.warmup_steps="${FOCUS_WARMUP:-30}" ${FOCUS_LR:+--config.optim.peak_lr=$FOCUS_LR} \
-    --config.train.log_every=10 --config.train.ckpt_every="${FOCUS_CKPT:-50}" \
-    --config.train.compute_dtype="${DTYPE:-bfloat16}" \
-    --config.focus.implementation="${FOCUS_IMPL:-pallas}" \
-    --config.focus.candidate_positions="${CAND_POS:-sequential}" \
-    --config.focus.candidate_bias="${CAND_BIAS:-none}" --config.focus.sink="${SINK:-none}" \
-    --config.focus.candidate_path="${CAND_PATH:-adapter}" \
-    --config.focus.retrieval_mix="${FOCUS_MIX:-0.5}" 2>&1 | quiet > "$OUT/adapter$sfx.log"
+  : > "$OUT/adapter$sfx.log"
+  if [ -n "${STAGES:-}" ] && [ "$FOCUS_RUN" != 0 ]; then
+    # The committed recipe, configs/focus_drills.py:stage=N, each stage resuming $run under its own
+    # limit; only the knobs below and FOCUS_ARGS (free-form overrides) change it.
+    for st in $STAGES; do
+      n=${st%%:*}; lim=${st#*:}
+      stage "adapter$sfx stage $n" "$lim"
+      run_for "$lim" python3 train.py --config "configs/focus_drills.py:stage=$n" --workdir "$run" \
+        --config.focus.base_workdir="$BASE" --config.data.source="text:$C/train.jsonl.xz" \
+        ${seed:+--config.seed=$seed} ${BATCH:+--config.data.global_batch=$BATCH} \
+        --config.train.log_every=10 --config.train.ckpt_every="${FOCUS_CKPT:-500}" \
+        --config.train.compute_dtype="${DTYPE:-bfloat16}" \
+        --config.focus.implementation="${FOCUS_IMPL:-pallas}" ${FOCUS_ARGS:-} 2>&1 \
+        | quiet >> "$OUT/adapter$sfx.log"
+      tail -n 2 "$OUT/adapter$sfx.log"
+    done
+  else
+    stage "adapter$sfx" "$FOCUS_RUN"
+    run_for "$FOCUS_RUN" python3 train.py --config configs/focus.py --workdir "$run" \
+      --config.focus.base_workdir="$BASE" --config.data.source="text:$C/train.jsonl.xz" \
+      --config.focus.chunk_sizes="${CHUNKS:-128,256,512}" --config.focus.prompt_len="${PROMPT:-256}" \
+      --config.focus.local_len="${LOCAL:-512}" --config.focus.doc_min_tokens="${DOC_MIN:-3000}" \
+      ${DOC_MAX:+--config.focus.doc_max_tokens=$DOC_MAX} \
+      ${MEM:+--config.focus.memory_tokens=$MEM} ${TARGETS:+--config.focus.num_targets=$TARGETS} \
+      ${WINDOW:+--config.focus.drill_in_window=$WINDOW} ${PRECON:+--config.focus.p_reconstruction=$PRECON} \
+      ${ANSWER_W:+--config.focus.answer_weight=$ANSWER_W} ${seed:+--config.seed=$seed} \
+      --config.data.global_batch="${BATCH:-8}" --config.train.steps="${FOCUS_STEPS:-400}" \
+      --config.optim.warmup_steps="${FOCUS_WARMUP:-30}" ${FOCUS_LR:+--config.optim.peak_lr=$FOCUS_LR} \
+      --config.train.log_every=10 --config.train.ckpt_every="${FOCUS_CKPT:-50}" \
+      --config.train.compute_dtype="${DTYPE:-bfloat16}" \
+      --config.focus.implementation="${FOCUS_IMPL:-pallas}" \
+      --config.focus.candidate_positions="${CAND_POS:-sequential}" \
+      --config.focus.candidate_bias="${CAND_BIAS:-none}" --config.focus.sink="${SINK:-none}" \
+      --config.focus.candidate_path="${CAND_PATH:-adapter}" \
+      --config.focus.retrieval_mix="${FOCUS_MIX:-0.5}" 2>&1 | quiet >> "$OUT/adapter$sfx.log"
+  fi
   tail -n 4 "$OUT/adapter$sfx.log" 2>/dev/null
   # loss_key (the drills' answer NLL) by 100-step window: a run has left the answer prior (~11.8
   # over the 16K BPE) once it falls below ~10 (seventeenth session).
