@@ -21,7 +21,7 @@ Differences from configs/focus.py (the paper's 7B recipe, lr 5e-5, which moved n
   - candidate_path "frozen": the candidate runs the base's own forward and the adapter only maps
     its hidden states to the local decoder's keys/values. With the paper's trained q/k/v/o
     ("adapter"), `loss_key` stayed at the prior in 3 of 3 seeds (seventeenth session) and in
-    two of five earlier runs: the trained candidates lose their own reading of the key;
+    about half of the earlier runs: the trained candidates lose their own reading of the key;
   - 90% of continuation samples are passkey drills: the base copies ordinary text too weakly
     (copy gain ~0.25 nats) for continuation or reconstruction samples to teach the carry;
   - no reconstruction samples (p_reconstruction 0): their loss stayed at the base's validation
