@@ -53,11 +53,13 @@ for spec in "$@"; do
              | tee "$OUT/dilution_step.log" | tail -12 ;;
     auto_crossover)  # issue 3: where packed rows stop favouring cuDNN (its dense segment mask):
              # the focal presets at 2K (packed, Mosaic's segment masking against the mask, never
-             # timed), then the 209M softmax step at 4K and 8K, 16K tokens a step (16K: dilution_step)
-             $RUN python3 bench/train_step.py --sizes 400m,1.3b --impls cudnn,pallas --steps 8 \
-               --out "$OUT/crossover_2048.json" 2>&1 | grep --line-buffered -v -i autotun \
+             # timed), then the 209M softmax step at 4K and 8K, 16K tokens a step (16K: dilution_step).
+             # CROSS_SIZES (400m,1.3b) and CROSS_LENGTHS ("4096 8192"; "" skips) trim it, e.g.
+             # CROSS_SIZES=400m CROSS_LENGTHS= for the preset nearest its MFU target alone (~150 s).
+             $RUN python3 bench/train_step.py --sizes "${CROSS_SIZES:-400m,1.3b}" --impls cudnn,pallas \
+               --steps 8 --out "$OUT/crossover_2048.json" 2>&1 | grep --line-buffered -v -i autotun \
                | tee "$OUT/crossover_2048.log" | tail -6
-             for t in 4096 8192; do
+             for t in ${CROSS_LENGTHS-4096 8192}; do
                $RUN python3 bench/train_step.py --sizes 209m --seq_len $t --batch $((16384 / t)) \
                  --impls pallas,cudnn --patterns softmax:rope --steps 6 --out "$OUT/crossover_$t.json" \
                  2>&1 | grep --line-buffered -v -i autotun | tee "$OUT/crossover_$t.log" | tail -3
