@@ -159,36 +159,34 @@ for seed in ${FOCUS_SEEDS:-"${FOCUS_SEED:-}"}; do
   run=$RUN; sfx=""
   if [ -n "${FOCUS_SEEDS:-}" ]; then run=$RUN-s$seed; sfx=_s$seed; fi
   : > "$OUT/adapter$sfx.log"
+  # What every adapter run takes, the staged recipe's and the knobs' alike.
+  common=(--workdir "$run" --config.focus.base_workdir="$BASE"
+          --config.data.source="text:$C/train.jsonl.xz" ${seed:+--config.seed=$seed}
+          --config.train.log_every=10 --config.train.compute_dtype="${DTYPE:-bfloat16}"
+          --config.focus.implementation="${FOCUS_IMPL:-pallas}")
   if [ -n "${STAGES:-}" ] && [ "$FOCUS_RUN" != 0 ]; then
     # The committed recipe, configs/focus_drills.py:stage=N, each stage resuming $run under its own
     # limit; only the knobs below and FOCUS_ARGS (free-form overrides) change it.
     for st in $STAGES; do
       n=${st%%:*}; lim=${st#*:}
       stage "adapter$sfx stage $n" "$lim"
-      run_for "$lim" python3 train.py --config "configs/focus_drills.py:stage=$n" --workdir "$run" \
-        --config.focus.base_workdir="$BASE" --config.data.source="text:$C/train.jsonl.xz" \
-        ${seed:+--config.seed=$seed} ${BATCH:+--config.data.global_batch=$BATCH} \
-        --config.train.log_every=10 --config.train.ckpt_every="${FOCUS_CKPT:-500}" \
-        --config.train.compute_dtype="${DTYPE:-bfloat16}" \
-        --config.focus.implementation="${FOCUS_IMPL:-pallas}" ${FOCUS_ARGS:-} 2>&1 \
-        | quiet >> "$OUT/adapter$sfx.log"
+      run_for "$lim" python3 train.py --config "configs/focus_drills.py:stage=$n" "${common[@]}" \
+        ${BATCH:+--config.data.global_batch=$BATCH} --config.train.ckpt_every="${FOCUS_CKPT:-500}" \
+        ${FOCUS_ARGS:-} 2>&1 | quiet >> "$OUT/adapter$sfx.log"
       tail -n 2 "$OUT/adapter$sfx.log"
     done
   else
     stage "adapter$sfx" "$FOCUS_RUN"
-    run_for "$FOCUS_RUN" python3 train.py --config configs/focus.py --workdir "$run" \
-      --config.focus.base_workdir="$BASE" --config.data.source="text:$C/train.jsonl.xz" \
+    run_for "$FOCUS_RUN" python3 train.py --config configs/focus.py "${common[@]}" \
       --config.focus.chunk_sizes="${CHUNKS:-128,256,512}" --config.focus.prompt_len="${PROMPT:-256}" \
       --config.focus.local_len="${LOCAL:-512}" --config.focus.doc_min_tokens="${DOC_MIN:-3000}" \
       ${DOC_MAX:+--config.focus.doc_max_tokens=$DOC_MAX} \
       ${MEM:+--config.focus.memory_tokens=$MEM} ${TARGETS:+--config.focus.num_targets=$TARGETS} \
       ${WINDOW:+--config.focus.drill_in_window=$WINDOW} ${PRECON:+--config.focus.p_reconstruction=$PRECON} \
-      ${ANSWER_W:+--config.focus.answer_weight=$ANSWER_W} ${seed:+--config.seed=$seed} \
+      ${ANSWER_W:+--config.focus.answer_weight=$ANSWER_W} \
       --config.data.global_batch="${BATCH:-8}" --config.train.steps="${FOCUS_STEPS:-400}" \
       --config.optim.warmup_steps="${FOCUS_WARMUP:-30}" ${FOCUS_LR:+--config.optim.peak_lr=$FOCUS_LR} \
-      --config.train.log_every=10 --config.train.ckpt_every="${FOCUS_CKPT:-50}" \
-      --config.train.compute_dtype="${DTYPE:-bfloat16}" \
-      --config.focus.implementation="${FOCUS_IMPL:-pallas}" \
+      --config.train.ckpt_every="${FOCUS_CKPT:-50}" \
       --config.focus.candidate_positions="${CAND_POS:-sequential}" \
       --config.focus.candidate_bias="${CAND_BIAS:-none}" --config.focus.sink="${SINK:-none}" \
       --config.focus.candidate_path="${CAND_PATH:-adapter}" \

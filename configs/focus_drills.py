@@ -45,14 +45,16 @@ STAGES = {
 
 
 def get_config(arg=None):
-  args = base.parse_arg(arg, size="tiny", pattern="softmax:rope", stage="1")
-  if args["stage"] not in STAGES:
-    raise ValueError(f"configs/focus_drills.py arg stage={args['stage']!r}: expected one of "
+  args = base.parse_arg(arg, size=None, pattern=None, stage="1")
+  stage = args.pop("stage")
+  if stage not in STAGES:
+    raise ValueError(f"configs/focus_drills.py arg stage={stage!r}: expected one of "
                      f"{sorted(STAGES)}")
-  c = focus.get_config(f"size={args['size']},pattern={args['pattern']}")
+  # The other keys pass through to configs/base.py, whose defaults stay its own.
+  c = focus.get_config(",".join(f"{k}={v}" for k, v in args.items() if v is not None) or None)
   c.focus.update(chunk_sizes="512", prompt_len=256, local_len=512, retrieval_mix=0.9,
                  num_targets=8, p_reconstruction=0.0, candidate_path="frozen")
-  overrides, steps, schedule = STAGES[args["stage"]]
+  overrides, steps, schedule = STAGES[stage]
   c.focus.update(**overrides)
   c.optim.update(peak_lr=1e-3, warmup_steps=50, schedule_steps=schedule)
   c.train.steps = steps

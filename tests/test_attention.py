@@ -1,6 +1,7 @@
 """Invariants of the attention variants: causality by gradient, limits, the learned temperature."""
 
 import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -130,14 +131,12 @@ def test_auto_sends_float32_past_cudnn(monkeypatch):
 
 def test_auto_sends_long_packed_rows_past_cudnn(monkeypatch):
   """cuDNN gets packed segments as a dense T x T mask: from 16K with segments, `auto` is pallas."""
-  import jax.numpy as jnp
-  from focaljax import attention
-  monkeypatch.setattr(attention.jax, "default_backend", lambda: "gpu")
-  resolve = functools.partial(attention.resolve_implementation, "auto", dilution=False,
+  monkeypatch.setattr(A.jax, "default_backend", lambda: "gpu")
+  resolve = functools.partial(A.resolve_implementation, "auto", dilution=False,
                               dtype=jnp.bfloat16)
   assert resolve(seq_len=16384, segments=True) == "pallas"
   assert resolve(seq_len=8192, segments=True) == "cudnn"
   assert resolve(seq_len=16384, segments=False) == "cudnn"
   assert resolve() == "cudnn"
-  monkeypatch.setattr(attention.jax, "default_backend", lambda: "cpu")
+  monkeypatch.setattr(A.jax, "default_backend", lambda: "cpu")
   assert resolve(seq_len=16384, segments=True) == "xla"
