@@ -54,16 +54,17 @@ IMPLEMENTATIONS = ("xla", "pallas", "cudnn", "tokamax", "auto")
 
 # `auto`: the fastest implementation measured per platform (docs/BENCHMARKS.md). Dilution has
 # only the reference and the fused kernels; a library name falls back to "pallas" there. On the
-# H200 cuDNN is the focal choice at 2K: with unpacked rows the 400M / 1.3B steps ran 192.4 / 274.1
+# H200 cuDNN is the focal choice for unpacked rows at 2K: the 400M / 1.3B steps ran 192.4 / 274.1
 # ms against the Mosaic kernel's 199.4 / 278.7 (fifth session). Packed rows (segment ids) reach
-# cuDNN as a dense [B, 1, T, T] mask; at 16K the 209M softmax model's step ran 1.23x faster on
-# "pallas" (169.5 vs 209.0 ms, seventeenth session). Packed rows below 16K against the Mosaic
-# kernel's segment masking are not measured yet, so the switch sits at 16K.
+# cuDNN as a dense [B, 1, T, T] mask, and the Mosaic kernel's segment masking wins from 2K on:
+# the packed 400M step at 2K ran 181.7 ms on "pallas" against cuDNN's 201.7 (1.11x, nineteenth
+# session), the 209M softmax step at 16K 169.5 against 209.0 (1.23x, seventeenth). Below 2K
+# packed rows are not measured, so they stay on cuDNN.
 # cuDNN's fused attention takes only 16-bit inputs: float32 work (eval.py's default dtype) goes
 # to the Pallas kernels, which accumulate in float32 either way.
 _AUTO = {"gpu": ("cudnn", "pallas"), "tpu": ("pallas", "pallas"), "cpu": ("xla", "xla")}
-_AUTO_PAST_CUDNN = {**_AUTO, "gpu": ("pallas", "pallas")}   # float32, or long packed rows
-_LONG_SEGMENTED_TOKENS = 16384
+_AUTO_PAST_CUDNN = {**_AUTO, "gpu": ("pallas", "pallas")}   # float32, or packed rows from 2K
+_PACKED_PAST_CUDNN_TOKENS = 2048
 
 
 def resolve_implementation(implementation: str, *, dilution: bool, dtype=None,
@@ -71,8 +72,8 @@ def resolve_implementation(implementation: str, *, dilution: bool, dtype=None,
   """The implementation a layer runs; q's `dtype`, length and packing refine `auto`."""
   if implementation == "auto":
     wide = dtype is not None and jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16)
-    long_packed = segments and seq_len is not None and seq_len >= _LONG_SEGMENTED_TOKENS
-    table = _AUTO_PAST_CUDNN if wide or long_packed else _AUTO
+    packed = segments and seq_len is not None and seq_len >= _PACKED_PAST_CUDNN_TOKENS
+    table = _AUTO_PAST_CUDNN if wide or packed else _AUTO
     return table.get(jax.default_backend(), _AUTO["cpu"])[int(dilution)]
   if dilution and implementation in ("cudnn", "tokamax"):
     return "pallas"
