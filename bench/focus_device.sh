@@ -39,6 +39,9 @@
 # (configs/focus_drills.py:stage=N, FOCUSLLM.md § Eighteenth), each stage resuming $RUN under its
 # own limit in seconds; BATCH, FOCUS_CKPT, DTYPE, FOCUS_IMPL and FOCUS_ARGS (free-form overrides,
 # e.g. "--config.optim.peak_lr=2e-3") still apply. FOCUS_LIMIT=0 skips it too.
+# KEY_STALL=9 (with STAGES): after each stage, stop there, and skip the evaluation, when the
+# drills' answer NLL over its last 100 steps is still above 9 (the prior is ~11.8; runs that read
+# the memory were at ~5.7 by step 600). E.g. STAGES="1:60 1:100 2:150" KEY_STALL=9 probes first.
 # FOCUS_SEED: the adapter run's config.seed (0), i.e. its sample order, drills and keys (the adapter
 # starts as a copy of the base, so that is all it changes): repeats of one arm over one base.
 # FOCUS_SEEDS="1 2 3": stages 2 and 3 once per seed, each in $RUN-s<seed>, logging to
@@ -158,7 +161,7 @@ fi
 for seed in ${FOCUS_SEEDS:-"${FOCUS_SEED:-}"}; do
   run=$RUN; sfx=""
   if [ -n "${FOCUS_SEEDS:-}" ]; then run=$RUN-s$seed; sfx=_s$seed; fi
-  : > "$OUT/adapter$sfx.log"
+  : > "$OUT/adapter$sfx.log"; stalled=""
   # What every adapter run takes, the staged recipe's and the knobs' alike.
   common=(--workdir "$run" --config.focus.base_workdir="$BASE"
           --config.data.source="text:$C/train.jsonl.xz" ${seed:+--config.seed=$seed}
@@ -174,6 +177,20 @@ for seed in ${FOCUS_SEEDS:-"${FOCUS_SEED:-}"}; do
         ${BATCH:+--config.data.global_batch=$BATCH} --config.train.ckpt_every="${FOCUS_CKPT:-500}" \
         ${FOCUS_ARGS:-} 2>&1 | quiet >> "$OUT/adapter$sfx.log"
       tail -n 2 "$OUT/adapter$sfx.log"
+      # KEY_STALL=9: a run still above it (loss_key over its last 100 steps) has not left the answer
+      # prior; the later stages and the evaluation would spend the call on it (nineteenth session).
+      if [ -n "${KEY_STALL:-}" ] && key=$(python3 - "$run/metrics.jsonl" "$KEY_STALL" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if "loss_key" in l]
+last = [r["loss_key"] for r in rows if r["step"] > rows[-1]["step"] - 100]
+print(f"{sum(last) / len(last):.2f}")
+sys.exit(sum(last) / len(last) <= float(sys.argv[2]))
+PY
+      ); then
+        echo "stalled: loss_key $key over the last 100 steps of stage $n > KEY_STALL=$KEY_STALL;" \
+             "the later stages and the evaluation skipped"
+        stalled=1; break
+      fi
     done
   else
     stage "adapter$sfx" "$FOCUS_RUN"
@@ -206,8 +223,9 @@ print("loss_key by 100 steps:", " ".join(f"{sum(v) / len(v):.2f}" for _, v in so
 PY
 
   # 3. Evaluation: the FocusLLM suites, then the base alone (full attention, NTK-scaled RoPE).
-  stage "eval$sfx" "${EVAL_LIMIT:-130}"
-  run_for "${EVAL_LIMIT:-130}" python3 eval.py --workdir "$BASE" --focus_adapter "${ADAPTER:-$run}" \
+  eval_limit=${EVAL_LIMIT:-130}; if [ -n "${stalled:-}" ]; then eval_limit=0; fi
+  stage "eval$sfx" "$eval_limit"
+  run_for "$eval_limit" python3 eval.py --workdir "$BASE" --focus_adapter "${ADAPTER:-$run}" \
     --books $C/longeval.jsonl.xz --focus_dtype "${DTYPE:-bfloat16}" \
     --focus_multipliers "${MULTS:-2,8,32,100}" --passkey_seeds "${SEEDS:-10}" \
     --max_multiplier "${MAXMULT:-32}" --max_books "${MAXBOOKS:-8}" \
