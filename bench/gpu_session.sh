@@ -17,10 +17,17 @@ python3 -c "import jax; print('jax', jax.__version__, jax.devices())" 2>&1 | tee
 nvidia-smi --query-gpu=name,clocks.sm,memory.used --format=csv >> "$OUT/env.log" 2>&1
 python3 -c "import tokamax; print('tokamax', getattr(tokamax, '__version__', '?'))" >> "$OUT/env.log" 2>&1
 # A stage may be given a wall limit as name:seconds (default 900), so one stuck stage cannot eat
-# the whole call; each stage tees its full log under $OUT as it goes.
+# the whole call; each stage tees its full log under $OUT as it goes. The limit is the stage's:
+# its commands share it, each running under what is left (until the nineteenth session each
+# command had the whole limit, so auto_crossover:240's three ran past 380 s).
+left() {
+  local s=$((deadline - SECONDS))
+  if [ "$s" -le 0 ]; then echo "stage limit reached; not run: $*"; return 124; fi
+  timeout "$s" "$@"
+}
 for spec in "$@"; do
   stage=${spec%%:*}; limit=${spec#*:}; [ "$limit" = "$spec" ] && limit=900
-  RUN="timeout $limit"
+  deadline=$((SECONDS + limit)); RUN=left
   echo "=== $stage $(date +%T)"
   case $stage in
     tests) $RUN python3 -m pytest -q -x -p no:cacheprovider tests/test_focal_kernel.py \
