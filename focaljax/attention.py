@@ -59,12 +59,21 @@ IMPLEMENTATIONS = ("xla", "pallas", "cudnn", "tokamax", "auto")
 # cuDNN as a dense [B, 1, T, T] mask, and the Mosaic kernel's segment masking wins from 2K on:
 # the packed 400M step at 2K ran 181.7 ms on "pallas" against cuDNN's 201.7 (1.11x, nineteenth
 # session), the 209M softmax step at 16K 169.5 against 209.0 (1.23x, seventeenth). Below 2K
-# packed rows are not measured, so they stay on cuDNN.
+# packed rows are not measured, so they stay on cuDNN. Both wins are the Mosaic kernel's, which
+# runs on Hopper only; elsewhere the Pallas route is the Triton kernel, which lost at 2K (1.3B
+# packed: 328 against cuDNN's 299 ms, second session), so there the switch stays at 16K, where
+# cuDNN's mask takes 256 MiB a row.
 # cuDNN's fused attention takes only 16-bit inputs: float32 work (eval.py's default dtype) goes
 # to the Pallas kernels, which accumulate in float32 either way.
 _AUTO = {"gpu": ("cudnn", "pallas"), "tpu": ("pallas", "pallas"), "cpu": ("xla", "xla")}
 _AUTO_PAST_CUDNN = {**_AUTO, "gpu": ("pallas", "pallas")}   # float32, or packed rows from 2K
-_PACKED_PAST_CUDNN_TOKENS = 2048
+_PACKED_PAST_CUDNN_TOKENS = {"hopper": 2048, "other": 16384}
+
+
+def _hopper() -> bool:
+  # Imported here, as ops does, so building a model does not load the kernel modules.
+  from pallas_kernels import focal_flash  # pylint: disable=import-outside-toplevel
+  return focal_flash.hopper()
 
 
 def resolve_implementation(implementation: str, *, dilution: bool, dtype=None,
@@ -72,7 +81,8 @@ def resolve_implementation(implementation: str, *, dilution: bool, dtype=None,
   """The implementation a layer runs; q's `dtype`, length and packing refine `auto`."""
   if implementation == "auto":
     wide = dtype is not None and jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16)
-    packed = segments and seq_len is not None and seq_len >= _PACKED_PAST_CUDNN_TOKENS
+    packed = segments and seq_len is not None and seq_len >= _PACKED_PAST_CUDNN_TOKENS[
+        "hopper" if _hopper() else "other"]
     table = _AUTO_PAST_CUDNN if wide or packed else _AUTO
     return table.get(jax.default_backend(), _AUTO["cpu"])[int(dilution)]
   if dilution and implementation in ("cudnn", "tokamax"):
