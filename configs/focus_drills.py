@@ -16,8 +16,8 @@ from the prior (~12) to ~1 within stage 1 (two seeds of two); the official passk
 (10 seeds) at 2 / 8 / 32x read 0.8 / 0 / 0 after stage 1, 0.8 / 0.8 / 0 after stage 2 and
 0.8 / 0.8 / 0.7 after stage 3 (stopped at step 3779). Over the nineteenth session's base (same
 command, a different network) stage 1 stalled near the prior (10.5): the take-off depends on the
-base. A stall shows by step 600 (loss_key >= 10.9 there, against 5.7 in runs that took off). Stage 3 needs documents of 32K+ tokens
-(~90 in shared/data's train split).
+base. A stall shows by step 600 (loss_key >= 10.9 there, against 5.7 in runs that took off).
+Stage 3 needs documents of 32K+ tokens (~90 in shared/data's train split).
 
 Differences from configs/focus.py (the paper's 7B recipe, lr 5e-5, which moved nothing here):
   - candidate_path "frozen": the candidate runs the base's own forward and the adapter only maps
