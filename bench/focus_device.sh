@@ -96,6 +96,22 @@ stage() { echo "=== $1 $(date +%T) (limit ${2}s)"; }
 # run_for SECONDS CMD...: CMD under that wall limit (SIGTERM: train.py saves and exits); 0 skips
 # it. (`timeout 0` itself would mean no limit at all.)
 run_for() { local s=$1; shift; if [ "$s" != 0 ]; then timeout -s TERM "$s" "$@"; fi; }
+# key_report METRICS [LIMIT]: loss_key (the drills' answer NLL) by 100-step window, and over the
+# last 100 steps; exits 3 when that last mean is above LIMIT (1: no metrics to read). A run has
+# left the answer prior (~11.8 over the 16K BPE) once it falls below ~10 (seventeenth session).
+key_report() {
+  python3 - "$1" "${2:-inf}" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if "loss_key" in l]
+win = {}
+for r in rows:
+  win.setdefault((r["step"] - 1) // 100, []).append(r["loss_key"])
+print("loss_key by 100 steps:", " ".join(f"{sum(v) / len(v):.2f}" for _, v in sorted(win.items())))
+last = [r["loss_key"] for r in rows if r["step"] > rows[-1]["step"] - 100]
+print(f"loss_key over the last 100 steps: {sum(last) / len(last):.2f}")
+sys.exit(3 if sum(last) / len(last) > float(sys.argv[2]) else 0)
+PY
+}
 
 # 1. The base (train, then the validation loss only; the study's other suites are not needed).
 # BASE_DETERMINISTIC=1: XLA's deterministic GPU ops for the base (Levanter's advice for
@@ -184,16 +200,8 @@ for seed in ${FOCUS_SEEDS:-"${FOCUS_SEED:-}"}; do
       tail -n 2 "$OUT/adapter$sfx.log"
       # KEY_STALL=9: a run still above it (loss_key over its last 100 steps) has not left the answer
       # prior; the later stages and the evaluation would spend the call on it (nineteenth session).
-      if [ -n "${KEY_STALL:-}" ] && key=$(python3 - "$run/metrics.jsonl" "$KEY_STALL" <<'PY'
-import json, sys
-rows = [json.loads(l) for l in open(sys.argv[1]) if "loss_key" in l]
-last = [r["loss_key"] for r in rows if r["step"] > rows[-1]["step"] - 100]
-print(f"{sum(last) / len(last):.2f}")
-sys.exit(sum(last) / len(last) <= float(sys.argv[2]))
-PY
-      ); then
-        echo "stalled: loss_key $key over the last 100 steps of stage $n > KEY_STALL=$KEY_STALL;" \
-             "the later stages and the evaluation skipped"
+      if [ -n "${KEY_STALL:-}" ] && { key_report "$run/metrics.jsonl" "$KEY_STALL"; [ $? = 3 ]; }; then
+        echo "stalled after stage $n (KEY_STALL=$KEY_STALL): the later stages and the evaluation skipped"
         stalled=1; break
       fi
     done
@@ -215,17 +223,7 @@ PY
       --config.focus.retrieval_mix="${FOCUS_MIX:-0.5}" 2>&1 | quiet >> "$OUT/adapter$sfx.log"
   fi
   tail -n 4 "$OUT/adapter$sfx.log" 2>/dev/null
-  # loss_key (the drills' answer NLL) by 100-step window: a run has left the answer prior (~11.8
-  # over the 16K BPE) once it falls below ~10 (seventeenth session).
-  python3 - "$run/metrics.jsonl" <<'PY' 2>/dev/null
-import json, sys
-rows = [json.loads(l) for l in open(sys.argv[1])]
-win = {}
-for r in rows:
-  if "loss_key" in r:
-    win.setdefault((r["step"] - 1) // 100, []).append(r["loss_key"])
-print("loss_key by 100 steps:", " ".join(f"{sum(v) / len(v):.2f}" for _, v in sorted(win.items())))
-PY
+  key_report "$run/metrics.jsonl" 2>/dev/null
 
   # 3. Evaluation: the FocusLLM suites, then the base alone (full attention, NTK-scaled RoPE).
   eval_limit=${EVAL_LIMIT:-130}; if [ -n "${stalled:-}" ]; then eval_limit=0; fi
