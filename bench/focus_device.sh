@@ -41,7 +41,9 @@
 # e.g. "--config.optim.peak_lr=2e-3") still apply. FOCUS_LIMIT=0 skips it too.
 # KEY_STALL=9 (with STAGES): after each stage, stop there, and skip the evaluation, when the
 # drills' answer NLL over its last 100 steps is still above 9 (the prior is ~11.8; runs that read
-# the memory were at ~5.7 by step 600). E.g. STAGES="1:60 1:100 2:150" KEY_STALL=9 probes first.
+# the memory were at 5.8-7.0 by step 600) and the run has passed step KEY_STALL_FROM (600; no
+# verdict before). E.g. STAGES="1:80 1:100 2:150" KEY_STALL=9 probes first: 80 s is ~800 steps
+# with the compile, 60 s only ~400 (twentieth session).
 # FOCUS_SEED: the adapter run's config.seed (0), i.e. its sample order, drills and keys (the adapter
 # starts as a copy of the base, so that is all it changes): repeats of one arm over one base.
 # FOCUS_SEEDS="1 2 3": stages 2 and 3 once per seed, each in $RUN-s<seed>, logging to
@@ -96,11 +98,13 @@ stage() { echo "=== $1 $(date +%T) (limit ${2}s)"; }
 # run_for SECONDS CMD...: CMD under that wall limit (SIGTERM: train.py saves and exits); 0 skips
 # it. (`timeout 0` itself would mean no limit at all.)
 run_for() { local s=$1; shift; if [ "$s" != 0 ]; then timeout -s TERM "$s" "$@"; fi; }
-# key_report METRICS [LIMIT]: loss_key (the drills' answer NLL) by 100-step window, and over the
-# last 100 steps; exits 3 when that last mean is above LIMIT (1: no metrics to read). A run has
-# left the answer prior (~11.8 over the 16K BPE) once it falls below ~10 (seventeenth session).
+# key_report METRICS [LIMIT [FROM_STEP]]: loss_key (the drills' answer NLL) by 100-step window, and
+# over the last 100 steps; exits 3 when that last mean is above LIMIT and the run has reached
+# FROM_STEP (1: no metrics to read). A run has left the answer prior (~11.8 over the 16K BPE) once
+# it falls below ~10 (seventeenth session). Before ~600 steps a run that takes off can still be
+# above 9 (twentieth session: 10.09 at steps 301-400, 7.01 at 501-600), so earlier is no verdict.
 key_report() {
-  python3 - "$1" "${2:-inf}" <<'PY'
+  python3 - "$1" "${2:-inf}" "${3:-0}" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if "loss_key" in l]
 win = {}
@@ -109,18 +113,18 @@ for r in rows:
 print("loss_key by 100 steps:", " ".join(f"{sum(v) / len(v):.2f}" for _, v in sorted(win.items())))
 last = [r["loss_key"] for r in rows if r["step"] > rows[-1]["step"] - 100]
 print(f"loss_key over the last 100 steps: {sum(last) / len(last):.2f}")
+if rows[-1]["step"] < int(sys.argv[3]):
+  print(f"no stall verdict before step {sys.argv[3]} (at {rows[-1]['step']})")
+  sys.exit(0)
 sys.exit(3 if sum(last) / len(last) > float(sys.argv[2]) else 0)
 PY
 }
 
 # 1. The base (train, then the validation loss only; the study's other suites are not needed).
-# BASE_DETERMINISTIC=1: XLA's deterministic GPU ops for the base (Levanter's advice for
-# reproducible runs; it also turns autotuning off). Same-seed bases of the eighteenth and
-# nineteenth sessions differed (passkey 0.94 / 1.00), and the adapter took off over one only:
-# with it, a base that works can be rebuilt. Not yet run on the GPU: its speed cost is unmeasured.
+# Not under XLA's --xla_gpu_deterministic_ops: with it, jax 0.11.2 failed the base's first step
+# (an XLA-internal IndexError, twentieth session), so same-seed bases still differ across sessions.
 stage base "${BASE_LIMIT:-220}"
 # study.py stops itself at --time_limit; the wall limit only adds 30 s of grace for its save.
-XLA_FLAGS="${BASE_DETERMINISTIC:+--xla_gpu_deterministic_ops=true }${XLA_FLAGS:-}" \
 run_for $(( ${BASE_LIMIT:-220} > 0 ? ${BASE_LIMIT:-220} + 30 : 0 )) python3 bench/study.py --root "$ROOT" \
   --arms softmax_rope --size "${SIZE:-100m}" --steps "${BASE_STEPS:-700}" \
   ${SEQ:+--seq_len $SEQ} --train $C/train.jsonl.xz --valid $C/valid.jsonl.xz \
@@ -200,7 +204,7 @@ for seed in ${FOCUS_SEEDS:-"${FOCUS_SEED:-}"}; do
       tail -n 2 "$OUT/adapter$sfx.log"
       # KEY_STALL=9: a run still above it (loss_key over its last 100 steps) has not left the answer
       # prior; the later stages and the evaluation would spend the call on it (nineteenth session).
-      if [ -n "${KEY_STALL:-}" ] && { key_report "$run/metrics.jsonl" "$KEY_STALL"; [ $? = 3 ]; }; then
+      if [ -n "${KEY_STALL:-}" ] && { key_report "$run/metrics.jsonl" "$KEY_STALL" "${KEY_STALL_FROM:-600}"; [ $? = 3 ]; }; then
         echo "stalled after stage $n (KEY_STALL=$KEY_STALL): the later stages and the evaluation skipped"
         stalled=1; break
       fi
