@@ -88,7 +88,10 @@ if [ -n "${RUN_TAG:-}" ] && [ "${BASE_LIMIT:-220}" != 0 ]; then
   mkdir -p "$ROOT" && echo "$RUN_TAG" > "$ROOT/run_tag"
 fi
 . "$(dirname "$0")/device_env.sh"
-mkdir -p "$ROOT"; cp -r .data/study/tokenizer "$ROOT/"
+# TOKENIZER: the BPE directory the base trains with (default the study's; .data/study_digits/tokenizer
+# from `bench/study.py --root .data/study_digits --stage tokenizer --split_digits`: one token per
+# digit). The base's workdir keeps its own copy, which the adapter and the evaluation read.
+mkdir -p "$ROOT"; rm -rf "$ROOT/tokenizer"; cp -r "${TOKENIZER:-.data/study/tokenizer}" "$ROOT/tokenizer"
 C=.data/corpus
 # RUN: the adapter's workdir; a second arm on the same warm machine needs its own (an existing
 # one resumes), e.g. RUN=/tmp/focus/focus_seq.

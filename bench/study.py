@@ -58,6 +58,8 @@ def parse_args(argv=None):
   add("--warmup_steps", type=int, help="optim.warmup_steps (with --steps: min(500, steps/10))")
   add("--implementation", default="auto", help="model.attention.implementation")
   add("--vocab", type=int, default=16384, help="BPE vocabulary size")
+  add("--split_digits", action="store_true",
+      help="one token per digit (data.tokenizer train:<vocab>:digits)")
   for name, file in (("train", "train"), ("valid", "valid"), ("books", "longeval")):
     add(f"--{name}", default=os.path.join(CORPUS, f"{file}.jsonl.xz"))
   add("--suites", help="eval.py --suites (default: all)")
@@ -152,7 +154,7 @@ def train_tokenizer(args) -> str:
     return path
   from focaljax import data  # pylint: disable=import-outside-toplevel
   cfg = data.DataConfig(source=f"text:{args.train}", valid_source=f"text:{args.valid}",
-                        tokenizer=f"train:{args.vocab}", seq_len=1, global_batch=1)
+                        tokenizer=f"train:{args.vocab}{':digits' if args.split_digits else ''}", seq_len=1, global_batch=1)
   t0 = time.time()
   tok = data.load_tokenizer(cfg, os.path.dirname(path))  # trains on the train split only
   print(f"tokenizer: {tok.vocab_size} tokens in {time.time() - t0:.0f} s -> {path}", flush=True)

@@ -82,7 +82,8 @@ class DataConfig:
 
   # "bundled" | "text:<glob>[,<glob>...]" (.txt/.jsonl, optionally .xz/.gz) | "tfds:<name>[:split]"
   source: str
-  # "bundled" | "train:<vocab_size>" (BPE trained on the train split) | path to tokenizer.json
+  # "bundled" | "train:<vocab_size>[:digits]" (BPE trained on the train split; ":digits" gives
+  # every digit its own token) | path to tokenizer.json
   tokenizer: str
   seq_len: int  # tokens per example (T); rows hold T + 1 tokens
   global_batch: int  # rows per step over all hosts; each host yields global_batch // process_count
@@ -137,11 +138,13 @@ def _check_tokenizer_spec(spec: str) -> None:
   if spec == "bundled" or spec.endswith(".json") or os.path.isdir(spec):
     return
   kind, _, arg = spec.partition(":")
-  if kind == "train" and arg.isdigit() and int(arg) > 256:
+  size, _, digits = arg.partition(":")
+  if kind == "train" and size.isdigit() and int(size) > 256 and digits in ("", "digits"):
     return
   raise ValueError(
-      f"DataConfig.tokenizer={spec!r}: expected 'bundled', 'train:<vocab_size> (> 256)' or a "
-      "path to a tokenizer.json (or a directory holding one)")
+      f"DataConfig.tokenizer={spec!r}: expected 'bundled', 'train:<vocab_size> (> 256)', "
+      "'train:<vocab_size>:digits' (one token per digit) or a path to a tokenizer.json (or a "
+      "directory holding one)")
 
 
 def _open_text(path: str):
@@ -251,7 +254,8 @@ def documents(cfg: DataConfig, split: str) -> grain.MapDataset:
 
 
 def load_tokenizer(cfg: DataConfig, workdir: str | None) -> tokenizer_lib.Tokenizer:
-  """The tokenizer `cfg.tokenizer` names; "train:N" trains once and caches workdir/tokenizer.json.
+  """The tokenizer `cfg.tokenizer` names; "train:N[:digits]" trains once and caches
+  workdir/tokenizer.json.
 
   The cached file is reused whenever present (its vocab size is not re-checked against N: delete
   it to retrain). Every host trains the same BPE from the same documents, so multi-host runs
@@ -265,7 +269,9 @@ def load_tokenizer(cfg: DataConfig, workdir: str | None) -> tokenizer_lib.Tokeni
   if workdir is not None and os.path.isfile(os.path.join(workdir, tokenizer_lib.FILENAME)):
     return tokenizer_lib.Tokenizer.load(workdir)
   docs = documents(cfg, "train")
-  tok = tokenizer_lib.train_bpe((docs[i] for i in range(len(docs))), int(spec.split(":")[1]))
+  _, size, *digits = spec.split(":")
+  tok = tokenizer_lib.train_bpe((docs[i] for i in range(len(docs))), int(size),
+                                split_digits=digits == ["digits"])
   if workdir is not None:
     tok.save(workdir)
   return tok

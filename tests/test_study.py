@@ -50,6 +50,14 @@ def test_print_lists_one_train_and_one_eval_command_per_arm(corpus, tmp_path, ca
   assert not (tmp_path / "tokenizer").exists()  # --print runs nothing
 
 
+def test_tokenizer_stage_split_digits(corpus, tmp_path):
+  from focaljax import tokenizer as tokenizer_lib
+  assert study.main(_args(corpus, tmp_path, "--stage", "tokenizer", "--split_digits")) == 0
+  tok = tokenizer_lib.Tokenizer.load(str(tmp_path / "tokenizer"))
+  pieces = [tok.decode([i]).strip() for i in tok.encode(" 50054")]
+  assert [p for p in pieces if p] == list("50054")  # " 5" may stay two tokens in a 300-token BPE
+
+
 def test_study_end_to_end(corpus, tmp_path, capsys):
   out = tmp_path / "study.json"
   assert study.main(_args(corpus, tmp_path, "--out", str(out))) == 0

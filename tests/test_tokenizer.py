@@ -81,6 +81,27 @@ def test_save_load(small, tmp_path):
       assert loaded.encode(text) == small.encode(text)
 
 
+@pytest.fixture(scope="module")
+def digits():
+  corpus = ["the pass key is 70371. Remember it. 50054 is the pass key. " * 20,
+            "in 1984 and 2024, 3.14 " * 50] * 5
+  return tokenizer_lib.train_bpe(corpus, vocab_size=400, split_digits=True)
+
+
+@pytest.mark.parametrize("text", TEXTS + [" 70371.", "x1y22z333", "  12  "])
+def test_roundtrip_split_digits(digits, text):
+  assert digits.decode(digits.encode(text)) == text
+
+
+def test_split_digits_spells_every_number_digit_by_digit(digits, tmp_path):
+  """Whatever the merges learned, a number of n digits is n tokens, in its save/load copy too."""
+  digits.save(tmp_path)
+  for tok in (digits, tokenizer_lib.Tokenizer.load(tmp_path)):
+    for key in ("70371", "50054", "1984"):
+      pieces = [tok.decode([i]) for i in tok.encode(f"The pass key is {key}.")]
+      assert [p for p in pieces if any(c.isdigit() for c in p)] == [" " + key[0], *key[1:]]
+
+
 def test_errors(tmp_path):
   with pytest.raises(ValueError, match="vocab_size"):
     tokenizer_lib.train_bpe(["abc"], vocab_size=100)
