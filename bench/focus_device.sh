@@ -7,7 +7,8 @@
 # metrics, eval JSON, logs; no weights) come back packed in $OUT/focus_run.tgz.
 #
 # Once, here (the study's set-up, see bench/study_device.sh): .data/corpus/*.xz, the 16K BPE in
-#   .data/study/tokenizer/, and the cp312 wheels in .whl/. Carry all three.
+#   .data/study/tokenizer/ (and, for TOKENIZER below, .data/study_digits/tokenizer/), and the
+#   cp312 wheels in .whl/. Carry them all.
 # The machine keeps $ROOT while it stays warm: a second call soon after resumes the base (and the
 # adapter) instead of starting over. A stage limit of 0 skips that stage, e.g. a base-only call:
 #   BASE_STEPS=2000 BASE_MIX=0.5 BASE_LIMIT=540 FOCUS_LIMIT=0 EVAL_LIMIT=0 BASE_EVAL_LIMIT=0 \
