@@ -89,9 +89,10 @@ if [ -n "${RUN_TAG:-}" ] && [ "${BASE_LIMIT:-220}" != 0 ]; then
   mkdir -p "$ROOT" && echo "$RUN_TAG" > "$ROOT/run_tag"
 fi
 . "$(dirname "$0")/device_env.sh"
-# TOKENIZER: the BPE directory the base trains with (default the study's; .data/study_digits/tokenizer
-# from `bench/study.py --root .data/study_digits --stage tokenizer --split_digits`: one token per
-# digit). The base's workdir keeps its own copy, which the adapter and the evaluation read.
+# TOKENIZER: the BPE directory the base trains with (default the study's;
+# .data/study_digits/tokenizer from `bench/study.py --root .data/study_digits --stage tokenizer
+# --split_digits`: one token per digit). The base's workdir keeps its own copy, which the adapter
+# and the evaluation read.
 mkdir -p "$ROOT"; rm -rf "$ROOT/tokenizer"; cp -r "${TOKENIZER:-.data/study/tokenizer}" "$ROOT/tokenizer"
 C=.data/corpus
 # RUN: the adapter's workdir; a second arm on the same warm machine needs its own (an existing
@@ -116,11 +117,12 @@ for r in rows:
   win.setdefault((r["step"] - 1) // 100, []).append(r["loss_key"])
 print("loss_key by 100 steps:", " ".join(f"{sum(v) / len(v):.2f}" for _, v in sorted(win.items())))
 last = [r["loss_key"] for r in rows if r["step"] > rows[-1]["step"] - 100]
-print(f"loss_key over the last 100 steps: {sum(last) / len(last):.2f}")
+mean = sum(last) / len(last)
+print(f"loss_key over the last 100 steps: {mean:.2f}")
 if rows[-1]["step"] < int(sys.argv[3]):
   print(f"no stall verdict before step {sys.argv[3]} (at {rows[-1]['step']})")
   sys.exit(0)
-sys.exit(3 if sum(last) / len(last) > float(sys.argv[2]) else 0)
+sys.exit(3 if mean > float(sys.argv[2]) else 0)
 PY
 }
 

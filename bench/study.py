@@ -153,8 +153,9 @@ def train_tokenizer(args) -> str:
     print(f"tokenizer: reusing {path}", flush=True)
     return path
   from focaljax import data  # pylint: disable=import-outside-toplevel
+  spec = f"train:{args.vocab}" + (":digits" if args.split_digits else "")
   cfg = data.DataConfig(source=f"text:{args.train}", valid_source=f"text:{args.valid}",
-                        tokenizer=f"train:{args.vocab}{':digits' if args.split_digits else ''}", seq_len=1, global_batch=1)
+                        tokenizer=spec, seq_len=1, global_batch=1)
   t0 = time.time()
   tok = data.load_tokenizer(cfg, os.path.dirname(path))  # trains on the train split only
   print(f"tokenizer: {tok.vocab_size} tokens in {time.time() - t0:.0f} s -> {path}", flush=True)

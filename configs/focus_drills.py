@@ -33,8 +33,9 @@ Differences from configs/focus.py (the paper's 7B recipe, lr 5e-5, which moved n
   - no reconstruction samples (p_reconstruction 0): their loss stayed at the base's validation
     level in every run, and they halve the drills' share;
   - 8 targets per sample, not 16: the answer " K." is then ~45% of the supervised targets;
-  - lr 2e-3 (at 1e-3 stage 1 took off over one base of three) with a 50-step warmup; one chunk size, 512, with a 256-token dynamic prompt and a
-    512-token local window, in the "sequential" candidate layout (focus.py);
+  - lr 2e-3 (at 1e-3 stage 1 took off over one base of three) with a 50-step warmup; one chunk
+    size, 512, with a 256-token dynamic prompt and a 512-token local window, in the "sequential"
+    candidate layout (focus.py);
   - memories grow by stage: trained on 4 chunks only, the adapter read 0 of 8 needles at 8x,
     its candidates' attention spread over 15 chunks (docs/FOCUSLLM.md § Eighteenth).
 """

@@ -134,12 +134,17 @@ def _parse_source(spec: str, field: str) -> tuple[str, str]:
       "'tfds:<name>[:split]'")
 
 
-def _check_tokenizer_spec(spec: str) -> None:
-  if spec == "bundled" or spec.endswith(".json") or os.path.isdir(spec):
-    return
+def _train_spec(spec: str) -> tuple[int, bool] | None:
+  """(vocab size, split digits) of a well-formed "train:N[:digits]" spec (N > 256), else None."""
   kind, _, arg = spec.partition(":")
   size, _, digits = arg.partition(":")
   if kind == "train" and size.isdigit() and int(size) > 256 and digits in ("", "digits"):
+    return int(size), digits == "digits"
+  return None
+
+
+def _check_tokenizer_spec(spec: str) -> None:
+  if spec == "bundled" or spec.endswith(".json") or os.path.isdir(spec) or _train_spec(spec):
     return
   raise ValueError(
       f"DataConfig.tokenizer={spec!r}: expected 'bundled', 'train:<vocab_size> (> 256)', "
@@ -264,14 +269,15 @@ def load_tokenizer(cfg: DataConfig, workdir: str | None) -> tokenizer_lib.Tokeni
   spec = cfg.tokenizer
   if spec == "bundled":
     return tokenizer_lib.bundled()
-  if not spec.startswith("train:"):
+  train = _train_spec(spec)
+  if train is None:
     return tokenizer_lib.Tokenizer.load(spec)
   if workdir is not None and os.path.isfile(os.path.join(workdir, tokenizer_lib.FILENAME)):
     return tokenizer_lib.Tokenizer.load(workdir)
   docs = documents(cfg, "train")
-  _, size, *digits = spec.split(":")
-  tok = tokenizer_lib.train_bpe((docs[i] for i in range(len(docs))), int(size),
-                                split_digits=digits == ["digits"])
+  size, split_digits = train
+  tok = tokenizer_lib.train_bpe((docs[i] for i in range(len(docs))), size,
+                                split_digits=split_digits)
   if workdir is not None:
     tok.save(workdir)
   return tok

@@ -109,11 +109,11 @@ def train_bpe(texts: Iterable[str], vocab_size: int, *, split_digits: bool = Fal
   hf = tokenizers.Tokenizer(models.BPE())
   # add_prefix_space=False keeps the roundtrip exact: no space is invented at the start.
   # use_regex=True splits words/digits/punctuation GPT-2 style so merges stay within words.
-  byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-  # Digits first: the split is lossless (no bytes change), so the roundtrip stays exact.
-  digits = pre_tokenizers.Split(tokenizers.Regex(r" ?\p{N}"), behavior="isolated")
-  hf.pre_tokenizer = (pre_tokenizers.Sequence([digits, byte_level]) if split_digits
-                      else byte_level)
+  hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+  if split_digits:
+    # Digits first: the split is lossless (no bytes change), so the roundtrip stays exact.
+    digits = pre_tokenizers.Split(tokenizers.Regex(r" ?\p{N}"), behavior="isolated")
+    hf.pre_tokenizer = pre_tokenizers.Sequence([digits, hf.pre_tokenizer])
   hf.decoder = decoders.ByteLevel()
   trainer = trainers.BpeTrainer(
       vocab_size=vocab_size,
