@@ -90,8 +90,8 @@ if [ -n "${RUN_TAG:-}" ] && [ "${BASE_LIMIT:-220}" != 0 ]; then
 fi
 . "$(dirname "$0")/device_env.sh"
 # TOKENIZER: the BPE directory the base trains with (default the study's;
-# .data/study_digits/tokenizer from `bench/study.py --root .data/study_digits --stage tokenizer
-# --split_digits`: one token per digit). The base's workdir keeps its own copy, which the adapter
+# .data/study_llama/tokenizer from `bench/study.py --root .data/study_llama --stage tokenizer
+# --digits llama_digits`: one token per digit, the space before a number its own). The base's workdir keeps its own copy, which the adapter
 # and the evaluation read.
 mkdir -p "$ROOT"; rm -rf "$ROOT/tokenizer"; cp -r "${TOKENIZER:-.data/study/tokenizer}" "$ROOT/tokenizer"
 C=.data/corpus

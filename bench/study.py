@@ -58,8 +58,9 @@ def parse_args(argv=None):
   add("--warmup_steps", type=int, help="optim.warmup_steps (with --steps: min(500, steps/10))")
   add("--implementation", default="auto", help="model.attention.implementation")
   add("--vocab", type=int, default=16384, help="BPE vocabulary size")
-  add("--split_digits", action="store_true",
-      help="one token per digit (data.tokenizer train:<vocab>:digits)")
+  add("--digits", default="", choices=("", "digits", "llama_digits"),
+      help="how the BPE spells numbers (data.tokenizer train:<vocab>:<digits>; "
+           "focaljax.tokenizer.DIGIT_STYLES)")
   for name, file in (("train", "train"), ("valid", "valid"), ("books", "longeval")):
     add(f"--{name}", default=os.path.join(CORPUS, f"{file}.jsonl.xz"))
   add("--suites", help="eval.py --suites (default: all)")
@@ -153,7 +154,7 @@ def train_tokenizer(args) -> str:
     print(f"tokenizer: reusing {path}", flush=True)
     return path
   from focaljax import data  # pylint: disable=import-outside-toplevel
-  spec = f"train:{args.vocab}" + (":digits" if args.split_digits else "")
+  spec = f"train:{args.vocab}" + (f":{args.digits}" if args.digits else "")
   cfg = data.DataConfig(source=f"text:{args.train}", valid_source=f"text:{args.valid}",
                         tokenizer=spec, seq_len=1, global_batch=1)
   t0 = time.time()

@@ -78,7 +78,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.data = ml_collections.ConfigDict(dict(
       source="bundled",          # bundled | text:<glob> | tfds:<name>[:split]
       valid_source="",           # "" : held out from `source`; or another source string
-      tokenizer="bundled",       # bundled | train:<vocab size>[:digits] | path/to/tokenizer.json
+      # bundled | train:<vocab size>[:digits|:llama_digits] | path/to/tokenizer.json
+      tokenizer="bundled",
       seq_len=128,               # trained context (tokens per packed row)
       global_batch=16,           # rows per optimizer step, across all hosts
       shuffle=True,

@@ -82,8 +82,8 @@ class DataConfig:
 
   # "bundled" | "text:<glob>[,<glob>...]" (.txt/.jsonl, optionally .xz/.gz) | "tfds:<name>[:split]"
   source: str
-  # "bundled" | "train:<vocab_size>[:digits]" (BPE trained on the train split; ":digits" gives
-  # every digit its own token) | path to tokenizer.json
+  # "bundled" | "train:<vocab_size>[:digits|:llama_digits]" (BPE trained on the train split; the
+  # suffix gives every digit its own token: tokenizer.DIGIT_STYLES) | path to tokenizer.json
   tokenizer: str
   seq_len: int  # tokens per example (T); rows hold T + 1 tokens
   global_batch: int  # rows per step over all hosts; each host yields global_batch // process_count
@@ -134,12 +134,13 @@ def _parse_source(spec: str, field: str) -> tuple[str, str]:
       "'tfds:<name>[:split]'")
 
 
-def _train_spec(spec: str) -> tuple[int, bool] | None:
-  """(vocab size, split digits) of a well-formed "train:N[:digits]" spec (N > 256), else None."""
+def _train_spec(spec: str) -> tuple[int, str] | None:
+  """(vocab size, digit style) of a well-formed "train:N[:<style>]" spec (N > 256), else None."""
   kind, _, arg = spec.partition(":")
   size, _, digits = arg.partition(":")
-  if kind == "train" and size.isdigit() and int(size) > 256 and digits in ("", "digits"):
-    return int(size), digits == "digits"
+  if (kind == "train" and size.isdigit() and int(size) > 256
+      and digits in tokenizer_lib.DIGIT_STYLES):
+    return int(size), digits
   return None
 
 
@@ -148,8 +149,8 @@ def _check_tokenizer_spec(spec: str) -> None:
     return
   raise ValueError(
       f"DataConfig.tokenizer={spec!r}: expected 'bundled', 'train:<vocab_size> (> 256)', "
-      "'train:<vocab_size>:digits' (one token per digit) or a path to a tokenizer.json (or a "
-      "directory holding one)")
+      "'train:<vocab_size>:digits' or 'train:<vocab_size>:llama_digits' (one token per digit) "
+      "or a path to a tokenizer.json (or a directory holding one)")
 
 
 def _open_text(path: str):
@@ -259,7 +260,7 @@ def documents(cfg: DataConfig, split: str) -> grain.MapDataset:
 
 
 def load_tokenizer(cfg: DataConfig, workdir: str | None) -> tokenizer_lib.Tokenizer:
-  """The tokenizer `cfg.tokenizer` names; "train:N[:digits]" trains once and caches
+  """The tokenizer `cfg.tokenizer` names; "train:N[:<style>]" trains once and caches
   workdir/tokenizer.json.
 
   The cached file is reused whenever present (its vocab size is not re-checked against N: delete
@@ -275,9 +276,8 @@ def load_tokenizer(cfg: DataConfig, workdir: str | None) -> tokenizer_lib.Tokeni
   if workdir is not None and os.path.isfile(os.path.join(workdir, tokenizer_lib.FILENAME)):
     return tokenizer_lib.Tokenizer.load(workdir)
   docs = documents(cfg, "train")
-  size, split_digits = train
-  tok = tokenizer_lib.train_bpe((docs[i] for i in range(len(docs))), size,
-                                split_digits=split_digits)
+  size, digits = train
+  tok = tokenizer_lib.train_bpe((docs[i] for i in range(len(docs))), size, digits=digits)
   if workdir is not None:
     tok.save(workdir)
   return tok

@@ -51,8 +51,8 @@ from focaljax import focus_adapter
 from focaljax import focus_train
 from focaljax import loaded as loaded_lib
 # The passkey suite lives in focus_passkey; its names stay importable from here.
-from focaljax.focus_passkey import (DEFAULT_MULTIPLIERS, key_digits, local_len_for,  # noqa: F401
-                                    passkey)
+from focaljax.focus_passkey import (DEFAULT_MULTIPLIERS, digit_places, key_digits,  # noqa: F401
+                                    local_len_for, passkey)
 
 FOCUS_SUITES = ("focus_passkey", "focus_longdoc")
 
@@ -187,6 +187,9 @@ def format_suite(suite: str, r: dict) -> str:
                    f"{fmt(dm)}   {fmt(cr)}             {fmt(cm)}       {fmt(ns)}     {fmt(sm)}")
     lines += [f"  {row['multiplier']}x skipped: {row['skipped']}" for row in r["rows"]
               if "skipped" in row]
+    lines += [f"  {row['multiplier']:>5}x digits right by place (first to last): "
+              + " ".join(f"{x:.2f}" for x in places)
+              for row, places in zip(r["rows"], r.get("digit_places", none)) if places]
     lines.append(f"  overall {fmt(r['overall']).strip()}")
     return "\n".join(lines)
   if suite == "focus_longdoc":

@@ -14,12 +14,13 @@ depth uniform in [0, 1) like the official random split point. A trial is correct
 number of the continuation is exactly K. As in the official code the needle can land in the local
 window (at 2x, about T / length of the trials); `accuracy_needle_in_memory` counts only the trials
 whose needle lies wholly in the memory, and `digits_in_memory` the mean share of their key's digits
-read in place (`key_digits`: partial reads). For those, `candidate_readout` is the share whose
-needle chunk's candidate, read through the base's LM head, predicts the key's first token by itself
-(knowing the key, whether or not the local decoder then uses it); trials whose key starts with a
-digit-free token (a lone space) get none. `candidate_mass` is the layer-mean attention that the
-first answer token puts on all candidates, and `needle_share` the needle chunk's candidate's share
-of it (uniform: 1 / chunks); every trial keeps both per layer.
+read in place (`key_digits`: partial reads); `digit_places`, over every trial, the share right
+at each place of the key from its first digit. For those in memory, `candidate_readout` is the
+share whose needle chunk's candidate, read through the base's LM head, predicts the key's first
+token by itself (knowing the key, whether or not the local decoder then uses it); trials whose key
+starts with a digit-free token (a lone space) get none. `candidate_mass` is the layer-mean
+attention that the first answer token puts on all candidates, and `needle_share` the needle
+chunk's candidate's share of it (uniform: 1 / chunks); every trial keeps both per layer.
 """
 
 from __future__ import annotations
@@ -68,6 +69,10 @@ def _share(flags) -> float | None:
   return float(np.mean(flags)) if flags else None
 
 
+def _places(rows: list[list[bool]]) -> list[float] | None:
+  return np.mean(rows, axis=0).tolist() if rows else None
+
+
 def _leading_number(output: str) -> str:
   """The digits the answer starts with (after spaces), or ""."""
   match = re.match(r"\s*(\d+)", output)
@@ -79,6 +84,13 @@ def key_digits(output: str, key: int) -> float:
   from the last digit: a partial read (" 75381." for 85381: 0.8) that exact match scores 0."""
   got, want = _leading_number(output), str(key)
   return sum(a == b for a, b in zip(reversed(got), reversed(want))) / len(want)
+
+
+def digit_places(output: str, key: int) -> list[bool]:
+  """Per place of the key, from its first digit: does the answer's leading number have it? The
+  first place alone showed what a digit-per-token tokenizer got wrong (twenty-first session)."""
+  got, want = _leading_number(output), str(key)
+  return [i < len(got) and got[i] == c for i, c in enumerate(want)]
 
 
 def passkey(adapter, base, cfg: focus.FocusConfig, tokenizer, multipliers=DEFAULT_MULTIPLIERS,
@@ -153,7 +165,8 @@ def passkey(adapter, base, cfg: focus.FocusConfig, tokenizer, multipliers=DEFAUL
           trial["needle_share"] = float(needle_L.sum() / max(mass_LC.sum(), 1e-30))
         text = tokenizer.decode(new.tolist())
         trial.update(output=text, correct=_leading_number(text) == str(trial["key"]),
-                     digits=key_digits(text, trial["key"]))
+                     digits=key_digits(text, trial["key"]),
+                     digit_places=digit_places(text, trial["key"]))
         first = tokenizer.encode(f" {trial['key']}")[0]
         # A tokenizer that spells " 86556" as " ", "8", ... makes the first token a bare space:
         # predicting it says nothing about the key, so such trials get no readout.
@@ -189,6 +202,9 @@ def passkey(adapter, base, cfg: focus.FocusConfig, tokenizer, multipliers=DEFAUL
                                         for r in rows],
           "digits_in_memory": [_share([t["digits"] for t in r["trials"] if t["needle_in_memory"]])
                                for r in rows],
+          # Every trial's share of right digits per place of the key (first digit first).
+          "digit_places": [_places([t["digit_places"] for t in r["trials"]
+                                    if "digit_places" in t]) for r in rows],
           "candidate_readout": [_share([t["candidate_reads_key"] for t in r["trials"]
                                         if "candidate_reads_key" in t]) for r in rows],
           # Layer-mean attention of the first answer token on all candidates, and the needle

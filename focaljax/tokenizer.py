@@ -91,29 +91,40 @@ class Tokenizer:
     return f"Tokenizer(vocab_size={self.vocab_size}, eos_id={self.eos_id})"
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int, *, split_digits: bool = False) -> Tokenizer:
+# How train_bpe spells numbers (data.tokenizer "train:<vocab>[:<style>]"): a lossless split
+# applied before GPT-2's, or None for plain merges (which spell 5-digit passkeys with rare tokens:
+# "037", " 500"; two such keys were 6 of a FocusLLM adapter's 8 misses at 2-32x, twentieth session).
+#   digits        every digit a token, the first keeping its leading space: " 7", "0", "3", ...
+#   llama_digits  every digit a token, the space before a number a token of its own (" ", "7",
+#                 "0", ...), as LLaMA's tokenizer spells it. With "digits" an adapter got the
+#                 answer's first digit wrong in 24 of 30 passkeys at 2-32x and the other four
+#                 right (twenty-first session): " 8" follows " is", which the filler repeats, while
+#                 a lone space before a digit occurs in the memory only at the needle.
+DIGIT_STYLES = {"": None, "digits": r" ?\p{N}", "llama_digits": r"\p{N}"}
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, *, digits: str = "") -> Tokenizer:
   """Trains a byte-level BPE with `vocab_size` entries (256 bytes + <|endoftext|> + merges).
 
   A small corpus can run out of pairs to merge and yield fewer entries: size the model's
   embedding from the returned `vocab_size`, not from the request.
-  `split_digits`: every digit its own token (with its leading space, if any: " 7", "0", ...), so
-  a number of n digits is always n tokens. GPT-2-style merging spells 5-digit passkeys with rare
-  tokens ("037", " 500"), and two such keys were 6 of a FocusLLM adapter's 8 misses at 2-32x
-  (twentieth session). LLaMA's tokenizer splits digits too, but leaves the space a token of its
-  own; keeping it on the first digit keeps the answer's first token informative.
+  `digits`: how numbers are spelled, a key of DIGIT_STYLES; any style but "" makes a number of
+  n digits n tokens (plus, for "llama_digits", the space before it).
   """
   min_size = 256 + 1
   if vocab_size < min_size:
     raise ValueError(f"vocab_size must be >= {min_size} (256 bytes + {EOS_TOKEN}), "
                      f"got {vocab_size}")
+  if digits not in DIGIT_STYLES:
+    raise ValueError(f"digits={digits!r}: expected one of {list(DIGIT_STYLES)}")
   hf = tokenizers.Tokenizer(models.BPE())
   # add_prefix_space=False keeps the roundtrip exact: no space is invented at the start.
   # use_regex=True splits words/digits/punctuation GPT-2 style so merges stay within words.
   hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-  if split_digits:
+  if DIGIT_STYLES[digits]:
     # Digits first: the split is lossless (no bytes change), so the roundtrip stays exact.
-    digits = pre_tokenizers.Split(tokenizers.Regex(r" ?\p{N}"), behavior="isolated")
-    hf.pre_tokenizer = pre_tokenizers.Sequence([digits, hf.pre_tokenizer])
+    split = pre_tokenizers.Split(tokenizers.Regex(DIGIT_STYLES[digits]), behavior="isolated")
+    hf.pre_tokenizer = pre_tokenizers.Sequence([split, hf.pre_tokenizer])
   hf.decoder = decoders.ByteLevel()
   trainer = trainers.BpeTrainer(
       vocab_size=vocab_size,

@@ -324,13 +324,15 @@ def test_train_tokenizer_caches(tmp_path, monkeypatch):
   assert data.load_tokenizer(path_cfg, None).vocab_size == tok.vocab_size
 
 
-def test_train_tokenizer_digits(tmp_path):
+@pytest.mark.parametrize("style, pieces", [("digits", [" 7", "0", "3", "7", "1"]),
+                                           ("llama_digits", [" ", "7", "0", "3", "7", "1"])])
+def test_train_tokenizer_digits(tmp_path, style, pieces):
   path = tmp_path / "d.jsonl"
   path.write_text("".join(json.dumps({"text": f"key {i * 7919}"}) + "\n" for i in range(40)))
-  cfg = data.DataConfig(source=f"text:{path}", tokenizer="train:300:digits", seq_len=8,
+  cfg = data.DataConfig(source=f"text:{path}", tokenizer=f"train:300:{style}", seq_len=8,
                         global_batch=1)
   tok = data.load_tokenizer(cfg, None)
-  assert [tok.decode([i]) for i in tok.encode(" 70371")] == [" 7", "0", "3", "7", "1"]
+  assert [tok.decode([i]) for i in tok.encode(" 70371")] == pieces
 
 
 def test_tfds_builder_roundtrip(corpus, tmp_path):
@@ -353,7 +355,7 @@ def test_tfds_builder_roundtrip(corpus, tmp_path):
     ("source", "hf:foo", "source"),
     ("source", "text:", "source"),
     ("tokenizer", "train:abc", "tokenizer"),
-    ("tokenizer", "train:300:digit", "train:<vocab_size>:digits"),
+    ("tokenizer", "train:300:digit", "train:<vocab_size>:llama_digits"),
     ("tokenizer", "sentencepiece", "tokenizer"),
     ("seq_len", 0, "seq_len"),
     ("global_batch", -1, "global_batch"),

@@ -110,6 +110,7 @@ def test_passkey_feeds_the_official_prompt_and_scores_exact_keys(tiny, tok, monk
   assert r["seeds"] == list(range(8)) and any(t["needle_in_memory"] for t in r["rows"][1]["trials"])
   assert all(a in (None, 1.0) for a in r["accuracy_needle_in_memory"])
   assert r["digits_in_memory"] == r["accuracy_needle_in_memory"]
+  assert all(p is None or len(p) == 5 for p in r["digit_places"])
   # The diagnostic: every needle-in-memory trial reads the needle chunk's guess at the key's
   # first token; the others do not.
   # Keys this tokenizer starts with a bare space (" ", "8", ...) get no readout: a space says
@@ -265,6 +266,12 @@ def test_decode_bench_smoke(tmp_path):
   assert [r["mode"] for r in rows] == ["batched", "sequential", "base"]
   for r in rows:
     assert "error" not in r and r["tok_per_s"] > 0 and r["length"] == 8 * 64, r
+
+
+def test_digit_places_count_from_the_first_digit():
+  assert focus_eval.digit_places(" 36566.", 86556) == [False, True, True, False, True]
+  assert focus_eval.digit_places(" 8655", 86556) == [True] * 4 + [False]   # cut short
+  assert focus_eval.digit_places("\n     1\n", 86556) == [False] * 5
 
 
 def test_key_digits_counts_partial_reads_from_the_last_digit():

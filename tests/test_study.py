@@ -52,7 +52,9 @@ def test_print_lists_one_train_and_one_eval_command_per_arm(corpus, tmp_path, ca
 
 def test_tokenizer_stage_split_digits(corpus, tmp_path):
   from focaljax import tokenizer as tokenizer_lib
-  assert study.main(_args(corpus, tmp_path, "--stage", "tokenizer", "--split_digits")) == 0
+  for style in tokenizer_lib.DIGIT_STYLES:  # --digits spells the table's keys again
+    assert study.parse_args(_args(corpus, tmp_path, "--digits", style)).digits == style
+  assert study.main(_args(corpus, tmp_path, "--stage", "tokenizer", "--digits", "digits")) == 0
   tok = tokenizer_lib.Tokenizer.load(str(tmp_path / "tokenizer"))
   pieces = [tok.decode([i]).strip() for i in tok.encode(" 50054")]
   assert [p for p in pieces if p] == list("50054")  # " 5" may stay two tokens in a 300-token BPE

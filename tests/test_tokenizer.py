@@ -81,25 +81,37 @@ def test_save_load(small, tmp_path):
       assert loaded.encode(text) == small.encode(text)
 
 
-@pytest.fixture(scope="module")
-def digits():
-  corpus = ["the pass key is 70371. Remember it. 50054 is the pass key. " * 20,
-            "in 1984 and 2024, 3.14 " * 50] * 5
-  return tokenizer_lib.train_bpe(corpus, vocab_size=400, split_digits=True)
+DIGIT_CORPUS = ["the pass key is 70371. Remember it. 50054 is the pass key. " * 20,
+                "in 1984 and 2024, 3.14 " * 50] * 5
+
+
+@pytest.fixture(scope="module", params=["digits", "llama_digits"])
+def digits(request):
+  return request.param, tokenizer_lib.train_bpe(DIGIT_CORPUS, vocab_size=400, digits=request.param)
 
 
 @pytest.mark.parametrize("text", TEXTS + [" 70371.", "x1y22z333", "  12  "])
 def test_roundtrip_split_digits(digits, text):
-  assert digits.decode(digits.encode(text)) == text
+  _, tok = digits
+  assert tok.decode(tok.encode(text)) == text
 
 
 def test_split_digits_spells_every_number_digit_by_digit(digits, tmp_path):
-  """Whatever the merges learned, a number of n digits is n tokens, in its save/load copy too."""
-  digits.save(tmp_path)
-  for tok in (digits, tokenizer_lib.Tokenizer.load(tmp_path)):
+  """Whatever the merges learned, a number of n digits is n tokens, in its save/load copy too;
+  "digits" keeps the space on the first, "llama_digits" makes it a token of its own."""
+  style, tok = digits
+  tok.save(tmp_path)
+  for t in (tok, tokenizer_lib.Tokenizer.load(tmp_path)):
     for key in ("70371", "50054", "1984"):
-      pieces = [tok.decode([i]) for i in tok.encode(f"The pass key is {key}.")]
-      assert [p for p in pieces if any(c.isdigit() for c in p)] == [" " + key[0], *key[1:]]
+      pieces = [t.decode([i]) for i in t.encode(f"The pass key is {key}.")]
+      want = [" " + key[0], *key[1:]] if style == "digits" else [" ", *key, "."]
+      assert pieces[-len(want):] == want if style == "llama_digits" else (
+          [p for p in pieces if any(c.isdigit() for c in p)] == want)
+
+
+def test_digit_style_must_be_known():
+  with pytest.raises(ValueError, match="digits='spaced'.*llama_digits"):
+    tokenizer_lib.train_bpe(DIGIT_CORPUS, vocab_size=400, digits="spaced")
 
 
 def test_errors(tmp_path):
