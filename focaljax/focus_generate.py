@@ -34,7 +34,7 @@ from focaljax import focus
 
 _STATIC = ("implementation", "sequential_positions", "candidate_bias", "sink",
            "candidate_path")   # not arrays
-_READOUT = ("candidate_top", "candidate_mass", "sink_mass")   # prefill's diagnostics (not stepped)
+_READOUT = ("candidate_top", "candidate_mass", "sink_mass")   # diagnostics, not generation's state
 
 
 def _local_at(base, state, index, implementation, sequential_positions, candidate_bias,
@@ -62,8 +62,7 @@ def _prefill(graphdef, base_state, adapter, memory_BM, prompt_BT, cfg, max_new_t
     n = cfg.prefix + P                      # chunk sequence length; the candidate sits at n - 1
     # Each chunk's own guess at the next token (its candidate through the LM head).
     if readout:
-      logits_BCV = base._logits(h_BCQE[:, :, 0])  # pylint: disable=protected-access
-      top_BC = jnp.argmax(logits_BCV, axis=-1).astype(jnp.int32)
+      top_BC = _tops(base, h_BCQE[:, :, 0])
   tokens_BL = jnp.zeros((B, T + max_new_tokens - 1), jnp.int32).at[:, :T].set(prompt_BT)
   state = {"tokens": tokens_BL, "length": jnp.int32(T), "caches": caches,
            "kv": [(k[:, :, 0], v[:, :, 0]) for k, v in focus.with_sink(kv, caches, cfg.sink)],
@@ -81,28 +80,38 @@ def _prefill(graphdef, base_state, adapter, memory_BM, prompt_BT, cfg, max_new_t
                             "sink_mass": sink_LB}
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",) + _STATIC)
+def _tops(base, h_BCE):
+  """int32 [B, C]: each chunk's candidate's own top next token (its hidden state, LM head)."""
+  logits_BCV = base._logits(h_BCE)  # pylint: disable=protected-access
+  return jnp.argmax(logits_BCV, axis=-1).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "readout") + _STATIC)
 def _step(graphdef, base_state, adapter, state, token_B, implementation, sequential_positions,
-          candidate_bias, sink, candidate_path):
+          candidate_bias, sink, candidate_path, readout):
   base = nnx.merge(graphdef, base_state)
   theta = base.cfg.rope_theta
   length, pos, caches = state["length"], state["candidate_pos"], state["caches"]
   prev_B = jax.lax.dynamic_index_in_dim(state["tokens"], length - 1, axis=1, keepdims=False)
   tokens_BL = jax.lax.dynamic_update_slice(state["tokens"], token_B[:, None].astype(jnp.int32),
                                            (0, length))
-  kv = state["kv"]
+  kv, top_BC = state["kv"], jnp.zeros((token_B.shape[0], 0), jnp.int32)
   if caches is not None:
     B, C = kv[0][0].shape[0], caches[0]["k"].shape[0] // kv[0][0].shape[0]
     # The old candidate token becomes an ordinary frozen token of every chunk's dynamic prompt.
     caches = focus.frozen_step(base, caches, jnp.repeat(prev_B, C), pos, theta)
     pos = pos + 1
-    _, kv_R = focus.candidates(adapter, base, caches, jnp.repeat(token_B, C)[:, None],
-                               jnp.full((B * C, 1), pos), theta, implementation=implementation,
-                               path=candidate_path)
+    h_R1E, kv_R = focus.candidates(adapter, base, caches, jnp.repeat(token_B, C)[:, None],
+                                   jnp.full((B * C, 1), pos), theta,
+                                   implementation=implementation, path=candidate_path)
     split = lambda x: x[:, 0].reshape(B, C, *x.shape[2:])  # noqa: E731
     kv = focus.with_sink([(split(k), split(v)) for k, v in kv_R], caches, sink)
+    if readout:
+      top_BC = _tops(base, split(h_R1E))
   state = {"tokens": tokens_BL, "length": length + 1, "caches": caches, "kv": kv,
            "candidate_pos": pos}
+  if readout:
+    state["candidate_top"] = top_BC
   return state, _local_at(base, state, length, implementation, sequential_positions,
                           candidate_bias)
 
@@ -110,9 +119,9 @@ def _step(graphdef, base_state, adapter, state, token_B, implementation, sequent
 def prefill(adapter, base, memory_BM, prompt_BT, cfg: focus.FocusConfig, max_new_tokens: int,
             *, readout: bool = False):
   """(state, next-token logits float32 [B, V]); `state` feeds `step`. `state["tokens"][:, :
-  state["length"]]` are the tokens so far. With `readout`, two diagnostics that `step` does not
-  carry (computed only then: they are not generation's work): `state["candidate_top"]` int32
-  [B, C], each chunk's candidate's own top next token, and
+  state["length"]]` are the tokens so far. With `readout`, diagnostics (computed only then: they
+  are not generation's work): `state["candidate_top"]` int32 [B, C], each chunk's candidate's
+  own top next token (`step(readout=True)` renews it), and
   `state["candidate_mass"]` float32 [L, B, C], the attention the last prompt token (the one that
   predicts the first new token) puts on each candidate per layer, averaged over heads, and
   `state["sink_mass"]` [L, B], its attention on the sink (FocusConfig.sink; zeros without one)."""
@@ -132,29 +141,38 @@ def prefill(adapter, base, memory_BM, prompt_BT, cfg: focus.FocusConfig, max_new
           "candidate_path": cfg.candidate_path, **diagnostics}, logits_BV
 
 
-def step(adapter, base, state, token_B):
+def step(adapter, base, state, token_B, *, readout: bool = False):
   """Appends `token_B`: extends every chunk cache by the previous newest token, condenses the new
   candidate, and returns (state, next-token logits float32 [B, V]). At most max_new_tokens - 1
-  steps follow one prefill (the buffer and the caches are sized for that)."""
+  steps follow one prefill (the buffer and the caches are sized for that). With `readout`,
+  `state["candidate_top"]` is the new candidates' own top next token, as after `prefill`."""
   if int(state["length"]) >= state["tokens"].shape[1]:
     raise ValueError("focus generate: more steps than prefill's max_new_tokens - 1")
   graphdef, base_state = nnx.split(base)
   static = {k: state[k] for k in _STATIC}
   arrays = {k: v for k, v in state.items() if k not in _STATIC + _READOUT}
   arrays, logits_BV = _step(graphdef, base_state, adapter, arrays, jnp.asarray(token_B, jnp.int32),
-                            **static)
+                            readout=readout, **static)
   return {**arrays, **static}, logits_BV
 
 
 def generate(adapter, base, memory_BM, prompt_BT, cfg: focus.FocusConfig, max_new_tokens: int,
              *, readout: bool = False):
   """Greedy decoding: int32 [B, T + max_new_tokens]; with `readout`, also prefill's diagnostics
-  {"candidate_top": [B, C], "candidate_mass": [L, B, C], "sink_mass": [L, B]} (see `prefill`)."""
+  {"candidate_top": [B, C], "candidate_mass": [L, B, C], "sink_mass": [L, B]} (see `prefill`)
+  and "candidate_top_steps" int32 [B, max_new_tokens, C]: at s, each chunk's candidate's own
+  guess at new token s (s = 0: prefill's "candidate_top"). A key spelled " ", "8", ... is read
+  at its first digit, s = 1 (focus_passkey)."""
   state, logits_BV = prefill(adapter, base, memory_BM, prompt_BT, cfg, max_new_tokens,
                              readout=readout)
   diagnostics = {k: state[k] for k in _READOUT if k in state}
+  tops = [state["candidate_top"]] if readout else []
   for _ in range(max_new_tokens - 1):
-    state, logits_BV = step(adapter, base, state, jnp.argmax(logits_BV, -1).astype(jnp.int32))
+    state, logits_BV = step(adapter, base, state, jnp.argmax(logits_BV, -1).astype(jnp.int32),
+                            readout=readout)
+    tops += [state["candidate_top"]] if readout else []
+  if readout:
+    diagnostics["candidate_top_steps"] = jnp.stack(tops, axis=1)
   last_B1 = jnp.argmax(logits_BV, -1)[:, None].astype(jnp.int32)
   tokens_BL = jnp.concatenate([state["tokens"], last_B1], axis=1)
   return (tokens_BL, diagnostics) if readout else tokens_BL

@@ -17,10 +17,11 @@ whose needle lies wholly in the memory, and `digits_in_memory` the mean share of
 read in place (`key_digits`: partial reads); `digit_places`, over every trial, the share right
 at each place of the key from its first digit. For those in memory, `candidate_readout` is the
 share whose needle chunk's candidate, read through the base's LM head, predicts the key's first
-token by itself (knowing the key, whether or not the local decoder then uses it); trials whose key
-starts with a digit-free token (a lone space) get none. `candidate_mass` is the layer-mean
-attention that the first answer token puts on all candidates, and `needle_share` the needle
-chunk's candidate's share of it (uniform: 1 / chunks); every trial keeps both per layer.
+token with a digit by itself (knowing the key, whether or not the local decoder then uses it);
+for a key spelled " ", "8", ... that is "8", read at the step after the first generated token.
+`candidate_mass` is the layer-mean attention that the first answer token puts on all
+candidates, and `needle_share` the needle chunk's candidate's share of it (uniform: 1 /
+chunks); every trial keeps both per layer.
 """
 
 from __future__ import annotations
@@ -151,10 +152,10 @@ def passkey(adapter, base, cfg: focus.FocusConfig, tokenizer, multipliers=DEFAUL
       # The sink's mass only where there is one (FocusConfig.sink).
       sink_BL = (np.asarray(readout["sink_mass"]).T if cfg.sink != "none"
                  else np.zeros(mass_BLC.shape[:2]))
-      for trial, new, top_C, mass_LC, sink_L in zip(row["trials"][i:i + batch_size],
-                                                    np.asarray(out)[:, T:],
-                                                    np.asarray(readout["candidate_top"]),
-                                                    mass_BLC, sink_BL):
+      for trial, new, top_SC, mass_LC, sink_L in zip(row["trials"][i:i + batch_size],
+                                                     np.asarray(out)[:, T:],
+                                                     np.asarray(readout["candidate_top_steps"]),
+                                                     mass_BLC, sink_BL):
         # Where the first answer token looks, per layer: all candidates, the needle's, the sink.
         trial["candidate_mass"] = [round(float(x), 5) for x in mass_LC.sum(-1)]
         if cfg.sink != "none":
@@ -167,13 +168,16 @@ def passkey(adapter, base, cfg: focus.FocusConfig, tokenizer, multipliers=DEFAUL
         trial.update(output=text, correct=_leading_number(text) == str(trial["key"]),
                      digits=key_digits(text, trial["key"]),
                      digit_places=digit_places(text, trial["key"]))
-        first = tokenizer.encode(f" {trial['key']}")[0]
-        # A tokenizer that spells " 86556" as " ", "8", ... makes the first token a bare space:
-        # predicting it says nothing about the key, so such trials get no readout.
-        if trial["needle_in_memory"] and any(c.isdigit() for c in tokenizer.decode([first])):
-          # Does the chunk holding the needle's end predict the key's first token by itself?
-          trial["candidate_reads_key"] = bool(top_C[trial["needle_end"] // cfg.chunk_size]
-                                              == first)
+        # The key's first token with a digit: a tokenizer that spells " 86556" as " ", "8", ...
+        # (LLaMA's, train:N:llama_digits) puts a bare space first, which says nothing about the
+        # key, so the readout is at the step that predicts "8" (the one after the space).
+        key_ids = tokenizer.encode(f" {trial['key']}")
+        at = next(j for j, t in enumerate(key_ids)
+                  if any(c.isdigit() for c in tokenizer.decode([t])))
+        if trial["needle_in_memory"] and at < len(top_SC):
+          # Does the chunk holding the needle's end predict that token by itself?
+          trial["candidate_reads_key"] = bool(top_SC[at, trial["needle_end"] // cfg.chunk_size]
+                                              == key_ids[at])
     row["seconds"] = round(time.time() - t0, 1)
     if log:
       # The whole row as it finishes: a run cut short by its wall limit still reports it

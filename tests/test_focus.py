@@ -238,6 +238,14 @@ def test_incremental_generation_equals_recomputation(layout, bias, sink, path):
   top_BC = readout["candidate_top"]
   np.testing.assert_array_equal(top_BC, jnp.argmax(base._logits(h_BCQE[:, :, 0]), axis=-1))
   assert top_BC.shape == (2, 3)
+  # Per new token s, the candidates of the grown prompt (as generation builds them, above).
+  tops = readout["candidate_top_steps"]
+  assert tops.shape == (2, 4, 3)
+  np.testing.assert_array_equal(tops[:, 0], top_BC)
+  for t in (1, 3):
+    grown = dataclasses.replace(cfg, prompt_len=4 + t)
+    h_t, _, _ = focus.condense(adapter, base, memory, out[:, 6:10 + t], 1, grown)
+    np.testing.assert_array_equal(tops[:, t], jnp.argmax(base._logits(h_t[:, :, 0]), axis=-1))
   # The attention diagnostic is local_logits' at the last prompt token, which predicts out[:, 10]
   # (the sink, when there is one, is key 0 of the candidate block and reported apart).
   logits_BV, mass_LBC = focus.local_logits(
