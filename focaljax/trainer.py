@@ -148,6 +148,7 @@ def train(config, workdir: str, *, dry_run: bool = False, stop_at: int | None = 
   `stop_at`: save and return after this step (the schedule still spans train.steps), for
   time-limited jobs that resume later.
   """
+  t_setup = time.perf_counter()
   distributed.initialize()
   config_lib.validate(config, process_count=jax.process_count())
   primary = distributed.is_primary()
@@ -178,9 +179,11 @@ def train(config, workdir: str, *, dry_run: bool = False, stop_at: int | None = 
 
   data_cfg = config_lib.data_config(config)
   pidx, pcount = jax.process_index(), jax.process_count()
+  t_data = time.perf_counter()
   train_iter = data_lib.make_iterator(data_cfg, tokenizer, split="train",
                                       process_index=pidx, process_count=pcount,
                                       num_shards=config.data.shards or None)
+  t_data = time.perf_counter() - t_data
   if dry_run:
     abstract_batch = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct((config.data.global_batch, *x.shape[1:]), x.dtype,
@@ -203,6 +206,10 @@ def train(config, workdir: str, *, dry_run: bool = False, stop_at: int | None = 
   writer = metrics.Writer(workdir, steps, start, enabled=primary)
   if start:
     writer.message(f"resumed from step {start} in {workdir}")
+  # Where a run's first minutes go (twenty-first session: ~100 s before step 1 on a fresh GPU
+  # machine, unexplained); the first step's compile comes after.
+  writer.message(f"set-up {time.perf_counter() - t_setup:.1f} s, of it the train data "
+                 f"{t_data:.1f} s (data.tokenize={config.data.tokenize})")
   lr_at = optim.schedule(config_lib.optim_config(config))
   tokens_per_step = config.data.global_batch * config.data.seq_len
   peak = metrics.peak_flops_per_device()
