@@ -190,6 +190,11 @@ def format_suite(suite: str, r: dict) -> str:
     lines += [f"  {row['multiplier']:>5}x digits right by place (first to last): "
               + " ".join(f"{x:.2f}" for x in places)
               for row, places in zip(r["rows"], r.get("digit_places", none)) if places]
+    # Every miss, so a cut-off log still says which keys and needles failed, and how.
+    lines += [f"  {row['multiplier']:>5}x missed: " + " · ".join(
+        f"s{t['seed']} {t['key']} ({'memory' if t['needle_in_memory'] else 'window'}) "
+        f"{t['output'][:12]!r}" for t in misses)
+        for row in r["rows"] if (misses := [t for t in row["trials"] if t.get("correct") is False])]
     lines.append(f"  overall {fmt(r['overall']).strip()}")
     return "\n".join(lines)
   if suite == "focus_longdoc":

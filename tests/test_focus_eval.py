@@ -124,7 +124,14 @@ def test_passkey_feeds_the_official_prompt_and_scores_exact_keys(tiny, tok, monk
     assert all(("candidate_reads_key" in t) == t["needle_in_memory"] for t in row["trials"])
     assert share == (float(np.mean(flags)) if flags else None)
   assert any(share is not None for share in r["candidate_readout"])
-  assert "candidate reads key" in focus_eval.format_suite("focus_passkey", r)
+  text = focus_eval.format_suite("focus_passkey", r)
+  assert "candidate reads key" in text and "digits right by place" in text
+  # The oracle misses exactly the in-window needles: each is listed by seed, key and place.
+  for row in r["rows"]:
+    line = next((l for l in text.splitlines() if l.strip().startswith(
+        f"{row['multiplier']}x missed:")), "")
+    for t in row["trials"]:
+      assert (f"s{t['seed']} {t['key']} (window)" in line) == (not t["needle_in_memory"])
   # The attention diagnostic: half the mass on the candidates; the needle's candidate holds its
   # even share, 1 / chunks.
   for row, mass, share in zip(r["rows"], r["candidate_mass"], r["needle_share"]):
