@@ -97,9 +97,9 @@ class Tokenizer:
 #   digits        every digit a token, the first keeping its leading space: " 7", "0", "3", ...
 #   llama_digits  every digit a token, the space before a number a token of its own (" ", "7",
 #                 "0", ...), as LLaMA's tokenizer spells it. With "digits" an adapter got the
-#                 answer's first digit wrong in 24 of 30 passkeys at 2-32x and the other four
-#                 right (twenty-first session): " 8" follows " is", which the filler repeats, while
-#                 a lone space before a digit occurs in the memory only at the needle.
+#                 answer's first digit wrong in 24 of 30 passkeys at 2-32x, each later place in
+#                 6-11 (twenty-first session): " 8" is predicted at " is", which the filler
+#                 repeats, "8" at a lone space, which the memory holds only at the needle.
 DIGIT_STYLES = {"": None, "digits": r" ?\p{N}", "llama_digits": r"\p{N}"}
 
 
