@@ -7,7 +7,7 @@
 # metrics, eval JSON, logs; no weights) come back packed in $OUT/focus_run.tgz.
 #
 # Once, here (the study's set-up, see bench/study_device.sh): .data/corpus/*.xz, the 16K BPE in
-#   .data/study/tokenizer/ (and, for TOKENIZER below, .data/study_digits/tokenizer/), and the
+#   .data/study/tokenizer/ (and, for TOKENIZER below, e.g. .data/study_llama/tokenizer/), and the
 #   cp312 wheels in .whl/. Carry them all.
 # The machine keeps $ROOT while it stays warm: a second call soon after resumes the base (and the
 # adapter) instead of starting over. A stage limit of 0 skips that stage, e.g. a base-only call:
@@ -91,8 +91,8 @@ fi
 . "$(dirname "$0")/device_env.sh"
 # TOKENIZER: the BPE directory the base trains with (default the study's;
 # .data/study_llama/tokenizer from `bench/study.py --root .data/study_llama --stage tokenizer
-# --digits llama_digits`: one token per digit, the space before a number its own). The base's workdir keeps its own copy, which the adapter
-# and the evaluation read.
+# --digits llama_digits`: one token per digit, the space before a number its own). The base's
+# workdir keeps its own copy, which the adapter and the evaluation read.
 mkdir -p "$ROOT"; rm -rf "$ROOT/tokenizer"; cp -r "${TOKENIZER:-.data/study/tokenizer}" "$ROOT/tokenizer"
 C=.data/corpus
 # RUN: the adapter's workdir; a second arm on the same warm machine needs its own (an existing
