@@ -13,6 +13,10 @@
 set -uo pipefail
 . "$(dirname "$0")/device_env.sh"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
+# jax's default pool is 75% of the GPU (~104 GiB on an H200): the 400M step at batch 32 asked for
+# one 73.6 GiB buffer and ran out of memory there, and ran at 0.95 (twenty-second session). The
+# allocator hint XLA prints (TF_GPU_ALLOCATOR=cuda_malloc_async) did not change jax's allocator.
+export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95}
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())" 2>&1 | tee "$OUT/env.log"
 nvidia-smi --query-gpu=name,clocks.sm,memory.used --format=csv >> "$OUT/env.log" 2>&1
 python3 -c "import tokamax; print('tokamax', getattr(tokamax, '__version__', '?'))" >> "$OUT/env.log" 2>&1
