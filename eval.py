@@ -55,6 +55,9 @@ _FOCUS_LOCAL_LEN = flags.DEFINE_integer("focus_local_len", None,
                                         "focus.local_len, else trained context // 2")
 _FOCUS_CHUNK_SIZE = flags.DEFINE_integer("focus_chunk_size", None,
                                          "memory chunk size; default: the adapter's focus.json")
+_FOCUS_PROMPT_LEN = flags.DEFINE_integer(
+    "focus_prompt_len", None, "dynamic prompt: the last min(this, chunk size) window tokens "
+    "appended to every chunk; default: the adapter's focus.json")
 _FOCUS_IMPLEMENTATION = flags.DEFINE_enum("focus_implementation", None, ["xla", "pallas"],
                                           "candidate/local attention; default: the adapter's")
 _FOCUS_CANDIDATE_BIAS = flags.DEFINE_enum(
@@ -101,6 +104,7 @@ def main(argv):
         max_books=_MAX_BOOKS.value, multipliers=[int(m) for m in _FOCUS_MULTIPLIERS.value],
         seeds=_SEEDS.value if present("passkey_seeds") else 10,
         local_len=_FOCUS_LOCAL_LEN.value, chunk_size=_FOCUS_CHUNK_SIZE.value,
+        prompt_len=_FOCUS_PROMPT_LEN.value,
         candidate_bias=_FOCUS_CANDIDATE_BIAS.value, sink=_FOCUS_SINK.value,
         implementation=_FOCUS_IMPLEMENTATION.value, dtype=_FOCUS_DTYPE.value,
         passkey_batch=_FOCUS_PASSKEY_BATCH.value, passkey_filler=_FOCUS_PASSKEY_FILLER.value,

@@ -238,16 +238,26 @@ for seed in ${FOCUS_SEEDS:-"${FOCUS_SEED:-}"}; do
   key_report "$run/metrics.jsonl" 2>/dev/null
 
   # 3. Evaluation: the FocusLLM suites, then the base alone (full attention, NTK-scaled RoPE).
+  # EVAL_PROMPTS="- 504": one evaluation per dynamic prompt length ("-": the adapter's own), each
+  # under EVAL_LIMIT; the others write eval_p<N>/ and eval_focus<sfx>_p<N>.log. EVAL_SUITES
+  # (eval.py --suites, e.g. focus_passkey) narrows them.
   eval_limit=${EVAL_LIMIT:-130}; if [ -n "${stalled:-}" ]; then eval_limit=0; fi
-  stage "eval$sfx" "$eval_limit"
-  run_for "$eval_limit" python3 eval.py --workdir "$BASE" --focus_adapter "${ADAPTER:-$run}" \
-    --books $C/longeval.jsonl.xz --focus_dtype "${DTYPE:-bfloat16}" \
-    --focus_multipliers "${MULTS:-2,8,32,100}" --passkey_seeds "${SEEDS:-10}" \
-    --max_multiplier "${MAXMULT:-32}" --max_books "${MAXBOOKS:-8}" \
-    --focus_passkey_batch "${PK_BATCH:-1}" --focus_passkey_filler "${FILLER:-grass}" \
-    ${EVAL_CAND_BIAS:+--focus_candidate_bias=$EVAL_CAND_BIAS} ${EVAL_SINK:+--focus_sink=$EVAL_SINK} \
-    2>&1 | quiet > "$OUT/eval_focus$sfx.log"
-  tail -n 12 "$OUT/eval_focus$sfx.log" 2>/dev/null
+  for prompt in ${EVAL_PROMPTS:--}; do
+    ptag=""; pargs=()
+    if [ "$prompt" != - ]; then
+      ptag=_p$prompt; pargs=(--focus_prompt_len "$prompt" --out_dir "$run/eval$ptag")
+    fi
+    stage "eval$sfx$ptag" "$eval_limit"
+    run_for "$eval_limit" python3 eval.py --workdir "$BASE" --focus_adapter "${ADAPTER:-$run}" \
+      --books $C/longeval.jsonl.xz --focus_dtype "${DTYPE:-bfloat16}" \
+      --focus_multipliers "${MULTS:-2,8,32,100}" --passkey_seeds "${SEEDS:-10}" \
+      --max_multiplier "${MAXMULT:-32}" --max_books "${MAXBOOKS:-8}" \
+      --focus_passkey_batch "${PK_BATCH:-1}" --focus_passkey_filler "${FILLER:-grass}" \
+      ${EVAL_CAND_BIAS:+--focus_candidate_bias=$EVAL_CAND_BIAS} ${EVAL_SINK:+--focus_sink=$EVAL_SINK} \
+      ${EVAL_SUITES:+--suites=$EVAL_SUITES} ${pargs[@]+"${pargs[@]}"} \
+      2>&1 | quiet > "$OUT/eval_focus$sfx$ptag.log"
+    tail -n 16 "$OUT/eval_focus$sfx$ptag.log" 2>/dev/null
+  done
 done
 run_for "${BASE_EVAL_LIMIT:-50}" python3 eval.py --workdir "$BASE" --suites longdoc \
   --books $C/longeval.jsonl.xz --max_multiplier "${MAXMULT:-32}" --max_books "${MAXBOOKS:-8}" \

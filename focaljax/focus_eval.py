@@ -167,6 +167,12 @@ def _check_shapes(adapter, base, adapter_dir: str) -> None:
                      f"{len(base.blocks)}; is --workdir the adapter's base?")
 
 
+def _where(trial: dict) -> str:
+  if trial["needle_in_memory"]:
+    return "memory"
+  return "window, in prompt" if trial.get("needle_in_prompt") else "window"
+
+
 def format_suite(suite: str, r: dict) -> str:
   head = f"== {suite} ({r.get('seconds', 0)} s)"
   if "skipped" in r:
@@ -187,12 +193,17 @@ def format_suite(suite: str, r: dict) -> str:
                    f"{fmt(dm)}   {fmt(cr)}             {fmt(cm)}       {fmt(ns)}     {fmt(sm)}")
     lines += [f"  {row['multiplier']}x skipped: {row['skipped']}" for row in r["rows"]
               if "skipped" in row]
+    lines += [f"  {row['multiplier']:>5}x needles in the window: {a}/{n} within the prompt's "
+              f"last {row['prompt_tokens']} tokens, {b}/{m} before them"
+              for row, (a, n), (b, m) in zip(r["rows"], r.get("window_in_prompt", none),
+                                             r.get("window_before_prompt", none))
+              if n + m and "prompt_tokens" in row] if "window_in_prompt" in r else []
     lines += [f"  {row['multiplier']:>5}x digits right by place (first to last): "
               + " ".join(f"{x:.2f}" for x in places)
               for row, places in zip(r["rows"], r.get("digit_places", none)) if places]
     # Every miss, so a cut-off log still says which keys and needles failed, and how.
     lines += [f"  {row['multiplier']:>5}x missed: " + " · ".join(
-        f"s{t['seed']} {t['key']} ({'memory' if t['needle_in_memory'] else 'window'}) "
+        f"s{t['seed']} {t['key']} ({_where(t)}) "
         f"{t['output'][:12]!r}" for t in misses)
         for row in r["rows"] if (misses := [t for t in row["trials"] if t.get("correct") is False])]
     lines.append(f"  overall {fmt(r['overall']).strip()}")
@@ -213,6 +224,7 @@ def format_suite(suite: str, r: dict) -> str:
 def run(base_path: str, adapter_path: str, *, suites=FOCUS_SUITES, books: str | None = None,
         max_multiplier: int = 32, max_books: int = 8, multipliers=DEFAULT_MULTIPLIERS,
         seeds: int = 10, local_len: int | None = None, chunk_size: int | None = None,
+        prompt_len: int | None = None,
         implementation: str | None = None, candidate_bias: str | None = None,
         sink: str | None = None,
         dtype: str = "float32", base_attention: str = "xla",
@@ -225,7 +237,10 @@ def run(base_path: str, adapter_path: str, *, suites=FOCUS_SUITES, books: str | 
   casts base and adapter once (bfloat16: faster on GPU; the chunk caches follow it).
   `base_attention` replaces the base's attention implementation (focus_adapter.with_attention
   says why).
-  `candidate_bias` and `sink` override the adapter's (FocusConfig; diagnostics).
+  `chunk_size`, `prompt_len`, `candidate_bias` and `sink` override the adapter's (FocusConfig).
+  A longer `prompt_len` than trained lets every candidate read more of the window: the
+  twentieth and twenty-second sessions missed in-window needles exactly when they lay before
+  the trained prompt's 256 tokens (0 of 6, against 8 of 8 within it).
   `passkey_batch` trials share one generate call (passkey's batch_size). `passkey_filler`
   "books" fills the passkey prompts with the first of `books` instead of the official filler."""
   unknown = set(suites) - set(FOCUS_SUITES)
@@ -240,7 +255,9 @@ def run(base_path: str, adapter_path: str, *, suites=FOCUS_SUITES, books: str | 
   _check_shapes(adapter, m.model, adapter_dir)
   graphdef, state = nnx.split(focus_adapter.with_attention(m.model, base_attention))
   base, adapter = nnx.merge(graphdef, cast(state, dtype)), cast(adapter, dtype)
-  cfg = dataclasses.replace(cfg, chunk_size=chunk_size or cfg.chunk_size,
+  keep = lambda given, own: own if given is None else given   # 0 reaches FocusConfig's check
+  cfg = dataclasses.replace(cfg, chunk_size=keep(chunk_size, cfg.chunk_size),
+                            prompt_len=keep(prompt_len, cfg.prompt_len),
                             implementation=implementation or cfg.implementation,
                             candidate_bias=candidate_bias or cfg.candidate_bias,
                             sink=sink or cfg.sink)

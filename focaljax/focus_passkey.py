@@ -13,7 +13,10 @@ exactly the requested number of tokens), 10 trials per length with seeds 0-9, gr
 depth uniform in [0, 1) like the official random split point. A trial is correct when the leading
 number of the continuation is exactly K. As in the official code the needle can land in the local
 window (at 2x, about T / length of the trials); `accuracy_needle_in_memory` counts only the trials
-whose needle lies wholly in the memory, and `digits_in_memory` the mean share of their key's digits
+whose needle lies wholly in the memory, `window_in_prompt` / `window_before_prompt` [right, trials]
+for needles in the window that lie within / before its last prompt_tokens (which every chunk's
+dynamic prompt repeats, so every candidate reads them too), and `digits_in_memory` the mean share
+of their key's digits
 read in place (`key_digits`: partial reads); `digit_places`, over every trial, the share right
 at each place of the key from its first digit. For those in memory, `candidate_readout` is the
 share whose needle chunk's candidate, read through the base's LM head, predicts the key's first
@@ -68,6 +71,10 @@ def _find(seq: np.ndarray, sub: list[int]) -> int:
 
 def _share(flags) -> float | None:
   return float(np.mean(flags)) if flags else None
+
+
+def _tally(trials: list[dict]) -> list[int]:
+  return [sum(bool(t.get("correct")) for t in trials), len(trials)]
 
 
 def _places(rows: list[list[bool]]) -> list[float] | None:
@@ -135,6 +142,8 @@ def passkey(adapter, base, cfg: focus.FocusConfig, tokenizer, multipliers=DEFAUL
       row["skipped"] = str(e)
       continue
     t0 = time.time()
+    P = cfg.prompt_tokens(T)   # the dynamic prompt every chunk's candidate reads: the window's last P
+    row["prompt_tokens"] = P
     prompts = []
     for s, key, depth in draws:
       p = np.asarray(retrieval.passkey_prompt(tokenizer, L, depth, key, filler_ids), np.int32)
@@ -143,7 +152,8 @@ def passkey(adapter, base, cfg: focus.FocusConfig, tokenizer, multipliers=DEFAUL
       prompts.append(p)
       row["trials"].append({"seed": s, "key": key, "depth": depth, "needle_at": at,
                             "needle_end": at + len(needle) - 1,
-                            "needle_in_memory": 0 <= at and at + len(needle) <= L - T})
+                            "needle_in_memory": 0 <= at and at + len(needle) <= L - T,
+                            "needle_in_prompt": at >= L - P})
     for i in range(0, len(prompts), batch_size):
       batch = np.stack(prompts[i:i + batch_size])
       out, readout = focus_generate.generate(adapter, base, batch[:, :L - T], batch[:, L - T:],
@@ -206,6 +216,12 @@ def passkey(adapter, base, cfg: focus.FocusConfig, tokenizer, multipliers=DEFAUL
                                         for r in rows],
           "digits_in_memory": [_share([t["digits"] for t in r["trials"] if t["needle_in_memory"]])
                                for r in rows],
+          # Needles in the local window, split by whether every candidate's dynamic prompt holds
+          # them too: [right, trials] within the window's last prompt_tokens, and before them.
+          "window_in_prompt": [_tally([t for t in r["trials"] if t.get("needle_in_prompt")])
+                               for r in rows],
+          "window_before_prompt": [_tally([t for t in r["trials"] if not t["needle_in_memory"]
+                                           and not t.get("needle_in_prompt")]) for r in rows],
           # Every trial's share of right digits per place of the key (first digit first).
           "digit_places": [_places([t["digit_places"] for t in r["trials"]
                                     if "digit_places" in t]) for r in rows],

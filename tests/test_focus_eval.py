@@ -1,6 +1,7 @@
 """FocusLLM evaluation: the passkey protocol's inputs and scoring, loss-by-position ranges,
 eval.py's --focus_adapter end to end, and the decode benchmark's smoke run."""
 
+import copy
 import dataclasses
 import json
 import os
@@ -131,7 +132,28 @@ def test_passkey_feeds_the_official_prompt_and_scores_exact_keys(tiny, tok, monk
     line = next((l for l in text.splitlines() if l.strip().startswith(
         f"{row['multiplier']}x missed:")), "")
     for t in row["trials"]:
-      assert (f"s{t['seed']} {t['key']} (window)" in line) == (not t["needle_in_memory"])
+      assert (f"s{t['seed']} {t['key']} (window" in line) == (not t["needle_in_memory"])
+  # In-window needles, split by whether the dynamic prompt (the window's last P tokens, which
+  # every candidate reads) holds them; the oracle misses both kinds.
+  for row, inside, before in zip(r["rows"], r["window_in_prompt"], r["window_before_prompt"]):
+    P = row["prompt_tokens"]
+    assert P == cfg.prompt_tokens(row["local_len"])
+    for t in row["trials"]:
+      assert t["needle_in_prompt"] == (t["needle_at"] >= row["length"] - P)
+    window = [t for t in row["trials"] if not t["needle_in_memory"]]
+    assert inside[0] == before[0] == 0 and inside[1] + before[1] == len(window)
+  moved = copy.deepcopy(r)
+  row = next(row for row in moved["rows"] if any(not t["needle_in_memory"] for t in row["trials"]))
+  t = next(t for t in row["trials"] if not t["needle_in_memory"])
+  t["needle_in_prompt"] = True
+  k = moved["rows"].index(row)
+  moved["window_in_prompt"][k] = [0, 1]
+  moved["window_before_prompt"][k][1] -= 1
+  text = focus_eval.format_suite("focus_passkey", moved)
+  assert f"s{t['seed']} {t['key']} (window, in prompt)" in text
+  assert (f"{row['multiplier']}x needles in the window: 0/1 within the prompt's last "
+          f"{row['prompt_tokens']} tokens, 0/{moved['window_before_prompt'][k][1]} before them"
+          in text)
   # The attention diagnostic: half the mass on the candidates; the needle's candidate holds its
   # even share, 1 / chunks.
   for row, mass, share in zip(r["rows"], r["candidate_mass"], r["needle_share"]):
@@ -249,7 +271,7 @@ def test_eval_py_focus_adapter_end_to_end(tmp_path, tiny):
   books.write_text(json.dumps({"text": text}))
   cmd = [sys.executable, str(REPO / "eval.py"), f"--workdir={tmp_path / 'base'}",
          f"--focus_adapter={run}", "--focus_multipliers=2", "--passkey_seeds=2",
-         "--max_multiplier=2", "--max_books=1", f"--books={books}"]
+         "--max_multiplier=2", "--max_books=1", f"--books={books}", "--focus_prompt_len=4"]
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
   proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -259,6 +281,8 @@ def test_eval_py_focus_adapter_end_to_end(tmp_path, tiny):
     assert "skipped" not in results[suite], results[suite]
     assert (run / "eval" / f"{suite}.json").exists() and f"== {suite}" in proc.stdout
   assert results["focus_passkey"]["lengths"] == [128] and results["meta"]["local_len"] == 16
+  # --focus_prompt_len overrides the adapter's dynamic prompt (8 in its focus.json).
+  assert results["meta"]["focus"]["prompt_len"] == results["focus_passkey"]["prompt_len"] == 4
   assert results["focus_passkey"]["rows"][0]["local_len"] == 16   # the adapter's training window
   assert results["focus_longdoc"]["ranges"] == [[0, 64], [64, 128]]
   assert not (tmp_path / "base" / "eval").exists()   # the base workdir stays untouched
