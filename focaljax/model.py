@@ -42,6 +42,8 @@ class ModelConfig:
   rope_theta: float = 10000.0
   norm_eps: float = 1e-5
   remat: bool = False
+  # What each block's backward keeps when remat is on (REMAT_POLICIES); the rest is recomputed.
+  remat_policy: str = "nothing"
   init_std: float = 0.02
   # One GEMM for q/k/v (when N == K) and one for gate/up, over weights stacked at run time: the
   # parameters (and checkpoints, conversion, sharding) stay separate; only the matmul is shared.
@@ -60,6 +62,17 @@ class ModelConfig:
 
 
 QK_ROPE_BACKWARDS = ("separate", "fused", "pallas", "auto")
+
+# model.remat_policy -> the jax.checkpoint policy of each block (MaxText's remat_policy):
+# "nothing" recomputes the whole block (least memory); "dots" keeps every matmul's output;
+# "dots_no_batch" keeps those against weights (q/k/v/o, the MLP) but recomputes the attention
+# scores and everything elementwise: norms, RoPE, SwiGLU's activation. A fused attention kernel
+# (Pallas, cuDNN) is not a matmul to these policies: its forward reruns in the backward.
+REMAT_POLICIES = {
+    "nothing": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_saveable,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
 
 
 def resolve_qk_rope_backward(name: str) -> str:
@@ -262,6 +275,9 @@ head_matmul.defvjp(_head_matmul_fwd, _head_matmul_bwd)
 class Transformer(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    if cfg.remat_policy not in REMAT_POLICIES:
+      raise ValueError(f"ModelConfig.remat_policy={cfg.remat_policy!r} is not one of "
+                       f"{list(REMAT_POLICIES)}")
     self.cfg = cfg
     self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), cfg.init_std, ("vocab", "embed"))
     self.blocks = nnx.List([Block(cfg, spec, rngs) for spec in cfg.attention.layers])
@@ -290,7 +306,8 @@ class Transformer(nnx.Module):
     x_BTE = sharding.constrain(x_BTE, ("batch", "seq", "embed_act"))
     for block in self.blocks:
       if self.cfg.remat:
-        x_BTE = nnx.remat(lambda b, *a: b(*a), static_argnums=(4,))(
+        x_BTE = nnx.remat(lambda b, *a: b(*a), static_argnums=(4,),
+                          policy=REMAT_POLICIES[self.cfg.remat_policy])(
             block, x_BTE, positions_BT, segment_ids_BT, theta)
       else:
         x_BTE = block(x_BTE, positions_BT, segment_ids_BT, theta)

@@ -61,6 +61,7 @@ def test_size_presets_build_abstractly(size):
     ("model.norm_backward", "fused", "model.norm_backward"),
     ("model.qk_rope_backward", "fast", "model.qk_rope_backward"),
     ("model.mlp_backward", "fused", "model.mlp_backward"),
+    ("model.remat_policy", "full", "model.remat_policy"),
     ("optim.mu_dtype", "float16", "optim.mu_dtype"),
     ("optim.schedule_steps", 10, "optim.schedule_steps"),   # not past the 30 warmup steps
 ])

@@ -45,10 +45,11 @@ def test_cached_generation_reproduces_full_forward(pattern, learned):
   np.testing.assert_allclose(jnp.concatenate(outs, 1), full, rtol=2e-5, atol=2e-5)
 
 
-def test_remat_changes_nothing():
+@pytest.mark.parametrize("policy", list(M.REMAT_POLICIES))
+def test_remat_changes_nothing(policy):
   cfg = _cfg("softmax:rope,dilution:none")
   graphdef, state = nnx.split(M.Transformer(cfg, nnx.Rngs(3)))
-  cfg_r = _cfg("softmax:rope,dilution:none", remat=True)
+  cfg_r = _cfg("softmax:rope,dilution:none", remat=True, remat_policy=policy)
   graphdef_r, _ = nnx.split(M.Transformer(cfg_r, nnx.Rngs(3)))
   params = nnx.to_pure_dict(state)
   tokens = jax.random.randint(jax.random.key(4), (2, 16), 0, 96)
@@ -57,6 +58,11 @@ def test_remat_changes_nothing():
   l1, g1 = jax.value_and_grad(lambda p: loss(graphdef_r, p))(params)
   np.testing.assert_allclose(l0, l1, rtol=1e-6)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), g0, g1)
+
+
+def test_unknown_remat_policy_is_refused():
+  with pytest.raises(ValueError, match="remat_policy='some'.*nothing"):
+    M.Transformer(_cfg(remat=True, remat_policy="some"), nnx.Rngs(0))
 
 
 def test_dynamic_ntk_only_past_trained_context():
