@@ -206,6 +206,10 @@ def format_suite(suite: str, r: dict) -> str:
         f"s{t['seed']} {t['key']} ({_where(t)}) "
         f"{t['output'][:12]!r}" for t in misses)
         for row in r["rows"] if (misses := [t for t in row["trials"] if t.get("correct") is False])]
+    lines += [f"  {row['multiplier']:>5}x accuracy {sum(t['correct'] for t in row['trials'])}/"
+              f"{len(row['trials'])}, 95% interval {lo:.2f}-{hi:.2f}"
+              for row, ci in zip(r["rows"], r.get("accuracy_interval", none)) if ci
+              for lo, hi in [ci]]
     lines.append(f"  overall {fmt(r['overall']).strip()}")
     return "\n".join(lines)
   if suite == "focus_longdoc":

@@ -73,6 +73,16 @@ def _share(flags) -> float | None:
   return float(np.mean(flags)) if flags else None
 
 
+def wilson_interval(right: int, n: int, z: float = 1.96) -> tuple[float, float] | None:
+  """The 95% Wilson score interval of a share right/n: what 10 trials can tell apart (8 of 10
+  right is 0.49-0.94, so 0.8 and 0.9 are one trial and not distinguishable)."""
+  if n == 0:
+    return None
+  p, z2 = right / n, z * z
+  mid, half = (p + z2 / (2 * n)), z * np.sqrt(p * (1 - p) / n + z2 / (4 * n * n))
+  return (float((mid - half) / (1 + z2 / n)), float((mid + half) / (1 + z2 / n)))
+
+
 def _tally(trials: list[dict]) -> list[int]:
   return [sum(bool(t.get("correct")) for t in trials), len(trials)]
 
@@ -212,6 +222,7 @@ def passkey(adapter, base, cfg: focus.FocusConfig, tokenizer, multipliers=DEFAUL
           "max_new_tokens": max_new, "min_length": overhead,
           "multipliers": list(multipliers), "lengths": [r["length"] for r in rows],
           "accuracy_by_length": by_length,
+          "accuracy_interval": [wilson_interval(*_tally(r["trials"])) for r in rows],
           "accuracy_needle_in_memory": [acc([t for t in r["trials"] if t["needle_in_memory"]])
                                         for r in rows],
           "digits_in_memory": [_share([t["digits"] for t in r["trials"] if t["needle_in_memory"]])

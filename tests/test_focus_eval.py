@@ -23,6 +23,7 @@ from focaljax import focus
 from focaljax import focus_adapter
 from focaljax import focus_eval
 from focaljax import focus_generate
+from focaljax import focus_passkey
 from focaljax import model as model_lib
 from focaljax import retrieval
 from focaljax import tokenizer as tokenizer_lib
@@ -127,6 +128,7 @@ def test_passkey_feeds_the_official_prompt_and_scores_exact_keys(tiny, tok, monk
   assert any(share is not None for share in r["candidate_readout"])
   text = focus_eval.format_suite("focus_passkey", r)
   assert "candidate reads key" in text and "digits right by place" in text
+  assert "2x accuracy" in text and "95% interval" in text
   # The oracle misses exactly the in-window needles: each is listed by seed, key and place.
   for row in r["rows"]:
     line = next((l for l in text.splitlines() if l.strip().startswith(
@@ -299,6 +301,13 @@ def test_decode_bench_smoke(tmp_path):
   assert [r["mode"] for r in rows] == ["batched", "sequential", "base"]
   for r in rows:
     assert "error" not in r and r["tok_per_s"] > 0 and r["length"] == 8 * 64, r
+
+
+def test_wilson_interval():
+  lo, hi = focus_passkey.wilson_interval(8, 10)
+  assert lo == pytest.approx(0.490, abs=1e-3) and hi == pytest.approx(0.943, abs=1e-3)
+  assert focus_passkey.wilson_interval(10, 10)[1] == pytest.approx(1.0)
+  assert focus_passkey.wilson_interval(0, 0) is None
 
 
 def test_digit_places_count_from_the_first_digit():
