@@ -16,8 +16,8 @@ window (at 2x, about T / length of the trials); `accuracy_needle_in_memory` coun
 whose needle lies wholly in the memory, `window_in_prompt` / `window_before_prompt` [right, trials]
 for needles in the window that lie within / before its last prompt_tokens (which every chunk's
 dynamic prompt repeats, so every candidate reads them too), and `digits_in_memory` the mean share
-of their key's digits
-read in place (`key_digits`: partial reads); `digit_places`, over every trial, the share right
+of the in-memory keys' digits read in place (`key_digits`: partial reads); `accuracy_interval`
+each length's 95% Wilson interval; `digit_places`, over every trial, the share right
 at each place of the key from its first digit. For those in memory, `candidate_readout` is the
 share whose needle chunk's candidate, read through the base's LM head, predicts the key's first
 token with a digit by itself (knowing the key, whether or not the local decoder then uses it);
