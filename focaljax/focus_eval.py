@@ -193,11 +193,12 @@ def format_suite(suite: str, r: dict) -> str:
                    f"{fmt(dm)}   {fmt(cr)}             {fmt(cm)}       {fmt(ns)}     {fmt(sm)}")
     lines += [f"  {row['multiplier']}x skipped: {row['skipped']}" for row in r["rows"]
               if "skipped" in row]
-    lines += [f"  {row['multiplier']:>5}x needles in the window: {a}/{n} within the prompt's "
-              f"last {row['prompt_tokens']} tokens, {b}/{m} before them"
-              for row, (a, n), (b, m) in zip(r["rows"], r.get("window_in_prompt", none),
-                                             r.get("window_before_prompt", none))
-              if n + m and "prompt_tokens" in row] if "window_in_prompt" in r else []
+    for row, inside, before in zip(r["rows"], r.get("window_in_prompt", none),
+                                   r.get("window_before_prompt", none)):
+      if inside and inside[1] + before[1]:
+        lines.append(f"  {row['multiplier']:>5}x needles in the window: {inside[0]}/{inside[1]} "
+                     f"within the prompt's last {row['prompt_tokens']} tokens, "
+                     f"{before[0]}/{before[1]} before them")
     lines += [f"  {row['multiplier']:>5}x digits right by place (first to last): "
               + " ".join(f"{x:.2f}" for x in places)
               for row, places in zip(r["rows"], r.get("digit_places", none)) if places]
@@ -206,10 +207,11 @@ def format_suite(suite: str, r: dict) -> str:
         f"s{t['seed']} {t['key']} ({_where(t)}) "
         f"{t['output'][:12]!r}" for t in misses)
         for row in r["rows"] if (misses := [t for t in row["trials"] if t.get("correct") is False])]
-    lines += [f"  {row['multiplier']:>5}x accuracy {sum(t['correct'] for t in row['trials'])}/"
-              f"{len(row['trials'])}, 95% interval {lo:.2f}-{hi:.2f}"
-              for row, ci in zip(r["rows"], r.get("accuracy_interval", none)) if ci
-              for lo, hi in [ci]]
+    for row, ci in zip(r["rows"], r.get("accuracy_interval", none)):
+      if ci:
+        right = sum(t["correct"] for t in row["trials"])
+        lines.append(f"  {row['multiplier']:>5}x accuracy {right}/{len(row['trials'])}, "
+                     f"95% interval {ci[0]:.2f}-{ci[1]:.2f}")
     lines.append(f"  overall {fmt(r['overall']).strip()}")
     return "\n".join(lines)
   if suite == "focus_longdoc":
