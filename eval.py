@@ -57,7 +57,8 @@ _FOCUS_CHUNK_SIZE = flags.DEFINE_integer("focus_chunk_size", None,
                                          "memory chunk size; default: the adapter's focus.json")
 _FOCUS_PROMPT_LEN = flags.DEFINE_integer(
     "focus_prompt_len", None, "dynamic prompt: the last min(this, chunk size) window tokens "
-    "appended to every chunk; default: the adapter's focus.json")
+    "appended to every chunk; default: the run's focus.eval_prompt_len, else the adapter's "
+    "focus.json")
 _FOCUS_IMPLEMENTATION = flags.DEFINE_enum("focus_implementation", None, ["xla", "pallas"],
                                           "candidate/local attention; default: the adapter's")
 _FOCUS_CANDIDATE_BIAS = flags.DEFINE_enum(

@@ -238,9 +238,10 @@ for seed in ${FOCUS_SEEDS:-"${FOCUS_SEED:-}"}; do
   key_report "$run/metrics.jsonl" 2>/dev/null
 
   # 3. Evaluation: the FocusLLM suites, then the base alone (full attention, NTK-scaled RoPE).
-  # EVAL_PROMPTS="- 504": one evaluation per dynamic prompt length ("-": the adapter's own), each
-  # under EVAL_LIMIT; the others write eval_p<N>/ and eval_focus<sfx>_p<N>.log. EVAL_SUITES
-  # (eval.py --suites, e.g. focus_passkey) narrows them.
+  # EVAL_PROMPTS="- 256": one evaluation per dynamic prompt length, each under EVAL_LIMIT ("-":
+  # the run's focus.eval_prompt_len, 504 in configs/focus_drills.py, else the adapter's trained
+  # one); the others write eval_p<N>/ and eval_focus<sfx>_p<N>.log. EVAL_SUITES (eval.py --suites,
+  # e.g. focus_passkey) narrows them.
   eval_limit=${EVAL_LIMIT:-130}; if [ -n "${stalled:-}" ]; then eval_limit=0; fi
   for prompt in ${EVAL_PROMPTS:--}; do
     ptag=""; pargs=()

@@ -24,6 +24,8 @@ def get_config(arg=None):
       base_workdir="",                        # trained focaljax workdir (required; stays untouched)
       chunk_sizes="64,128,256,512,1024,2048",  # one drawn per step (paper set + the code's 512)
       prompt_len=512,           # dynamic prompt: the last min(prompt_len, chunk) local tokens
+      eval_prompt_len=0,        # the dynamic prompt eval.py serves the adapter with (0: prompt_len;
+                                # eval.py --focus_prompt_len overrides it)
       p_reconstruction=0.5,     # share of samples whose local window repeats a span of the memory
       doc_min_tokens=3000,      # shorter documents are skipped; the default memory length (below)
       memory_tokens="",         # memory lengths, one drawn per step ("" = doc_min_tokens -

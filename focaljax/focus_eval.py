@@ -227,6 +227,23 @@ def format_suite(suite: str, r: dict) -> str:
   return head
 
 
+def serving_config(cfg: focus.FocusConfig, run_dir: str, *, chunk_size=None, prompt_len=None,
+                   implementation=None, candidate_bias=None, sink=None, local_len=None):
+  """(FocusConfig, local_len) to evaluate an adapter with: the given values, else the focus run's
+  config (focus.eval_prompt_len, the prompt it is served with, and focus.local_len, the window it
+  was trained on; absent or 0: the adapter's own prompt, and None), else the adapter's `cfg`."""
+  has_config = os.path.isfile(os.path.join(run_dir, checkpoint.CONFIG_FILE))
+  trained = checkpoint.read_config(run_dir).get("focus", {}) if has_config else {}
+  keep = lambda given, own: own if given is None else given   # 0 reaches FocusConfig's check
+  cfg = dataclasses.replace(cfg, chunk_size=keep(chunk_size, cfg.chunk_size),
+                            prompt_len=keep(prompt_len,
+                                            trained.get("eval_prompt_len") or cfg.prompt_len),
+                            implementation=implementation or cfg.implementation,
+                            candidate_bias=candidate_bias or cfg.candidate_bias,
+                            sink=sink or cfg.sink)
+  return cfg, keep(local_len, trained.get("local_len"))
+
+
 def run(base_path: str, adapter_path: str, *, suites=FOCUS_SUITES, books: str | None = None,
         max_multiplier: int = 32, max_books: int = 8, multipliers=DEFAULT_MULTIPLIERS,
         seeds: int = 10, local_len: int | None = None, chunk_size: int | None = None,
@@ -243,10 +260,12 @@ def run(base_path: str, adapter_path: str, *, suites=FOCUS_SUITES, books: str | 
   casts base and adapter once (bfloat16: faster on GPU; the chunk caches follow it).
   `base_attention` replaces the base's attention implementation (focus_adapter.with_attention
   says why).
-  `chunk_size`, `prompt_len`, `candidate_bias` and `sink` override the adapter's (FocusConfig).
+  `chunk_size`, `prompt_len`, `candidate_bias` and `sink` override the adapter's (FocusConfig);
+  `prompt_len` defaults to the run's focus.eval_prompt_len, else the trained one.
   A longer `prompt_len` than trained lets every candidate read more of the window: the
   twentieth and twenty-second sessions missed in-window needles exactly when they lay before
-  the trained prompt's 256 tokens (0 of 6, against 8 of 8 within it).
+  the trained prompt's 256 tokens (0 of 6, against 8 of 8 within it); the twenty-third read
+  all 7 at 504 (FOCUSLLM.md).
   `passkey_batch` trials share one generate call (passkey's batch_size). `passkey_filler`
   "books" fills the passkey prompts with the first of `books` instead of the official filler."""
   unknown = set(suites) - set(FOCUS_SUITES)
@@ -261,15 +280,9 @@ def run(base_path: str, adapter_path: str, *, suites=FOCUS_SUITES, books: str | 
   _check_shapes(adapter, m.model, adapter_dir)
   graphdef, state = nnx.split(focus_adapter.with_attention(m.model, base_attention))
   base, adapter = nnx.merge(graphdef, cast(state, dtype)), cast(adapter, dtype)
-  keep = lambda given, own: own if given is None else given   # 0 reaches FocusConfig's check
-  cfg = dataclasses.replace(cfg, chunk_size=keep(chunk_size, cfg.chunk_size),
-                            prompt_len=keep(prompt_len, cfg.prompt_len),
-                            implementation=implementation or cfg.implementation,
-                            candidate_bias=candidate_bias or cfg.candidate_bias,
-                            sink=sink or cfg.sink)
-  if local_len is None and os.path.isfile(os.path.join(run_dir, checkpoint.CONFIG_FILE)):
-    # Evaluate with the window the adapter was trained on (focus.local_len of its run).
-    local_len = checkpoint.read_config(run_dir).get("focus", {}).get("local_len")
+  cfg, local_len = serving_config(cfg, run_dir, chunk_size=chunk_size, prompt_len=prompt_len,
+                                  implementation=implementation, candidate_bias=candidate_bias,
+                                  sink=sink, local_len=local_len)
   out_dir = out_dir or os.path.join(run_dir, "eval", "" if step is None else f"adapter_{step}")
   os.makedirs(out_dir, exist_ok=True)
   ctx = m.trained_len

@@ -110,7 +110,16 @@ def validate(config, context: int) -> None:
           f"data.seq_len={context}: local positions run 0..local_len-1)")
   if not 1 <= f.num_targets <= f.local_len:
     _fail("num_targets", f"{f.num_targets} must be in [1, focus.local_len={f.local_len}]")
+  if f.get("eval_prompt_len", 0) < 0:
+    _fail("eval_prompt_len", f"must be >= 0 (0: focus.prompt_len), got {f.eval_prompt_len}")
   for s in sizes:
+    served = min(f.get("eval_prompt_len", 0), s, f.local_len)   # 0: prompt_len, checked below
+    if served and s + served + f.num_targets - 1 > context:
+      # Training's bound (below) for the served prompt: its num_targets - 1 positions past the
+      # prompt also hold the generated answer (the passkey's " K." needs 6 with this tokenizer).
+      _fail("eval_prompt_len", f"chunk {s} + dynamic prompt {served} + num_targets-1 "
+            f"({f.num_targets - 1}) exceeds the base's trained context data.seq_len={context}; "
+            f"use <= {context - s - f.num_targets + 1}")
     # focus.check_positions for target_nll: chunk + prompt + the Q-1 later query points.
     prompt = min(f.prompt_len, s, f.local_len - f.num_targets + 1)
     if s + prompt + f.num_targets - 1 > context:

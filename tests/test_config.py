@@ -152,6 +152,18 @@ def test_focus_drills_stages_validate(stage):
   c.lock()
   config_lib.validate(c)
   focus_train.validate(c, context=1024)
+  assert c.focus.eval_prompt_len == 504   # served at 504: 512 + 504 + the answer's 7 fit 1024
+
+
+def test_focus_eval_prompt_len_is_validated():
+  from focaljax import focus_train
+  c = _load("focus_drills", "stage=3")
+  c.focus.eval_prompt_len = 506   # 512 + 506 + 7 = 1025 positions
+  with pytest.raises(config_lib.ConfigError, match="focus.eval_prompt_len.*use <= 505"):
+    focus_train.validate(c, context=1024)
+  c.focus.eval_prompt_len = -1
+  with pytest.raises(config_lib.ConfigError, match="focus.eval_prompt_len.*>= 0"):
+    focus_train.validate(c, context=1024)
 
 
 def test_focus_drills_refuses_an_unknown_stage():

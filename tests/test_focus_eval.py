@@ -12,6 +12,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 from flax import nnx
@@ -265,7 +266,9 @@ def test_eval_py_focus_adapter_end_to_end(tmp_path, tiny):
   test_focus_train.make_base(tmp_path / "base")
   from focaljax import loaded  # pylint: disable=import-outside-toplevel
   run = tmp_path / "focus_run"   # what focus_train writes: its config and adapter/<step>/
-  checkpoint.write_config(str(run), test_focus_train.focus_cfg(tmp_path / "base"))   # local 16
+  # local 16; served with a 6-token prompt (the adapter's focus.json says 8; the flag says 4).
+  checkpoint.write_config(str(run), test_focus_train.focus_cfg(tmp_path / "base",
+                                                                eval_prompt_len=6))
   focus_adapter.save_adapter(str(run / "adapter" / "1"), focus.init_adapter(
       loaded.load(str(tmp_path / "base")).model), tiny[2], base_workdir=str(tmp_path / "base"))
   books = tmp_path / "books.jsonl"
@@ -288,6 +291,22 @@ def test_eval_py_focus_adapter_end_to_end(tmp_path, tiny):
   assert results["focus_passkey"]["rows"][0]["local_len"] == 16   # the adapter's training window
   assert results["focus_longdoc"]["ranges"] == [[0, 64], [64, 128]]
   assert not (tmp_path / "base" / "eval").exists()   # the base workdir stays untouched
+
+
+def test_serving_config_reads_the_runs_eval_prompt(tmp_path):
+  cfg = focus.FocusConfig(512, prompt_len=256)
+  # No run config (an adapter copied alone): the adapter's own prompt, no window.
+  assert focus_eval.serving_config(cfg, str(tmp_path)) == (cfg, None)
+  run = tmp_path / "run"
+  checkpoint.write_config(str(run), ml_collections.ConfigDict(
+      {"focus": {"local_len": 512, "eval_prompt_len": 504}}))
+  served, local = focus_eval.serving_config(cfg, str(run))
+  assert (served.prompt_len, served.chunk_size, local) == (504, 512, 512)
+  served, local = focus_eval.serving_config(cfg, str(run), prompt_len=128, local_len=64)
+  assert (served.prompt_len, local) == (128, 64)   # eval.py's flags win
+  checkpoint.write_config(str(run), ml_collections.ConfigDict(
+      {"focus": {"local_len": 512, "eval_prompt_len": 0}}))
+  assert focus_eval.serving_config(cfg, str(run))[0].prompt_len == 256   # 0: as trained
 
 
 def test_decode_bench_smoke(tmp_path):
