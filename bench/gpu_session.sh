@@ -98,8 +98,9 @@ for spec in "$@"; do
                bench/train_step.py ${FLAG_STEP_ARGS:---sizes ${FLAG_SIZES:-1.3b} --impls cudnn --no_segments --steps 6} \
                --out "$OUT/train_step_flags.json" 2>&1 | grep --line-buffered -v -i autotun \
                | tee "$OUT/train_step_flags.log" | tail -6 ;;
-    profile) for spec in ${PROFILE_RUNS:-1.3b:cudnn 400m:cudnn}; do  # size:impl, one process each
-               $RUN python3 bench/step_profile.py --size ${spec%%:*} --impl ${spec#*:} \
+    profile) for spec in ${PROFILE_RUNS:-1.3b:cudnn 400m:cudnn}; do  # size:impl, one process each;
+               # PROFILE_ARGS adds to every run, e.g. "--batch 24"
+               $RUN python3 bench/step_profile.py --size ${spec%%:*} --impl ${spec#*:} ${PROFILE_ARGS:-} \
                  --out "$OUT/profile_${spec%%:*}_${spec#*:}.json" 2>&1 | grep -v -i autotun \
                  | tee "$OUT/profile_${spec%%:*}_${spec#*:}.log" | head -45
              done ;;
