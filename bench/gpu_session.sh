@@ -84,6 +84,13 @@ for spec in "$@"; do
              | tee "$OUT/dilution_sweep.log" | tail -30 ;;
     mgpu_fwd) $RUN python3 bench/focal_mgpu_fwd.py ${MGPU_FWD_ARGS:-} 2>&1 | tee "$OUT/mgpu_fwd.log" | tail -30 ;;
     mgpu_bwd) $RUN python3 bench/focal_mgpu_bwd.py 2>&1 | tee "$OUT/mgpu_bwd.log" | tail -30 ;;
+    bwd_sweep)  # issue 3: the two-kernel backward's tiles at the 1.3B step's shape and at 4K/8K;
+             # BWD_BLOCKS: block_q_dq,block_kv_dq,block_q_dkv,block_kv_dkv,ring depth (one process each)
+             for b in ${BWD_BLOCKS:-64,64,64,64,2 64,128,64,64,2 64,64,64,64,3 64,128,64,64,3 64,64,128,64,2}; do
+               $RUN python3 bench/focal_mgpu_bwd.py --blocks $b --iters 20 --shapes \
+                 ${BWD_SHAPES:-24,16,2048,128 2,16,4096,128 1,16,8192,128} 2>&1 | grep -v -i autotun \
+                 | tee -a "$OUT/bwd_sweep.log" | tail -5
+             done ;;
     condense) $RUN python3 bench/condense.py --out "$OUT/condense.json" 2>&1 | tee "$OUT/condense.log" | tail -20 ;;
     attention) $RUN python3 bench/attention.py ${ATTN_IMPLS:+--impls $ATTN_IMPLS} ${ATTN_SHAPES:+--shapes $ATTN_SHAPES} --out "$OUT/attention.json" 2>&1 | tee "$OUT/attention.log" | tail -40 ;;
     dilution) $RUN python3 bench/dilution.py --impls dilution,cudnn --out "$OUT/dilution.json" 2>&1 | tee "$OUT/dilution.log" | tail -40 ;;
