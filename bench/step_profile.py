@@ -10,8 +10,8 @@ Runs bench/train_step.py's step (synthetic unpacked rows, no segment ids), then
 **category** by its name (GEMM, attention, collective, fusion kinds, copies) and in one **model
 part** by the JAX name stack of its HLO op (the compiled step's metadata, looked up by the event's
 `hlo_op` or its kernel name; else the trace's `tf_op`): embed, attention, mlp, logits/loss,
-optimizer. Prints those tables, part × category, and the 25 heaviest kernels with the op behind
-each, per step; writes them as JSON.
+optimizer. Prints those tables, part × category, and the --top heaviest kernels (default 40) with
+the op behind each, per step; writes them as JSON.
 The step's measured time sets the denominator; kernel time past it means overlapping streams.
 Timing belongs in benchmarks: this reads a trace, so nothing in tests depends on it.
 """
@@ -119,7 +119,8 @@ def fusion_bodies(hlo_text: str, kernels, limit: int = 8, max_lines: int = 30) -
   return out
 
 
-def summarize(events, steps: int, step_ms: float, stacks: dict[str, str] | None = None) -> dict:
+def summarize(events, steps: int, step_ms: float, stacks: dict[str, str] | None = None,
+              top: int = 25) -> dict:
   by_cat, by_part, by_kernel, by_both = (collections.Counter() for _ in range(4))
   op_of = {}  # kernel -> the JAX op name behind it (first seen), to tell e.g. which norm it is
   sample_stats = [stats for *_, stats in events[:5]]  # what the trace carries, to refine PARTS
@@ -136,8 +137,8 @@ def summarize(events, steps: int, step_ms: float, stacks: dict[str, str] | None 
   total = sum(by_cat.values()) / steps / 1e6
   return {"step_ms": step_ms, "kernel_ms_per_step": total, "by_category_ms": per_step(by_cat),
           "by_part_ms": per_step(by_part), "by_part_category_ms": per_step(by_both),
-          "top_kernels_ms": dict(list(per_step(by_kernel).items())[:25]),
-          "top_kernel_ops": {k: op_of[k] for k in list(per_step(by_kernel))[:25]},
+          "top_kernels_ms": dict(list(per_step(by_kernel).items())[:top]),
+          "top_kernel_ops": {k: op_of[k] for k in list(per_step(by_kernel))[:top]},
           "sample_stats": sample_stats}
 
 
@@ -153,6 +154,7 @@ def main():
   p.add_argument("--out", default="bench_step_profile.json")
   p.add_argument("--keep_command_buffers", action="store_true",
                  help="leave XLA's CUDA graphs on (then kernels cannot be mapped to model parts)")
+  p.add_argument("--top", type=int, default=40, help="list this many of the heaviest kernels")
   p.add_argument("--bodies", type=int, default=8,
                  help="print the fused HLO body of the top this many fusion kernels")
   args = p.parse_args()
@@ -166,7 +168,7 @@ def main():
   with open(os.path.join(trace_dir, "step.hlo.txt")) as f:
     hlo_text = f.read()
   s = summarize(list(device_events(found[-1])), train_step.PROFILED_STEPS, r["step_ms"],
-                op_names(hlo_text))
+                op_names(hlo_text), top=args.top)
   s["top_kernel_bodies"] = fusion_bodies(hlo_text, list(s["top_kernels_ms"]), args.bodies)
   s.update(run=r, trace=found[-1], jax=jax.__version__, device=jax.devices()[0].device_kind)
   print(f"{args.size} {args.impl}: step {r['step_ms']:.1f} ms, MFU "

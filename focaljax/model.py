@@ -51,8 +51,8 @@ class ModelConfig:
   # RMSNorm's backward: "explicit" (rms_norm's custom_vjp) or "autodiff" (kept for A/B runs).
   norm_backward: str = "explicit"
   # QK-norm then RoPE: "separate" (rms_norm, apply_rope), or one custom VJP (qk_norm_rope) whose
-  # backward is XLA ("fused") or one Pallas pass ("pallas", pallas_kernels/norm_rope.py; the
-  # XLA one on TPU). The last two only where qk_norm is on, the layer uses RoPE and
+  # backward is XLA ("fused") or one Pallas pass ("pallas", pallas_kernels/norm_rope.py, which
+  # then runs the forward as one Pallas pass too; XLA's on TPU). The last two only where qk_norm is on, the layer uses RoPE and
   # norm_backward is "explicit". "auto": "pallas" on GPUs, else "separate".
   qk_rope_backward: str = "separate"
   # SwiGLU's backward: "autodiff" (of jax.nn.silu(gate) * up), "explicit" (mlp.swiglu),

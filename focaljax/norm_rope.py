@@ -80,13 +80,22 @@ def apply_rope(x_BTND, positions_BT, theta: float):
 
 
 def _qk_norm_rope(x_BTND, scale_D, cos_BTd, sin_BTd, eps: float, backward: str = "fused"):
+  if _use_pallas(backward):
+    return _pallas_fwd(x_BTND, scale_D, cos_BTd, sin_BTd, eps)
   # One cast at the end: the separate pair rounds to x's dtype between the norm and the rotation.
   y_BTND = nr.rotate_half(_rms_norm32(x_BTND, scale_D, eps), cos_BTd, sin_BTd)
   return y_BTND.astype(x_BTND.dtype)
 
 
+def _use_pallas(backward: str) -> bool:
+  # The kernels are Triton (interpreted on CPU); the TPU keeps XLA's passes.
+  return backward == "pallas" and jax.default_backend() != "tpu"
+
+
 # apply_rope(rms_norm(x, scale)) with the tables precomputed, as one custom VJP. Its backward
-# un-rotates the cotangent once, instead of inside each of RMSNorm's two reductions.
+# un-rotates the cotangent once, instead of inside each of RMSNorm's two reductions. With
+# backward="pallas" both directions are one Pallas pass each (XLA's forward wrote the normalised
+# rows in float32 and read them back to rotate them).
 qk_norm_rope = jax.custom_vjp(_qk_norm_rope, nondiff_argnums=(4, 5))
 
 
@@ -99,7 +108,7 @@ def _qk_norm_rope_bwd(eps, backward, res, g_BTND):
   x_BTND, scale_D, cos_BTd, sin_BTd = res
   # cos/sin come from integer positions: nothing upstream wants their cotangents.
   no_tables = (jnp.zeros_like(cos_BTd), jnp.zeros_like(sin_BTd))
-  if backward == "pallas" and jax.default_backend() != "tpu":
+  if _use_pallas(backward):
     dx_BTND, d_scale = _pallas_bwd(x_BTND, scale_D, cos_BTd, sin_BTd, g_BTND, eps)
     return (dx_BTND, d_scale.astype(scale_D.dtype)) + no_tables
   # Stage 1, elementwise: the rotation is orthogonal, so its transpose is the rotation by -angle.
@@ -119,33 +128,55 @@ def _qk_norm_rope_bwd(eps, backward, res, g_BTND):
 qk_norm_rope.defvjp(_qk_norm_rope_fwd, _qk_norm_rope_bwd)
 
 
-def _pallas_bwd(x_BTND, scale_D, cos_BTd, sin_BTd, g_BTND, eps):
-  """(dx, d_scale) through `pallas_kernels.norm_rope.norm_rope_bwd`: compiled on GPU, interpreted
-  on CPU (the TPU keeps the XLA backward: the kernel is Triton). Under a mesh, shard_map'd over the
-  rows ("batch") and heads the devices divide (a pallas_call has no partitioning rule), with the
-  gain's gradient summed over those axes."""
-  B, T, N, D = x_BTND.shape
+def _per_device(local, x_BTND, scale_D, cos_BTd, sin_BTd, *more_BTND, sums_scale: bool):
+  """local(x, scale, cos, sin, *more) on each device's rows ("batch") and heads: a pallas_call has
+  no partitioning rule, so under a mesh it is shard_map'd over the axes that divide x. With
+  sums_scale its second output (the gain's gradient) is summed over those axes."""
+  B, T, _, D = x_BTND.shape
   cos_BTd, sin_BTd = (jnp.broadcast_to(a, (B, T, D // 2)) for a in (cos_BTd, sin_BTd))
-
-  def local(x, s, c, sn, g):
-    b, t, n, _ = x.shape
-    dx, ds = nr.norm_rope_bwd(x.reshape(b * t, n, D), s, c.reshape(b * t, D // 2),
-                              sn.reshape(b * t, D // 2), g.reshape(b * t, n, D), eps=eps,
-                              interpret=ops._interpret())  # pylint: disable=protected-access
-    return dx.reshape(x.shape), ds
-
+  args = (x_BTND, scale_D, cos_BTd, sin_BTd, *more_BTND)
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
-    return local(x_BTND, scale_D, cos_BTd, sin_BTd, g_BTND)
+    return local(*args)
   xs = sharding.dividing_spec(mesh, ("batch", None, "heads", None), x_BTND.shape)
   # The mesh axes that split x (a PartitionSpec entry is an axis name or a tuple of them).
   summed = tuple(a for part in xs if part for a in ((part,) if isinstance(part, str) else part))
   if not summed:
-    return local(x_BTND, scale_D, cos_BTd, sin_BTd, g_BTND)
+    return local(*args)
+  ts = P(xs[0], None, None)
+  in_specs = (xs, P(), ts, ts) + (xs,) * len(more_BTND)
+  if not sums_scale:
+    return jax.shard_map(local, in_specs=in_specs, out_specs=xs, check_vma=False)(*args)
 
   def sharded(*a):
     dx, ds = local(*a)
     return dx, jax.lax.psum(ds, summed)
-  ts = P(xs[0], None, None)
-  return jax.shard_map(sharded, in_specs=(xs, P(), ts, ts, xs), out_specs=(xs, P()),
-                       check_vma=False)(x_BTND, scale_D, cos_BTd, sin_BTd, g_BTND)
+  return jax.shard_map(sharded, in_specs=in_specs, out_specs=(xs, P()), check_vma=False)(*args)
+
+
+def _flat(x_BTND, *tables_BTd):
+  """[B·T, N, D] rows of x and [B·T, D/2] rows of each table, the kernels' layout."""
+  B, T, N, D = x_BTND.shape
+  return (x_BTND.reshape(B * T, N, D),) + tuple(t.reshape(B * T, D // 2) for t in tables_BTd)
+
+
+def _pallas_fwd(x_BTND, scale_D, cos_BTd, sin_BTd, eps):
+  """y through `pallas_kernels.norm_rope.norm_rope_fwd`, per device (`_per_device`)."""
+
+  def local(x, s, c, sn):
+    x_RND, c_Rd, sn_Rd = _flat(x, c, sn)
+    return nr.norm_rope_fwd(x_RND, s, c_Rd, sn_Rd, eps=eps,
+                            interpret=ops._interpret()).reshape(x.shape)  # pylint: disable=protected-access
+  return _per_device(local, x_BTND, scale_D, cos_BTd, sin_BTd, sums_scale=False)
+
+
+def _pallas_bwd(x_BTND, scale_D, cos_BTd, sin_BTd, g_BTND, eps):
+  """(dx, d_scale) through `pallas_kernels.norm_rope.norm_rope_bwd`: compiled on GPU, interpreted
+  on CPU, per device (`_per_device`)."""
+
+  def local(x, s, c, sn, g):
+    (x_RND, c_Rd, sn_Rd), (g_RND,) = _flat(x, c, sn), _flat(g)
+    dx, ds = nr.norm_rope_bwd(x_RND, s, c_Rd, sn_Rd, g_RND, eps=eps,
+                              interpret=ops._interpret())  # pylint: disable=protected-access
+    return dx.reshape(x.shape), ds
+  return _per_device(local, x_BTND, scale_D, cos_BTd, sin_BTd, g_BTND, sums_scale=True)

@@ -1,4 +1,5 @@
-"""QK-norm then RoPE, backward in one Pallas pass (Triton backend on GPU, interpret mode on CPU).
+"""QK-norm then RoPE, forward and backward each as one Pallas pass (Triton backend on GPU,
+interpret mode on CPU).
 
 Forward (the spec, `norm_rope_reference`), per row x of D values (one token's head):
   x̂ = x·r, r = rsqrt(mean(x²) + ε);   y = rotate_half(x̂·s, cos, sin)   (LLaMA rotate-half RoPE)
@@ -7,17 +8,23 @@ Backward (`norm_rope_bwd`) for the cotangent g of y:
   dx = r·(u·s − x̂·mean(u·s·x̂))                  RMSNorm's backward on u
   ds = Σ_rows u·x̂                                the gain's gradient
 
-Why a kernel: XLA fuses the un-rotation into the norm's two reductions and reads the cotangent
+Why kernels: XLA fuses the un-rotation into the norm's two reductions and reads the cotangent
 there in attention's transposed [B, N, T, D] layout; each reduction took ~230 µs per layer at
 1.3B on the H200, ~16× the bandwidth floor, and an XLA-only split (`qk_rope_backward="fused"`)
-did not help (BENCHMARKS.md, eighth and ninth sessions). Here every row is read once, contiguous.
+did not help (BENCHMARKS.md, eighth and ninth sessions). Forward, XLA writes the normalised rows
+in float32 and reads them back to rotate them (its reduction fusion does not take the
+concatenate): 0.33 ms per q or k at 1.3B × 24 × 2048, three times the traffic of one pass
+(twenty-fourth session's profile). Here every row is read once and written once.
 
-Grid (R / block_rows, N): one program per block of rows (tokens) of one head. Blocks: x, g, dx
-[block_rows, D] (16-bit or float32), cos, sin [block_rows, D/2] float32 (re-read for each head;
-the N programs of a row block share them through L2), s [D]. Passes: one; no carries. Row
-statistics are in-register reductions over D, in float32. The gain's gradient leaves as one
-float32 [D] partial per program, [R / block_rows, N, D] (1 MB at 1.3B), which XLA sums. Memory
-moved per call: read x, g, cos, sin; write dx and the partials; no intermediate in HBM.
+Grid (N, R / block_rows): one program per block of rows (tokens) of one head. Heads are the
+launch's fastest axis, so the N programs of a row block run together and read cos, sin from L2
+once fetched; with rows fastest, the tables (25 MB at 1.3B × 24 × 2048) were evicted between
+heads and re-read from HBM N times. Blocks: x, g, y, dx [block_rows, D] (16-bit or float32),
+cos, sin [block_rows, D/2] float32, s [D]. Passes: one each; no carries. Row statistics are
+in-register reductions over D, in float32. The backward's gain gradient leaves as one float32 [D]
+partial per program, [N, R / block_rows, D] (1 MB at 1.3B), which XLA sums. Memory moved per
+call: forward reads x, cos, sin and writes y; backward reads x, g, cos, sin and writes dx and the
+partials; no intermediate in HBM.
 """
 
 from __future__ import annotations
@@ -50,6 +57,18 @@ def norm_rope_reference(x_RND, scale_D, cos_Rd, sin_Rd, eps: float):
   return rotate_half(xhat * scale_D.astype(jnp.float32), cos_Rd, sin_Rd).astype(x_RND.dtype)
 
 
+def _fwd_kernel(x_ref, cos_ref, sin_ref, s_ref, y_ref, *, eps, half):
+  f32 = jnp.float32
+  lo, hi = pl.ds(0, half), pl.ds(half, half)
+  x1, x2 = x_ref[:, lo].astype(f32), x_ref[:, hi].astype(f32)
+  c, s = cos_ref[...], sin_ref[...]
+  r = lax.rsqrt((jnp.sum(x1 * x1, axis=1) + jnp.sum(x2 * x2, axis=1)) * (1.0 / (2 * half))
+                + eps)[:, None]
+  n1, n2 = x1 * r * s_ref[lo][None, :], x2 * r * s_ref[hi][None, :]
+  y_ref[:, lo] = (n1 * c - n2 * s).astype(y_ref.dtype)
+  y_ref[:, hi] = (n2 * c + n1 * s).astype(y_ref.dtype)
+
+
 def _bwd_kernel(x_ref, g_ref, cos_ref, sin_ref, s_ref, dx_ref, ds_ref, *, eps, half):
   f32 = jnp.float32
   lo, hi = pl.ds(0, half), pl.ds(half, half)
@@ -76,6 +95,50 @@ def _block_rows(R: int, block_rows: int) -> int:
   return b
 
 
+def _check(name, x_RND, cos_Rd, sin_Rd, interpret):
+  R, _, D = x_RND.shape
+  if D % 2 or (not interpret and D & (D - 1)):
+    raise ValueError(f"{name}: head dim D={D} must be even (a power of two compiled)")
+  if cos_Rd.shape != (R, D // 2) or sin_Rd.shape != cos_Rd.shape:
+    raise ValueError(f"{name}: want cos/sin {(R, D // 2)}; got {cos_Rd.shape}, {sin_Rd.shape}")
+
+
+def _pad_rows(R: int, block_rows: int, *arrays):
+  """(block rows, padded row count, the arrays padded): zero rows give zero outputs and no gain
+  gradient, and are sliced off by the caller."""
+  br = _block_rows(R, block_rows)
+  if br >= 8:
+    return br, R, arrays
+  br = min(block_rows, 8)
+  Rp = -(-R // br) * br
+  pad = lambda a: jnp.pad(a, [(0, Rp - R)] + [(0, 0)] * (a.ndim - 1))  # noqa: E731
+  return br, Rp, tuple(map(pad, arrays))
+
+
+def _params(interpret):
+  return None if interpret else pltriton.CompilerParams(num_warps=4, num_stages=1)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "block_rows", "interpret"))
+def norm_rope_fwd(x_RND, scale_D, cos_Rd, sin_Rd, *, eps: float, block_rows: int = BLOCK_ROWS,
+                  interpret: bool = False):
+  """`norm_rope_reference` in one pass: y in x's dtype, [R, N, D]. Shapes as norm_rope_bwd's."""
+  R, N, D = x_RND.shape
+  _check("norm_rope_fwd", x_RND, cos_Rd, sin_Rd, interpret)
+  br, Rp, (x_RND, cos_Rd, sin_Rd) = _pad_rows(R, block_rows, x_RND, cos_Rd, sin_Rd)
+  rows = pl.BlockSpec((br, None, D), lambda h, i: (i, h, 0))
+  table = pl.BlockSpec((br, D // 2), lambda h, i: (i, 0))
+  y = pl.pallas_call(
+      functools.partial(_fwd_kernel, eps=float(eps), half=D // 2),
+      grid=(N, Rp // br),
+      in_specs=[rows, table, table, pl.BlockSpec((D,), lambda h, i: (0,))],
+      out_specs=rows,
+      out_shape=jax.ShapeDtypeStruct((Rp, N, D), x_RND.dtype),
+      compiler_params=_params(interpret), interpret=interpret, name="norm_rope_fwd",
+  )(x_RND, cos_Rd.astype(jnp.float32), sin_Rd.astype(jnp.float32), scale_D.astype(jnp.float32))
+  return y[:R]
+
+
 @functools.partial(jax.jit, static_argnames=("eps", "block_rows", "interpret"))
 def norm_rope_bwd(x_RND, scale_D, cos_Rd, sin_Rd, g_RND, *, eps: float,
                   block_rows: int = BLOCK_ROWS, interpret: bool = False):
@@ -86,29 +149,20 @@ def norm_rope_bwd(x_RND, scale_D, cos_Rd, sin_Rd, g_RND, *, eps: float,
   rows when no power of two ≥ 8 up to block_rows divides it.
   """
   R, N, D = x_RND.shape
-  if D % 2 or (not interpret and D & (D - 1)):
-    raise ValueError(f"norm_rope_bwd: head dim D={D} must be even (a power of two compiled)")
-  if g_RND.shape != x_RND.shape or cos_Rd.shape != (R, D // 2) or sin_Rd.shape != cos_Rd.shape:
-    raise ValueError(f"norm_rope_bwd: want g {x_RND.shape}, cos/sin {(R, D // 2)}; got "
-                     f"{g_RND.shape}, {cos_Rd.shape}, {sin_Rd.shape}")
-  br = _block_rows(R, block_rows)
-  Rp = R
-  if br < 8:  # pad the rows: zero x and g give zero dx and no gain gradient
-    br = min(block_rows, 8)
-    Rp = -(-R // br) * br
-    pad = lambda a: jnp.pad(a, [(0, Rp - R)] + [(0, 0)] * (a.ndim - 1))  # noqa: E731
-    x_RND, g_RND, cos_Rd, sin_Rd = map(pad, (x_RND, g_RND, cos_Rd, sin_Rd))
-  rows = pl.BlockSpec((br, None, D), lambda i, h: (i, h, 0))
-  table = pl.BlockSpec((br, D // 2), lambda i, h: (i, 0))
+  _check("norm_rope_bwd", x_RND, cos_Rd, sin_Rd, interpret)
+  if g_RND.shape != x_RND.shape:
+    raise ValueError(f"norm_rope_bwd: want g {x_RND.shape}; got {g_RND.shape}")
+  br, Rp, (x_RND, g_RND, cos_Rd, sin_Rd) = _pad_rows(R, block_rows, x_RND, g_RND, cos_Rd, sin_Rd)
+  rows = pl.BlockSpec((br, None, D), lambda h, i: (i, h, 0))
+  table = pl.BlockSpec((br, D // 2), lambda h, i: (i, 0))
   dx, ds_partial = pl.pallas_call(
       functools.partial(_bwd_kernel, eps=float(eps), half=D // 2),
-      grid=(Rp // br, N),
-      in_specs=[rows, rows, table, table, pl.BlockSpec((D,), lambda i, h: (0,))],
-      out_specs=[rows, pl.BlockSpec((None, None, D), lambda i, h: (i, h, 0))],
+      grid=(N, Rp // br),
+      in_specs=[rows, rows, table, table, pl.BlockSpec((D,), lambda h, i: (0,))],
+      out_specs=[rows, pl.BlockSpec((None, None, D), lambda h, i: (h, i, 0))],
       out_shape=[jax.ShapeDtypeStruct((Rp, N, D), x_RND.dtype),
-                 jax.ShapeDtypeStruct((Rp // br, N, D), jnp.float32)],
-      compiler_params=None if interpret else pltriton.CompilerParams(num_warps=4, num_stages=1),
-      interpret=interpret, name="norm_rope_bwd",
+                 jax.ShapeDtypeStruct((N, Rp // br, D), jnp.float32)],
+      compiler_params=_params(interpret), interpret=interpret, name="norm_rope_bwd",
   )(x_RND, g_RND, cos_Rd.astype(jnp.float32), sin_Rd.astype(jnp.float32),
     scale_D.astype(jnp.float32))
   return dx[:R], ds_partial.sum(axis=(0, 1))

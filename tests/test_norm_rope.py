@@ -1,6 +1,7 @@
-"""pallas_kernels/norm_rope.py: the QK-norm + RoPE backward kernel against autodiff of its
-reference (dx and the gain's gradient), fp32 and bf16, head dims 64/128 and a row count that
-needs padding; in interpret mode on CPU and compiled (Triton) on a GPU.
+"""pallas_kernels/norm_rope.py: the QK-norm + RoPE forward kernel against its reference and the
+backward kernel against autodiff of the reference (dx and the gain's gradient), fp32 and bf16,
+head dims 64/128 and a row count that needs padding; in interpret mode on CPU and compiled
+(Triton) on a GPU.
 
 Run: python -m pytest -q tests/test_norm_rope.py   (GPU only: -m gpu)
 """
@@ -29,6 +30,11 @@ def _compare(seed, R, N, D, dtype, *, interpret, block_rows=nr.BLOCK_ROWS):
   ref = lambda x, s: nr.norm_rope_reference(x, s, cos, sin, 1e-5).astype(jnp.float32)  # noqa: E731
   _, vjp = jax.vjp(ref, x, scale)
   want_dx, want_ds = vjp(g.astype(jnp.float32))
+  y = nr.norm_rope_fwd(x, scale, cos, sin, eps=1e-5, block_rows=block_rows, interpret=interpret)
+  want_y = nr.norm_rope_reference(x, scale, cos, sin, 1e-5)
+  assert y.dtype == dtype and y.shape == x.shape
+  # bf16: the kernel and the reference may round a value either way (one bf16 ulp, 2^-8).
+  assert _rel(y, want_y) < (1e-6 if dtype == jnp.float32 else 4e-3), _rel(y, want_y)
   dx, ds = nr.norm_rope_bwd(x, scale, cos, sin, g, eps=1e-5, block_rows=block_rows,
                             interpret=interpret)
   assert dx.dtype == dtype and ds.dtype == jnp.float32 and ds.shape == (D,)
@@ -54,6 +60,12 @@ def test_bad_shapes_name_the_field():
     x = jnp.zeros((8, 2, 15))
     nr.norm_rope_bwd(x, jnp.ones(15), jnp.zeros((8, 7)), jnp.zeros((8, 7)), x, eps=1e-5,
                      interpret=True)
+  with pytest.raises(ValueError, match="norm_rope_fwd: want cos/sin"):
+    nr.norm_rope_fwd(jnp.zeros((8, 2, 16)), jnp.ones(16), jnp.zeros((8, 4)), jnp.zeros((8, 4)),
+                     eps=1e-5, interpret=True)
+  with pytest.raises(ValueError, match="want g"):
+    nr.norm_rope_bwd(jnp.zeros((8, 2, 16)), jnp.ones(16), jnp.zeros((8, 8)), jnp.zeros((8, 8)),
+                     jnp.zeros((8, 3, 16)), eps=1e-5, interpret=True)
 
 
 @pytest.mark.parametrize("D", [64, 128])
@@ -66,6 +78,10 @@ def test_lowers_to_triton(D):
   text = jax.jit(fn).trace(x, sds((D,), jnp.float32), t, t, x).lower(
       lowering_platforms=("cuda",)).as_text()
   assert "__gpu$xla.gpu.triton" in text and 'name = "norm_rope_bwd"' in text, text[:2000]
+  fn = lambda x, s, c, sn: nr.norm_rope_fwd(x, s, c, sn, eps=1e-5)  # noqa: E731
+  text = jax.jit(fn).trace(x, sds((D,), jnp.float32), t, t).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "__gpu$xla.gpu.triton" in text and 'name = "norm_rope_fwd"' in text, text[:2000]
 
 
 @pytest.mark.gpu
