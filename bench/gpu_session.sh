@@ -84,6 +84,7 @@ for spec in "$@"; do
              | tee "$OUT/dilution_sweep.log" | tail -30 ;;
     mgpu_fwd) $RUN python3 bench/focal_mgpu_fwd.py ${MGPU_FWD_ARGS:-} 2>&1 | tee "$OUT/mgpu_fwd.log" | tail -30 ;;
     mgpu_bwd) $RUN python3 bench/focal_mgpu_bwd.py 2>&1 | tee "$OUT/mgpu_bwd.log" | tail -30 ;;
+    norm_rope) $RUN python3 bench/norm_rope.py --out "$OUT/norm_rope.json" 2>&1 | tee "$OUT/norm_rope.log" | tail -16 ;;
     bwd_sweep)  # issue 3: the two-kernel backward's tiles at the 1.3B step's shape and at 4K/8K;
              # BWD_BLOCKS: block_q_dq,block_kv_dq,block_q_dkv,block_kv_dkv,ring depth (one process each)
              for b in ${BWD_BLOCKS:-64,64,64,64,2 64,128,64,64,2 64,64,64,64,3 64,128,64,64,3 64,64,128,64,2}; do

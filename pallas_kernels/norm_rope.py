@@ -40,6 +40,7 @@ from jax.experimental.pallas import triton as pltriton
 # 32 rows x D/2 float32 per half-tile over 4 warps: 16 values per thread for each of the ~10 live
 # half-tiles at D = 128, inside the register file (64 rows would spill).
 BLOCK_ROWS = 32
+NUM_WARPS = 4
 
 
 def rotate_half(x_RND, cos_Rd, sin_Rd):
@@ -115,13 +116,13 @@ def _pad_rows(R: int, block_rows: int, *arrays):
   return br, Rp, tuple(map(pad, arrays))
 
 
-def _params(interpret):
-  return None if interpret else pltriton.CompilerParams(num_warps=4, num_stages=1)
+def _params(interpret, num_warps):
+  return None if interpret else pltriton.CompilerParams(num_warps=num_warps, num_stages=1)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "block_rows", "interpret"))
+@functools.partial(jax.jit, static_argnames=("eps", "block_rows", "num_warps", "interpret"))
 def norm_rope_fwd(x_RND, scale_D, cos_Rd, sin_Rd, *, eps: float, block_rows: int = BLOCK_ROWS,
-                  interpret: bool = False):
+                  num_warps: int = NUM_WARPS, interpret: bool = False):
   """`norm_rope_reference` in one pass: y in x's dtype, [R, N, D]. Shapes as norm_rope_bwd's."""
   R, N, D = x_RND.shape
   _check("norm_rope_fwd", x_RND, cos_Rd, sin_Rd, interpret)
@@ -134,14 +135,15 @@ def norm_rope_fwd(x_RND, scale_D, cos_Rd, sin_Rd, *, eps: float, block_rows: int
       in_specs=[rows, table, table, pl.BlockSpec((D,), lambda h, i: (0,))],
       out_specs=rows,
       out_shape=jax.ShapeDtypeStruct((Rp, N, D), x_RND.dtype),
-      compiler_params=_params(interpret), interpret=interpret, name="norm_rope_fwd",
+      compiler_params=_params(interpret, num_warps), interpret=interpret, name="norm_rope_fwd",
   )(x_RND, cos_Rd.astype(jnp.float32), sin_Rd.astype(jnp.float32), scale_D.astype(jnp.float32))
   return y[:R]
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "block_rows", "interpret"))
+@functools.partial(jax.jit, static_argnames=("eps", "block_rows", "num_warps", "interpret"))
 def norm_rope_bwd(x_RND, scale_D, cos_Rd, sin_Rd, g_RND, *, eps: float,
-                  block_rows: int = BLOCK_ROWS, interpret: bool = False):
+                  block_rows: int = BLOCK_ROWS, num_warps: int = NUM_WARPS,
+                  interpret: bool = False):
   """(dx in x's dtype, d_scale float32 [D]) of `norm_rope_reference` for the cotangent g.
 
   x, g [R, N, D] (R rows: flatten B·T first); cos, sin float32 [R, D/2]; scale [D]. D must be
@@ -162,7 +164,7 @@ def norm_rope_bwd(x_RND, scale_D, cos_Rd, sin_Rd, g_RND, *, eps: float,
       out_specs=[rows, pl.BlockSpec((None, None, D), lambda h, i: (h, i, 0))],
       out_shape=[jax.ShapeDtypeStruct((Rp, N, D), x_RND.dtype),
                  jax.ShapeDtypeStruct((N, Rp // br, D), jnp.float32)],
-      compiler_params=_params(interpret), interpret=interpret, name="norm_rope_bwd",
+      compiler_params=_params(interpret, num_warps), interpret=interpret, name="norm_rope_bwd",
   )(x_RND, g_RND, cos_Rd.astype(jnp.float32), sin_Rd.astype(jnp.float32),
     scale_D.astype(jnp.float32))
   return dx[:R], ds_partial.sum(axis=(0, 1))
