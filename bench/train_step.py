@@ -10,7 +10,7 @@ weights, on one device here (bench/scaling.py calls `run` over device meshes). M
 device's dense bf16 peak (989 TFLOP/s on H100/H200), per device.
 
 The best steps on record need more than jax's default 75% of the GPU: on one H200 the 400M
-step at --batch 32 (45.3% MFU) and the 1.3B at --batch 24 (53.2%) ran with
+step at --batch 32 (46.4% MFU) and the 1.3B at --batch 24 (54.5%) ran with
 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95, which bench/gpu_session.sh sets (docs/BENCHMARKS.md).
 """
 
