@@ -22,6 +22,7 @@ _CHOICES = {
     "optim.mu_dtype": ("float32", "bfloat16"),
     "train.compute_dtype": ("float32", "bfloat16"),
     "train.nonfinite": ("stop", "skip"),
+    "train.loss_backward": tuple(model_lib.LOSS_BACKWARDS),
 }
 _NO_DECAY = ("norm", "embed")
 

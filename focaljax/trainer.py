@@ -35,16 +35,17 @@ class StepConfig:
   compute_dtype: jnp.dtype
   grad_accum: int
   skip_nonfinite: bool
+  loss_backward: str = "autodiff"  # train.loss_backward: model.LOSS_BACKWARDS
 
 
-def loss_sums(params, batch, graphdef, dtype):
+def loss_sums(params, batch, graphdef, dtype, loss_backward: str = "autodiff"):
   """(Σ weight·nll, Σ weight) over a batch; float32."""
   model = nnx.merge(graphdef, jax.tree.map(lambda p: p.astype(dtype), params))
   # No "segment_ids": every row is one document (unpacked data), so attention needs no mask.
   logits_BTV = model(batch["inputs"], positions_BT=batch["positions"],
                      segment_ids_BT=batch.get("segment_ids"), dtype=dtype)
   with jax.named_scope("loss"):
-    nll_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, batch["targets"])
+    nll_BT = model_lib.LOSS_BACKWARDS[loss_backward](logits_BTV, batch["targets"])
   w_BT = batch["weights"].astype(jnp.float32)
   return (nll_BT * w_BT).sum(), w_BT.sum()
 
@@ -58,11 +59,11 @@ def train_step(params, opt_state, batch, *, graphdef, tx, cfg: StepConfig):
 
   def body(carry, mb):
     g_acc, l_acc, w_acc = carry
-    (l, w), g = grad_fn(params, mb, graphdef, cfg.compute_dtype)
+    (l, w), g = grad_fn(params, mb, graphdef, cfg.compute_dtype, cfg.loss_backward)
     return (jax.tree.map(jnp.add, g_acc, g), l_acc + l, w_acc + w), None
 
   if cfg.grad_accum == 1:  # no scan, no zero-filled accumulator pass over every gradient
-    (l_sum, w_sum), g_sum = grad_fn(params, batch, graphdef, cfg.compute_dtype)
+    (l_sum, w_sum), g_sum = grad_fn(params, batch, graphdef, cfg.compute_dtype, cfg.loss_backward)
   else:
     zeros = jax.tree.map(jnp.zeros_like, params)
     (g_sum, l_sum, w_sum), _ = jax.lax.scan(body, (zeros, 0.0, 0.0), micro)
@@ -165,7 +166,8 @@ def train(config, workdir: str, *, dry_run: bool = False, stop_at: int | None = 
   tx = optim.make(config_lib.optim_config(config), abstract_params)
   step_cfg = StepConfig(compute_dtype=jnp.dtype(config.train.compute_dtype),
                         grad_accum=config.optim.grad_accum,
-                        skip_nonfinite=config.train.nonfinite == "skip")
+                        skip_nonfinite=config.train.nonfinite == "skip",
+                        loss_backward=config.train.loss_backward)
 
   # Compile and dispatch only: the init's device work overlaps the data set-up below.
   t_init = time.perf_counter()

@@ -63,6 +63,18 @@ def test_grad_accumulation_matches_one_big_batch(tmp_path):
     assert losses[0][step] == pytest.approx(losses[1][step], rel=1e-4)
 
 
+def test_explicit_loss_backward_trains_like_autodiff(tmp_path):
+  """train.loss_backward=explicit (model.cross_entropy) gives the autodiff run's losses."""
+  losses = {}
+  for mode in ("autodiff", "explicit"):
+    c = smoke.get_config()
+    c.train.update(steps=3, log_every=1, eval_every=0, ckpt_every=100, loss_backward=mode)
+    trainer.train(c, str(tmp_path / mode))
+    losses[mode] = _losses(tmp_path / mode)
+  for step in (1, 2, 3):
+    assert losses["explicit"][step] == pytest.approx(losses["autodiff"][step], rel=1e-5)
+
+
 @pytest.mark.parametrize("mode", ["stop", "skip"])
 def test_nonfinite_loss(tmp_path, mode):
   c = smoke.get_config()
