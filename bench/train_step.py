@@ -81,7 +81,7 @@ def run(size, impl, steps, seq_len, remat, batch=None, fuse=False, pattern="foca
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   tx = optim.make(config_lib.optim_config(c), nnx.to_pure_dict(abstract_state))
   step_cfg = trainer.StepConfig(compute_dtype=jnp.bfloat16, grad_accum=1, skip_nonfinite=False,
-                                loss_backward=c.train.loss_backward)
+                                cross_entropy=c.train.cross_entropy)
   params, opt_state, opt_sh = trainer.init_state(cfg, tx, param_sh, mesh, jax.random.key(0))
   with jax.set_mesh(mesh):
     step = jax.jit(functools.partial(trainer.train_step, graphdef=graphdef, tx=tx, cfg=step_cfg),

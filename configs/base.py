@@ -115,9 +115,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       keep_ckpts=2,
       async_ckpt=True,
       nonfinite="stop",          # stop | skip: what a NaN/Inf loss does
-      # The cross-entropy's backward: "autodiff" (of optax's) or "explicit" (trainer.cross_entropy,
-      # one elementwise logit gradient; not yet timed on a GPU).
-      loss_backward="autodiff",
+      # The loss: "optax" (its integer-label cross-entropy under autodiff) or "explicit"
+      # (loss.cross_entropy: one pass for the log-normaliser, one elementwise logit gradient;
+      # not yet timed on a GPU).
+      cross_entropy="optax",
   ))
   c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))  # one may be -1
   sizes.apply(c, args["size"])

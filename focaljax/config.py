@@ -9,6 +9,7 @@ from __future__ import annotations
 import ml_collections
 
 from focaljax import attention as attn_lib
+from focaljax import loss as loss_lib
 from focaljax import mlp as mlp_lib
 from focaljax import model as model_lib
 
@@ -22,7 +23,7 @@ _CHOICES = {
     "optim.mu_dtype": ("float32", "bfloat16"),
     "train.compute_dtype": ("float32", "bfloat16"),
     "train.nonfinite": ("stop", "skip"),
-    "train.loss_backward": tuple(model_lib.LOSS_BACKWARDS),
+    "train.cross_entropy": tuple(loss_lib.CROSS_ENTROPIES),
 }
 _NO_DECAY = ("norm", "embed")
 

@@ -16,7 +16,6 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 
 from focaljax import attention as attn_lib
@@ -273,41 +272,6 @@ def _head_matmul_bwd(res, g_BTV):
 
 
 head_matmul.defvjp(_head_matmul_fwd, _head_matmul_bwd)
-
-
-def _lse_and_nll(logits_BTV, targets_BT):
-  lse_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
-  return lse_BT, lse_BT - jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
-
-
-@jax.custom_vjp
-def cross_entropy(logits_BTV, targets_BT):
-  """-log softmax(logits)[target] per position, float32; the spec is optax's
-  softmax_cross_entropy_with_integer_labels. Its backward is one elementwise expression,
-  (softmax − onehot)·g, with the one-hot from an iota compare: autodiff of the gather leaves a
-  scatter-add into zeros, and on the H200 (1.3B, 24 × 2048) XLA then wrote the float32 [B·T, V]
-  logit gradient and cast it to bf16 for the head's GEMMs in a separate 2.3 ms kernel."""
-  return _lse_and_nll(logits_BTV, targets_BT)[1]
-
-
-def _cross_entropy_fwd(logits_BTV, targets_BT):
-  lse_BT, nll_BT = _lse_and_nll(logits_BTV, targets_BT)
-  return nll_BT, (logits_BTV, targets_BT, lse_BT)
-
-
-def _cross_entropy_bwd(res, g_BT):
-  logits_BTV, targets_BT, lse_BT = res
-  vocab_BTV = jax.lax.broadcasted_iota(jnp.int32, logits_BTV.shape, logits_BTV.ndim - 1)
-  onehot_BTV = (vocab_BTV == targets_BT[..., None]).astype(logits_BTV.dtype)
-  p_BTV = jnp.exp(logits_BTV - lse_BT[..., None])
-  return (p_BTV - onehot_BTV) * g_BT[..., None], None  # integer targets: no cotangent
-
-
-cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
-
-# train.loss_backward -> the per-position loss: optax's under autodiff, or `cross_entropy`.
-LOSS_BACKWARDS = {"autodiff": optax.softmax_cross_entropy_with_integer_labels,
-                  "explicit": cross_entropy}
 
 
 class Transformer(nnx.Module):

@@ -23,6 +23,7 @@ from flax import nnx
 from focaljax import checkpoint, distributed, metrics, optim, sharding
 from focaljax import config as config_lib
 from focaljax import data as data_lib
+from focaljax import loss as loss_lib
 from focaljax import model as model_lib
 
 
@@ -35,17 +36,17 @@ class StepConfig:
   compute_dtype: jnp.dtype
   grad_accum: int
   skip_nonfinite: bool
-  loss_backward: str = "autodiff"  # train.loss_backward: model.LOSS_BACKWARDS
+  cross_entropy: str = "optax"  # train.cross_entropy: a key of loss.CROSS_ENTROPIES
 
 
-def loss_sums(params, batch, graphdef, dtype, loss_backward: str = "autodiff"):
+def loss_sums(params, batch, graphdef, dtype, cross_entropy: str = "optax"):
   """(Σ weight·nll, Σ weight) over a batch; float32."""
   model = nnx.merge(graphdef, jax.tree.map(lambda p: p.astype(dtype), params))
   # No "segment_ids": every row is one document (unpacked data), so attention needs no mask.
   logits_BTV = model(batch["inputs"], positions_BT=batch["positions"],
                      segment_ids_BT=batch.get("segment_ids"), dtype=dtype)
   with jax.named_scope("loss"):
-    nll_BT = model_lib.LOSS_BACKWARDS[loss_backward](logits_BTV, batch["targets"])
+    nll_BT = loss_lib.CROSS_ENTROPIES[cross_entropy](logits_BTV, batch["targets"])
   w_BT = batch["weights"].astype(jnp.float32)
   return (nll_BT * w_BT).sum(), w_BT.sum()
 
@@ -59,11 +60,11 @@ def train_step(params, opt_state, batch, *, graphdef, tx, cfg: StepConfig):
 
   def body(carry, mb):
     g_acc, l_acc, w_acc = carry
-    (l, w), g = grad_fn(params, mb, graphdef, cfg.compute_dtype, cfg.loss_backward)
+    (l, w), g = grad_fn(params, mb, graphdef, cfg.compute_dtype, cfg.cross_entropy)
     return (jax.tree.map(jnp.add, g_acc, g), l_acc + l, w_acc + w), None
 
   if cfg.grad_accum == 1:  # no scan, no zero-filled accumulator pass over every gradient
-    (l_sum, w_sum), g_sum = grad_fn(params, batch, graphdef, cfg.compute_dtype, cfg.loss_backward)
+    (l_sum, w_sum), g_sum = grad_fn(params, batch, graphdef, cfg.compute_dtype, cfg.cross_entropy)
   else:
     zeros = jax.tree.map(jnp.zeros_like, params)
     (g_sum, l_sum, w_sum), _ = jax.lax.scan(body, (zeros, 0.0, 0.0), micro)
@@ -167,7 +168,7 @@ def train(config, workdir: str, *, dry_run: bool = False, stop_at: int | None = 
   step_cfg = StepConfig(compute_dtype=jnp.dtype(config.train.compute_dtype),
                         grad_accum=config.optim.grad_accum,
                         skip_nonfinite=config.train.nonfinite == "skip",
-                        loss_backward=config.train.loss_backward)
+                        cross_entropy=config.train.cross_entropy)
 
   # Compile and dispatch only: the init's device work overlaps the data set-up below.
   t_init = time.perf_counter()

@@ -63,16 +63,16 @@ def test_grad_accumulation_matches_one_big_batch(tmp_path):
     assert losses[0][step] == pytest.approx(losses[1][step], rel=1e-4)
 
 
-def test_explicit_loss_backward_trains_like_autodiff(tmp_path):
-  """train.loss_backward=explicit (model.cross_entropy) gives the autodiff run's losses."""
+def test_explicit_cross_entropy_trains_like_optax(tmp_path):
+  """train.cross_entropy=explicit (loss.cross_entropy) gives the optax run's losses."""
   losses = {}
-  for mode in ("autodiff", "explicit"):
+  for mode in ("optax", "explicit"):
     c = smoke.get_config()
-    c.train.update(steps=3, log_every=1, eval_every=0, ckpt_every=100, loss_backward=mode)
+    c.train.update(steps=3, log_every=1, eval_every=0, ckpt_every=100, cross_entropy=mode)
     trainer.train(c, str(tmp_path / mode))
     losses[mode] = _losses(tmp_path / mode)
   for step in (1, 2, 3):
-    assert losses["explicit"][step] == pytest.approx(losses["autodiff"][step], rel=1e-5)
+    assert losses["explicit"][step] == pytest.approx(losses["optax"][step], rel=1e-5)
 
 
 @pytest.mark.parametrize("mode", ["stop", "skip"])
