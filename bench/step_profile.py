@@ -154,6 +154,8 @@ def main():
   p.add_argument("--out", default="bench_step_profile.json")
   p.add_argument("--keep_command_buffers", action="store_true",
                  help="leave XLA's CUDA graphs on (then kernels cannot be mapped to model parts)")
+  p.add_argument("--overrides", default="",
+                 help="config fields for the profiled step, e.g. train.cross_entropy=explicit")
   p.add_argument("--top", type=int, default=40, help="list this many of the heaviest kernels")
   p.add_argument("--bodies", type=int, default=8,
                  help="print the fused HLO body of the top this many fusion kernels")
@@ -161,7 +163,7 @@ def main():
   trace_dir = args.trace_dir or tempfile.mkdtemp(prefix="focaljax-trace-")
   r = train_step.run(args.size, args.impl, args.steps, args.seq_len, remat=False,
                      batch=args.batch or None, pattern=args.pattern, segments=False,
-                     profile_dir=trace_dir)
+                     profile_dir=trace_dir, overrides=train_step.parse_variant(args.overrides))
   found = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))
   if not found:
     raise SystemExit(f"no *.xplane.pb under {trace_dir}")
