@@ -52,8 +52,9 @@ class ModelConfig:
   norm_backward: str = "explicit"
   # QK-norm then RoPE: "separate" (rms_norm, apply_rope), or one custom VJP (qk_norm_rope) whose
   # backward is XLA ("fused") or one Pallas pass ("pallas", pallas_kernels/norm_rope.py, which
-  # then runs the forward as one Pallas pass too; XLA's on TPU). The last two only where qk_norm is on, the layer uses RoPE and
-  # norm_backward is "explicit". "auto": "pallas" on GPUs, else "separate".
+  # then runs the forward as one Pallas pass too; XLA's on TPU). The last two only where qk_norm
+  # is on, the layer uses RoPE and norm_backward is "explicit". "auto": "pallas" on GPUs, else
+  # "separate".
   qk_rope_backward: str = "separate"
   # SwiGLU's backward: "autodiff" (of jax.nn.silu(gate) * up), "explicit" (mlp.swiglu),
   # "pallas" (mlp.swiglu_pallas: forward and backward as Pallas passes) or "auto" ("pallas" on

@@ -165,8 +165,9 @@ def _pallas_fwd(x_BTND, scale_D, cos_BTd, sin_BTd, eps):
 
   def local(x, s, c, sn):
     x_RND, c_Rd, sn_Rd = _flat(x, c, sn)
-    return nr.norm_rope_fwd(x_RND, s, c_Rd, sn_Rd, eps=eps,
-                            interpret=ops._interpret()).reshape(x.shape)  # pylint: disable=protected-access
+    y_RND = nr.norm_rope_fwd(x_RND, s, c_Rd, sn_Rd, eps=eps,
+                             interpret=ops._interpret())  # pylint: disable=protected-access
+    return y_RND.reshape(x.shape)
   return _per_device(local, x_BTND, scale_D, cos_BTd, sin_BTd, sums_scale=False)
 
 
