@@ -12,6 +12,7 @@ FLOPs: backward = 2.5 × forward = 2.5 · 4·B·H·T²·D / 2 (causal), the usua
 
   python bench/focal_mgpu_bwd.py [--iters 10] [--blocks 64,64,64,64,2] [--shapes 2,16,4096,128]
   python bench/focal_mgpu_bwd.py --fused [--shapes ...]   # + the single-pass backward
+  python bench/focal_mgpu_bwd.py --fused --joint          # + its joint-dq variant (D = 128)
   python bench/focal_mgpu_bwd.py --smoke [--fused]        # CPU, GPU interpret mode, tiny shape
 """
 
@@ -46,6 +47,7 @@ class Blocks:
   block_q_dkv: int = 64
   block_kv_dkv: int = 64
   max_concurrent_steps: int = 2
+  joint_dq: bool = False  # focal_mgpu.BlockSizes.joint_dq (the fused kernel at D = 128)
 
 
 WARMUP = 2
@@ -99,7 +101,7 @@ def _residuals(q, k, v, s_BNT, *, blocks, interpret):
     return (*jax.jit(_xla_residuals)(q, k, v, s_BNT), "xla")
 
 
-def _row(shape, *, blocks, iters, interpret, fused):
+def _row(shape, *, blocks, iters, interpret, fused, joint=False):
   B, H, T, D = shape
   kq, kk, kv, ks, kdo = jax.random.split(jax.random.key(0), 5)
   dtype = jnp.bfloat16
@@ -117,6 +119,10 @@ def _row(shape, *, blocks, iters, interpret, fused):
     res["fused"] = _median_ms(jax.jit(lambda *a: ff.backward(*a, **kw)), q, k, v, s_BNT, out, lse,
                               do, iters=iters)
     res["fused_kernel"] = _median_ms(lambda *a: ff.fused_call(*a, **kw), *rows, iters=iters)
+  if joint and D == 128:
+    jkw = dict(kw, blocks=dataclasses.replace(blocks, joint_dq=True))
+    res["joint"] = _median_ms(jax.jit(lambda *a: ff.backward(*a, **jkw)), q, k, v, s_BNT, out,
+                              lse, do, iters=iters)
   if not interpret:
     attend = lambda q, k, v: jax.nn.dot_product_attention(
         q, k, v, scale=D**-0.5, is_causal=True, implementation="cudnn")
@@ -136,6 +142,8 @@ def main():
   ap.add_argument("--smoke", action="store_true", help="CPU interpret mode, one tiny shape")
   ap.add_argument("--fused", action="store_true",
                   help="also time focal_mgpu_bwd_fused (single-pass, dq by TMA reduce-add)")
+  ap.add_argument("--joint", action="store_true",
+                  help="also time the fused kernel with joint_dq (D = 128 shapes only)")
   a = ap.parse_args()
   blocks = Blocks(*map(int, a.blocks.split(",")))
   shapes = [tuple(map(int, s.split(","))) for s in a.shapes] if a.shapes else (
@@ -152,7 +160,7 @@ def main():
   for shape in shapes:
     B, H, T, D = shape
     flops = 2.5 * 4 * B * H * T * T * D / 2
-    r = _row(shape, blocks=blocks, iters=iters, interpret=a.smoke, fused=a.fused)
+    r = _row(shape, blocks=blocks, iters=iters, interpret=a.smoke, fused=a.fused, joint=a.joint)
     tf = lambda ms: flops / (ms * 1e-3) / 1e12
     cudnn = r.get("cudnn")
     tail = (f"{cudnn:8.3f} {tf(cudnn):6.0f} {cudnn / r['bwd']:10.2f}" if cudnn
@@ -161,6 +169,10 @@ def main():
       fz = r["fused"]
       tail += (f" {fz:8.3f} {tf(fz):6.0f} {r['fused_kernel']:7.3f} {r['bwd'] / fz:8.2f} "
                + (f"{cudnn / fz:11.2f}" if cudnn else f"{'-':>11}"))
+    if "joint" in r:
+      jz = r["joint"]
+      tail += f"  joint {jz:.3f} ms {tf(jz):.0f} TF/s, 2k/joint {r['bwd'] / jz:.2f}" + (
+          f", cuDNN/joint {cudnn / jz:.2f}" if cudnn else "")
     print(f"{str(shape):>20} {r['source']:>10} {r['bwd']:8.3f} {tf(r['bwd']):6.0f} "
           f"{r['dq']:7.3f} {r['dkv']:7.3f} {tail}", flush=True)
 

@@ -40,7 +40,7 @@ for spec in "$@"; do
              tests/test_condense.py -k "Compiled" 2>&1 | tee "$OUT/bwd_tests.log" | tail -40 ;;
     fused_bwd) $RUN python3 -m pytest -q -p no:cacheprovider tests/test_focal_mgpu_bwd_fused.py \
              -k Compiled 2>&1 | tee "$OUT/fused_bwd_tests.log" | tail -20
-             $RUN python3 bench/focal_mgpu_bwd.py --fused 2>&1 | tee "$OUT/fused_bwd.log" | tail -20 ;;
+             $RUN python3 bench/focal_mgpu_bwd.py --fused --joint 2>&1 | tee "$OUT/fused_bwd.log" | tail -20 ;;
     glue_kernels)  # issue 3: the Pallas QK-norm + RoPE backward and SwiGLU passes, compiled
              # tests, then the step A/B (the presets' "auto" = both kernels, then the XLA pair,
              # then each XLA one alone) in one process per size

@@ -87,13 +87,18 @@ class BlockSizes:
   # (2026-11-30) it was 1.10x faster at (2,12,16K,64) but 0.68-0.83x at D=128, so only D=64
   # defaults to it. It has no segment masking: packed batches always take the two kernels.
   fused_backward: bool = False
+  # With fused_backward at D=128: dq computed jointly by both compute warpgroups over the CTA's
+  # keys, each taking half its columns (FlashAttention-3's split; half the float32 reduce-add
+  # traffic and dq SMEM tile, dS double-buffered). Lowers and passes in interpret mode; not yet
+  # compiled or timed on a GPU, so off.
+  joint_dq: bool = False
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
       value = getattr(self, f.name)
-      if f.name == "fused_backward":
+      if f.name in ("fused_backward", "joint_dq"):
         if not isinstance(value, bool):
-          raise ValueError(f"BlockSizes.fused_backward={value!r} must be True or False")
+          raise ValueError(f"BlockSizes.{f.name}={value!r} must be True or False")
       elif f.name == "max_concurrent_steps":
         if not isinstance(value, int) or value < 2:
           raise ValueError(f"BlockSizes.max_concurrent_steps={value} must be an int >= 2 (one slot "

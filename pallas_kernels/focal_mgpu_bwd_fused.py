@@ -36,8 +36,19 @@ a CTA may use; C = 3 does not fit at D = 128 (ValueError). D=64, C = 3: 130 KB.
 Registers per compute warpgroup: dk + dv (2·bkv·D/128 per thread, 128 at D=128) plus the [bkv, bq]
 tiles; the dq tile (bq·D/128) is live only after dk's wgmma, when p and dP are dead.
 
-Contract: focal_mgpu_bwd's (`_check`; this kernel reads blocks.block_q_dkv, blocks.block_kv_dkv
-and blocks.max_concurrent_steps) plus the SMEM budget above. Causal: s visible to t iff s <= t.
+blocks.joint_dq (D = 128 only; FlashAttention-3's dQ split): each warpgroup still computes S, dP,
+dK and dV for its own keys, but dq is computed jointly. Both warpgroups store their dS tile
+(double-buffered by step parity, [2, W, bkv, bq]) and meet at a barrier (`ds_ready`, one phase per
+step). Then warpgroup w computes dq's columns [w·D/W, (w+1)·D/W) over all W·bkv keys of the CTA
+(W accumulating transposed-lhs wgmmas against column slices of the k tiles) and reduce-adds that
+[bq, D/W] tile. Per 128 keys and q block that is one [bq, D] float32 reduce instead of two, and
+the dq SMEM tile halves: D=128, bq = bkv = 64, C = 2: 194 KB. Causal blocks above a warpgroup's
+keys run masked instead of skipped (the other warpgroup needs its zero dS), and a last barrier
+(`done`) keeps a warpgroup from staging dk in its k tile while the other's last dq wgmma reads it.
+
+Contract: focal_mgpu_bwd's (`_check`; this kernel reads blocks.block_q_dkv, blocks.block_kv_dkv,
+blocks.max_concurrent_steps and, if present, blocks.joint_dq) plus the SMEM budget above.
+Causal: s visible to t iff s <= t.
 
 On CPU pass interpret=True (GPU interpret mode, race detector on). The interpreters of 0.10.2 and
 0.11.2 have no TMA reductions, so there acc gets a leading axis with one slab per kv tile
@@ -66,15 +77,18 @@ W = fb.W  # compute warpgroups per CTA
 SMEM_BUDGET = 224 * 1024
 
 
-def smem_bytes(*, bq: int, bkv: int, D: int, steps: int, itemsize: int = 2) -> int:
-  """SMEM the fused kernel allocates (barriers aside); see the module docstring."""
+def smem_bytes(*, bq: int, bkv: int, D: int, steps: int, itemsize: int = 2,
+               joint_dq: bool = False) -> int:
+  """SMEM the fused kernel allocates (barriers aside); see the module docstring. joint_dq: two
+  dS buffers per warpgroup, and a dq tile of D/W columns."""
+  ds_buffers, dq_cols = (2, D // W) if joint_dq else (1, D)
   return (W * 2 * bkv * D * itemsize + steps * (2 * bq * D * itemsize + 3 * bq * 4)
-          + W * bkv * bq * itemsize + W * bq * D * 4)
+          + ds_buffers * W * bkv * bq * itemsize + W * bq * dq_cols * 4)
 
 
 def _kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, acc_ref, dk_ref, dv_ref,
             k_s, v_s, q_s, do_s, c_s, lse_s, delta_s, ds_s, dq_s, res_bar, q_bar, q_free,
-            *, causal, bq, bkv, n_q, group, steps, interpret):
+            ds_ready, done, *, causal, bq, bkv, n_q, group, steps, joint_dq, interpret):
   b, kv_head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
   cta_k0 = lax.axis_index("kv_seq") * (W * bkv)
   # First q block that sees any key of this CTA (causal); per head the CTA visits [i_lo, n_q).
@@ -92,15 +106,40 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, acc_ref, dk_
     plgpu.copy_gmem_to_smem(k_ref.at[rows], k_s.at[wg], bar)
     plgpu.copy_gmem_to_smem(v_ref.at[rows], v_s.at[wg], bar)
     plgpu.barrier_wait(bar)
-    # Interpreted: this warpgroup's own slab (no TMA reduction there; module docstring).
-    acc = acc_ref.at[lax.div(k0, jnp.int32(bkv))] if interpret else acc_ref
-    ds_KQ_s, dq_QD_s = ds_s.at[wg], dq_s.at[wg]
+    # Interpreted: this warpgroup's own slab, or with joint_dq the CTA's, of which each
+    # warpgroup writes its own columns (no TMA reduction there; module docstring).
+    slab = lax.axis_index("kv_seq") if joint_dq else lax.div(k0, jnp.int32(bkv))
+    acc = acc_ref.at[slab] if interpret else acc_ref
+    dq_QD_s = dq_s.at[wg]
     shape_KQ = (bkv, bq)
+
+    def joint_dq_step(buf, i, n):
+      """dq rows of q block i, columns [w·D/W, (w+1)·D/W) for warpgroup w: dsᵀ·k over all the
+      CTA's keys, both warpgroups' dS tiles of this step (FlashAttention-3's split of the dQ
+      wgmma); the column slice must be static, hence one branch per warpgroup."""
+      cols_n = k_s.shape[-1] // W
+      for w in range(W):
+        @pl.when(wg == w)
+        def _():
+          cols = pl.ds(w * cols_n, cols_n)
+          acc_Qd = None
+          for j in range(W):
+            acc_Qd = mc.mma_t(ds_s.at[buf, j], k_s.at[j, :, cols], acc=acc_Qd,
+                              interpret=interpret)
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous reduce read dq_QD_s
+          dq_QD_s[...] = acc_Qd
+          plgpu.commit_smem()
+          mc.copy_smem_to_gmem_add(dq_QD_s, acc.at[b, pl.ds(i * bq, bq), n, cols],
+                                   interpret=interpret)
 
     def step(t, carry, *, g, masked):
       dk_KD, dv_KD = carry
       i = i_lo + t
       slot = lax.rem(g * per_head + t, steps)
+      # joint_dq: dS double-buffered by step parity, so a warpgroup writes step t+1's tile while
+      # the other may still read step t's (it has passed step t's ds_ready before step t+1's).
+      buf = lax.rem(g * per_head + t, 2)
+      ds_KQ_s = ds_s.at[buf, wg] if joint_dq else ds_s.at[wg]
       plgpu.barrier_wait(q_bar.at[slot])
       r_KQ = mc.mma(k_s.at[wg], q_s.at[slot], transpose_b=True, interpret=interpret)
       c_Q = mc.load(c_s.at[slot], layout=col_layout, interpret=interpret)
@@ -124,17 +163,26 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, acc_ref, dk_
       dxs_KQ = (dx_KQ * fb._bcast(c_Q * fb.LN2, shape_KQ, 1)).astype(q_s.dtype)
       dk_KD = mc.mma(dxs_KQ, q_s.at[slot], acc=dk_KD, during=store_ds, interpret=interpret)
       plgpu.barrier_arrive(q_free.at[slot])  # q, dO and rows of this slot are no longer read
+      n = kv_head * group + g
+      if joint_dq:
+        plgpu.barrier_arrive(ds_ready.at[buf])  # this warpgroup's dS of the step is in SMEM
+        plgpu.barrier_wait(ds_ready.at[buf])
+        joint_dq_step(buf, i, n)
+        return dk_KD, dv_KD
       acc_QD = mc.mma_t(ds_KQ_s, k_s.at[wg], interpret=interpret)
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous reduce has read dq_QD_s
       dq_QD_s[...] = acc_QD
       plgpu.commit_smem()
-      n = kv_head * group + g
       mc.copy_smem_to_gmem_add(dq_QD_s, acc.at[b, pl.ds(i * bq, bq), n], interpret=interpret)
       return dk_KD, dv_KD
 
     dk_KD, dv_KD = focal_mgpu_dkv.visit_q_blocks(
         step, causal=causal, group=group, per_head=per_head, steps=steps, k0=k0, bq=bq, bkv=bkv,
-        i_lo=i_lo, q_bar=q_bar, q_free=q_free, D=k_s.shape[-1], interpret=interpret)
+        i_lo=i_lo, q_bar=q_bar, q_free=q_free, D=k_s.shape[-1], interpret=interpret,
+        skip_above=not joint_dq)
+    if joint_dq:  # the other warpgroup's last dsᵀ·k reads this one's k tile: wait for it
+      plgpu.barrier_arrive(done)
+      plgpu.barrier_wait(done)
     # k, v tiles are free: the last dsᵀ·k wgmma was awaited. The wait also covers the last dq
     # reduce.
     focal_mgpu_dkv.write_dk_dv(dk_KD, dv_KD, k_s.at[wg], v_s.at[wg], dk_ref.at[rows],
@@ -148,10 +196,19 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, acc_ref, dk_
         steps=steps)
 
 
+def _joint_dq(blocks) -> bool:
+  return getattr(blocks, "joint_dq", False)  # benchmark/test Blocks may lack the field
+
+
 def _check_smem(q, blocks):
   D, itemsize = q.shape[-1], jnp.dtype(q.dtype).itemsize
+  if _joint_dq(blocks) and D != 128:
+    # D/W = 32 columns would be 64-byte slices of a 128-byte-swizzled k tile.
+    raise ValueError(f"blocks.joint_dq=True needs head dim D=128 (a 64-column half of k per "
+                     f"warpgroup); got D={D}")
   need = smem_bytes(bq=blocks.block_q_dkv, bkv=blocks.block_kv_dkv, D=D,
-                    steps=blocks.max_concurrent_steps, itemsize=itemsize)
+                    steps=blocks.max_concurrent_steps, itemsize=itemsize,
+                    joint_dq=_joint_dq(blocks))
   if need > SMEM_BUDGET:
     raise ValueError(
         f"fused backward needs {need / 1024:.1f} KB of SMEM > {SMEM_BUDGET // 1024} KB at D={D} "
@@ -169,25 +226,30 @@ def fused_call(q, k, v, do, c_BNT, lse_BNT, delta_BNT, *, causal: bool, blocks, 
   S, K = k.shape[1], k.shape[2]
   flag, params = fb._launch_params(interpret)
   bq, bkv = blocks.block_q_dkv, blocks.block_kv_dkv
+  joint = _joint_dq(blocks)
   n_q = T // bq
   steps = max(1, min(blocks.max_concurrent_steps, n_q))  # more slots than blocks load nothing
-  acc_shape = (S // bkv, *q.shape) if flag else q.shape  # interpreted: one slab per kv tile
+  # Interpreted: one slab per kv tile (per CTA with joint_dq).
+  acc_shape = (S // (W * bkv if joint else bkv), *q.shape) if flag else q.shape
   acc_ref = jax.new_ref(jnp.zeros(acc_shape, jnp.float32), memory_space=plgpu.GMEM)
   # 128-byte swizzle: 64 16-bit or 32 float32 elements per row (the wgmma / TMA tile).
   f32_tile = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
   dk, dv = mc.ref_kernel(
       functools.partial(_kernel, causal=causal, bq=bq, bkv=bkv, n_q=n_q, group=N // K,
-                        steps=steps, interpret=flag),
+                        steps=steps, joint_dq=joint, interpret=flag),
       out_type=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
       scratch_types=[
           fb._tile_smem((W, bkv, D), k.dtype), fb._tile_smem((W, bkv, D), k.dtype),  # k, v → dk, dv
           fb._tile_smem((steps, bq, D), q.dtype), fb._tile_smem((steps, bq, D), q.dtype),  # q, dO
           *[plgpu.SMEM((steps, bq), jnp.float32) for _ in range(3)],     # c, lse, delta ring
-          fb._tile_smem((W, bkv, bq), q.dtype),                          # ds = dx, 16-bit
-          plgpu.SMEM((W, bq, D), jnp.float32, transforms=f32_tile),      # dq tile to reduce
+          fb._tile_smem((2, W, bkv, bq) if joint else (W, bkv, bq), q.dtype),  # ds = dx, 16-bit
+          plgpu.SMEM((W, bq, D // W if joint else D), jnp.float32,
+                     transforms=f32_tile),                        # dq tile to reduce
           plgpu.Barrier(num_arrivals=2, num_barriers=W),          # resident tiles landed
           plgpu.Barrier(num_arrivals=5, num_barriers=steps),      # q, dO, rows slot landed
           plgpu.Barrier(num_arrivals=W, num_barriers=steps),      # slot released by both wgs
+          plgpu.Barrier(num_arrivals=W, num_barriers=2),          # joint_dq: both dS stored
+          plgpu.Barrier(num_arrivals=W),                          # joint_dq: both wgs done
       ],
       grid=(K, S // (W * bkv), B), grid_names=("heads", "kv_seq", "batch"),
       num_threads=W + 1, thread_name="wg",

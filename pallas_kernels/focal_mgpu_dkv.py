@@ -65,12 +65,14 @@ def stream_q_rows(gmem, smem, q_bar, q_free, *, b, kv_head, group, i_lo, per_hea
 
 
 def visit_q_blocks(step, *, causal, group, per_head, steps, k0, bq, bkv, i_lo, q_bar, q_free, D,
-                   interpret):
+                   interpret, skip_above: bool = True):
   """A compute warpgroup's walk of a key-resident backward pass (this file's dk/dv kernel and
   focal_mgpu_bwd_fused): for each of the `group` query heads, step(t, (dk, dv), g=g, masked=...)
   on q block i_lo + t, starting from float32 zeros [bkv, D] in the WGMMA layout. Causal: q blocks
   wholly above the warpgroup's keys (from k0) only wait for and release their ring slot, so the
-  barrier phases stay in step with the other warpgroup; only blocks crossing its diagonal mask."""
+  barrier phases stay in step with the other warpgroup; only blocks crossing its diagonal mask.
+  skip_above=False runs those blocks as masked steps instead (all-zero probabilities), for a
+  kernel whose warpgroups meet at every step (the fused backward's joint dq)."""
   def skip(t, carry, *, g):
     slot = lax.rem(g * per_head + t, steps)
     plgpu.barrier_wait(q_bar.at[slot])
@@ -83,7 +85,8 @@ def visit_q_blocks(step, *, causal, group, per_head, steps, k0, bq, bkv, i_lo, q
       return lax.fori_loop(0, per_head, unmasked, carry)
     # q blocks [i_lo, i_vis) lie wholly above this warpgroup's keys, [i_vis, i_full) cross
     # its diagonal, [i_full, n_q) see all of its keys.
-    t_vis = jnp.clip(lax.div(k0, jnp.int32(bq)) - i_lo, 0, per_head)
+    t_vis = (jnp.clip(lax.div(k0, jnp.int32(bq)) - i_lo, 0, per_head) if skip_above
+             else jnp.int32(0))
     t_full = jnp.clip(pl.cdiv(k0 + bkv, jnp.int32(bq)) - i_lo, 0, per_head)
     carry = lax.fori_loop(0, t_vis, functools.partial(skip, g=g), carry)
     carry = lax.fori_loop(t_vis, t_full, functools.partial(step, g=g, masked=True), carry)

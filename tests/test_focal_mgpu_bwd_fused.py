@@ -50,6 +50,26 @@ def test_matches_reference(dtype, causal, N, K, D, blocks):
   base._assert_close(got, want, dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class JointBlocks(Blocks):
+  joint_dq: bool = True
+
+
+@pytest.mark.parametrize("dtype, causal, N, K", [
+    (jnp.bfloat16, True, 4, 2),
+    (jnp.bfloat16, False, 2, 2),
+    (jnp.float16, True, 2, 1),
+])
+def test_joint_dq_matches_reference(dtype, causal, N, K):
+  """blocks.joint_dq (both warpgroups compute dq over the CTA's 128 keys, half the columns each;
+  the blocks above a warpgroup's keys run masked, not skipped): the same invariant, D = 128."""
+  args, want = base._problem(7, B=1, T=256, N=N, K=K, D=128, dtype=dtype, causal=causal)
+  got = jax.block_until_ready(ff.backward(*args, causal=causal, blocks=JointBlocks(),
+                                          interpret=True))
+  assert not mc.interpret_races_found(), "fused kernel, joint dq: race detected"
+  base._assert_close(got, want, dtype)
+
+
 def test_backward_output_types():
   """The contract's shapes and dtypes; traced only (cheap)."""
   args, _ = base._problem(2, B=1, T=256, N=2, K=1, D=64, dtype=jnp.bfloat16, causal=True)
@@ -60,25 +80,28 @@ def test_backward_output_types():
       (q.shape, q.dtype), (k.shape, k.dtype), (k.shape, k.dtype), ((1, 2, 256), jnp.float32)]
 
 
-@pytest.mark.parametrize("D, change, match", [
-    (128, dict(max_concurrent_steps=3), "max_concurrent_steps=3"),  # SMEM: 242 KB > 224 KB
-    (64, dict(block_kv_dkv=96), "block_kv_dkv=96"),                 # focal_mgpu_bwd's _check
+@pytest.mark.parametrize("D, blocks, change, match", [
+    (128, Blocks(), dict(max_concurrent_steps=3), "max_concurrent_steps=3"),  # 242 KB > 224 KB
+    (64, Blocks(), dict(block_kv_dkv=96), "block_kv_dkv=96"),       # focal_mgpu_bwd's _check
+    (64, JointBlocks(), {}, "joint_dq=True needs head dim D=128"),
 ])
-def test_bad_blocks_raise(D, change, match):
+def test_bad_blocks_raise(D, blocks, change, match):
   args, _ = base._problem(3, B=1, T=256, N=2, K=1, D=D, dtype=jnp.bfloat16, causal=True)
   with pytest.raises(ValueError, match=match):
-    ff.backward(*args, causal=True, blocks=dataclasses.replace(Blocks(), **change),
+    ff.backward(*args, causal=True, blocks=dataclasses.replace(blocks, **change),
                 interpret=True)
 
 
-@pytest.mark.parametrize("D, steps, causal", [(64, 3, True), (128, 2, False)])
-def test_lowers_for_cuda(D, steps, causal):
+@pytest.mark.parametrize("D, steps, causal, joint", [(64, 3, True, False), (128, 2, False, False),
+                                                     (128, 2, True, True)])
+def test_lowers_for_cuda(D, steps, causal, joint):
   """The compiled kernel (not the interpreter's stand-ins) passes Pallas → Mosaic GPU lowering on
-  the installed jax, and the float32 accumulator is aliased in place (no copy)."""
+  the installed jax, and the float32 accumulator is aliased in place (no copy). joint: the
+  column-half slices of the swizzled k tiles as wgmma operands, the dS ring and barriers."""
   q = jax.ShapeDtypeStruct((2, 2048, 8, D), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((2, 2048, 2, D), jnp.bfloat16)
   rows = jax.ShapeDtypeStruct((2, 8, 2048), jnp.float32)
-  blocks = Blocks(max_concurrent_steps=steps)
+  blocks = (JointBlocks if joint else Blocks)(max_concurrent_steps=steps)
   fn = jax.jit(lambda *a: ff.backward(*a, causal=causal, blocks=blocks, interpret=False))
   hlo = fn.trace(q, k, k, rows, q, rows, q).lower(lowering_platforms=("cuda",)).as_text()
   assert "output_operand_aliases" in hlo
@@ -96,6 +119,13 @@ class TestCompiledGPU:
     blocks = Blocks(max_concurrent_steps=3 if D == 64 else 2)
     got = jax.jit(lambda *a: ff.backward(*a, causal=causal, blocks=blocks, interpret=False))(
         *args)
+    base._assert_close(got, want, jnp.bfloat16)
+
+  @pytest.mark.parametrize("causal", [True, False])
+  def test_joint_dq_matches_reference(self, causal):
+    args, want = base._problem(8, B=2, T=2048, N=8, K=2, D=128, dtype=jnp.bfloat16, causal=causal)
+    got = jax.jit(lambda *a: ff.backward(*a, causal=causal, blocks=JointBlocks(),
+                                         interpret=False))(*args)
     base._assert_close(got, want, jnp.bfloat16)
 
   def test_matches_two_kernel_backward(self):
