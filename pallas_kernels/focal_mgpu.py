@@ -85,7 +85,8 @@ class BlockSizes:
   # The backward as one FA3-style kernel (focal_mgpu_bwd_fused: 5 matmuls per tile, dq by float32
   # TMA reduce-add) instead of the dq and dk/dv kernels (7 matmuls, deterministic). On the H200
   # (2026-11-30) it was 1.10x faster at (2,12,16K,64) but 0.68-0.83x at D=128, so only D=64
-  # defaults to it. It has no segment masking: packed batches always take the two kernels.
+  # defaults to it. Packed batches (segment ids) still take the two kernels: the fused kernel's
+  # segment masking (twenty-fourth session) has passed in interpret mode only, not compiled.
   fused_backward: bool = False
   # With fused_backward at D=128: dq computed jointly by both compute warpgroups over the CTA's
   # keys, each taking half its columns (FlashAttention-3's split; half the float32 reduce-add

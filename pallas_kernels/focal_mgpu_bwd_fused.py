@@ -46,6 +46,10 @@ the dq SMEM tile halves: D=128, bq = bkv = 64, C = 2: 194 KB. Causal blocks abov
 keys run masked instead of skipped (the other warpgroup needs its zero dS), and a last barrier
 (`done`) keeps a warpgroup from staging dk in its k tile while the other's last dq wgmma reads it.
 
+Segment ids (optional, as focal_mgpu_dkv's): each warpgroup's key ids stay resident and each q
+block's ids join its ring slot; a tile masks where the ids differ. `focal_mgpu` does not route
+packed batches here yet (interpret-mode tests only).
+
 Contract: focal_mgpu_bwd's (`_check`; this kernel reads blocks.block_q_dkv, blocks.block_kv_dkv,
 blocks.max_concurrent_steps and, if present, blocks.joint_dq) plus the SMEM budget above.
 Causal: s visible to t iff s <= t.
@@ -88,7 +92,7 @@ def smem_bytes(*, bq: int, bkv: int, D: int, steps: int, itemsize: int = 2,
 
 def _kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, acc_ref, dk_ref, dv_ref,
             k_s, v_s, q_s, do_s, c_s, lse_s, delta_s, ds_s, dq_s, res_bar, q_bar, q_free,
-            ds_ready, done, *, causal, bq, bkv, n_q, group, steps, joint_dq, interpret):
+            ds_ready, done, *, seg, causal, bq, bkv, n_q, group, steps, joint_dq, interpret):
   b, kv_head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
   cta_k0 = lax.axis_index("kv_seq") * (W * bkv)
   # First q block that sees any key of this CTA (causal); per head the CTA visits [i_lo, n_q).
@@ -96,6 +100,9 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, acc_ref, dk_
   per_head = n_q - i_lo
   wgmma_layout = plgpu.Layout.WGMMA
   col_layout = wgmma_layout.reduce(0)  # per-query vectors run along axis 1 of [bkv, bq] tiles
+  # seg: None or (ids [B, T] GMEM, resident key ids [W, bkv], ring of q ids [steps, bq]), as in
+  # focal_mgpu_dkv.
+  seg_ref, segk_s, segq_s = seg or (None, None, None)
 
   @pl.when(wg < W)
   def _compute():
@@ -105,7 +112,11 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, acc_ref, dk_
     bar = res_bar.at[wg]
     plgpu.copy_gmem_to_smem(k_ref.at[rows], k_s.at[wg], bar)
     plgpu.copy_gmem_to_smem(v_ref.at[rows], v_s.at[wg], bar)
+    if seg:
+      plgpu.copy_gmem_to_smem(seg_ref.at[b, pl.ds(k0, bkv)], segk_s.at[wg], bar)
     plgpu.barrier_wait(bar)
+    if seg:
+      segk_K = mc.load(segk_s.at[wg], layout=wgmma_layout.reduce(1), interpret=interpret)
     # Interpreted: this warpgroup's own slab, or with joint_dq the CTA's, of which each
     # warpgroup writes its own columns (no TMA reduction there; module docstring).
     slab = lax.axis_index("kv_seq") if joint_dq else lax.div(k0, jnp.int32(bkv))
@@ -149,6 +160,10 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, acc_ref, dk_
         s = mc.iota(jnp.int32, shape_KQ, 0, wgmma_layout, interpret=interpret) + k0
         tq = mc.iota(jnp.int32, shape_KQ, 1, wgmma_layout, interpret=interpret) + i * bq
         x_KQ = jnp.where(s <= tq, x_KQ, -jnp.inf)
+      if seg:
+        segq_Q = mc.load(segq_s.at[slot], layout=col_layout, interpret=interpret)
+        same_KQ = fb._bcast(segk_K, shape_KQ, 0) == fb._bcast(segq_Q, shape_KQ, 1)
+        x_KQ = jnp.where(same_KQ, x_KQ, -jnp.inf)
       p_KQ = jnp.exp2(x_KQ)
       dv_KD, dp_KQ = mc.mma_pair((p_KQ.astype(q_s.dtype), do_s.at[slot], dv_KD, False),
                                  (v_s.at[wg], do_s.at[slot], None, True), interpret=interpret)
@@ -193,7 +208,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, acc_ref, dk_
     focal_mgpu_dkv.stream_q_rows(
         (q_ref, do_ref, c_ref, lse_ref, delta_ref), (q_s, do_s, c_s, lse_s, delta_s), q_bar,
         q_free, b=b, kv_head=kv_head, group=group, i_lo=i_lo, per_head=per_head, bq=bq,
-        steps=steps)
+        steps=steps, seg=None if seg is None else (seg_ref, segq_s))
 
 
 def _joint_dq(blocks) -> bool:
@@ -219,7 +234,8 @@ def _check_smem(q, blocks):
 
 # jit: a Ref with a memory space exists only while tracing (NotImplementedError eagerly).
 @functools.partial(jax.jit, static_argnames=("causal", "blocks", "interpret"))
-def fused_call(q, k, v, do, c_BNT, lse_BNT, delta_BNT, *, causal: bool, blocks, interpret):
+def fused_call(q, k, v, do, c_BNT, lse_BNT, delta_BNT, *, causal: bool, blocks, interpret,
+               seg_BT=None):
   """The kernel: (acc [B,T,Hq,D] float32 = Σ_s dx_ts k_s, dk, dv [B,S,Hkv,D] k.dtype).
   Inputs as `backward`'s after `focal_mgpu_bwd.backward_rows`; do in q.dtype; blocks hashable."""
   B, T, N, D = q.shape
@@ -234,9 +250,15 @@ def fused_call(q, k, v, do, c_BNT, lse_BNT, delta_BNT, *, causal: bool, blocks, 
   acc_ref = jax.new_ref(jnp.zeros(acc_shape, jnp.float32), memory_space=plgpu.GMEM)
   # 128-byte swizzle: 64 16-bit or 32 float32 elements per row (the wgmma / TMA tile).
   f32_tile = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
+  segments = seg_BT is not None
+  operands = (q, k, v, do, c_BNT, lse_BNT, delta_BNT, acc_ref) + ((seg_BT,) if segments else ())
+  seg_scratch = [plgpu.SMEM((W, bkv), jnp.int32),             # resident key ids
+                 plgpu.SMEM((steps, bq), jnp.int32)] if segments else []  # q ids ring
   dk, dv = mc.ref_kernel(
-      functools.partial(_kernel, causal=causal, bq=bq, bkv=bkv, n_q=n_q, group=N // K,
-                        steps=steps, joint_dq=joint, interpret=flag),
+      mc.with_segments(
+          functools.partial(_kernel, causal=causal, bq=bq, bkv=bkv, n_q=n_q, group=N // K,
+                            steps=steps, joint_dq=joint, interpret=flag),
+          n_in=len(operands), n_seg_scratch=2, segments=segments),
       out_type=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
       scratch_types=[
           fb._tile_smem((W, bkv, D), k.dtype), fb._tile_smem((W, bkv, D), k.dtype),  # k, v → dk, dv
@@ -245,17 +267,17 @@ def fused_call(q, k, v, do, c_BNT, lse_BNT, delta_BNT, *, causal: bool, blocks, 
           fb._tile_smem((2, W, bkv, bq) if joint else (W, bkv, bq), q.dtype),  # ds = dx, 16-bit
           plgpu.SMEM((W, bq, D // W if joint else D), jnp.float32,
                      transforms=f32_tile),                        # dq tile to reduce
-          plgpu.Barrier(num_arrivals=2, num_barriers=W),          # resident tiles landed
-          plgpu.Barrier(num_arrivals=5, num_barriers=steps),      # q, dO, rows slot landed
+          plgpu.Barrier(num_arrivals=2 + segments, num_barriers=W),   # resident tiles landed
+          plgpu.Barrier(num_arrivals=5 + segments, num_barriers=steps),  # q, dO, rows landed
           plgpu.Barrier(num_arrivals=W, num_barriers=steps),      # slot released by both wgs
           plgpu.Barrier(num_arrivals=W, num_barriers=2),          # joint_dq: both dS stored
           plgpu.Barrier(num_arrivals=W),                          # joint_dq: both wgs done
+          *seg_scratch,
       ],
       grid=(K, S // (W * bkv), B), grid_names=("heads", "kv_seq", "batch"),
       num_threads=W + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
-      interpret=params, name="focal_mgpu_bwd_fused")(q, k, v, do, c_BNT, lse_BNT, delta_BNT,
-                                                      acc_ref)
+      interpret=params, name="focal_mgpu_bwd_fused")(*operands)
   acc = acc_ref[...]
   return (acc.sum(axis=0) if flag else acc), dk, dv
 
@@ -269,14 +291,15 @@ def epilogue(q, s_BNT, acc_BTND):
   return dq, jnp.swapaxes(ds_BTN, 1, 2)
 
 
-def backward(q, k, v, s_BNT, out, lse_BNT, do, *, causal: bool, blocks, interpret):
+def backward(q, k, v, s_BNT, out, lse_BNT, do, *, causal: bool, blocks, interpret, seg_BT=None):
   """Returns (dq [B,T,Hq,D] q.dtype, dk, dv [B,S,Hkv,D] k.dtype, d_scale [B,Hq,T] float32),
-  as `focal_mgpu_bwd.backward` (same arguments; blocks e.g. focal_mgpu.BlockSizes, of which this
-  kernel uses block_q_dkv, block_kv_dkv and max_concurrent_steps; hashable, e.g. frozen)."""
-  fb._check(q, k, v, s_BNT, lse_BNT, do, blocks)
+  as `focal_mgpu_bwd.backward` (same arguments, segment ids included; blocks e.g.
+  focal_mgpu.BlockSizes, of which this kernel uses block_q_dkv, block_kv_dkv,
+  max_concurrent_steps and joint_dq; hashable, e.g. frozen)."""
+  fb._check(q, k, v, s_BNT, lse_BNT, do, blocks, seg_BT)
   _check_smem(q, blocks)
   c_BNT, delta_BNT = fb.backward_rows(s_BNT, out, do)
   acc_BTND, dk, dv = fused_call(q, k, v, do.astype(q.dtype), c_BNT, lse_BNT, delta_BNT,
-                                causal=causal, blocks=blocks, interpret=interpret)
+                                causal=causal, blocks=blocks, interpret=interpret, seg_BT=seg_BT)
   dq, ds_BNT = epilogue(q, s_BNT, acc_BTND)
   return dq, dk, dv, ds_BNT

@@ -70,6 +70,23 @@ def test_joint_dq_matches_reference(dtype, causal, N, K):
   base._assert_close(got, want, dtype)
 
 
+@pytest.mark.parametrize("dtype, causal, B, N, K, D, blocks", [
+    (jnp.bfloat16, True, 2, 4, 2, 64, Blocks()),
+    (jnp.bfloat16, True, 1, 2, 1, 128, JointBlocks()),
+    (jnp.float16, False, 1, 2, 2, 128, JointBlocks()),
+])
+def test_matches_reference_segments(dtype, causal, B, N, K, D, blocks):
+  """Packed segment ids (a key's gradient only from queries of its segment), with and without
+  joint_dq: the same invariant as focal_mgpu_bwd's segment test, on its inputs."""
+  seg_BT = base._packed_segment_ids(9, B, 256)
+  args, want = base._problem(9, B=B, T=256, N=N, K=K, D=D, dtype=dtype, causal=causal,
+                             seg_BT=seg_BT)
+  got = jax.block_until_ready(ff.backward(*args, causal=causal, blocks=blocks, interpret=True,
+                                          seg_BT=seg_BT))
+  assert not mc.interpret_races_found(), "fused kernel, segments: race detected"
+  base._assert_close(got, want, dtype)
+
+
 def test_backward_output_types():
   """The contract's shapes and dtypes; traced only (cheap)."""
   args, _ = base._problem(2, B=1, T=256, N=2, K=1, D=64, dtype=jnp.bfloat16, causal=True)
@@ -92,9 +109,10 @@ def test_bad_blocks_raise(D, blocks, change, match):
                 interpret=True)
 
 
-@pytest.mark.parametrize("D, steps, causal, joint", [(64, 3, True, False), (128, 2, False, False),
-                                                     (128, 2, True, True)])
-def test_lowers_for_cuda(D, steps, causal, joint):
+@pytest.mark.parametrize("D, steps, causal, joint, segments", [
+    (64, 3, True, False, False), (128, 2, False, False, False), (128, 2, True, True, False),
+    (64, 3, True, False, True), (128, 2, True, True, True)])
+def test_lowers_for_cuda(D, steps, causal, joint, segments):
   """The compiled kernel (not the interpreter's stand-ins) passes Pallas → Mosaic GPU lowering on
   the installed jax, and the float32 accumulator is aliased in place (no copy). joint: the
   column-half slices of the swizzled k tiles as wgmma operands, the dS ring and barriers."""
@@ -102,8 +120,11 @@ def test_lowers_for_cuda(D, steps, causal, joint):
   k = jax.ShapeDtypeStruct((2, 2048, 2, D), jnp.bfloat16)
   rows = jax.ShapeDtypeStruct((2, 8, 2048), jnp.float32)
   blocks = (JointBlocks if joint else Blocks)(max_concurrent_steps=steps)
-  fn = jax.jit(lambda *a: ff.backward(*a, causal=causal, blocks=blocks, interpret=False))
-  hlo = fn.trace(q, k, k, rows, q, rows, q).lower(lowering_platforms=("cuda",)).as_text()
+  seg = jax.ShapeDtypeStruct((2, 2048), jnp.int32) if segments else None
+  fn = jax.jit(lambda *a, seg_BT=None: ff.backward(*a, causal=causal, blocks=blocks,
+                                                   interpret=False, seg_BT=seg_BT))
+  hlo = fn.trace(q, k, k, rows, q, rows, q, seg_BT=seg).lower(
+      lowering_platforms=("cuda",)).as_text()
   assert "output_operand_aliases" in hlo
 
 
@@ -126,6 +147,16 @@ class TestCompiledGPU:
     args, want = base._problem(8, B=2, T=2048, N=8, K=2, D=128, dtype=jnp.bfloat16, causal=causal)
     got = jax.jit(lambda *a: ff.backward(*a, causal=causal, blocks=JointBlocks(),
                                          interpret=False))(*args)
+    base._assert_close(got, want, jnp.bfloat16)
+
+  @pytest.mark.parametrize("D", [64, 128])
+  def test_segments_match_reference(self, D):
+    seg_BT = base._packed_segment_ids(10, 2, 2048)
+    args, want = base._problem(10, B=2, T=2048, N=8, K=2, D=D, dtype=jnp.bfloat16, causal=True,
+                               seg_BT=seg_BT)
+    blocks = JointBlocks() if D == 128 else Blocks(max_concurrent_steps=3)
+    got = jax.jit(lambda *a: ff.backward(*a, causal=True, blocks=blocks, interpret=False,
+                                         seg_BT=seg_BT))(*args)
     base._assert_close(got, want, jnp.bfloat16)
 
   def test_matches_two_kernel_backward(self):
