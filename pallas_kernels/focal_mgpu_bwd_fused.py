@@ -92,7 +92,7 @@ def smem_bytes(*, bq: int, bkv: int, D: int, steps: int, itemsize: int = 2,
 
 def _kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, acc_ref, dk_ref, dv_ref,
             k_s, v_s, q_s, do_s, c_s, lse_s, delta_s, ds_s, dq_s, res_bar, q_bar, q_free,
-            ds_ready, done, *, seg, causal, bq, bkv, n_q, group, steps, joint_dq, interpret):
+            *joint_bars, seg, causal, bq, bkv, n_q, group, steps, joint_dq, interpret):
   b, kv_head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
   cta_k0 = lax.axis_index("kv_seq") * (W * bkv)
   # First q block that sees any key of this CTA (causal); per head the CTA visits [i_lo, n_q).
@@ -103,6 +103,8 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, acc_ref, dk_
   # seg: None or (ids [B, T] GMEM, resident key ids [W, bkv], ring of q ids [steps, bq]), as in
   # focal_mgpu_dkv.
   seg_ref, segk_s, segq_s = seg or (None, None, None)
+  # joint_bars: (both dS stored, one per step parity; both warpgroups done) with joint_dq only.
+  ds_ready, done = joint_bars if joint_dq else (None, None)
 
   @pl.when(wg < W)
   def _compute():
@@ -149,7 +151,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, acc_ref, dk_
       slot = lax.rem(g * per_head + t, steps)
       # joint_dq: dS double-buffered by step parity, so a warpgroup writes step t+1's tile while
       # the other may still read step t's (it has passed step t's ds_ready before step t+1's).
-      buf = lax.rem(g * per_head + t, 2)
+      buf = lax.rem(g * per_head + t, 2) if joint_dq else None
       ds_KQ_s = ds_s.at[buf, wg] if joint_dq else ds_s.at[wg]
       plgpu.barrier_wait(q_bar.at[slot])
       r_KQ = mc.mma(k_s.at[wg], q_s.at[slot], transpose_b=True, interpret=interpret)
@@ -254,6 +256,8 @@ def fused_call(q, k, v, do, c_BNT, lse_BNT, delta_BNT, *, causal: bool, blocks, 
   operands = (q, k, v, do, c_BNT, lse_BNT, delta_BNT, acc_ref) + ((seg_BT,) if segments else ())
   seg_scratch = [plgpu.SMEM((W, bkv), jnp.int32),             # resident key ids
                  plgpu.SMEM((steps, bq), jnp.int32)] if segments else []  # q ids ring
+  joint_bars = [plgpu.Barrier(num_arrivals=W, num_barriers=2),  # both dS of a step stored
+                plgpu.Barrier(num_arrivals=W)] if joint else []  # both warpgroups done
   dk, dv = mc.ref_kernel(
       mc.with_segments(
           functools.partial(_kernel, causal=causal, bq=bq, bkv=bkv, n_q=n_q, group=N // K,
@@ -270,8 +274,7 @@ def fused_call(q, k, v, do, c_BNT, lse_BNT, delta_BNT, *, causal: bool, blocks, 
           plgpu.Barrier(num_arrivals=2 + segments, num_barriers=W),   # resident tiles landed
           plgpu.Barrier(num_arrivals=5 + segments, num_barriers=steps),  # q, dO, rows landed
           plgpu.Barrier(num_arrivals=W, num_barriers=steps),      # slot released by both wgs
-          plgpu.Barrier(num_arrivals=W, num_barriers=2),          # joint_dq: both dS stored
-          plgpu.Barrier(num_arrivals=W),                          # joint_dq: both wgs done
+          *joint_bars,
           *seg_scratch,
       ],
       grid=(K, S // (W * bkv), B), grid_names=("heads", "kv_seq", "batch"),
