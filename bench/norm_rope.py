@@ -95,8 +95,8 @@ def main():
   a = ap.parse_args()
   shapes = [(64, 2, 16)] if a.smoke else [tuple(map(int, s.split(","))) for s in a.shapes]
   tiles = [(8, 4)] if a.smoke else TILES
-  print(f"jax {jax.__version__} {jax.devices()[0].device_kind}  (default tile "
-        f"{nr.BLOCK_ROWS}x{nr.NUM_WARPS})")
+  print(f"jax {jax.__version__} {jax.devices()[0].device_kind}  (default tiles: forward "
+        f"{nr.BLOCK_ROWS}x{nr.NUM_WARPS}, backward {nr.BWD_BLOCK_ROWS}x{nr.BWD_NUM_WARPS})")
   print(f"{'(R,N,D)':>18} {'impl':>14} {'fwd ms':>8} {'TB/s':>6} {'bwd ms':>8} {'TB/s':>6}")
   copies = 2 if a.smoke else a.copies
   rows = [r for shape in shapes

@@ -16,6 +16,8 @@ XLA_PYTHON_CLIENT_MEM_FRACTION=0.95, which bench/gpu_session.sh sets (docs/BENCH
 
 import argparse
 import ast
+import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -33,9 +35,35 @@ from configs import base  # noqa: E402
 from focaljax import config as config_lib  # noqa: E402
 from focaljax import metrics, optim, sharding, trainer  # noqa: E402
 from focaljax import model as model_lib  # noqa: E402
+from pallas_kernels import focal_mgpu  # noqa: E402
 
 BATCH = {"400m": 16, "1.3b": 8, "small": 8, "tiny": 8}
 PROFILED_STEPS = 3
+# `bench.mgpu_backward=<choice>` in a --variants arm: the Mosaic kernel's backward for that arm
+# alone (focal_mgpu.BlockSizes fields), to time a kernel choice end to end before it becomes a
+# default. Not a config field: the kernels' tiles are not a model setting.
+MGPU_BACKWARD = {"two_kernel": {"fused_backward": False, "joint_dq": False},
+                 "fused": {"fused_backward": True, "joint_dq": False},
+                 "fused_joint": {"fused_backward": True, "joint_dq": True}}
+
+
+@contextlib.contextmanager
+def mgpu_backward(choice):
+  """focal_mgpu.BlockSizes.default with the backward `choice` while the arm traces."""
+  if choice is None:
+    yield
+    return
+  if choice not in MGPU_BACKWARD:
+    raise ValueError(f"bench.mgpu_backward={choice!r}: want one of {sorted(MGPU_BACKWARD)}")
+  default = focal_mgpu.BlockSizes.default
+  focal_mgpu.BlockSizes.default = lambda head_dim, dtype=jnp.bfloat16: dataclasses.replace(
+      default(head_dim, dtype), **MGPU_BACKWARD[choice])
+  jax.clear_caches()  # focal_attention's jit resolved block_sizes=None in an earlier arm
+  try:
+    yield
+  finally:
+    focal_mgpu.BlockSizes.default = default
+    jax.clear_caches()
 
 
 def parse_variant(text: str) -> dict:
@@ -60,7 +88,17 @@ def run(size, impl, steps, seq_len, remat, batch=None, fuse=False, pattern="foca
   """One timed configuration. `mesh_shape` (data, fsdp, tensor) takes the first data·fsdp·tensor
   devices, with train.py's shardings (the logical-axis rules); `batch` is the global batch.
   `profile_dir`: after timing, 3 more steps under jax.profiler.trace there (bench/step_profile.py).
-  `overrides`: {dotted config field: value}, applied last and validated like train.py's."""
+  `overrides`: {dotted config field: value}, applied last and validated like train.py's (and
+  `bench.mgpu_backward`, see MGPU_BACKWARD)."""
+  config_overrides = dict(overrides or {})
+  with mgpu_backward(config_overrides.pop("bench.mgpu_backward", None)):
+    r = _run(size, impl, steps, seq_len, remat, batch, fuse, pattern, segments, mesh_shape,
+             profile_dir, config_overrides)
+  return dict(r, overrides=overrides or {})
+
+
+def _run(size, impl, steps, seq_len, remat, batch, fuse, pattern, segments, mesh_shape,
+         profile_dir, overrides):
   c = base.get_config(f"size={size}")
   c.model.attention.pattern = pattern
   c.model.attention.implementation = impl

@@ -35,7 +35,7 @@ lowering time with "exceeds available shared memory".
 
 Outputs: out [B, T, Hq, D] in q.dtype; lse [B, Hq, T] f32 in base 2 (log2 Σ_s exp2(x_ts)), the
 backward's residual. The backward is `focal_mgpu_bwd.backward` (dq and dk/dv kernels), or
-`focal_mgpu_bwd_fused.backward` when `BlockSizes.fused_backward` (the D=64 default) and no segments.
+`focal_mgpu_bwd_fused.backward` when `BlockSizes.fused_backward` (the D=64 default).
 
 Not supported (`supported` says why; callers route to focal_flash): float32 inputs,
 head dims other than 64 and 128, T not a multiple of 2·block_q or S not a multiple of block_kv.
@@ -85,8 +85,8 @@ class BlockSizes:
   # The backward as one FA3-style kernel (focal_mgpu_bwd_fused: 5 matmuls per tile, dq by float32
   # TMA reduce-add) instead of the dq and dk/dv kernels (7 matmuls, deterministic). On the H200
   # (2026-11-30) it was 1.10x faster at (2,12,16K,64) but 0.68-0.83x at D=128, so only D=64
-  # defaults to it. Packed batches (segment ids) still take the two kernels: the fused kernel's
-  # segment masking (twenty-fourth session) has passed in interpret mode only, not compiled.
+  # defaults to it. Packed batches (segment ids) take it too: its segment masking passed
+  # compiled on the H200 at D=64 (twenty-fifth session).
   fused_backward: bool = False
   # With fused_backward at D=128: dq computed jointly by both compute warpgroups over the CTA's
   # keys, each taking half its columns (FlashAttention-3's split; half the float32 reduce-add
@@ -403,10 +403,10 @@ def _attend_bwd(st: _Static, res, do):
   # Imported here so the forward works before the backward module exists.
   from pallas_kernels import focal_mgpu_bwd  # pylint: disable=import-outside-toplevel
   q, k, v, s_BNT, seg_BT, out, lse_BNT = res
-  if st.blocks.fused_backward and seg_BT is None:
+  if st.blocks.fused_backward:
     from pallas_kernels import focal_mgpu_bwd_fused  # pylint: disable=import-outside-toplevel
     grads = focal_mgpu_bwd_fused.backward(q, k, v, s_BNT, out, lse_BNT, do, causal=st.causal,
-                                          blocks=st.blocks, interpret=st.interpret)
+                                          blocks=st.blocks, interpret=st.interpret, seg_BT=seg_BT)
   else:
     grads = focal_mgpu_bwd.backward(q, k, v, s_BNT, out, lse_BNT, do, causal=st.causal,
                                     blocks=st.blocks, interpret=st.interpret, seg_BT=seg_BT)

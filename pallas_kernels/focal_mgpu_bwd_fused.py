@@ -135,10 +135,8 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, acc_ref, dk_
         @pl.when(wg == w)
         def _():
           cols = pl.ds(w * cols_n, cols_n)
-          acc_Qd = None
-          for j in range(W):
-            acc_Qd = mc.mma_t(ds_s.at[buf, j], k_s.at[j, :, cols], acc=acc_Qd,
-                              interpret=interpret)
+          acc_Qd = mc.mma_t_sum([(ds_s.at[buf, j], k_s.at[j, :, cols]) for j in range(W)],
+                                interpret=interpret)
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous reduce read dq_QD_s
           dq_QD_s[...] = acc_Qd
           plgpu.commit_smem()

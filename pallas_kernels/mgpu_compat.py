@@ -195,6 +195,31 @@ def mma_t(a_ref, b_ref, *, acc=None, transpose_b: bool = False, interpret: bool)
   return mma(a_ref.transpose((1, 0)), b_ref, acc=acc, transpose_b=transpose_b, interpret=False)
 
 
+def mma_t_sum(pairs, *, interpret: bool):
+  """Σ a_refᵀ @ b_ref over `pairs` of SMEM refs, the wgmmas issued into one scoped accumulator
+  and awaited once (the joint dQ's sum over both warpgroups' dS tiles).
+
+  Why not `mma_t(..., acc=...)` in a loop: its `pl.run_state` returns its closed-over values,
+  and 0.11.2's lowering rejects a static index of a ref view (`ds_s.at[buf, 1]`) coming back as
+  a literal ("Shaped arrays must be represented by ir.Values, got: TypedInt(1)", H200,
+  twenty-fifth session). `pl.run_scoped` returns only what its body returns.
+  """
+  if interpret:
+    out = None
+    for a_ref, b_ref in pairs:
+      d = _dot(a_ref[...].T, b_ref[...])
+      out = d if out is None else out + d
+    return out
+  m, n = pairs[0][0].shape[1], pairs[0][1].shape[1]
+
+  def scoped(acc_ref):
+    for a_ref, b_ref in pairs:
+      plgpu.wgmma(acc_ref, a_ref.transpose((1, 0)), b_ref)
+    return acc_ref[...]
+
+  return pl.run_scoped(scoped, plgpu.ACC((m, n), jnp.float32))
+
+
 def copy_smem_to_gmem_add(src, dst, *, interpret: bool):
   """dst += src through a TMA reduce-add (cp.reduce.async.bulk.tensor .add, float32 atomic per
   element in L2, so concurrent CTAs may add into the same rows); awaited like any SMEM->GMEM copy.

@@ -37,10 +37,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-# 32 rows x D/2 float32 per half-tile over 4 warps: 16 values per thread for each of the ~10 live
-# half-tiles at D = 128, inside the register file (64 rows would spill).
+# Tiles timed on the H200 (`bench/norm_rope.py`, twenty-fifth session, 1.3B and 400M shapes):
+# forward 32 rows over 8 warps (0.162 / 0.118 ms; 32 x 4: 0.178 / 0.130), backward 16 rows over
+# 2 warps (0.285 / 0.204 ms; 32 x 4: 0.296 / 0.210). Both keep ≤ 16 float32 values per thread
+# for each of the ~10 live [rows, D/2] half-tiles at D = 128; 64 rows would spill.
 BLOCK_ROWS = 32
-NUM_WARPS = 4
+NUM_WARPS = 8
+BWD_BLOCK_ROWS = 16
+BWD_NUM_WARPS = 2
 
 
 def rotate_half(x_RND, cos_Rd, sin_Rd):
@@ -142,7 +146,7 @@ def norm_rope_fwd(x_RND, scale_D, cos_Rd, sin_Rd, *, eps: float, block_rows: int
 
 @functools.partial(jax.jit, static_argnames=("eps", "block_rows", "num_warps", "interpret"))
 def norm_rope_bwd(x_RND, scale_D, cos_Rd, sin_Rd, g_RND, *, eps: float,
-                  block_rows: int = BLOCK_ROWS, num_warps: int = NUM_WARPS,
+                  block_rows: int = BWD_BLOCK_ROWS, num_warps: int = BWD_NUM_WARPS,
                   interpret: bool = False):
   """(dx in x's dtype, d_scale float32 [D]) of `norm_rope_reference` for the cotangent g.
 

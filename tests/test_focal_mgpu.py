@@ -205,11 +205,11 @@ def test_auto_routes_packed_batches_to_mosaic_on_hopper(monkeypatch):
   assert len(calls) == 1 and calls[0]["segment_ids"] is not None
 
 
-@pytest.mark.parametrize("D, segments, fused", [(64, False, True), (64, True, False),
-                                                (128, False, False)])
+@pytest.mark.parametrize("D, segments, fused", [(64, False, True), (64, True, True),
+                                                (128, False, False), (128, True, False)])
 def test_backward_kernel_choice(monkeypatch, D, segments, fused):
-  """BlockSizes.default(D): the single-pass backward at D=64 (faster there on the H200), the two
-  deterministic kernels at D=128 and for packed segments (the fused kernel has no masking)."""
+  """BlockSizes.default(D): the single-pass backward at D=64, packed segments included (faster
+  there on the H200), the two deterministic kernels at D=128."""
   from pallas_kernels import focal_mgpu_bwd, focal_mgpu_bwd_fused  # pylint: disable=import-outside-toplevel
   used = []
 
