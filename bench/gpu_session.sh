@@ -86,6 +86,9 @@ for spec in "$@"; do
     mgpu_bwd) $RUN python3 bench/focal_mgpu_bwd.py 2>&1 | tee "$OUT/mgpu_bwd.log" | tail -30 ;;
     glue_tests) $RUN python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/test_norm_rope.py \
                tests/test_swiglu_kernel.py -k Compiled 2>&1 | tee "$OUT/glue_tests.log" | tail -3 ;;
+    add_norm) $RUN python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/test_add_norm.py \
+               -k Compiled 2>&1 | tee "$OUT/add_norm_tests.log" | tail -3
+             $RUN python3 bench/add_norm.py --out "$OUT/add_norm.json" 2>&1 | tee "$OUT/add_norm.log" | tail -12 ;;
     norm_rope) $RUN python3 bench/norm_rope.py --out "$OUT/norm_rope.json" 2>&1 | tee "$OUT/norm_rope.log" | tail -16 ;;
     bwd_sweep)  # issue 3: the two-kernel backward's tiles at the 1.3B step's shape and at 4K/8K;
              # BWD_BLOCKS: block_q_dq,block_kv_dq,block_q_dkv,block_kv_dkv,ring depth (one process each)

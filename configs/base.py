@@ -62,6 +62,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       # pallas (mlp.swiglu_pallas: forward and backward as Pallas elementwise passes) |
       # auto (pallas on GPUs, else autodiff).
       mlp_backward="autodiff",
+      # Residual add + the RMSNorm after it: separate (XLA add, then the norm) | pallas (one
+      # Pallas pass each way, pallas_kernels/add_norm.py) | auto (pallas on GPUs, else separate).
+      add_norm="separate",
   ))
   c.model.attention = ml_collections.ConfigDict(dict(
       # Per-layer "variant[:position]" list, cycled over the layers. variant: softmax | focal |

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ml_collections
 
+from focaljax import add_norm as add_norm_lib
 from focaljax import attention as attn_lib
 from focaljax import loss as loss_lib
 from focaljax import mlp as mlp_lib
@@ -19,6 +20,7 @@ _CHOICES = {
     "model.norm_backward": ("explicit", "autodiff"),
     "model.qk_rope_backward": model_lib.QK_ROPE_BACKWARDS,
     "model.mlp_backward": mlp_lib.MLP_BACKWARDS,
+    "model.add_norm": add_norm_lib.ADD_NORMS,
     "model.remat_policy": tuple(model_lib.REMAT_POLICIES),
     "optim.mu_dtype": ("float32", "bfloat16"),
     "train.compute_dtype": ("float32", "bfloat16"),
@@ -121,7 +123,7 @@ def model_config(c: ml_collections.ConfigDict, vocab_size: int) -> model_lib.Mod
       remat_policy=m.get("remat_policy", "nothing"),
       fuse_matmuls=m.fuse_matmuls, norm_backward=m.get("norm_backward", "explicit"),
       qk_rope_backward=m.get("qk_rope_backward", "separate"),
-      mlp_backward=m.get("mlp_backward", "autodiff"),
+      mlp_backward=m.get("mlp_backward", "autodiff"), add_norm=m.get("add_norm", "separate"),
       attention=attn_lib.AttentionConfig(
           layers=attn_lib.parse_pattern(a.pattern, m.num_layers),
           implementation=a.implementation, temperature=a.temperature, learned=a.learned,

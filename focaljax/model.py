@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from focaljax import add_norm as add_norm_lib
 from focaljax import attention as attn_lib
 from focaljax import sharding
 from focaljax.mlp import Mlp
@@ -60,6 +61,9 @@ class ModelConfig:
   # "pallas" (mlp.swiglu_pallas: forward and backward as Pallas passes) or "auto" ("pallas" on
   # GPUs, else "autodiff").
   mlp_backward: str = "autodiff"
+  # Each residual add with the RMSNorm after it (focaljax/add_norm.py): "separate" (XLA add, then
+  # rms_norm), "pallas" (one Pallas pass each way) or "auto" ("pallas" on GPUs).
+  add_norm: str = "separate"
 
 
 QK_ROPE_BACKWARDS = ("separate", "fused", "pallas", "auto")
@@ -245,6 +249,24 @@ class Block(nnx.Module):
       x_BTE = x_BTE + self.mlp(self.mlp_norm(x_BTE))
     return sharding.constrain(x_BTE, ("batch", "seq", "embed_act"))
 
+  def deferred(self, x_BTE, d_BTE, positions_BT, segment_ids_BT, theta, add_norm: str):
+    """`__call__` of x + δ with the residual adds deferred into the next norm: returns (x', δ')
+    with x' + δ' the block's output, each add done by `add_norm.add_rms_norm` together with the
+    norm that reads its sum (one Pallas pass each way). δ None: the first block (plain norm)."""
+    with jax.named_scope("attn"):
+      if d_BTE is None:
+        y_BTE = self.attn_norm(x_BTE)
+      else:
+        x_BTE, y_BTE = add_norm_lib.add_rms_norm(x_BTE, d_BTE, self.attn_norm.scale[...],
+                                                 self.attn_norm.eps, add_norm)
+      d_BTE = self.attn(y_BTE, positions_BT, segment_ids_BT, theta)
+    with jax.named_scope("mlp"):
+      x_BTE, y_BTE = add_norm_lib.add_rms_norm(x_BTE, d_BTE, self.mlp_norm.scale[...],
+                                               self.mlp_norm.eps, add_norm)
+      d_BTE = self.mlp(y_BTE)
+    act = ("batch", "seq", "embed_act")
+    return sharding.constrain(x_BTE, act), sharding.constrain(d_BTE, act)
+
   def cached(self, x_BTE, cache, start, theta):
     h, cache = self.attn.cached(self.attn_norm(x_BTE), cache, start, theta)
     x_BTE = x_BTE + h
@@ -282,6 +304,7 @@ class Transformer(nnx.Module):
       raise ValueError(f"ModelConfig.remat_policy={cfg.remat_policy!r} is not one of "
                        f"{list(REMAT_POLICIES)}")
     self.cfg = cfg
+    self.add_norm = add_norm_lib.resolve(cfg.add_norm, cfg.d_model)  # errors name the field
     self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), cfg.init_std, ("vocab", "embed"))
     self.blocks = nnx.List([Block(cfg, spec, rngs) for spec in cfg.attention.layers])
     self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, backward=cfg.norm_backward)
@@ -307,6 +330,8 @@ class Transformer(nnx.Module):
     theta = rope_theta(self.cfg, rope_length or T)
     x_BTE = self.embed[...].astype(dtype)[tokens_BT]
     x_BTE = sharding.constrain(x_BTE, ("batch", "seq", "embed_act"))
+    if self.add_norm == "pallas":
+      return self._logits(self._deferred_blocks(x_BTE, positions_BT, segment_ids_BT, theta))
     for block in self.blocks:
       if self.cfg.remat:
         x_BTE = nnx.remat(lambda b, *a: b(*a), static_argnums=(4,),
@@ -315,6 +340,17 @@ class Transformer(nnx.Module):
       else:
         x_BTE = block(x_BTE, positions_BT, segment_ids_BT, theta)
     return self._logits(x_BTE)
+
+  def _deferred_blocks(self, x_BTE, positions_BT, segment_ids_BT, theta):
+    """The blocks through `Block.deferred`: the same sums, each residual add fused with the norm
+    after it; the last add is XLA's, before the final norm."""
+    d_BTE = None
+    for block in self.blocks:
+      call = lambda b, *a: b.deferred(*a, add_norm=self.add_norm)  # noqa: E731
+      if self.cfg.remat:
+        call = nnx.remat(call, static_argnums=(5,), policy=REMAT_POLICIES[self.cfg.remat_policy])
+      x_BTE, d_BTE = call(block, x_BTE, d_BTE, positions_BT, segment_ids_BT, theta)
+    return x_BTE + d_BTE
 
   def init_cache(self, batch: int, max_len: int, dtype=jnp.float32) -> list[dict]:
     """Per-layer KV cache (+ running float32 demand for dilution, + τ prefix sum if learned)."""

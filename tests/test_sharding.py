@@ -152,6 +152,20 @@ with jax.set_mesh(mesh):
 assert "all-gather" not in hlo, "swiglu: gate/up were gathered"
 for a, b in zip(got, want):
   np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-4)
+# The residual add + RMSNorm Pallas passes: per device over batch rows, the gain's gradient summed.
+from focaljax import add_norm
+xr, dr = jax.random.normal(ks[0], (B, T, 32)), jax.random.normal(ks[1], (B, T, 32))
+an_loss = lambda x, d, g, impl: sum(
+    jnp.sum(o * jnp.sin(o + i)) for i, o in enumerate(add_norm.add_rms_norm(x, d, g, 1e-5, impl)))
+want = jax.jit(jax.grad(an_loss, (0, 1, 2)), static_argnums=3)(xr, dr, jnp.ones(32), "separate")
+with jax.set_mesh(mesh):
+  fn = jax.jit(jax.grad(an_loss, (0, 1, 2)), static_argnums=3)
+  xd = [jax.device_put(a, NamedSharding(mesh, P("data", None, None))) for a in (xr, dr)]
+  hlo = fn.lower(*xd, jnp.ones(32), "pallas").compile().as_text()
+  got = fn(*xd, jnp.ones(32), "pallas")
+assert "all-gather" not in hlo, "add_norm: x was gathered"
+for a, b in zip(got, want):
+  np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-4)
 print("ok")
 '''
 
@@ -159,7 +173,8 @@ print("ok")
 def test_pallas_attention_runs_per_device():
   """Under a (data 2, tensor 2) mesh the Pallas kernels run on each device's rows and heads
   (no all-gather of q/k/v) and give the unsharded values and gradients, GQA and segments too;
-  likewise qk_norm_rope's Pallas backward and the SwiGLU activation's Pallas passes."""
+  likewise qk_norm_rope's Pallas backward, the SwiGLU activation's and the residual add + norm's
+  Pallas passes."""
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
              JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
   out = subprocess.run([sys.executable, "-c", _PER_DEVICE], cwd=ROOT, env=env,
