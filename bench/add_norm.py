@@ -27,8 +27,8 @@ import norm_rope as timing  # noqa: E402
 from pallas_kernels import add_norm as an  # noqa: E402
 
 # (forward block_rows, num_warps, backward block_rows, num_warps, rows per program)
-TILES = [(2, 8, 2, 4, 128), (4, 8, 4, 8, 128), (1, 4, 1, 4, 64), (2, 8, 2, 8, 256),
-         (2, 4, 2, 4, 64)]
+TILES = [(2, 4, 2, 4, 64), (2, 8, 2, 4, 128), (1, 4, 1, 4, 64), (2, 4, 2, 4, 32),
+         (2, 2, 2, 2, 64)]
 
 
 def run(shape, tiles, iters, copies, interpret):

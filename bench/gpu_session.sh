@@ -105,9 +105,10 @@ for spec in "$@"; do
              $RUN python3 bench/train_step.py --sizes "${PACKED_SIZES:-1.3b}" --impls cudnn,pallas \
                --steps 6 --out "$OUT/train_step_packed.json" 2>&1 | grep --line-buffered -v -i autotun \
                | tee "$OUT/train_step_packed.log" | tail -6 ;;
-    train_step_flags)  # the same step under XLA flags (default: cuBLAS for every GEMM, as MaxText sets);
+    train_step_flags)  # the same step under XLA flags (default: cuBLAS for every GEMM, as MaxText sets;
+             # STEP_XLA_FLAGS= (set, empty) for none: a second train_step run with its own files);
              # FLAG_STEP_ARGS replaces the step's arguments, e.g. the train_step stage's for an A/B
-             XLA_FLAGS="${STEP_XLA_FLAGS:---xla_gpu_enable_triton_gemm=false}" $RUN python3 \
+             XLA_FLAGS="${STEP_XLA_FLAGS-"--xla_gpu_enable_triton_gemm=false"}" $RUN python3 \
                bench/train_step.py ${FLAG_STEP_ARGS:---sizes ${FLAG_SIZES:-1.3b} --impls cudnn --no_segments --steps 6} \
                --out "$OUT/train_step_flags.json" 2>&1 | grep --line-buffered -v -i autotun \
                | tee "$OUT/train_step_flags.log" | tail -6 ;;

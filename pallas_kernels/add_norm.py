@@ -15,9 +15,9 @@ separate add then norm do. No carries.
 
 Backward (`add_norm_bwd`): grid (P,), P = R / rows_per_program. Program p walks its rows in
 blocks of block_rows (a fori_loop), carrying the gain's gradient Σ_rows g_y·ĥ as a float32 [E]
-partial in registers; it leaves as one row of partials [P, E] (1.5 MB at 1.3B × 24 × 2048,
-rows_per_program 128), which XLA sums. dh = g_h + r·(g_y·s − ĥ·mean(g_y·s·ĥ)),
-r = 1/rms(h), ĥ = h·r; statistics in float32. Blocks [block_rows, E]: E is whole (the statistics need whole
+partial in registers; it leaves as one row of partials [P, E] (6 MB at 1.3B × 24 × 2048,
+rows_per_program 64), which XLA sums. dh = g_h + r·(g_y·s − ĥ·mean(g_y·s·ĥ)), r = 1/rms(h),
+ĥ = h·r; statistics in float32. Blocks [block_rows, E]: E is whole (the statistics need whole
 rows) and must be a power of two compiled (Triton's block shapes).
 """
 
@@ -31,11 +31,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-# Float32 values per thread per live [block_rows, E] tile: block_rows·E / (32·num_warps); at
-# E = 2048 the defaults keep 16 (forward, ~4 live tiles) and 32 (backward, ~5 live tiles).
-FWD_BLOCK_ROWS, FWD_NUM_WARPS = 2, 8
+# Tiles timed on the H200 (bench/add_norm.py, twenty-fifth session; forward / backward ms at
+# 49152 × 2048 and 65536 × 1024 bf16): 2 rows over 4 warps both ways, 64 rows per backward
+# program: 0.252 / 0.280 and 0.181 / 0.236 (XLA's passes: 0.298 / 0.413 and 0.215 / 0.271; the
+# first guess, forward 2 × 8 warps and 128 rows per program: 0.297 / 0.333 and 0.184 / 0.223).
+# 32 float32 values per thread per live [2, E] tile at E = 2048.
+FWD_BLOCK_ROWS, FWD_NUM_WARPS = 2, 4
 BWD_BLOCK_ROWS, BWD_NUM_WARPS = 2, 4
-ROWS_PER_PROGRAM = 128
+ROWS_PER_PROGRAM = 64
 
 
 def add_norm_reference(x_RE, d_RE, scale_E, eps: float):
