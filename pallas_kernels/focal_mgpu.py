@@ -90,8 +90,9 @@ class BlockSizes:
   fused_backward: bool = False
   # With fused_backward at D=128: dq computed jointly by both compute warpgroups over the CTA's
   # keys, each taking half its columns (FlashAttention-3's split; half the float32 reduce-add
-  # traffic and dq SMEM tile, dS double-buffered). Lowers and passes in interpret mode; not yet
-  # compiled or timed on a GPU, so off.
+  # traffic and dq SMEM tile, dS double-buffered). Compiled on the H200 it passes (twenty-fifth
+  # session) but is slower: 0.67 / 0.73 / 0.78x the two kernels at (2,16,4K) / (1,16,8K) /
+  # (1,8,16K), D=128, and the 1.3B step took 6 ms longer; so off.
   joint_dq: bool = False
 
   def __post_init__(self):

@@ -40,15 +40,20 @@ blocks.joint_dq (D = 128 only; FlashAttention-3's dQ split): each warpgroup stil
 dK and dV for its own keys, but dq is computed jointly. Both warpgroups store their dS tile
 (double-buffered by step parity, [2, W, bkv, bq]) and meet at a barrier (`ds_ready`, one phase per
 step). Then warpgroup w computes dq's columns [w·D/W, (w+1)·D/W) over all W·bkv keys of the CTA
-(W accumulating transposed-lhs wgmmas against column slices of the k tiles) and reduce-adds that
+(W transposed-lhs wgmmas into one scoped accumulator, `mgpu_compat.mma_t_sum`, against column
+slices of the k tiles) and reduce-adds that
 [bq, D/W] tile. Per 128 keys and q block that is one [bq, D] float32 reduce instead of two, and
 the dq SMEM tile halves: D=128, bq = bkv = 64, C = 2: 194 KB. Causal blocks above a warpgroup's
 keys run masked instead of skipped (the other warpgroup needs its zero dS), and a last barrier
 (`done`) keeps a warpgroup from staging dk in its k tile while the other's last dq wgmma reads it.
+Compiled on the H200 it passes its tests but runs 0.67–0.78× the two-kernel backward at 4K–16K
+(twenty-fifth session): the per-step barrier between the warpgroups costs more than the halved
+reduce saves, so focal_mgpu leaves it off.
 
 Segment ids (optional, as focal_mgpu_dkv's): each warpgroup's key ids stay resident and each q
-block's ids join its ring slot; a tile masks where the ids differ. `focal_mgpu` does not route
-packed batches here yet (interpret-mode tests only).
+block's ids join its ring slot; a tile masks where the ids differ. Compiled on the H200 at D 64
+and 128 (twenty-fifth session); `focal_mgpu` routes packed batches here wherever
+BlockSizes.fused_backward is set (the D = 64 default).
 
 Contract: focal_mgpu_bwd's (`_check`; this kernel reads blocks.block_q_dkv, blocks.block_kv_dkv,
 blocks.max_concurrent_steps and, if present, blocks.joint_dq) plus the SMEM budget above.
