@@ -47,8 +47,8 @@ the dq SMEM tile halves: D=128, bq = bkv = 64, C = 2: 194 KB. Causal blocks abov
 keys run masked instead of skipped (the other warpgroup needs its zero dS), and a last barrier
 (`done`) keeps a warpgroup from staging dk in its k tile while the other's last dq wgmma reads it.
 Compiled on the H200 it passes its tests but runs 0.67–0.78× the two-kernel backward at 4K–16K
-(twenty-fifth session): the per-step barrier between the warpgroups costs more than the halved
-reduce saves, so focal_mgpu leaves it off.
+(twenty-fifth session; not profiled: the per-step barrier that couples the warpgroups is the
+likely cost), so focal_mgpu leaves it off.
 
 Segment ids (optional, as focal_mgpu_dkv's): each warpgroup's key ids stay resident and each q
 block's ids join its ring slot; a tile masks where the ids differ. Compiled on the H200 at D 64
