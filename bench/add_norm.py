@@ -12,7 +12,6 @@ and writes dh: 4 row tensors each way, the bytes printed over the time. The XLA 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -70,14 +69,8 @@ def run(shape, tiles, iters, copies, interpret):
 
 
 def main():
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--shapes", nargs="*", default=["49152,2048", "65536,1024"])
-  ap.add_argument("--iters", type=int, default=20)
-  ap.add_argument("--copies", type=int, default=8, help="distinct inputs per timed call")
-  ap.add_argument("--smoke", action="store_true", help="CPU, interpret mode, one tiny shape")
-  ap.add_argument("--out", default="bench_add_norm.json")
-  a = ap.parse_args()
-  shapes = [(64, 32)] if a.smoke else [tuple(map(int, s.split(","))) for s in a.shapes]
+  a, shapes = timing.parse_args(__doc__, ["49152,2048", "65536,1024"], (64, 32),
+                                "bench_add_norm.json")
   tiles = [(2, 4, 2, 4, 16)] if a.smoke else TILES
   print(f"jax {jax.__version__} {jax.devices()[0].device_kind}  (defaults: forward "
         f"{an.FWD_BLOCK_ROWS}x{an.FWD_NUM_WARPS}, backward {an.BWD_BLOCK_ROWS}x"

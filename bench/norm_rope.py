@@ -85,15 +85,21 @@ def run(shape, tiles, iters, copies, interpret):
   return out
 
 
-def main():
-  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--shapes", nargs="*", default=["49152,16,128", "65536,8,128"])
+def parse_args(doc: str, shapes: list[str], smoke_shape: tuple, out: str):
+  """The glue benches' command line (this one's and bench/add_norm.py's): (args, shapes)."""
+  ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+  ap.add_argument("--shapes", nargs="*", default=shapes)
   ap.add_argument("--iters", type=int, default=20)
   ap.add_argument("--copies", type=int, default=8, help="distinct inputs per timed call")
   ap.add_argument("--smoke", action="store_true", help="CPU interpret mode, one tiny shape")
-  ap.add_argument("--out", default="bench_norm_rope.json")
+  ap.add_argument("--out", default=out)
   a = ap.parse_args()
-  shapes = [(64, 2, 16)] if a.smoke else [tuple(map(int, s.split(","))) for s in a.shapes]
+  return a, [smoke_shape] if a.smoke else [tuple(map(int, s.split(","))) for s in a.shapes]
+
+
+def main():
+  a, shapes = parse_args(__doc__, ["49152,16,128", "65536,8,128"], (64, 2, 16),
+                         "bench_norm_rope.json")
   tiles = [(8, 4)] if a.smoke else TILES
   print(f"jax {jax.__version__} {jax.devices()[0].device_kind}  (default tiles: forward "
         f"{nr.BLOCK_ROWS}x{nr.NUM_WARPS}, backward {nr.BWD_BLOCK_ROWS}x{nr.BWD_NUM_WARPS})")
