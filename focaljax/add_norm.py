@@ -89,8 +89,7 @@ def _bwd(eps, res, g):
   gh_BTE, gy_BTE = g
 
   def local(s, h, gh, gy):
-    dh, ds = kernel.add_norm_bwd(_rows(h), s, _rows(gh).astype(h.dtype), _rows(gy).astype(h.dtype),
-                                 eps=eps,
+    dh, ds = kernel.add_norm_bwd(_rows(h), s, _rows(gh), _rows(gy), eps=eps,
                                  interpret=ops._interpret())  # pylint: disable=protected-access
     return dh.reshape(h.shape), ds
   dh_BTE, d_scale = _per_device(local, scale_E, h_BTE, gh_BTE, gy_BTE, out_kinds=("rows", "sum"))

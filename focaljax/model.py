@@ -344,11 +344,11 @@ class Transformer(nnx.Module):
   def _deferred_blocks(self, x_BTE, positions_BT, segment_ids_BT, theta):
     """The blocks through `Block.deferred`: the same sums, each residual add fused with the norm
     after it; the last add is XLA's, before the final norm."""
+    call = lambda b, *a: b.deferred(*a, add_norm=self.add_norm)  # noqa: E731
+    if self.cfg.remat:
+      call = nnx.remat(call, static_argnums=(5,), policy=REMAT_POLICIES[self.cfg.remat_policy])
     d_BTE = None
     for block in self.blocks:
-      call = lambda b, *a: b.deferred(*a, add_norm=self.add_norm)  # noqa: E731
-      if self.cfg.remat:
-        call = nnx.remat(call, static_argnums=(5,), policy=REMAT_POLICIES[self.cfg.remat_policy])
       x_BTE, d_BTE = call(block, x_BTE, d_BTE, positions_BT, segment_ids_BT, theta)
     return x_BTE + d_BTE
 

@@ -41,9 +41,9 @@ dK and dV for its own keys, but dq is computed jointly. Both warpgroups store th
 (double-buffered by step parity, [2, W, bkv, bq]) and meet at a barrier (`ds_ready`, one phase per
 step). Then warpgroup w computes dq's columns [w·D/W, (w+1)·D/W) over all W·bkv keys of the CTA
 (W transposed-lhs wgmmas into one scoped accumulator, `mgpu_compat.mma_t_sum`, against column
-slices of the k tiles) and reduce-adds that
-[bq, D/W] tile. Per 128 keys and q block that is one [bq, D] float32 reduce instead of two, and
-the dq SMEM tile halves: D=128, bq = bkv = 64, C = 2: 194 KB. Causal blocks above a warpgroup's
+slices of the k tiles) and reduce-adds that [bq, D/W] tile. Per 128 keys and q block that is one
+[bq, D] float32 reduce instead of two, and the dq SMEM tile halves: D=128, bq = bkv = 64, C = 2:
+194 KB. Causal blocks above a warpgroup's
 keys run masked instead of skipped (the other warpgroup needs its zero dS), and a last barrier
 (`done`) keeps a warpgroup from staging dk in its k tile while the other's last dq wgmma reads it.
 Compiled on the H200 it passes its tests but runs 0.67–0.78× the two-kernel backward at 4K–16K

@@ -205,11 +205,7 @@ def mma_t_sum(pairs, *, interpret: bool):
   twenty-fifth session). `pl.run_scoped` returns only what its body returns.
   """
   if interpret:
-    out = None
-    for a_ref, b_ref in pairs:
-      d = _dot(a_ref[...].T, b_ref[...])
-      out = d if out is None else out + d
-    return out
+    return sum(_dot(a_ref[...].T, b_ref[...]) for a_ref, b_ref in pairs)
   m, n = pairs[0][0].shape[1], pairs[0][1].shape[1]
 
   def scoped(acc_ref):
