@@ -31,6 +31,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.norm_rope import dividing_rows
+
 # Tiles timed on the H200 (bench/add_norm.py, twenty-fifth session; forward / backward ms at
 # 49152 × 2048 bf16, two runs on two machines): 2 rows over 4 warps both ways, 64 rows per
 # backward program: 0.252 / 0.280 and 0.263 / 0.312; the first guess (forward 2 rows × 8 warps,
@@ -86,14 +88,6 @@ def _check(name, E, interpret, **same_shape):
     raise ValueError(f"{name}: want one [R, E] shape; got {shapes}")
 
 
-def _rows(R: int, want: int) -> int:
-  """The largest power of two ≤ want dividing R (1 if R is odd)."""
-  b = want
-  while b > 1 and R % b:
-    b //= 2
-  return b
-
-
 def _params(interpret, num_warps):
   return None if interpret else pltriton.CompilerParams(num_warps=num_warps, num_stages=2)
 
@@ -106,7 +100,7 @@ def add_norm_fwd(x_RE, d_RE, scale_E, *, eps: float, block_rows: int = FWD_BLOCK
   _check("add_norm_fwd", E, interpret, x=x_RE, d=d_RE)
   if d_RE.dtype != x_RE.dtype:
     raise ValueError(f"add_norm_fwd: want δ in x's dtype {x_RE.dtype}; got {d_RE.dtype}")
-  br = _rows(R, block_rows)
+  br = dividing_rows(R, block_rows)
   rows = pl.BlockSpec((br, E), lambda i: (i, 0))
   out = jax.ShapeDtypeStruct((R, E), x_RE.dtype)
   return pl.pallas_call(
@@ -127,8 +121,8 @@ def add_norm_bwd(h_RE, scale_E, gh_RE, gy_RE, *, eps: float, block_rows: int = B
   of (h, y); dh is also δ's and x's gradient."""
   R, E = h_RE.shape
   _check("add_norm_bwd", E, interpret, h=h_RE, g_h=gh_RE, g_y=gy_RE)
-  rp = _rows(R, rows_per_program)
-  br = min(_rows(R, block_rows), rp)
+  rp = dividing_rows(R, rows_per_program)
+  br = min(dividing_rows(R, block_rows), rp)
   rows = pl.BlockSpec((rp, E), lambda p: (p, 0))
   dh, ds_partial = pl.pallas_call(
       functools.partial(_bwd_kernel, eps=float(eps), block_rows=br, n_blocks=rp // br),

@@ -92,8 +92,9 @@ def _bwd_kernel(x_ref, g_ref, cos_ref, sin_ref, s_ref, dx_ref, ds_ref, *, eps, h
   ds_ref[hi] = jnp.sum(u2 * xh2, axis=0)
 
 
-def _block_rows(R: int, block_rows: int) -> int:
-  """The largest power of two ≤ block_rows that divides R (rows are tokens: B·T)."""
+def dividing_rows(R: int, block_rows: int) -> int:
+  """The largest power of two ≤ block_rows that divides R (rows are tokens: B·T); 1 if R is odd.
+  Also pallas_kernels/add_norm's row blocks."""
   b = block_rows
   while b > 1 and R % b:
     b //= 2
@@ -111,7 +112,7 @@ def _check(name, x_RND, cos_Rd, sin_Rd, interpret):
 def _pad_rows(R: int, block_rows: int, *arrays):
   """(block rows, padded row count, the arrays padded): zero rows give zero outputs and no gain
   gradient, and are sliced off by the caller."""
-  br = _block_rows(R, block_rows)
+  br = dividing_rows(R, block_rows)
   if br >= 8:
     return br, R, arrays
   br = min(block_rows, 8)
