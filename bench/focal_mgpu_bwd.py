@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import statistics
 import sys
@@ -48,6 +49,7 @@ class Blocks:
   block_kv_dkv: int = 64
   max_concurrent_steps: int = 2
   joint_dq: bool = False  # focal_mgpu.BlockSizes.joint_dq (the fused kernel at D = 128)
+  ablate: tuple = ()  # focal_mgpu_bwd_fused's stages to leave out (--ablate; wrong dq)
 
 
 WARMUP = 2
@@ -92,7 +94,8 @@ def _residuals(q, k, v, s_BNT, *, blocks, interpret):
   try:
     from pallas_kernels import focal_mgpu  # pylint: disable=import-outside-toplevel
     fwd_blocks = focal_mgpu.BlockSizes.default(q.shape[-1], q.dtype)
-    fwd_blocks = dataclasses.replace(fwd_blocks, **dataclasses.asdict(blocks))
+    fields = {k: v for k, v in dataclasses.asdict(blocks).items() if k != "ablate"}
+    fwd_blocks = dataclasses.replace(fwd_blocks, **fields)
     out, lse = jax.jit(lambda *a: focal_mgpu.forward(*a, causal=True, blocks=fwd_blocks,
                                                      interpret=interpret))(q, k, v, s_BNT)
     return jax.block_until_ready(out), lse, "focal_mgpu"
@@ -101,7 +104,10 @@ def _residuals(q, k, v, s_BNT, *, blocks, interpret):
     return (*jax.jit(_xla_residuals)(q, k, v, s_BNT), "xla")
 
 
-def _row(shape, *, blocks, iters, interpret, fused, joint=False):
+ABLATIONS = (("dq",), ("reduce",), ("wait",))
+
+
+def _row(shape, *, blocks, iters, interpret, fused, joint=False, ablate=False):
   B, H, T, D = shape
   kq, kk, kv, ks, kdo = jax.random.split(jax.random.key(0), 5)
   dtype = jnp.bfloat16
@@ -123,6 +129,13 @@ def _row(shape, *, blocks, iters, interpret, fused, joint=False):
     jkw = dict(kw, blocks=dataclasses.replace(blocks, joint_dq=True))
     res["joint"] = _median_ms(jax.jit(lambda *a: ff.backward(*a, **jkw)), q, k, v, s_BNT, out,
                               lse, do, iters=iters)
+  if ablate:  # the fused kernel alone with stages left out: their cost is the difference
+    for cut in ABLATIONS + ((("reduce",), ("wait",)) if joint and D == 128 else ()):
+      joint_cut = isinstance(cut[0], tuple)
+      cut = cut[0] if joint_cut else cut
+      akw = dict(kw, blocks=dataclasses.replace(blocks, ablate=cut, joint_dq=joint_cut))
+      name = ("joint_" if joint_cut else "") + "no_" + "_".join(cut)
+      res[name] = _median_ms(lambda *a: ff.fused_call(*a, **akw), *rows, iters=iters)
   if not interpret:
     attend = lambda q, k, v: jax.nn.dot_product_attention(
         q, k, v, scale=D**-0.5, is_causal=True, implementation="cudnn")
@@ -144,7 +157,12 @@ def main():
                   help="also time focal_mgpu_bwd_fused (single-pass, dq by TMA reduce-add)")
   ap.add_argument("--joint", action="store_true",
                   help="also time the fused kernel with joint_dq (D = 128 shapes only)")
+  ap.add_argument("--ablate", action="store_true",
+                  help="also time the fused kernel with its dq stages left out (wrong dq; "
+                       "a stage's cost is the difference to the whole kernel)")
+  ap.add_argument("--out", help="write the rows as JSON here")
   a = ap.parse_args()
+  a.fused = a.fused or a.ablate  # the ablations read against the whole fused kernel
   blocks = Blocks(*map(int, a.blocks.split(",")))
   shapes = [tuple(map(int, s.split(","))) for s in a.shapes] if a.shapes else (
       SMOKE if a.smoke else SHAPES)
@@ -157,10 +175,13 @@ def main():
         f"{'cuDNN ms':>8} {'TF/s':>6} {'cuDNN/ours':>10}"
         + (f" {'fused ms':>8} {'TF/s':>6} {'kernel':>7} {'2k/fused':>8} {'cuDNN/fused':>11}"
            if a.fused else ""))
+  rows = []
   for shape in shapes:
     B, H, T, D = shape
     flops = 2.5 * 4 * B * H * T * T * D / 2
-    r = _row(shape, blocks=blocks, iters=iters, interpret=a.smoke, fused=a.fused, joint=a.joint)
+    r = _row(shape, blocks=blocks, iters=iters, interpret=a.smoke, fused=a.fused,
+             joint=a.joint, ablate=a.ablate)
+    rows.append({"shape": shape, **r})
     tf = lambda ms: flops / (ms * 1e-3) / 1e12
     cudnn = r.get("cudnn")
     tail = (f"{cudnn:8.3f} {tf(cudnn):6.0f} {cudnn / r['bwd']:10.2f}" if cudnn
@@ -175,6 +196,14 @@ def main():
           f", cuDNN/joint {cudnn / jz:.2f}" if cudnn else "")
     print(f"{str(shape):>20} {r['source']:>10} {r['bwd']:8.3f} {tf(r['bwd']):6.0f} "
           f"{r['dq']:7.3f} {r['dkv']:7.3f} {tail}", flush=True)
+    cuts = {k: v for k, v in r.items() if k.startswith(("no_", "joint_no_"))}
+    if cuts:
+      print(f"{'':>20} fused kernel {r['fused_kernel']:.3f} ms; without: "
+            + ", ".join(f"{k[3:] if k.startswith('no_') else k} {v:.3f}" for k, v in cuts.items()),
+            flush=True)
+  if a.out:
+    Path(a.out).write_text(json.dumps({"jax": jax.__version__, "blocks": dataclasses.asdict(blocks),
+                                       "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

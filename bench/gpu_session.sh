@@ -97,6 +97,16 @@ for spec in "$@"; do
                  ${BWD_SHAPES:-24,16,2048,128 2,16,4096,128 1,16,8192,128} 2>&1 | grep -v -i autotun \
                  | tee -a "$OUT/bwd_sweep.log" | tail -5
              done ;;
+    fused_diag)  # issue 3: why the fused backward loses at D = 128: its dq stages left out
+             # (--ablate), ptxas's registers and spills per kernel, then ncu's view if it runs here
+             MOSAIC_GPU_DUMP_PTXAS=1 $RUN python3 bench/focal_mgpu_bwd.py --ablate --joint \
+               --shapes ${DIAG_SHAPES:-1,16,8192,128 2,12,16384,64} --out "$OUT/fused_diag.json" \
+               > "$OUT/fused_diag.log" 2>&1
+             grep -i "spill\|registers\|entry function\| ms\|without\|(B,H" "$OUT/fused_diag.log" | tail -60
+             $RUN ncu --clock-control none --kernel-name regex:"fused|dkv" --launch-count 2 \
+               --section SpeedOfLight --section WarpStateStats --section LaunchStats \
+               --section MemoryWorkloadAnalysis python3 bench/focal_mgpu_bwd.py --fused --iters 1 \
+               --shapes 1,16,8192,128 > "$OUT/fused_ncu.log" 2>&1; tail -60 "$OUT/fused_ncu.log" ;;
     condense) $RUN python3 bench/condense.py --out "$OUT/condense.json" 2>&1 | tee "$OUT/condense.log" | tail -20 ;;
     attention) $RUN python3 bench/attention.py ${ATTN_IMPLS:+--impls $ATTN_IMPLS} ${ATTN_SHAPES:+--shapes $ATTN_SHAPES} --out "$OUT/attention.json" 2>&1 | tee "$OUT/attention.log" | tail -40 ;;
     dilution) $RUN python3 bench/dilution.py --impls dilution,cudnn --out "$OUT/dilution.json" 2>&1 | tee "$OUT/dilution.log" | tail -40 ;;

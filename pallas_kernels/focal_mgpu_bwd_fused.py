@@ -55,6 +55,11 @@ block's ids join its ring slot; a tile masks where the ids differ. Compiled on t
 and 128 (twenty-fifth session); `focal_mgpu` routes packed batches here wherever
 BlockSizes.fused_backward is set (the D = 64 default).
 
+Ablation (benchmarks only; `bench/focal_mgpu_bwd.py --ablate`): a blocks object with an `ablate`
+tuple leaves stages out so their cost reads as a difference of kernel times: "dq" (no dsᵀ·k,
+store or reduce), "reduce" (the dq tile is stored but never reduced), "wait" (no wait for the
+previous reduce's read: a race). dq is then wrong; focal_mgpu's BlockSizes has no such field.
+
 Contract: focal_mgpu_bwd's (`_check`; this kernel reads blocks.block_q_dkv, blocks.block_kv_dkv,
 blocks.max_concurrent_steps and, if present, blocks.joint_dq) plus the SMEM budget above.
 Causal: s visible to t iff s <= t.
@@ -97,7 +102,8 @@ def smem_bytes(*, bq: int, bkv: int, D: int, steps: int, itemsize: int = 2,
 
 def _kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, acc_ref, dk_ref, dv_ref,
             k_s, v_s, q_s, do_s, c_s, lse_s, delta_s, ds_s, dq_s, res_bar, q_bar, q_free,
-            *joint_bars, seg, causal, bq, bkv, n_q, group, steps, joint_dq, interpret):
+            *joint_bars, seg, causal, bq, bkv, n_q, group, steps, joint_dq, interpret,
+            ablate=()):
   b, kv_head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
   cta_k0 = lax.axis_index("kv_seq") * (W * bkv)
   # First q block that sees any key of this CTA (causal); per head the CTA visits [i_lo, n_q).
@@ -142,11 +148,13 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, acc_ref, dk_
           cols = pl.ds(w * cols_n, cols_n)
           acc_Qd = mc.mma_t_sum([(ds_s.at[buf, j], k_s.at[j, :, cols]) for j in range(W)],
                                 interpret=interpret)
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous reduce read dq_QD_s
+          if "wait" not in ablate:
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous reduce read dq_QD_s
           dq_QD_s[...] = acc_Qd
           plgpu.commit_smem()
-          mc.copy_smem_to_gmem_add(dq_QD_s, acc.at[b, pl.ds(i * bq, bq), n, cols],
-                                   interpret=interpret)
+          if "reduce" not in ablate:
+            mc.copy_smem_to_gmem_add(dq_QD_s, acc.at[b, pl.ds(i * bq, bq), n, cols],
+                                     interpret=interpret)
 
     def step(t, carry, *, g, masked):
       dk_KD, dv_KD = carry
@@ -189,11 +197,15 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, acc_ref, dk_
         plgpu.barrier_wait(ds_ready.at[buf])
         joint_dq_step(buf, i, n)
         return dk_KD, dv_KD
+      if "dq" in ablate:
+        return dk_KD, dv_KD
       acc_QD = mc.mma_t(ds_KQ_s, k_s.at[wg], interpret=interpret)
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous reduce has read dq_QD_s
+      if "wait" not in ablate:
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous reduce has read dq_QD_s
       dq_QD_s[...] = acc_QD
       plgpu.commit_smem()
-      mc.copy_smem_to_gmem_add(dq_QD_s, acc.at[b, pl.ds(i * bq, bq), n], interpret=interpret)
+      if "reduce" not in ablate:
+        mc.copy_smem_to_gmem_add(dq_QD_s, acc.at[b, pl.ds(i * bq, bq), n], interpret=interpret)
       return dk_KD, dv_KD
 
     dk_KD, dv_KD = focal_mgpu_dkv.visit_q_blocks(
@@ -264,7 +276,8 @@ def fused_call(q, k, v, do, c_BNT, lse_BNT, delta_BNT, *, causal: bool, blocks, 
   dk, dv = mc.ref_kernel(
       mc.with_segments(
           functools.partial(_kernel, causal=causal, bq=bq, bkv=bkv, n_q=n_q, group=N // K,
-                            steps=steps, joint_dq=joint, interpret=flag),
+                            steps=steps, joint_dq=joint, interpret=flag,
+                            ablate=getattr(blocks, "ablate", ())),
           n_in=len(operands), n_seg_scratch=2, segments=segments),
       out_type=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
       scratch_types=[
