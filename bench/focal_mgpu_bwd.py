@@ -12,7 +12,8 @@ FLOPs: backward = 2.5 × forward = 2.5 · 4·B·H·T²·D / 2 (causal), the usua
 
   python bench/focal_mgpu_bwd.py [--iters 10] [--blocks 64,64,64,64,2] [--shapes 2,16,4096,128]
   python bench/focal_mgpu_bwd.py --fused [--shapes ...]   # + the single-pass backward
-  python bench/focal_mgpu_bwd.py --fused --joint          # + its joint-dq variant (D = 128)
+  python bench/focal_mgpu_bwd.py --fused --joint --halves # + its joint-dq, dq-halves variants (D = 128)
+  python bench/focal_mgpu_bwd.py --ablate [--joint]      # + the fused kernel with dq stages left out
   python bench/focal_mgpu_bwd.py --smoke [--fused]        # CPU, GPU interpret mode, tiny shape
 """
 
@@ -49,6 +50,7 @@ class Blocks:
   block_kv_dkv: int = 64
   max_concurrent_steps: int = 2
   joint_dq: bool = False  # focal_mgpu.BlockSizes.joint_dq (the fused kernel at D = 128)
+  dq_halves: bool = False  # focal_mgpu_bwd_fused's dq in two column halves (D = 128, --halves)
   ablate: tuple = ()  # focal_mgpu_bwd_fused's stages to leave out (--ablate; wrong dq)
 
 
@@ -94,7 +96,8 @@ def _residuals(q, k, v, s_BNT, *, blocks, interpret):
   try:
     from pallas_kernels import focal_mgpu  # pylint: disable=import-outside-toplevel
     fwd_blocks = focal_mgpu.BlockSizes.default(q.shape[-1], q.dtype)
-    fields = {k: v for k, v in dataclasses.asdict(blocks).items() if k != "ablate"}
+    known = {f.name for f in dataclasses.fields(focal_mgpu.BlockSizes)}
+    fields = {k: v for k, v in dataclasses.asdict(blocks).items() if k in known}
     fwd_blocks = dataclasses.replace(fwd_blocks, **fields)
     out, lse = jax.jit(lambda *a: focal_mgpu.forward(*a, causal=True, blocks=fwd_blocks,
                                                      interpret=interpret))(q, k, v, s_BNT)
@@ -107,7 +110,7 @@ def _residuals(q, k, v, s_BNT, *, blocks, interpret):
 ABLATIONS = (("dq",), ("reduce",), ("wait",))
 
 
-def _row(shape, *, blocks, iters, interpret, fused, joint=False, ablate=False):
+def _row(shape, *, blocks, iters, interpret, fused, joint=False, ablate=False, halves=False):
   B, H, T, D = shape
   kq, kk, kv, ks, kdo = jax.random.split(jax.random.key(0), 5)
   dtype = jnp.bfloat16
@@ -129,6 +132,10 @@ def _row(shape, *, blocks, iters, interpret, fused, joint=False, ablate=False):
     jkw = dict(kw, blocks=dataclasses.replace(blocks, joint_dq=True))
     res["joint"] = _median_ms(jax.jit(lambda *a: ff.backward(*a, **jkw)), q, k, v, s_BNT, out,
                               lse, do, iters=iters)
+  if halves and D == 128:
+    hkw = dict(kw, blocks=dataclasses.replace(blocks, dq_halves=True))
+    res["halves"] = _median_ms(jax.jit(lambda *a: ff.backward(*a, **hkw)), q, k, v, s_BNT, out,
+                               lse, do, iters=iters)
   if ablate:  # the fused kernel alone with stages left out: their cost is the difference
     for cut in ABLATIONS + ((("reduce",), ("wait",)) if joint and D == 128 else ()):
       joint_cut = isinstance(cut[0], tuple)
@@ -157,12 +164,14 @@ def main():
                   help="also time focal_mgpu_bwd_fused (single-pass, dq by TMA reduce-add)")
   ap.add_argument("--joint", action="store_true",
                   help="also time the fused kernel with joint_dq (D = 128 shapes only)")
+  ap.add_argument("--halves", action="store_true",
+                  help="also time the fused kernel with dq in two column halves (D = 128 only)")
   ap.add_argument("--ablate", action="store_true",
                   help="also time the fused kernel with its dq stages left out (wrong dq; "
                        "a stage's cost is the difference to the whole kernel)")
   ap.add_argument("--out", help="write the rows as JSON here")
   a = ap.parse_args()
-  a.fused = a.fused or a.ablate  # the ablations read against the whole fused kernel
+  a.fused = a.fused or a.ablate or a.halves  # these read against the whole fused kernel
   blocks = Blocks(*map(int, a.blocks.split(",")))
   shapes = [tuple(map(int, s.split(","))) for s in a.shapes] if a.shapes else (
       SMOKE if a.smoke else SHAPES)
@@ -180,7 +189,7 @@ def main():
     B, H, T, D = shape
     flops = 2.5 * 4 * B * H * T * T * D / 2
     r = _row(shape, blocks=blocks, iters=iters, interpret=a.smoke, fused=a.fused,
-             joint=a.joint, ablate=a.ablate)
+             joint=a.joint, ablate=a.ablate, halves=a.halves)
     rows.append({"shape": shape, **r})
     tf = lambda ms: flops / (ms * 1e-3) / 1e12
     cudnn = r.get("cudnn")
@@ -196,6 +205,11 @@ def main():
           f", cuDNN/joint {cudnn / jz:.2f}" if cudnn else "")
     print(f"{str(shape):>20} {r['source']:>10} {r['bwd']:8.3f} {tf(r['bwd']):6.0f} "
           f"{r['dq']:7.3f} {r['dkv']:7.3f} {tail}", flush=True)
+    if "halves" in r:
+      hz = r["halves"]
+      print(f"{'':>20} fused, dq halves {hz:.3f} ms {tf(hz):.0f} TF/s, 2k/halves "
+            f"{r['bwd'] / hz:.2f}" + (f", cuDNN/halves {cudnn / hz:.2f}" if cudnn else ""),
+            flush=True)
     cuts = {k: v for k, v in r.items() if k.startswith(("no_", "joint_no_"))}
     if cuts:
       print(f"{'':>20} fused kernel {r['fused_kernel']:.3f} ms; without: "

@@ -97,9 +97,12 @@ for spec in "$@"; do
                  ${BWD_SHAPES:-24,16,2048,128 2,16,4096,128 1,16,8192,128} 2>&1 | grep -v -i autotun \
                  | tee -a "$OUT/bwd_sweep.log" | tail -5
              done ;;
-    fused_diag)  # issue 3: why the fused backward loses at D = 128: its dq stages left out
-             # (--ablate), ptxas's registers and spills per kernel, then ncu's view if it runs here
-             MOSAIC_GPU_DUMP_PTXAS=1 $RUN python3 bench/focal_mgpu_bwd.py --ablate --joint \
+    fused_diag)  # issue 3: why the fused backward loses at D = 128: the dq-halves variant's
+             # compiled tests, then every variant timed with the dq stages left out (--ablate),
+             # ptxas's registers and spills per kernel, then ncu's view if it runs here
+             $RUN python3 -m pytest -q -o addopts="" -p no:cacheprovider \
+               tests/test_focal_mgpu_bwd_fused.py -k "Compiled and halves" 2>&1 | tail -3
+             MOSAIC_GPU_DUMP_PTXAS=1 $RUN python3 bench/focal_mgpu_bwd.py --ablate --joint --halves \
                --shapes ${DIAG_SHAPES:-1,16,8192,128 2,12,16384,64} --out "$OUT/fused_diag.json" \
                > "$OUT/fused_diag.log" 2>&1
              grep -i "spill\|registers\|entry function\| ms\|without\|(B,H" "$OUT/fused_diag.log" | tail -60

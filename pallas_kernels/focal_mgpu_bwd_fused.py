@@ -50,6 +50,12 @@ Compiled on the H200 it passes its tests but runs 0.67–0.78× the two-kernel b
 (twenty-fifth session; not profiled: the per-step barrier that couples the warpgroups is the
 likely cost), so focal_mgpu leaves it off.
 
+blocks.dq_halves (D = 128 only; no coupling between warpgroups): each warpgroup computes its dq
+tile in two 64-column halves, each a wgmma against a column half of its own k tile, its own
+float32 SMEM tile and its own reduce-add. Same SMEM and traffic as the whole tile; the second
+half's wgmma runs while the first half's reduce reads SMEM, and the live accumulator is
+bq·D/256 registers per thread, not bq·D/128, beside dk and dv's 128.
+
 Segment ids (optional, as focal_mgpu_dkv's): each warpgroup's key ids stay resident and each q
 block's ids join its ring slot; a tile masks where the ids differ. Compiled on the H200 at D 64
 and 128 (twenty-fifth session); `focal_mgpu` routes packed batches here wherever
@@ -102,8 +108,8 @@ def smem_bytes(*, bq: int, bkv: int, D: int, steps: int, itemsize: int = 2,
 
 def _kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, acc_ref, dk_ref, dv_ref,
             k_s, v_s, q_s, do_s, c_s, lse_s, delta_s, ds_s, dq_s, res_bar, q_bar, q_free,
-            *joint_bars, seg, causal, bq, bkv, n_q, group, steps, joint_dq, interpret,
-            ablate=()):
+            *joint_bars, seg, causal, bq, bkv, n_q, group, steps, joint_dq, dq_halves,
+            interpret, ablate=()):
   b, kv_head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
   cta_k0 = lax.axis_index("kv_seq") * (W * bkv)
   # First q block that sees any key of this CTA (causal); per head the CTA visits [i_lo, n_q).
@@ -156,6 +162,21 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, acc_ref, dk_
             mc.copy_smem_to_gmem_add(dq_QD_s, acc.at[b, pl.ds(i * bq, bq), n, cols],
                                      interpret=interpret)
 
+    def dq_halves_step(ds_KQ_s, i, n):
+      """dq rows of q block i in two column halves, each its own wgmma, SMEM tile and reduce:
+      half 1's wgmma runs while half 0's reduce reads, and the accumulator holds bq·D/256
+      registers per thread instead of bq·D/128."""
+      cols_n = k_s.shape[-1] // 2
+      for h in range(2):
+        cols = pl.ds(h * cols_n, cols_n)
+        acc_Qd = mc.mma_t(ds_KQ_s, k_s.at[wg, :, cols], interpret=interpret)
+        # The reduce that last read this half is the older of the two in flight.
+        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+        dq_QD_s.at[h][...] = acc_Qd
+        plgpu.commit_smem()
+        mc.copy_smem_to_gmem_add(dq_QD_s.at[h], acc.at[b, pl.ds(i * bq, bq), n, cols],
+                                 interpret=interpret)
+
     def step(t, carry, *, g, masked):
       dk_KD, dv_KD = carry
       i = i_lo + t
@@ -199,6 +220,9 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, acc_ref, dk_
         return dk_KD, dv_KD
       if "dq" in ablate:
         return dk_KD, dv_KD
+      if dq_halves:
+        dq_halves_step(ds_KQ_s, i, n)
+        return dk_KD, dv_KD
       acc_QD = mc.mma_t(ds_KQ_s, k_s.at[wg], interpret=interpret)
       if "wait" not in ablate:
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous reduce has read dq_QD_s
@@ -232,6 +256,10 @@ def _joint_dq(blocks) -> bool:
   return getattr(blocks, "joint_dq", False)  # benchmark/test Blocks may lack the field
 
 
+def _dq_halves(blocks) -> bool:
+  return getattr(blocks, "dq_halves", False)
+
+
 def _check_smem(q, blocks):
   D, itemsize = q.shape[-1], jnp.dtype(q.dtype).itemsize
   if _joint_dq(blocks) and D != 128:
@@ -241,6 +269,12 @@ def _check_smem(q, blocks):
   need = smem_bytes(bq=blocks.block_q_dkv, bkv=blocks.block_kv_dkv, D=D,
                     steps=blocks.max_concurrent_steps, itemsize=itemsize,
                     joint_dq=_joint_dq(blocks))
+  if _dq_halves(blocks) and _joint_dq(blocks):
+    raise ValueError("blocks.dq_halves and blocks.joint_dq are two ways to split dq's columns; "
+                     "set at most one")
+  if _dq_halves(blocks) and D != 128:
+    raise ValueError(f"blocks.dq_halves=True needs head dim D=128 (64-column halves of the "
+                     f"swizzled k tile); got D={D}")
   if need > SMEM_BUDGET:
     raise ValueError(
         f"fused backward needs {need / 1024:.1f} KB of SMEM > {SMEM_BUDGET // 1024} KB at D={D} "
@@ -260,6 +294,7 @@ def fused_call(q, k, v, do, c_BNT, lse_BNT, delta_BNT, *, causal: bool, blocks, 
   flag, params = fb._launch_params(interpret)
   bq, bkv = blocks.block_q_dkv, blocks.block_kv_dkv
   joint = _joint_dq(blocks)
+  halves = _dq_halves(blocks) and not joint
   n_q = T // bq
   steps = max(1, min(blocks.max_concurrent_steps, n_q))  # more slots than blocks load nothing
   # Interpreted: one slab per kv tile (per CTA with joint_dq).
@@ -276,7 +311,7 @@ def fused_call(q, k, v, do, c_BNT, lse_BNT, delta_BNT, *, causal: bool, blocks, 
   dk, dv = mc.ref_kernel(
       mc.with_segments(
           functools.partial(_kernel, causal=causal, bq=bq, bkv=bkv, n_q=n_q, group=N // K,
-                            steps=steps, joint_dq=joint, interpret=flag,
+                            steps=steps, joint_dq=joint, dq_halves=halves, interpret=flag,
                             ablate=getattr(blocks, "ablate", ())),
           n_in=len(operands), n_seg_scratch=2, segments=segments),
       out_type=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
@@ -285,8 +320,8 @@ def fused_call(q, k, v, do, c_BNT, lse_BNT, delta_BNT, *, causal: bool, blocks, 
           fb._tile_smem((steps, bq, D), q.dtype), fb._tile_smem((steps, bq, D), q.dtype),  # q, dO
           *[plgpu.SMEM((steps, bq), jnp.float32) for _ in range(3)],     # c, lse, delta ring
           fb._tile_smem((2, W, bkv, bq) if joint else (W, bkv, bq), q.dtype),  # ds = dx, 16-bit
-          plgpu.SMEM((W, bq, D // W if joint else D), jnp.float32,
-                     transforms=f32_tile),                        # dq tile to reduce
+          plgpu.SMEM((W, 2, bq, D // 2) if halves else (W, bq, D // W if joint else D),
+                     jnp.float32, transforms=f32_tile),           # dq tile to reduce
           plgpu.Barrier(num_arrivals=2 + segments, num_barriers=W),   # resident tiles landed
           plgpu.Barrier(num_arrivals=5 + segments, num_barriers=steps),  # q, dO, rows landed
           plgpu.Barrier(num_arrivals=W, num_barriers=steps),      # slot released by both wgs

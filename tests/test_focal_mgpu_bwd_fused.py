@@ -55,6 +55,29 @@ class JointBlocks(Blocks):
   joint_dq: bool = True
 
 
+@dataclasses.dataclass(frozen=True)
+class HalvesBlocks(Blocks):
+  dq_halves: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class BothBlocks(JointBlocks):
+  dq_halves: bool = True
+
+
+@pytest.mark.parametrize("dtype, causal, N, K, blocks", [
+    (jnp.bfloat16, True, 4, 2, HalvesBlocks()),
+    (jnp.float16, False, 2, 1, HalvesBlocks(max_concurrent_steps=1)),
+])
+def test_dq_halves_matches_reference(dtype, causal, N, K, blocks):
+  """blocks.dq_halves (each warpgroup's dq tile as two 64-column wgmmas and reduces, the older
+  reduce awaited before its half is overwritten; a 1-slot ring too): the same invariant, D = 128."""
+  args, want = base._problem(11, B=1, T=256, N=N, K=K, D=128, dtype=dtype, causal=causal)
+  got = jax.block_until_ready(ff.backward(*args, causal=causal, blocks=blocks, interpret=True))
+  assert not mc.interpret_races_found(), "fused kernel, dq halves: race detected"
+  base._assert_close(got, want, dtype)
+
+
 @pytest.mark.parametrize("dtype, causal, N, K", [
     (jnp.bfloat16, True, 4, 2),
     (jnp.bfloat16, False, 2, 2),
@@ -101,6 +124,8 @@ def test_backward_output_types():
     (128, Blocks(), dict(max_concurrent_steps=3), "max_concurrent_steps=3"),  # 242 KB > 224 KB
     (64, Blocks(), dict(block_kv_dkv=96), "block_kv_dkv=96"),       # focal_mgpu_bwd's _check
     (64, JointBlocks(), {}, "joint_dq=True needs head dim D=128"),
+    (64, HalvesBlocks(), {}, "dq_halves=True needs head dim D=128"),
+    (128, BothBlocks(), {}, "set at most one"),
 ])
 def test_bad_blocks_raise(D, blocks, change, match):
   args, _ = base._problem(3, B=1, T=256, N=2, K=1, D=D, dtype=jnp.bfloat16, causal=True)
@@ -111,7 +136,7 @@ def test_bad_blocks_raise(D, blocks, change, match):
 
 @pytest.mark.parametrize("D, steps, causal, joint, segments", [
     (64, 3, True, False, False), (128, 2, False, False, False), (128, 2, True, True, False),
-    (64, 3, True, False, True), (128, 2, True, True, True)])
+    (64, 3, True, False, True), (128, 2, True, True, True), (128, 2, True, "halves", True)])
 def test_lowers_for_cuda(D, steps, causal, joint, segments):
   """The compiled kernel (not the interpreter's stand-ins) passes Pallas → Mosaic GPU lowering on
   the installed jax, and the float32 accumulator is aliased in place (no copy). joint: the
@@ -119,7 +144,8 @@ def test_lowers_for_cuda(D, steps, causal, joint, segments):
   q = jax.ShapeDtypeStruct((2, 2048, 8, D), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((2, 2048, 2, D), jnp.bfloat16)
   rows = jax.ShapeDtypeStruct((2, 8, 2048), jnp.float32)
-  blocks = (JointBlocks if joint else Blocks)(max_concurrent_steps=steps)
+  blocks = {True: JointBlocks, False: Blocks, "halves": HalvesBlocks}[joint](
+      max_concurrent_steps=steps)
   seg = jax.ShapeDtypeStruct((2, 2048), jnp.int32) if segments else None
   fn = jax.jit(lambda *a, seg_BT=None: ff.backward(*a, causal=causal, blocks=blocks,
                                                    interpret=False, seg_BT=seg_BT))
@@ -146,6 +172,14 @@ class TestCompiledGPU:
   def test_joint_dq_matches_reference(self, causal):
     args, want = base._problem(8, B=2, T=2048, N=8, K=2, D=128, dtype=jnp.bfloat16, causal=causal)
     got = jax.jit(lambda *a: ff.backward(*a, causal=causal, blocks=JointBlocks(),
+                                         interpret=False))(*args)
+    base._assert_close(got, want, jnp.bfloat16)
+
+  @pytest.mark.parametrize("causal", [True, False])
+  def test_dq_halves_matches_reference(self, causal):
+    args, want = base._problem(12, B=2, T=2048, N=8, K=2, D=128, dtype=jnp.bfloat16,
+                               causal=causal)
+    got = jax.jit(lambda *a: ff.backward(*a, causal=causal, blocks=HalvesBlocks(),
                                          interpret=False))(*args)
     base._assert_close(got, want, jnp.bfloat16)
 
