@@ -42,9 +42,11 @@ PROFILED_STEPS = 3
 # `bench.mgpu_backward=<choice>` in a --variants arm: the Mosaic kernel's backward for that arm
 # alone (focal_mgpu.BlockSizes fields), to time a kernel choice end to end before it becomes a
 # default. Not a config field: the kernels' tiles are not a model setting.
-MGPU_BACKWARD = {"two_kernel": {"fused_backward": False, "joint_dq": False},
-                 "fused": {"fused_backward": True, "joint_dq": False},
-                 "fused_joint": {"fused_backward": True, "joint_dq": True}}
+MGPU_BACKWARD = {
+    "two_kernel": {"fused_backward": False, "joint_dq": False, "dq_halves": False},
+    "fused": {"fused_backward": True, "joint_dq": False, "dq_halves": False},
+    "fused_joint": {"fused_backward": True, "joint_dq": True, "dq_halves": False},
+    "fused_halves": {"fused_backward": True, "joint_dq": False, "dq_halves": True}}
 
 
 @contextlib.contextmanager

@@ -94,11 +94,14 @@ class BlockSizes:
   # session) but is slower: 0.67 / 0.73 / 0.78x the two kernels at (2,16,4K) / (1,16,8K) /
   # (1,8,16K), D=128, and the 1.3B step took 6 ms longer; so off.
   joint_dq: bool = False
+  # With fused_backward at D=128: each warpgroup's dq tile as two 64-column wgmmas, SMEM tiles
+  # and reduce-adds (focal_mgpu_bwd_fused's docstring); no coupling between warpgroups.
+  dq_halves: bool = False
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
       value = getattr(self, f.name)
-      if f.name in ("fused_backward", "joint_dq"):
+      if f.name in ("fused_backward", "joint_dq", "dq_halves"):
         if not isinstance(value, bool):
           raise ValueError(f"BlockSizes.{f.name}={value!r} must be True or False")
       elif f.name == "max_concurrent_steps":

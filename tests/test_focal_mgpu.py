@@ -274,7 +274,7 @@ def test_supported_accepts_contract_shapes():
 
 @pytest.mark.parametrize("field, value", [
     ("block_q", 32), ("block_kv", 96), ("max_concurrent_steps", 1), ("block_kv_dkv", 0),
-    ("fused_backward", 1)])
+    ("fused_backward", 1), ("dq_halves", 2)])
 def test_block_sizes_validate(field, value):
   with pytest.raises(ValueError, match=f"BlockSizes.{field}={value}"):
     focal_mgpu.BlockSizes(**{field: value})
