@@ -106,7 +106,8 @@ for spec in "$@"; do
                --shapes ${DIAG_SHAPES:-1,16,8192,128 2,12,16384,64} --out "$OUT/fused_diag.json" \
                > "$OUT/fused_diag.log" 2>&1
              grep -i "spill\|registers\|entry function\| ms\|without\|(B,H" "$OUT/fused_diag.log" | tail -60
-             $RUN ncu --clock-control none --kernel-name regex:"fused|dkv" --launch-count 2 \
+             NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+             $RUN ${NCU:-ncu} --clock-control none --kernel-name regex:"fused|dkv" --launch-count 2 \
                --section SpeedOfLight --section WarpStateStats --section LaunchStats \
                --section MemoryWorkloadAnalysis python3 bench/focal_mgpu_bwd.py --fused --iters 1 \
                --shapes 1,16,8192,128 > "$OUT/fused_ncu.log" 2>&1; tail -60 "$OUT/fused_ncu.log" ;;
