@@ -16,7 +16,7 @@ Kernel `_kernel`, grid (Hq, T / (2·block_q), B), 3 warpgroups per CTA:
            acc [block_q, D] f32 and the running max m / sum l [block_q] f32 (base-2 units).
            A schedule barrier alternates the two warpgroups: one runs softmax while the other's
            matmuls hold the tensor cores.
-  wg 2     producer (40 registers): TMA-loads K (with its block's segment ids) and V into a ring of
+  wg 2     producer (24 registers): TMA-loads K (with its block's segment ids) and V into a ring of
            `max_concurrent_steps` slots, refilling a slot once both compute warpgroups arrived on
            its "consumed" barrier.
 Causal: blocks wholly below the diagonal run unmasked, only blocks crossing it build the mask,
@@ -189,7 +189,7 @@ def _kernel(q_ref, k_ref, v_ref, s_ref, out_ref, lse_ref, qo_smem2, k_smem, v_sm
 
   @pl.when(wg < _COMPUTE_WGS)
   def _compute():
-    plgpu.set_max_registers(232, action="increase")
+    plgpu.set_max_registers(mc.COMPUTE_REGISTERS, action="increase")
     qo_smem = qo_smem2.at[wg]
     rows_smem = rows_smem2.at[wg]
     q_start = tile * rows + wg * block_q
@@ -293,7 +293,7 @@ def _kernel(q_ref, k_ref, v_ref, s_ref, out_ref, lse_ref, qo_smem2, k_smem, v_sm
 
   @pl.when(wg == _COMPUTE_WGS)
   def _producer():
-    plgpu.set_max_registers(40, action="decrease")
+    plgpu.set_max_registers(mc.PRODUCER_REGISTERS, action="decrease")
     kv_h = lax.div(h, group)
 
     def load(src_ref, dst_smem, barriers, step, slot, ids=False):

@@ -14,7 +14,7 @@ q·kᵀ and dO·vᵀ are recomputed rather than exchanged through atomics (deter
 dq buffer; FlashAttention-3's fused single pass with TMA reduce-add of dq is the next step).
 
 Two kernels, each one CTA = W = 2 compute warpgroups + 1 TMA producer warpgroup
-(FlashAttention-3 §3.1 warp specialisation; the producer holds 40 registers, consumers 232):
+(FlashAttention-3 §3.1 warp specialisation; the producer holds 24 registers, consumers 240):
   dk/dv `focal_mgpu_dkv._dkv_kernel`, grid (Hkv, S / (W·block_kv_dkv), B). Warpgroup w keeps its k, v tile
         [block_kv_dkv, D] in SMEM and the float32 dk, dv accumulators in registers; the producer
         streams q, dO [block_q_dkv, D] and the per-query rows (LOG2E·s, lse, delta) through a ring
@@ -33,8 +33,9 @@ SMEM per CTA (16-bit inputs, C = max_concurrent_steps):
   dq:    W·(2·bq·D·2 + 4·bq·4) + C·2·bkv·D·2          e.g. D=128, bq=64, bkv=128, C=2: 194 KB
 (Hopper allows 227 KB per CTA.) Outputs leave through the resident tiles' SMEM via TMA.
 Registers per compute warpgroup (float32, 128 threads): dk/dv holds dk + dv (2·bkv·D/128) plus
-three [bkv, bq] tiles; dq holds dq (bq·D/128) plus three [bq, bkv] tiles. bq = bkv = 64 fits the
-232-register budget at D = 128; 128-wide logits tiles at D = 128 will spill.
+three [bkv, bq] tiles; dq holds dq (bq·D/128) plus three [bq, bkv] tiles. At D = 128 with
+bq = bkv = 64 the dq kernel fits the 240-register budget but the dk/dv kernel spills (ptxas 13.0:
+100 bytes at 240, 160 at 232; none at D = 64); 128-wide logits tiles at D = 128 spill more.
 
 Contract (ValueError otherwise, no padding): q, k, v share one 16-bit dtype; D ∈ {64, 128};
 block sizes multiples of 64; T divisible by 2·block_q_dq and block_q_dkv, S by 2·block_kv_dkv and
@@ -141,7 +142,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, dq_ref, d
 
   @pl.when(wg < W)
   def _compute():
-    plgpu.set_max_registers(232, action="increase")
+    plgpu.set_max_registers(mc.COMPUTE_REGISTERS, action="increase")
     q0 = cta_q0 + wg * bq
     rows = (b, pl.ds(q0, bq), n)
     vec = (b, n, pl.ds(q0, bq))
@@ -214,7 +215,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, dq_ref, d
 
   @pl.when(wg == W)
   def _producer():
-    plgpu.set_max_registers(40, action="decrease")
+    plgpu.set_max_registers(mc.PRODUCER_REGISTERS, action="decrease")
 
     def issue(j):
       slot = lax.rem(j, steps)

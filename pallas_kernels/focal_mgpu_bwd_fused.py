@@ -13,7 +13,7 @@ that the tensor cores see, so d_scale carries that rounding (focal_mgpu_bwd's dq
 dx·r in float32 instead; both stay within the tests' tolerance).
 
 Kernel `_kernel`, grid (Hkv, S / (W·block_kv_dkv), B), W = 2 compute warpgroups + 1 TMA producer
-(FA3 §3.1 warp specialisation, 232 / 40 registers). Compute warpgroup w keeps its k, v tile
+(FA3 §3.1 warp specialisation, 240 / 24 registers). Compute warpgroup w keeps its k, v tile
 [bkv, D] in SMEM and dk, dv [bkv, D] float32 in registers; the producer streams q, dO [bq, D] and
 the rows (c, lse, delta) through a ring of `max_concurrent_steps` slots, for each of the G query
 heads of this kv head in turn, from the first q block at or below the CTA's diagonal (causal) to
@@ -125,7 +125,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, acc_ref, dk_
 
   @pl.when(wg < W)
   def _compute():
-    plgpu.set_max_registers(232, action="increase")
+    plgpu.set_max_registers(mc.COMPUTE_REGISTERS, action="increase")
     k0 = cta_k0 + wg * bkv
     rows = (b, pl.ds(k0, bkv), kv_head)
     bar = res_bar.at[wg]

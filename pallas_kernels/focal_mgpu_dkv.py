@@ -37,7 +37,7 @@ def stream_q_rows(gmem, smem, q_bar, q_free, *, b, kv_head, group, i_lo, per_hea
   join its slot (one more arrival on q_bar)."""
   q_ref, do_ref, c_ref, lse_ref, delta_ref = gmem
   q_s, do_s, c_s, lse_s, delta_s = smem
-  plgpu.set_max_registers(40, action="decrease")
+  plgpu.set_max_registers(mc.PRODUCER_REGISTERS, action="decrease")
   total = group * per_head
 
   def issue(st):
@@ -123,7 +123,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, dk_ref, 
 
   @pl.when(wg < W)
   def _compute():
-    plgpu.set_max_registers(232, action="increase")
+    plgpu.set_max_registers(mc.COMPUTE_REGISTERS, action="increase")
     k0 = cta_k0 + wg * bkv
     rows = (b, pl.ds(k0, bkv), kv_head)
     bar = res_bar.at[wg]

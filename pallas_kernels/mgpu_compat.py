@@ -34,6 +34,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
+# Register split of the focal kernels' CTAs (2 compute warpgroups + 1 TMA producer, 384 threads,
+# launched at 168 registers each): `set_max_registers` hands the producer's to the consumers,
+# 2·256·240 + 128·24 = 384·168 (FlashAttention-3's split). ptxas allocates the compute branch
+# within that budget: the dk/dv kernel's PTX at D=128 (H200, jax 0.11.2, ptxas 13.0) spills
+# 160 bytes at 232 / 40 and 100 at 240 / 24, and the producers do not spill at 24.
+COMPUTE_REGISTERS = 240
+PRODUCER_REGISTERS = 24
+
 # 0.11.2 gives `idx` a default (api.NotSpecified) and warns when it is passed.
 _LOAD_IDX = inspect.signature(plgpu.load).parameters.get("idx")
 _LOAD_NEEDS_IDX = _LOAD_IDX is not None and _LOAD_IDX.default is inspect.Parameter.empty
