@@ -137,9 +137,10 @@ def _row(shape, *, blocks, iters, interpret, fused, joint=False, ablate=False, h
     res["halves"] = _median_ms(jax.jit(lambda *a: ff.backward(*a, **hkw)), q, k, v, s_BNT, out,
                                lse, do, iters=iters)
   if ablate:  # the fused kernel alone with stages left out: their cost is the difference
-    for cut in ABLATIONS + ((("reduce",), ("wait",)) if joint and D == 128 else ()):
-      joint_cut = isinstance(cut[0], tuple)
-      cut = cut[0] if joint_cut else cut
+    cuts = [(cut, False) for cut in ABLATIONS]
+    if joint and D == 128:  # the joint-dq kernel's own reduce and wait
+      cuts += [(("reduce",), True), (("wait",), True)]
+    for cut, joint_cut in cuts:
       akw = dict(kw, blocks=dataclasses.replace(blocks, ablate=cut, joint_dq=joint_cut))
       name = ("joint_" if joint_cut else "") + "no_" + "_".join(cut)
       res[name] = _median_ms(lambda *a: ff.fused_call(*a, **akw), *rows, iters=iters)
