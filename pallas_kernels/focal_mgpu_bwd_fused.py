@@ -54,7 +54,10 @@ blocks.dq_halves (D = 128 only; no coupling between warpgroups): each warpgroup 
 tile in two 64-column halves, each a wgmma against a column half of its own k tile, its own
 float32 SMEM tile and its own reduce-add. Same SMEM and traffic as the whole tile; the second
 half's wgmma runs while the first half's reduce reads SMEM, and the live accumulator is
-bq·D/256 registers per thread, not bq·D/128, beside dk and dv's 128.
+bq·D/256 registers per thread, not bq·D/128, beside dk and dv's 128. Compiled on the H200 it
+passes its tests but ptxas spills more (600 bytes against 516 at 232 registers) and it ran 2%
+slower than the whole tile (twenty-sixth session), so focal_mgpu leaves it off. At D = 128 every
+variant of this kernel spills (the dk/dv kernel too); at D = 64 none does.
 
 Segment ids (optional, as focal_mgpu_dkv's): each warpgroup's key ids stay resident and each q
 block's ids join its ring slot; a tile masks where the ids differ. Compiled on the H200 at D 64
