@@ -70,7 +70,8 @@ store or reduce), "reduce" (the dq tile is stored but never reduced), "wait" (no
 previous reduce's read: a race). dq is then wrong; focal_mgpu's BlockSizes has no such field.
 
 Contract: focal_mgpu_bwd's (`_check`; this kernel reads blocks.block_q_dkv, blocks.block_kv_dkv,
-blocks.max_concurrent_steps and, if present, blocks.joint_dq) plus the SMEM budget above.
+blocks.max_concurrent_steps and, if present, blocks.joint_dq and blocks.dq_halves) plus the SMEM
+budget above.
 Causal: s visible to t iff s <= t.
 
 On CPU pass interpret=True (GPU interpret mode, race detector on). The interpreters of 0.10.2 and
