@@ -111,6 +111,15 @@ for spec in "$@"; do
                --section SpeedOfLight --section WarpStateStats --section LaunchStats \
                --section MemoryWorkloadAnalysis python3 bench/focal_mgpu_bwd.py --fused --iters 1 \
                --shapes 1,16,8192,128 > "$OUT/fused_ncu.log" 2>&1; tail -60 "$OUT/fused_ncu.log" ;;
+    ptx)  # the focal Mosaic kernels' PTX and ptxas reports (one file each under $OUT/ptx), for
+          # register work on the CPU machine: `ptxas -arch=sm_90a -v F.ptx` reports the spills there
+          # (twenty-sixth session); PTX_ARGS picks the bench run (default: both backwards, D = 128)
+             mkdir -p "$OUT/ptx"
+             MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO="$OUT/ptx" $RUN python3 \
+               bench/focal_mgpu_bwd.py ${PTX_ARGS:---fused --iters 1 --shapes 1,16,2048,128} \
+               > "$OUT/ptx.log" 2>&1
+             find "$OUT/ptx" -type f ! -name "*.ptx" ! -name "*.ptxas" -delete  # MLIR logs: ~300 MB
+             grep -H "spill stores" "$OUT"/ptx/*.ptxas | grep -v warning ;;
     condense) $RUN python3 bench/condense.py --out "$OUT/condense.json" 2>&1 | tee "$OUT/condense.log" | tail -20 ;;
     attention) $RUN python3 bench/attention.py ${ATTN_IMPLS:+--impls $ATTN_IMPLS} ${ATTN_SHAPES:+--shapes $ATTN_SHAPES} --out "$OUT/attention.json" 2>&1 | tee "$OUT/attention.log" | tail -40 ;;
     dilution) $RUN python3 bench/dilution.py --impls dilution,cudnn --out "$OUT/dilution.json" 2>&1 | tee "$OUT/dilution.log" | tail -40 ;;
