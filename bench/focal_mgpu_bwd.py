@@ -128,14 +128,11 @@ def _row(shape, *, blocks, iters, interpret, fused, joint=False, ablate=False, h
     res["fused"] = _median_ms(jax.jit(lambda *a: ff.backward(*a, **kw)), q, k, v, s_BNT, out, lse,
                               do, iters=iters)
     res["fused_kernel"] = _median_ms(lambda *a: ff.fused_call(*a, **kw), *rows, iters=iters)
-  if joint and D == 128:
-    jkw = dict(kw, blocks=dataclasses.replace(blocks, joint_dq=True))
-    res["joint"] = _median_ms(jax.jit(lambda *a: ff.backward(*a, **jkw)), q, k, v, s_BNT, out,
-                              lse, do, iters=iters)
-  if halves and D == 128:
-    hkw = dict(kw, blocks=dataclasses.replace(blocks, dq_halves=True))
-    res["halves"] = _median_ms(jax.jit(lambda *a: ff.backward(*a, **hkw)), q, k, v, s_BNT, out,
-                               lse, do, iters=iters)
+  for name, field, wanted in (("joint", "joint_dq", joint), ("halves", "dq_halves", halves)):
+    if wanted and D == 128:  # the fused kernel's two ways to split dq's columns
+      vkw = dict(kw, blocks=dataclasses.replace(blocks, **{field: True}))
+      res[name] = _median_ms(jax.jit(lambda *a, vkw=vkw: ff.backward(*a, **vkw)), q, k, v, s_BNT,
+                             out, lse, do, iters=iters)
   if ablate:  # the fused kernel alone with stages left out: their cost is the difference
     cuts = [(cut, False) for cut in ABLATIONS]
     if joint and D == 128:  # the joint-dq kernel's own reduce and wait
@@ -200,17 +197,14 @@ def main():
       fz = r["fused"]
       tail += (f" {fz:8.3f} {tf(fz):6.0f} {r['fused_kernel']:7.3f} {r['bwd'] / fz:8.2f} "
                + (f"{cudnn / fz:11.2f}" if cudnn else f"{'-':>11}"))
-    if "joint" in r:
-      jz = r["joint"]
-      tail += f"  joint {jz:.3f} ms {tf(jz):.0f} TF/s, 2k/joint {r['bwd'] / jz:.2f}" + (
-          f", cuDNN/joint {cudnn / jz:.2f}" if cudnn else "")
     print(f"{str(shape):>20} {r['source']:>10} {r['bwd']:8.3f} {tf(r['bwd']):6.0f} "
           f"{r['dq']:7.3f} {r['dkv']:7.3f} {tail}", flush=True)
-    if "halves" in r:
-      hz = r["halves"]
-      print(f"{'':>20} fused, dq halves {hz:.3f} ms {tf(hz):.0f} TF/s, 2k/halves "
-            f"{r['bwd'] / hz:.2f}" + (f", cuDNN/halves {cudnn / hz:.2f}" if cudnn else ""),
-            flush=True)
+    for name in ("joint", "halves"):
+      if name in r:
+        z = r[name]
+        print(f"{'':>20} fused, {name} {z:.3f} ms {tf(z):.0f} TF/s, 2k/{name} "
+              f"{r['bwd'] / z:.2f}" + (f", cuDNN/{name} {cudnn / z:.2f}" if cudnn else ""),
+              flush=True)
     cuts = {k: v for k, v in r.items() if k.startswith(("no_", "joint_no_"))}
     if cuts:
       print(f"{'':>20} fused kernel {r['fused_kernel']:.3f} ms; without: "

@@ -147,6 +147,16 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, acc_ref, dk_
     dq_QD_s = dq_s.at[wg]
     shape_KQ = (bkv, bq)
 
+    def reduce_dq(acc_tile, tile_s, dst, *, pending):
+      """Float32 dq tile → its SMEM tile → TMA reduce-add into dst. The reduce that last read
+      tile_s must be done first: at most `pending` newer reduces may still be reading."""
+      if "wait" not in ablate:
+        plgpu.wait_smem_to_gmem(pending, wait_read_only=True)
+      tile_s[...] = acc_tile
+      plgpu.commit_smem()
+      if "reduce" not in ablate:
+        mc.copy_smem_to_gmem_add(tile_s, dst, interpret=interpret)
+
     def joint_dq_step(buf, i, n):
       """dq rows of q block i, columns [w·D/W, (w+1)·D/W) for warpgroup w: dsᵀ·k over all the
       CTA's keys, both warpgroups' dS tiles of this step (FlashAttention-3's split of the dQ
@@ -158,13 +168,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, acc_ref, dk_
           cols = pl.ds(w * cols_n, cols_n)
           acc_Qd = mc.mma_t_sum([(ds_s.at[buf, j], k_s.at[j, :, cols]) for j in range(W)],
                                 interpret=interpret)
-          if "wait" not in ablate:
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous reduce read dq_QD_s
-          dq_QD_s[...] = acc_Qd
-          plgpu.commit_smem()
-          if "reduce" not in ablate:
-            mc.copy_smem_to_gmem_add(dq_QD_s, acc.at[b, pl.ds(i * bq, bq), n, cols],
-                                     interpret=interpret)
+          reduce_dq(acc_Qd, dq_QD_s, acc.at[b, pl.ds(i * bq, bq), n, cols], pending=0)
 
     def dq_halves_step(ds_KQ_s, i, n):
       """dq rows of q block i in two column halves, each its own wgmma, SMEM tile and reduce:
@@ -175,11 +179,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, acc_ref, dk_
         cols = pl.ds(h * cols_n, cols_n)
         acc_Qd = mc.mma_t(ds_KQ_s, k_s.at[wg, :, cols], interpret=interpret)
         # The reduce that last read this half is the older of the two in flight.
-        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-        dq_QD_s.at[h][...] = acc_Qd
-        plgpu.commit_smem()
-        mc.copy_smem_to_gmem_add(dq_QD_s.at[h], acc.at[b, pl.ds(i * bq, bq), n, cols],
-                                 interpret=interpret)
+        reduce_dq(acc_Qd, dq_QD_s.at[h], acc.at[b, pl.ds(i * bq, bq), n, cols], pending=1)
 
     def step(t, carry, *, g, masked):
       dk_KD, dv_KD = carry
@@ -228,12 +228,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, acc_ref, dk_
         dq_halves_step(ds_KQ_s, i, n)
         return dk_KD, dv_KD
       acc_QD = mc.mma_t(ds_KQ_s, k_s.at[wg], interpret=interpret)
-      if "wait" not in ablate:
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous reduce has read dq_QD_s
-      dq_QD_s[...] = acc_QD
-      plgpu.commit_smem()
-      if "reduce" not in ablate:
-        mc.copy_smem_to_gmem_add(dq_QD_s, acc.at[b, pl.ds(i * bq, bq), n], interpret=interpret)
+      reduce_dq(acc_QD, dq_QD_s, acc.at[b, pl.ds(i * bq, bq), n], pending=0)
       return dk_KD, dv_KD
 
     dk_KD, dv_KD = focal_mgpu_dkv.visit_q_blocks(
