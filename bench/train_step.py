@@ -46,7 +46,10 @@ MGPU_BACKWARD = {
     "two_kernel": {"fused_backward": False, "joint_dq": False, "dq_halves": False},
     "fused": {"fused_backward": True, "joint_dq": False, "dq_halves": False},
     "fused_joint": {"fused_backward": True, "joint_dq": True, "dq_halves": False},
-    "fused_halves": {"fused_backward": True, "joint_dq": False, "dq_halves": True}}
+    "fused_halves": {"fused_backward": True, "joint_dq": False, "dq_halves": True},
+    **{f"{kind}_{step}": {"fused_backward": kind == "fused", "joint_dq": False,
+                          "dq_halves": False, "dkv_step": step}
+       for kind in ("two_kernel", "fused") for step in ("lean",)}}
 
 
 @contextlib.contextmanager

@@ -99,11 +99,19 @@ class BlockSizes:
   # on the H200 it passes its tests but spills more and ran 2% slower than the plain fused kernel
   # at (1,16,8K,128), and the 1.3B step 19.5 ms slower (twenty-sixth session); so off.
   dq_halves: bool = False
+  # What the dk/dv step of focal_mgpu_dkv and the fused backward keeps live across its wgmma
+  # pair: focal_mgpu_dkv.DKV_STEPS, "plain" or "lean" (`dv_and_dx`). "lean" spills less at D=128
+  # and made the fused backward 5-15% faster there, but the dk/dv kernel slower (twenty-seventh
+  # session); no default takes the fused backward at D=128, so "plain" stays.
+  dkv_step: str = "plain"
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
       value = getattr(self, f.name)
-      if f.name in ("fused_backward", "joint_dq", "dq_halves"):
+      if f.name == "dkv_step":
+        if value not in ("plain", "lean"):  # focal_mgpu_dkv.DKV_STEPS
+          raise ValueError(f"BlockSizes.dkv_step={value!r} must be 'plain' or 'lean'")
+      elif f.name in ("fused_backward", "joint_dq", "dq_halves"):
         if not isinstance(value, bool):
           raise ValueError(f"BlockSizes.{f.name}={value!r} must be True or False")
       elif f.name == "max_concurrent_steps":

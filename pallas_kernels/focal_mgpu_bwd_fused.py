@@ -59,6 +59,10 @@ passes its tests but ptxas spills more (600 bytes against 516 at 232 registers) 
 slower than the whole tile (twenty-sixth session), so focal_mgpu leaves it off. At D = 128 every
 variant of this kernel spills (the dk/dv kernel too); at D = 64 none does.
 
+blocks.dkv_step="lean" (`focal_mgpu_dkv.dv_and_dx`): dx from the 16-bit p, the temperature row
+reloaded; at D = 128 ptxas spills 312 bytes instead of 440 and the kernel ran 5–15% faster on
+the H200 (twenty-seventh session), level with the two kernels at 4K–8K, still behind at 2K and 16K.
+
 Segment ids (optional, as focal_mgpu_dkv's): each warpgroup's key ids stay resident and each q
 block's ids join its ring slot; a tile masks where the ids differ. Compiled on the H200 at D 64
 and 128 (twenty-fifth session); `focal_mgpu` routes packed batches here wherever
@@ -70,8 +74,8 @@ store or reduce), "reduce" (the dq tile is stored but never reduced), "wait" (no
 previous reduce's read: a race). dq is then wrong; focal_mgpu's BlockSizes has no such field.
 
 Contract: focal_mgpu_bwd's (`_check`; this kernel reads blocks.block_q_dkv, blocks.block_kv_dkv,
-blocks.max_concurrent_steps and, if present, blocks.joint_dq and blocks.dq_halves) plus the SMEM
-budget above.
+blocks.max_concurrent_steps and, if present, blocks.joint_dq, blocks.dq_halves and
+blocks.dkv_step) plus the SMEM budget above.
 Causal: s visible to t iff s <= t.
 
 On CPU pass interpret=True (GPU interpret mode, race detector on). The interpreters of 0.10.2 and
@@ -113,7 +117,7 @@ def smem_bytes(*, bq: int, bkv: int, D: int, steps: int, itemsize: int = 2,
 def _kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, acc_ref, dk_ref, dv_ref,
             k_s, v_s, q_s, do_s, c_s, lse_s, delta_s, ds_s, dq_s, res_bar, q_bar, q_free,
             *joint_bars, seg, causal, bq, bkv, n_q, group, steps, joint_dq, dq_halves,
-            interpret, ablate=()):
+            interpret, mode="plain", ablate=()):
   b, kv_head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
   cta_k0 = lax.axis_index("kv_seq") * (W * bkv)
   # First q block that sees any key of this CTA (causal); per head the CTA visits [i_lo, n_q).
@@ -202,11 +206,9 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, acc_ref, dk_
         segq_Q = mc.load(segq_s.at[slot], layout=col_layout, interpret=interpret)
         same_KQ = fb._bcast(segk_K, shape_KQ, 0) == fb._bcast(segq_Q, shape_KQ, 1)
         x_KQ = jnp.where(same_KQ, x_KQ, -jnp.inf)
-      p_KQ = jnp.exp2(x_KQ)
-      dv_KD, dp_KQ = mc.mma_pair((p_KQ.astype(q_s.dtype), do_s.at[slot], dv_KD, False),
-                                 (v_s.at[wg], do_s.at[slot], None, True), interpret=interpret)
-      delta_Q = mc.load(delta_s.at[slot], layout=col_layout, interpret=interpret)
-      dx_KQ = p_KQ * (dp_KQ - fb._bcast(delta_Q, shape_KQ, 1))
+      dv_KD, dx_KQ, c_Q = focal_mgpu_dkv.dv_and_dx(
+          jnp.exp2(x_KQ), c_Q, dv_KD, v_tile=v_s.at[wg], do_tile=do_s.at[slot],
+          c_tile=c_s.at[slot], delta_tile=delta_s.at[slot], mode=mode, interpret=interpret)
 
       def store_ds():  # overlapped with the dk wgmma; the last step's dsᵀ·k was awaited
         ds_KQ_s[...] = dx_KQ.astype(ds_KQ_s.dtype)
@@ -311,6 +313,7 @@ def fused_call(q, k, v, do, c_BNT, lse_BNT, delta_BNT, *, causal: bool, blocks, 
       mc.with_segments(
           functools.partial(_kernel, causal=causal, bq=bq, bkv=bkv, n_q=n_q, group=N // K,
                             steps=steps, joint_dq=joint, dq_halves=halves, interpret=flag,
+                            mode=focal_mgpu_dkv.step_mode(blocks),
                             ablate=getattr(blocks, "ablate", ())),
           n_in=len(operands), n_seg_scratch=2, segments=segments),
       out_type=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
@@ -330,7 +333,7 @@ def fused_call(q, k, v, do, c_BNT, lse_BNT, delta_BNT, *, causal: bool, blocks, 
       grid=(K, S // (W * bkv), B), grid_names=("heads", "kv_seq", "batch"),
       num_threads=W + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
-      interpret=params, name="focal_mgpu_bwd_fused")(*operands)
+      interpret=params, name=focal_mgpu_dkv.kernel_name("focal_mgpu_bwd_fused", blocks))(*operands)
   acc = acc_ref[...]
   return (acc.sum(axis=0) if flag else acc), dk, dv
 

@@ -97,6 +97,51 @@ def visit_q_blocks(step, *, causal, group, per_head, steps, k0, bq, bkv, i_lo, q
   return lax.fori_loop(0, group, head, (zeros, zeros))
 
 
+# BlockSizes.dkv_step: what the dk/dv step keeps live across its wgmma pair (`dv_and_dx`).
+DKV_STEPS = ("plain", "lean")
+
+
+def dv_and_dx(p_KQ, c_Q, dv_KD, *, v_tile, do_tile, c_tile, delta_tile, mode, interpret):
+  """The key-resident step's middle (this file's dk/dv kernel and focal_mgpu_bwd_fused):
+  dv += p·dO and dP = v·dOᵀ, issued together and awaited once, then dx = p ⊙ (dP − delta).
+  p_KQ: float32 [bkv, bq] in the WGMMA layout; c_Q: the slot's LOG2E·s row (c_tile) in the
+  column layout. Returns (dv, dx [bkv, bq] float32, c_Q).
+
+  mode (BlockSizes.dkv_step), which values live across the pair:
+    "plain": p (float32 and 16-bit), dP and c_Q.
+    "lean": only the 16-bit p and dP. dx is formed from the 16-bit p that the dv wgmma reads
+      (widened after it) and c_Q is reloaded from its SMEM slot afterwards; p's extra rounding
+      in dx is the 16-bit rounding dx gets anyway before its own wgmma. At D = 128, where dk and
+      dv hold 128 of the 240 registers, ptxas then spills 16 bytes in the dk/dv kernel instead of
+      100, and 312 in the fused one instead of 440. On the H200 (twenty-seventh session) that
+      made the fused backward 5–15% faster at D = 128, but the dk/dv kernel 1–11% slower (17% at
+      D = 64): its hot loop has 18% more instructions (the widening, the reload), and this kernel
+      is bound by the issue of its elementwise work, not by the spills, which sit mostly outside
+      the unmasked loop."""
+  p16_KQ = p_KQ.astype(do_tile.dtype)
+  col_layout = plgpu.Layout.WGMMA.reduce(0)
+  if mode == "lean":
+    del p_KQ, c_Q  # rebuilt below, after the wgmmas
+  dv_KD, dp_KQ = mc.mma_pair((p16_KQ, do_tile, dv_KD, False), (v_tile, do_tile, None, True),
+                             interpret=interpret)
+  delta_Q = mc.load(delta_tile, layout=col_layout, interpret=interpret)
+  if mode == "lean":
+    p_KQ = p16_KQ.astype(jnp.float32)
+    c_Q = mc.load(c_tile, layout=col_layout, interpret=interpret)
+  dx_KQ = p_KQ * (dp_KQ - _bcast(delta_Q, dp_KQ.shape, 1))
+  return dv_KD, dx_KQ, c_Q
+
+
+def step_mode(blocks) -> str:
+  return getattr(blocks, "dkv_step", "plain")  # benchmark/test Blocks may lack the field
+
+
+def kernel_name(base: str, blocks) -> str:
+  """Kernel name with the step mode, so profiles and PTX dumps tell the variants apart."""
+  mode = step_mode(blocks)
+  return base if mode == "plain" else f"{base}_{mode}"
+
+
 def write_dk_dv(dk_KD, dv_KD, k_tile, v_tile, dk_out, dv_out):
   """dk/dv leave through the warpgroup's own k/v SMEM tiles (free once its last wgmma that reads
   them was awaited) by TMA; waits for the copies (and any earlier async TMA of this thread)."""
@@ -110,7 +155,7 @@ def write_dk_dv(dk_KD, dv_KD, k_tile, v_tile, dk_out, dv_out):
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, dk_ref, dv_ref,
                 k_s, v_s, q_s, do_s, c_s, lse_s, delta_s, res_bar, q_bar, q_free,
-                *, seg, causal, bq, bkv, n_q, group, steps, interpret):
+                *, seg, causal, bq, bkv, n_q, group, steps, mode, interpret):
   b, kv_head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
   cta_k0 = lax.axis_index("kv_seq") * (W * bkv)
   # First q block that sees any key of this CTA (causal); per head the CTA visits [i_lo, n_q).
@@ -153,12 +198,11 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, dk_ref, 
         segq_Q = mc.load(segq_s.at[slot], layout=col_layout, interpret=interpret)
         same_KQ = _bcast(segk_K, shape_KQ, 0) == _bcast(segq_Q, shape_KQ, 1)
         x_KQ = jnp.where(same_KQ, x_KQ, -jnp.inf)
-      p_KQ = jnp.exp2(x_KQ)
-      dv_KD, dp_KQ = mc.mma_pair((p_KQ.astype(q_s.dtype), do_s.at[slot], dv_KD, False),
-                                 (v_s.at[wg], do_s.at[slot], None, True), interpret=interpret)
-      delta_Q = mc.load(delta_s.at[slot], layout=col_layout, interpret=interpret)
+      dv_KD, dx_KQ, c_Q = dv_and_dx(jnp.exp2(x_KQ), c_Q, dv_KD, v_tile=v_s.at[wg],
+                                    do_tile=do_s.at[slot], c_tile=c_s.at[slot],
+                                    delta_tile=delta_s.at[slot], mode=mode, interpret=interpret)
       # The temperature multiplies dlogits per query before the q-side contraction.
-      dx_KQ = (p_KQ * (dp_KQ - _bcast(delta_Q, shape_KQ, 1))) * _bcast(c_Q * LN2, shape_KQ, 1)
+      dx_KQ = dx_KQ * _bcast(c_Q * LN2, shape_KQ, 1)
       dk_KD = mc.mma(dx_KQ.astype(q_s.dtype), q_s.at[slot], acc=dk_KD, interpret=interpret)
       plgpu.barrier_arrive(q_free.at[slot])
       return dk_KD, dv_KD
@@ -192,7 +236,7 @@ def dkv_call(q, k, v, do, c_BNT, lse_BNT, delta_BNT, *, causal: bool, blocks, in
   return plgpu.kernel(
       mc.with_segments(
           functools.partial(_dkv_kernel, causal=causal, bq=bq, bkv=bkv, n_q=n_q, group=N // K,
-                            steps=steps, interpret=flag),
+                            steps=steps, mode=step_mode(blocks), interpret=flag),
           n_in=len(operands), n_seg_scratch=2, segments=segments),
       out_type=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
       scratch_types=[
@@ -207,4 +251,5 @@ def dkv_call(q, k, v, do, c_BNT, lse_BNT, delta_BNT, *, causal: bool, blocks, in
       grid=(K, S // (W * bkv), B), grid_names=("heads", "kv_seq", "batch"),
       num_threads=W + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
-      interpret=params, kernel_name="focal_mgpu_dkv")(*operands)
+      interpret=params,
+      kernel_name=kernel_name("focal_mgpu_dkv", blocks))(*operands)

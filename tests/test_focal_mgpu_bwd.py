@@ -49,6 +49,12 @@ class Blocks:
   max_concurrent_steps: int = 2
 
 
+@dataclasses.dataclass(frozen=True)
+class LeanBlocks(Blocks):
+  """focal_mgpu.BlockSizes.dkv_step="lean": the dk/dv step's dx from the 16-bit p."""
+  dkv_step: str = "lean"
+
+
 # block_q != block_kv on both kernels (the causal block-range arithmetic) and a 3-slot ring.
 MIXED = Blocks(block_q_dq=64, block_kv_dq=128, block_q_dkv=128, block_kv_dkv=64,
                max_concurrent_steps=3)
@@ -122,6 +128,8 @@ def _interpreted(args, *, causal, blocks, seg_BT=None):
     (jnp.bfloat16, False, 2, 2, 64, Blocks(max_concurrent_steps=3)),
     (jnp.bfloat16, True, 4, 2, 128, MIXED),
     (jnp.float16, True, 4, 1, 64, Blocks()),
+    (jnp.bfloat16, True, 4, 2, 128, LeanBlocks()),
+    (jnp.float16, False, 2, 1, 64, LeanBlocks(max_concurrent_steps=3)),
 ])
 def test_matches_reference(dtype, causal, N, K, D, blocks):
   args, want = _problem(1, B=1, T=256, N=N, K=K, D=D, dtype=dtype, causal=causal)
@@ -183,16 +191,19 @@ def test_bad_inputs_raise(field):
                 seg_BT=seg_BT)
 
 
-@pytest.mark.parametrize("causal, D", [(True, 64), (False, 128)])
-def test_lowers_to_mosaic_gpu_with_segments(causal, D):
+@pytest.mark.parametrize("causal, D, step", [(True, 64, "plain"), (False, 128, "plain"),
+                                             (True, 128, "lean")])
+def test_lowers_to_mosaic_gpu_with_segments(causal, D, step):
   """Both kernels with segment ids lower through Pallas' Mosaic GPU backend for CUDA without a
-  GPU (int32 ids in the row and column layouts, the extra TMA arrivals, shared memory)."""
+  GPU (int32 ids in the row and column layouts, the extra TMA arrivals, shared memory), with
+  each dk/dv step mode (BlockSizes.dkv_step)."""
   B, T, N, K = 2, 1024, 8, 2
   q = jax.ShapeDtypeStruct((B, T, N, D), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((B, T, K, D), jnp.bfloat16)
   rows = jax.ShapeDtypeStruct((B, N, T), jnp.float32)
   seg = jax.ShapeDtypeStruct((B, T), jnp.int32)
-  blocks = Blocks(max_concurrent_steps=3 if D == 64 else 2)
+  kind = {"plain": Blocks, "lean": LeanBlocks}[step]
+  blocks = kind(max_concurrent_steps=3 if D == 64 else 2)
   bwd = jax.jit(lambda q, k, v, s, out, lse, do, seg: fb.backward(
       q, k, v, s, out, lse, do, causal=causal, blocks=blocks, interpret=False, seg_BT=seg))
   text = bwd.trace(q, k, k, rows, q, rows, q, seg).lower(lowering_platforms=("cuda",)).as_text()
@@ -209,6 +220,14 @@ class TestCompiledGPU:
   def test_matches_reference(self, D, causal):
     args, want = _problem(5, B=2, T=2048, N=8, K=2, D=D, dtype=jnp.bfloat16, causal=causal)
     blocks = Blocks(max_concurrent_steps=3 if D == 64 else 2)
+    got = jax.jit(lambda *a: fb.backward(*a, causal=causal, blocks=blocks, interpret=False))(
+        *args)
+    _assert_close(got, want, jnp.bfloat16)
+
+  @pytest.mark.parametrize("D, causal, blocks", [
+      (128, True, LeanBlocks()), (128, False, LeanBlocks())])
+  def test_dkv_step_modes(self, D, causal, blocks):
+    args, want = _problem(9, B=2, T=2048, N=8, K=2, D=D, dtype=jnp.bfloat16, causal=causal)
     got = jax.jit(lambda *a: fb.backward(*a, causal=causal, blocks=blocks, interpret=False))(
         *args)
     _assert_close(got, want, jnp.bfloat16)

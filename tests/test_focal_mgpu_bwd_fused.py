@@ -42,6 +42,7 @@ def _strict_ranks_and_fast_interpreter():
     (jnp.bfloat16, True, 2, 1, 64, Blocks(block_q_dkv=128, block_kv_dkv=64)),
     (jnp.float16, False, 4, 2, 64, Blocks(block_q_dkv=64, block_kv_dkv=128,
                                           max_concurrent_steps=3)),
+    (jnp.bfloat16, True, 4, 2, 128, base.LeanBlocks()),
 ])
 def test_matches_reference(dtype, causal, N, K, D, blocks):
   args, want = base._problem(1, B=1, T=256, N=N, K=K, D=D, dtype=dtype, causal=causal)
@@ -136,15 +137,18 @@ def test_bad_blocks_raise(D, blocks, change, match):
 
 @pytest.mark.parametrize("D, steps, causal, joint, segments", [
     (64, 3, True, False, False), (128, 2, False, False, False), (128, 2, True, True, False),
-    (64, 3, True, False, True), (128, 2, True, True, True), (128, 2, True, "halves", True)])
+    (64, 3, True, False, True), (128, 2, True, True, True), (128, 2, True, "halves", True),
+    (128, 2, True, "lean", False)])
 def test_lowers_for_cuda(D, steps, causal, joint, segments):
   """The compiled kernel (not the interpreter's stand-ins) passes Pallas → Mosaic GPU lowering on
   the installed jax, and the float32 accumulator is aliased in place (no copy). joint: the
-  column-half slices of the swizzled k tiles as wgmma operands, the dS ring and barriers."""
+  column-half slices of the swizzled k tiles as wgmma operands, the dS ring and barriers;
+  "lean": BlockSizes.dkv_step="lean"."""
   q = jax.ShapeDtypeStruct((2, 2048, 8, D), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((2, 2048, 2, D), jnp.bfloat16)
   rows = jax.ShapeDtypeStruct((2, 8, 2048), jnp.float32)
-  blocks = {True: JointBlocks, False: Blocks, "halves": HalvesBlocks}[joint](
+  blocks = {True: JointBlocks, False: Blocks, "halves": HalvesBlocks,
+            "lean": base.LeanBlocks}[joint](
       max_concurrent_steps=steps)
   seg = jax.ShapeDtypeStruct((2, 2048), jnp.int32) if segments else None
   fn = jax.jit(lambda *a, seg_BT=None: ff.backward(*a, causal=causal, blocks=blocks,
@@ -181,6 +185,13 @@ class TestCompiledGPU:
                                causal=causal)
     got = jax.jit(lambda *a: ff.backward(*a, causal=causal, blocks=HalvesBlocks(),
                                          interpret=False))(*args)
+    base._assert_close(got, want, jnp.bfloat16)
+
+  @pytest.mark.parametrize("D, blocks", [
+      (128, base.LeanBlocks()), (64, base.LeanBlocks(max_concurrent_steps=3))])
+  def test_dkv_step_modes(self, D, blocks):
+    args, want = base._problem(13, B=2, T=2048, N=8, K=2, D=D, dtype=jnp.bfloat16, causal=True)
+    got = jax.jit(lambda *a: ff.backward(*a, causal=True, blocks=blocks, interpret=False))(*args)
     base._assert_close(got, want, jnp.bfloat16)
 
   @pytest.mark.parametrize("D", [64, 128])
