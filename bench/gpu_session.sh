@@ -58,6 +58,17 @@ for spec in "$@"; do
              $RUN python3 bench/dilution.py --impls dilution,cudnn --skip prefill,decode \
                --train-variants default,b1_mosaic_2p --train-shapes 2x12x16384x64,1x16x8192x128 \
                --out "$OUT/dilution_2p.json" 2>&1 | tee "$OUT/dilution_2p.log" | tail -12 ;;
+    dilution_2wg)  # issue 4: the Mosaic B1 with two compute warpgroups per CTA (the D = 64
+             # default since the twenty-seventh session): compiled tests, ptxas, passes, end to end
+             $RUN python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/test_dilution_kernel.py \
+               -k "Compiled and (2wg or machine)" 2>&1 | tee "$OUT/dilution_2wg_tests.log" | tail -3
+             MOSAIC_GPU_DUMP_PTXAS=1 $RUN python3 bench/dilution.py --passes \
+               --b1-variants b1_mosaic_2p_1wg,b1_mosaic_2p_2wg --out "$OUT/dilution_2wg_passes.json" \
+               > "$OUT/dilution_2wg_passes.log" 2>&1
+             grep -i "spill stores\|TFLOP" "$OUT/dilution_2wg_passes.log" | tail -20
+             $RUN python3 bench/dilution.py --impls dilution,cudnn --skip prefill,decode \
+               --train-variants default,b1_mosaic_2p_1wg --train-shapes 2x12x16384x64,8x8x4096x64 \
+               --out "$OUT/dilution_2wg.json" 2>&1 | tee "$OUT/dilution_2wg.log" | tail -12 ;;
     dilution_step) $RUN python3 bench/train_step.py --sizes 209m --seq_len 16384 --batch 1 \
              --impls pallas,cudnn --patterns "softmax:rope;dilution:none;softmax:rope,dilution:none" --steps 6 \
              --out "$OUT/dilution_step.json" 2>&1 | grep --line-buffered -v -i autotun \
@@ -75,15 +86,21 @@ for spec in "$@"; do
                  --impls pallas,cudnn --patterns softmax:rope --steps 6 --out "$OUT/crossover_$t.json" \
                  2>&1 | grep --line-buffered -v -i autotun | tee "$OUT/crossover_$t.log" | tail -3
              done ;;
-    mgpu_tests) $RUN python3 -m pytest -q -p no:cacheprovider tests/test_focal_mgpu.py \
-             tests/test_focal_mgpu_bwd.py tests/test_condense.py -k "Compiled" 2>&1 \
+    mgpu_tests)  # MGPU_TESTS / MGPU_K narrow it, e.g. to the backward files or one variant
+             $RUN python3 -m pytest -q -o addopts="" -p no:cacheprovider ${MGPU_TESTS:-tests/test_focal_mgpu.py \
+             tests/test_focal_mgpu_bwd.py tests/test_condense.py} -k "${MGPU_K:-Compiled}" 2>&1 \
              | tee "$OUT/mgpu_tests.log" | tail -40 ;;
     dilution_passes) $RUN python3 bench/dilution.py --passes --out "$OUT/dilution_passes.json" 2>&1 \
              | tee "$OUT/dilution_passes.log" | tail -8 ;;
     dilution_sweep) $RUN python3 bench/dilution.py --sweep --out "$OUT/dilution_sweep.json" 2>&1 \
              | tee "$OUT/dilution_sweep.log" | tail -30 ;;
     mgpu_fwd) $RUN python3 bench/focal_mgpu_fwd.py ${MGPU_FWD_ARGS:-} 2>&1 | tee "$OUT/mgpu_fwd.log" | tail -30 ;;
-    mgpu_bwd) $RUN python3 bench/focal_mgpu_bwd.py 2>&1 | tee "$OUT/mgpu_bwd.log" | tail -30 ;;
+    mgpu_bwd)  # MGPU_BWD_ARGS: one run's arguments; runs separated by ';' go one after another
+             IFS=';' read -ra runs <<< "${MGPU_BWD_ARGS:-}"
+             for args in "${runs[@]:-}"; do
+               $RUN python3 bench/focal_mgpu_bwd.py $args 2>&1 | grep -v -i autotun \
+                 | tee -a "$OUT/mgpu_bwd.log" | tail -30
+             done ;;
     glue_tests) $RUN python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/test_norm_rope.py \
                tests/test_swiglu_kernel.py -k Compiled 2>&1 | tee "$OUT/glue_tests.log" | tail -3 ;;
     add_norm) $RUN python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/test_add_norm.py \
