@@ -62,9 +62,6 @@ B1_VARIANTS = {"default": dict(), "plain": B1_PLAIN,
                # three bf16 mask pieces (float32-exact) or two (the D = 64 Hopper default)
                "b1_mosaic": dict(b1_impl="mosaic", b1_mask_pieces=3),
                "b1_mosaic_2p": dict(b1_impl="mosaic", b1_mask_pieces=2),
-               # ... with one or two compute warpgroups per CTA (b1_warpgroups; 2: D = 64)
-               "b1_mosaic_2p_1wg": dict(b1_impl="mosaic", b1_mask_pieces=2, b1_warpgroups=1),
-               "b1_mosaic_2p_2wg": dict(b1_impl="mosaic", b1_mask_pieces=2, b1_warpgroups=2),
                "triton": dict(b1_impl="triton", f2_impl="triton"),   # the default off Hopper
                "mosaic": dict(b1_impl="mosaic", f2_impl="mosaic")}
 SMOKE_BLOCKS = dilution.BlockSizes(block_q_stats=16, block_k_stats=16, block_q=16, block_k=32,

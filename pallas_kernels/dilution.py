@@ -120,10 +120,6 @@ class BlockSizes:
   # 3 bf16 pieces keep float32 accuracy; 2 keep ~16 bits (relative error ≲ 2⁻¹⁶) and drop two
   # products. The Triton B1 ignores it.
   b1_mask_pieces: int = 3
-  # Compute warpgroups per CTA of the Mosaic B1 (dilution_mgpu's docstring): 1, or 2 at D = 64
-  # (two key blocks share the streamed rows; a 256-thread CTA with 232 registers per compute
-  # thread fills an SM alone, so with 1 no second warpgroup hides the first one's latency).
-  b1_warpgroups: int = 1
 
   @classmethod
   def default(cls, head_dim: int, dtype=None, *, hopper: bool = False) -> "BlockSizes":
@@ -143,8 +139,7 @@ class BlockSizes:
         jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
     if head_dim <= 64:   # the Triton B1 fields stay, so b1_impl="triton" alone restores them
       return cls(b1_carries="scratch", b1_block_k=128, b1_warps=8,
-                 b1_impl="mosaic" if mosaic else "triton", b1_mask_pieces=2 if mosaic else 3,
-                 b1_warpgroups=2 if mosaic else 1)
+                 b1_impl="mosaic" if mosaic else "triton", b1_mask_pieces=2 if mosaic else 3)
     return cls(f2_impl="mosaic" if mosaic else "triton")
 
   def warps(self, D: int) -> int:
@@ -161,8 +156,7 @@ class BlockSizes:
     """T is padded to this: a multiple of every row/key block the passes run use (all powers of
     two, so the largest is a multiple of the rest); B1/B2's key blocks only when training."""
     fwd = max(self.block_q_stats, self.block_k_stats, self.block_q, self.block_k_fwd)
-    b1 = 64 * self.b1_warpgroups if self.b1_impl == "mosaic" else self.keys_b1()
-    return max(fwd, self.block_k, self.keys_b1(), b1) if training else fwd
+    return max(fwd, self.block_k, self.keys_b1()) if training else fwd
 
   def validate(self, D: int):
     if self.b1_carries not in B1_CARRIES:
@@ -173,8 +167,6 @@ class BlockSizes:
                          f"{KERNEL_IMPLS}")
     if self.b1_mask_pieces not in (2, 3):
       raise ValueError(f"BlockSizes.b1_mask_pieces={self.b1_mask_pieces!r} must be 2 or 3")
-    if self.b1_warpgroups not in (1, 2):
-      raise ValueError(f"BlockSizes.b1_warpgroups={self.b1_warpgroups!r} must be 1 or 2")
     for f in dataclasses.fields(self):
       x = getattr(self, f.name)
       if f.name.startswith("block") or f.name in ("ckpt_rows", "split_k_decode"):
@@ -244,8 +236,7 @@ def _uses_mosaic(q, bs, field: str) -> bool:
   """Whether BlockSizes.<field> picks the Mosaic GPU kernel; refuses inputs it cannot run."""
   if getattr(bs, field) != "mosaic":
     return False
-  why = dilution_mgpu.supported(q, bs.ckpt_rows,
-                                bs.b1_warpgroups if field == "b1_impl" else 1)
+  why = dilution_mgpu.supported(q, bs.ckpt_rows)
   if why:
     raise ValueError(f"BlockSizes.{field}='mosaic': {why}; use {field}='triton'")
   return True
@@ -266,8 +257,7 @@ def b1_reverse_sweep(q, k, v, seg, lse, ssum, dbar, do, ckpt, *, scale, eps, bs,
   if _uses_mosaic(q, bs, "b1_impl"):
     return dilution_mgpu.reverse_sweep(q, k, v, seg, lse, ssum, dbar, do, ckpt, scale=scale,
                                        eps=eps, ckpt_rows=bs.ckpt_rows,
-                                       mask_pieces=bs.b1_mask_pieces,
-                                       warpgroups=bs.b1_warpgroups, interpret=interpret)
+                                       mask_pieces=bs.b1_mask_pieces, interpret=interpret)
   return dilution_bwd.reverse_sweep(q, k, v, seg, lse, ssum, dbar, do, ckpt, scale=scale, eps=eps,
                                     bs=bs, interpret=interpret)
 

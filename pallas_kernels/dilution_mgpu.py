@@ -9,7 +9,11 @@ walks the same tiles bottom-up and accumulates dv_J += Aᵀ dO, dk_J += Wᵀ Q (
 Grid (Hq, T / bkv, B): one CTA per (query head, key block of bkv = 64 keys, batch), two Pallas
 threads: warpgroup 0 computes, warpgroup 1 is the TMA producer (40 registers). One compute
 warpgroup, because ĝ is a cross-warp reduction (W summed over keys) and the lowering's reduction
-scratch is one region per CTA; two CTAs fit an SM instead. Tiles are [keys, queries] ("KQ",
+scratch is one region per CTA. ptxas launches these 256-thread CTAs at 232 registers per thread
+(the setmaxnreg maximum), so one CTA fills an SM's 65536: a single compute warpgroup per SM,
+nothing beside it to hide its latency. A two-warpgroup B1 (commit 0ee1bfd: ĝ by wgmmas of W's
+hi + lo pieces; reverted) ran no faster on the H200, 29.4 against this kernel's 29.1 ms at
+(2,12,16K,64): both spill ~600 bytes (twenty-seventh session). Tiles are [keys, queries] ("KQ",
 64 × bq, bq = 64) so that every product is a wgmma with the keys as M:
   r = k·qᵀ (SMEM × SMEM);  p = exp2(log2e·(s·r − lse)), masked causal and by segment;
   mini-sweep: carry_K stored per tile (SMEM [ckpt_rows/bq, 64]), carry_K += rowsum(p);
@@ -110,46 +114,31 @@ def _bounds(t, *, n_super, ckpt_tiles, i_lo, n_q):
 
 
 def _kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, ssum_ref, dbar_ref, do_ref, ckpt_ref, up_ref,
-            lo_ref, one_ref, dq_acc, gh_acc, dk_ref, dv_ref,
-            k_s_w, v_s_w, up_s, lo_s, one_s, segk_s_w, ck0_s_w, ck_s_w, q_s, do_s, lse_s, ssum_s,
-            dbar_s, segq_s, w_s_w, wlo_s_w, dq_s_w, gh_s_w, res_bar, const_bar, ck_bar, q_bar,
-            q_free,
-            *, scale, eps, n_q, n_super, ckpt_tiles, group, steps, mask_pieces, wgs, interpret):
+            lo_ref, dq_acc, gh_acc, dk_ref, dv_ref,
+            k_s, v_s, up_s, lo_s, segk_s, ck0_s, ck_s, q_s, do_s, lse_s, ssum_s, dbar_s, segq_s,
+            w_s, dq_s, gh_s, out_s, res_bar, ck_bar, q_bar, q_free,
+            *, scale, eps, n_q, n_super, ckpt_tiles, group, steps, mask_pieces, interpret):
   n, jk, b = lax.axis_index("heads"), lax.axis_index("kv_seq"), lax.axis_index("batch")
   wg = lax.axis_index("wg")
-  cta_k0 = jk * (wgs * BKV)
-  # Both compute warpgroups walk the row tiles of the CTA's first key: warpgroup 1's first tile
-  # then lies wholly above its keys and runs masked (p = 0, so W = 0 and nothing is added).
-  i_lo = lax.div(cta_k0, jnp.int32(BQ))       # the first row tile that sees a key of the CTA
+  k0 = jk * BKV
+  i_lo = lax.div(k0, jnp.int32(BQ))           # the first row tile that sees a key of J
   n_visit = n_super - lax.div(i_lo, jnp.int32(ckpt_tiles))
   bounds = functools.partial(_bounds, n_super=n_super, ckpt_tiles=ckpt_tiles, i_lo=i_lo, n_q=n_q)
   wgmma = plgpu.Layout.WGMMA
   row_layout, col_layout = wgmma.reduce(1), wgmma.reduce(0)   # per key / per query vectors
 
-  @pl.when(wg < wgs)
+  @pl.when(wg == 0)
   def _compute():
-    plgpu.set_max_registers(mc.COMPUTE_REGISTERS if wgs == 2 else 232, action="increase")
-    k0 = cta_k0 + wg * BKV
+    plgpu.set_max_registers(232, action="increase")
     rows_k = (b, pl.ds(k0, BKV), lax.div(n, jnp.int32(group)))
-    k_s, v_s, segk_s, ck0_s, ck_s, w_s, wlo_s, dq_s, gh_s, res_bar_w, ck_bar_w = (
-        ref.at[wg] for ref in (k_s_w, v_s_w, segk_s_w, ck0_s_w, ck_s_w, w_s_w, wlo_s_w, dq_s_w,
-                               gh_s_w, res_bar, ck_bar))
-
-    @pl.when(wg == 0)
-    def _():   # the constant tiles, once per CTA
-      for src, dst in ((up_ref, up_s), (lo_ref, lo_s), (one_ref, one_s)):
-        plgpu.copy_gmem_to_smem(src, dst, const_bar)
-
-    for src, dst in ((k_ref.at[rows_k], k_s), (v_ref.at[rows_k], v_s),
-                     (seg_ref.at[b, pl.ds(k0, BKV)], segk_s)):
-      plgpu.copy_gmem_to_smem(src, dst, res_bar_w)
-    plgpu.barrier_wait(res_bar_w)
-    plgpu.barrier_wait(const_bar)
+    for src, dst in ((k_ref.at[rows_k], k_s), (v_ref.at[rows_k], v_s), (up_ref, up_s),
+                     (lo_ref, lo_s), (seg_ref.at[b, pl.ds(k0, BKV)], segk_s)):
+      plgpu.copy_gmem_to_smem(src, dst, res_bar)
+    plgpu.barrier_wait(res_bar)
     segk_K = mc.load(segk_s, layout=row_layout, interpret=interpret)
     # Interpreted: this key block's own slab (no TMA reduction there; module docstring).
-    slab = jk * wgs + wg
-    dq_out = dq_acc.at[slab] if interpret else dq_acc
-    gh_out = gh_acc.at[slab] if interpret else gh_acc
+    dq_out = dq_acc.at[jk] if interpret else dq_acc
+    gh_out = gh_acc.at[jk] if interpret else gh_acc
     shape_KQ = (BKV, BQ)
     key_KQ = mc.iota(jnp.int32, shape_KQ, 0, wgmma, interpret=interpret) + k0
     qry_KQ = mc.iota(jnp.int32, shape_KQ, 1, wgmma, interpret=interpret)
@@ -177,22 +166,15 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, ssum_ref, dbar_ref, do_ref, c
       w_KQ = w_KQ + p_KQ * (_bcast(sufk_K, shape_KQ, 0) + mask_dot(
           g_KQ, lo_s, pieces=mask_pieces, interpret=interpret))
       sufk_K = sufk_K + g_KQ.sum(axis=1)
-      # ĝ = colsum(W) sums over keys, across warps: the lowering's reduction scratch is one
-      # region per CTA, so with two compute warpgroups it comes from wgmmas instead (ghat_of).
-      gh_Q = w_KQ.sum(axis=0) if wgs == 1 else None
+      gh_Q = w_KQ.sum(axis=0)
       w16_KQ = w_KQ.astype(q_s.dtype)
-      wlo16_KQ = (w_KQ - w16_KQ.astype(jnp.float32)).astype(q_s.dtype) if wgs > 1 else None
 
       def store_w():   # overlapped with the dk wgmma; the last step's Wᵀ·k was awaited
         w_s[...] = w16_KQ
-        if wgs > 1:
-          wlo_s[...] = wlo16_KQ
         plgpu.commit_smem()
 
       dk_KD = mc.mma(w16_KQ, q_s.at[slot], acc=dk_KD, during=store_w, interpret=interpret)
       plgpu.barrier_arrive(q_free.at[slot])   # q, dO and the rows of this slot are read
-      if wgs > 1:
-        gh_Q = ghat_of(w_s, wlo_s)
       dq_QD = mc.mma_t(w_s, k_s, interpret=interpret)
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last reduces have read dq_s, gh_s
       dq_s[...] = dq_QD * scale
@@ -202,19 +184,12 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, ssum_ref, dbar_ref, do_ref, c
       mc.copy_smem_to_gmem_add(gh_s, gh_out.at[b, n, pl.ds(i * BQ, BQ)], interpret=interpret)
       return dk_KD, dv_KD, sufk_K
 
-    def ghat_of(w_tile, wlo_tile):
-      """ĝ = Wᵀ·e₀ summed over columns: transposed-lhs wgmmas of W's two bf16 pieces (hi + lo,
-      ~16 significant bits of the float32 W) against a 0/1 tile whose column 0 is ones; the
-      column sum runs within warps. [BQ] float32 in the row layout (queries are its rows)."""
-      acc_QQ = mc.mma_t_sum([(w_tile, one_s), (wlo_tile, one_s)], interpret=interpret)
-      return acc_QQ.sum(axis=1)
-
     def super_block(t, state):
       st, acc = state
       s, lo, hi = bounds(t)
       plgpu.commit_smem()   # order the last super-block's reads of ck0_s before the TMA refill
-      plgpu.copy_gmem_to_smem(ckpt_ref.at[b, n, s, pl.ds(k0, BKV)], ck0_s, ck_bar_w)
-      plgpu.barrier_wait(ck_bar_w)
+      plgpu.copy_gmem_to_smem(ckpt_ref.at[b, n, s, pl.ds(k0, BKV)], ck0_s, ck_bar)
+      plgpu.barrier_wait(ck_bar)
 
       def mini(i, c):
         st, carry_K = c
@@ -244,16 +219,16 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, ssum_ref, dbar_ref, do_ref, c
     _, (dk_KD, dv_KD, _) = lax.fori_loop(0, n_visit, super_block,
                                          (jnp.int32(0), (zeros_KD, zeros_KD, zeros_K)))
     rows_out = (b, pl.ds(k0, BKV), n)
-    for x_KD, dst in ((dk_KD, dk_ref), (dv_KD, dv_ref)):   # out through the dq tile
+    for x_KD, dst in ((dk_KD, dk_ref), (dv_KD, dv_ref)):
       plgpu.wait_smem_to_gmem(0)   # the tile's last copy (and every reduce) has completed
-      dq_s[...] = x_KD
+      out_s[...] = x_KD
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(dq_s, dst.at[rows_out])
+      plgpu.copy_smem_to_gmem(out_s, dst.at[rows_out])
     plgpu.wait_smem_to_gmem(0)
 
-  @pl.when(wg == wgs)
+  @pl.when(wg == 1)
   def _producer():
-    plgpu.set_max_registers(mc.PRODUCER_REGISTERS if wgs == 2 else 40, action="decrease")
+    plgpu.set_max_registers(40, action="decrease")
 
     def visit(i, st):
       slot = ring_slot(st, steps, q_free)
@@ -273,37 +248,30 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, ssum_ref, dbar_ref, do_ref, c
     _drain(q_free, lax.fori_loop(0, n_visit, super_block, jnp.int32(0)), steps)
 
 
-def supported(q, ckpt_rows: int, warpgroups: int = 1) -> str | None:
+def supported(q, ckpt_rows: int) -> str | None:
   """None if this kernel takes these inputs, else why not."""
   B, T, N, D = q.shape
   if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     return f"16-bit q/k/v only (wgmma operands), got {q.dtype}"
   if D not in (64, 128):
     return f"head dim 64 or 128, got {D}"
-  if warpgroups not in (1, 2):
-    return f"warpgroups must be 1 or 2, got {warpgroups}"
-  if warpgroups == 2 and D != 64:
-    return f"two compute warpgroups fit shared memory at head dim 64 only, got {D}"
-  if T % (BQ * warpgroups) or ckpt_rows % BQ:
-    return (f"T={T} must be a multiple of {BQ * warpgroups} and ckpt_rows={ckpt_rows} of {BQ} "
-            f"(with {warpgroups} compute warpgroups)")
+  if T % BQ or ckpt_rows % BQ:
+    return f"T={T} and ckpt_rows={ckpt_rows} must be multiples of {BQ}"
   return None
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "eps", "ckpt_rows", "steps",
-                                             "mask_pieces", "warpgroups", "interpret"))
+                                             "mask_pieces", "interpret"))
 def reverse_sweep(q, k, v, seg, lse, ssum, dbar, do, ckpt, *, scale, eps, ckpt_rows, steps=2,
-                  mask_pieces=3, warpgroups=1, interpret=False):
+                  mask_pieces=3, interpret=False):
   """B1 as `dilution_bwd.reverse_sweep`: (dq_main [B,T,Hq,D], ĝ [B,Hq,T], dk_main, dv
   [B,T,Hq,D] per query head), all float32. seg int32 [B, T]; lse, ssum, dbar float32 [B,Hq,T];
   do in q.dtype; ckpt float32 [B, Hq, ceil(T / ckpt_rows), T] from F2 with the same ckpt_rows.
-  mask_pieces: bf16 pieces per in-tile prefix/suffix product (3 exact, 2; `mask_dot`).
-  warpgroups: compute warpgroups per CTA (module docstring; 2 at D = 64 only)."""
-  why = supported(q, ckpt_rows, warpgroups)
+  mask_pieces: bf16 pieces per in-tile prefix/suffix product (3 exact, 2; `mask_dot`)."""
+  why = supported(q, ckpt_rows)
   if why:
     raise ValueError(f"dilution_mgpu.reverse_sweep: {why}")
   B, T, N, D = q.shape
-  W = warpgroups
   flag, params = _launch_params(interpret)
   n_q, n_kb = T // BQ, T // BKV
   slab = (n_kb,) if flag else ()   # interpreted: one slab per key block
@@ -312,36 +280,35 @@ def reverse_sweep(q, k, v, seg, lse, ssum, dbar, do, ckpt, *, scale, eps, ckpt_r
   r_QQ, i_QQ = lax.broadcasted_iota(jnp.int32, (BQ, BQ), 0), lax.broadcasted_iota(
       jnp.int32, (BQ, BQ), 1)
   upper, lower = (r_QQ < i_QQ).astype(jnp.bfloat16), (r_QQ > i_QQ).astype(jnp.bfloat16)
-  first_col = (i_QQ == 0).astype(jnp.bfloat16)   # e₀ columns: ĝ by wgmma (ghat_of)
   steps = max(1, min(steps, n_q))
   ckpt_tiles = ckpt_rows // BQ
   vec = lambda dtype: plgpu.SMEM((steps, BQ), dtype)
   dk, dv = mc.ref_kernel(
       functools.partial(_kernel, scale=float(scale), eps=float(eps), n_q=n_q,
                         n_super=ckpt.shape[2], ckpt_tiles=ckpt_tiles, group=N // k.shape[2],
-                        steps=steps, mask_pieces=mask_pieces, wgs=W, interpret=flag),
+                        steps=steps, mask_pieces=mask_pieces, interpret=flag),
       out_type=[jax.ShapeDtypeStruct(q.shape, jnp.float32)] * 2,
       scratch_types=[
-          _tile_smem((W, BKV, D), k.dtype), _tile_smem((W, BKV, D), k.dtype),  # k, v
-          *[_tile_smem((BQ, BQ), jnp.bfloat16) for _ in range(3)],     # U, L, e₀ columns
-          plgpu.SMEM((W, BKV), jnp.int32), plgpu.SMEM((W, BKV), jnp.float32),  # key ids, ckpt
-          plgpu.SMEM((W, ckpt_tiles, BKV), jnp.float32),                      # tile carries
+          _tile_smem((BKV, D), k.dtype), _tile_smem((BKV, D), k.dtype),        # k, v
+          _tile_smem((BQ, BQ), jnp.bfloat16), _tile_smem((BQ, BQ), jnp.bfloat16),  # U, L
+          plgpu.SMEM((BKV,), jnp.int32), plgpu.SMEM((BKV,), jnp.float32),     # key ids, ckpt
+          plgpu.SMEM((ckpt_tiles, BKV), jnp.float32),                         # tile carries
           _tile_smem((steps, BQ, D), q.dtype), _tile_smem((steps, BQ, D), q.dtype),  # q, dO
           vec(jnp.float32), vec(jnp.float32), vec(jnp.float32), vec(jnp.int32),  # rows, ids
-          _tile_smem((W, BKV, BQ), q.dtype), _tile_smem((W, BKV, BQ), q.dtype),  # W hi, lo
-          plgpu.SMEM((W, BQ, D), jnp.float32, transforms=_F32_TILE),   # dq tile, then dk, dv
-          plgpu.SMEM((W, BQ), jnp.float32),                                   # ĝ tile
-          plgpu.Barrier(num_arrivals=3, num_barriers=W),  # k, v, key ids landed
-          plgpu.Barrier(num_arrivals=3),                  # U, L, e₀ landed
-          plgpu.Barrier(num_arrivals=1, num_barriers=W),  # the super-block's checkpoint landed
+          _tile_smem((BKV, BQ), q.dtype),                                     # W, 16-bit
+          plgpu.SMEM((BQ, D), jnp.float32, transforms=_F32_TILE),             # dq tile
+          plgpu.SMEM((BQ,), jnp.float32),                                     # ĝ tile
+          plgpu.SMEM((BKV, D), jnp.float32, transforms=_F32_TILE),            # dk, dv out
+          plgpu.Barrier(num_arrivals=5),                  # k, v, U, L, key ids landed
+          plgpu.Barrier(num_arrivals=1),                  # the super-block's checkpoint landed
           plgpu.Barrier(num_arrivals=6, num_barriers=steps),   # q, dO, rows, ids of a slot
-          plgpu.Barrier(num_arrivals=W, num_barriers=steps),   # slot released by every wg
+          plgpu.Barrier(num_arrivals=1, num_barriers=steps),   # slot released
       ],
-      grid=(N, T // (W * BKV), B), grid_names=("heads", "kv_seq", "batch"),
-      num_threads=W + 1, thread_name="wg",
+      grid=(N, n_kb, B), grid_names=("heads", "kv_seq", "batch"),
+      num_threads=2, thread_name="wg",
       compiler_params=plgpu.CompilerParams(),
-      interpret=params, name="dilution_mgpu_b1" if W == 1 else "dilution_mgpu_b1_2wg")(
-          q, k, v, seg, lse, ssum, dbar, do, ckpt, upper, lower, first_col, dq_acc, gh_acc)
+      interpret=params, name="dilution_mgpu_b1")(
+          q, k, v, seg, lse, ssum, dbar, do, ckpt, upper, lower, dq_acc, gh_acc)
   dq, gh = dq_acc[...], gh_acc[...]
   if flag:
     dq, gh = dq.sum(axis=0), gh.sum(axis=0)

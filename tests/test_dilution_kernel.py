@@ -38,10 +38,7 @@ B1_VARIANTS_LONG = {"default": {}, **B1_VARIANTS,
                     # test_dilution_mgpu.py).
                     "mosaic": dict(b1_impl="mosaic", f2_impl="mosaic"),
                     # The Mosaic B1 with two bf16 pieces per in-tile mask product.
-                    "mosaic_2p": dict(b1_impl="mosaic", b1_mask_pieces=2),
-                    # ... with two compute warpgroups per CTA (D = 64 only).
-                    "mosaic_2p_2wg": dict(b1_impl="mosaic", b1_mask_pieces=2,
-                                          b1_warpgroups=2)}
+                    "mosaic_2p": dict(b1_impl="mosaic", b1_mask_pieces=2)}
 # B1's key block unlike B2's (on SMALL, T = 96): B1 wider (3 blocks of 32 vs B2's 6 of 16, as
 # b1_block_k=128 over block_k=64 on the GPU) and narrower (6 of 16 vs 3 of 32); warps only matter
 # compiled.
@@ -220,8 +217,6 @@ class TestCompiledGPU(_DilutionKernelChecks):
     # the Mosaic F2.
     if D == 128 and variant.startswith("scratch_k128"):
       pytest.skip("the 128-key tiles were only tuned at D = 64")
-    if D == 128 and variant.endswith("_2wg"):
-      pytest.skip("two B1 compute warpgroups fit shared memory at D = 64 only")
     q, k, v, seg = _inputs(10, B, 2048, 4, 2, D, jnp.bfloat16, segments=True)
     scale = D ** -0.5
     # "machine": no block_sizes, i.e. what the op picks here (dilution.default_block_sizes).
