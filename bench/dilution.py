@@ -62,6 +62,8 @@ B1_VARIANTS = {"default": dict(), "plain": B1_PLAIN,
                # three bf16 mask pieces (float32-exact) or two (the D = 64 Hopper default)
                "b1_mosaic": dict(b1_impl="mosaic", b1_mask_pieces=3),
                "b1_mosaic_2p": dict(b1_impl="mosaic", b1_mask_pieces=2),
+               # ... with 256 registers per compute thread (B1 and, for the whole op, F2)
+               "b1_mosaic_2p_r256": dict(b1_impl="mosaic", b1_mask_pieces=2, mosaic_registers=256),
                "triton": dict(b1_impl="triton", f2_impl="triton"),   # the default off Hopper
                "mosaic": dict(b1_impl="mosaic", f2_impl="mosaic")}
 SMOKE_BLOCKS = dilution.BlockSizes(block_q_stats=16, block_k_stats=16, block_q=16, block_k=32,
@@ -166,10 +168,14 @@ def _passes(shape, dtype, reps, interpret, bs, b1_variants=("default",)):
       ("F2 key_sweep", None, lambda q, k, v, lse: dilution_fwd.key_sweep(
           q, k, v, seg, lse, eps=1e-9, with_ckpt=True, **kw), (q, k, v, lse)),
   ]
-  if {"mosaic", "b1_mosaic"} & set(b1_variants):   # F2 on wgmma/TMA alongside the Triton F2
-    kw_m = dict(kw, bs=dataclasses.replace(bs, f2_impl="mosaic"))
-    passes.append(("F2 key_sweep", "mosaic", lambda q, k, v, lse: dilution.f2_key_sweep(
-        q, k, v, seg, lse, eps=1e-9, with_ckpt=True, **kw_m), (q, k, v, lse)))
+  # F2 on wgmma/TMA alongside the Triton F2, at each register budget a B1 variant asks for
+  regs = sorted({B1_VARIANTS[v].get("mosaic_registers", bs.mosaic_registers) for v in b1_variants
+                 if B1_VARIANTS[v].get("b1_impl") == "mosaic"})
+  for r in regs:
+    kw_m = dict(kw, bs=dataclasses.replace(bs, f2_impl="mosaic", mosaic_registers=r))
+    passes.append(("F2 key_sweep", f"mosaic_r{r}", lambda q, k, v, lse, kw_m=kw_m:
+                   dilution.f2_key_sweep(q, k, v, seg, lse, eps=1e-9, with_ckpt=True, **kw_m),
+                   (q, k, v, lse)))
   for variant in b1_variants:
     # The checkpoints are per key (any block_k reads them); block_k must divide T.
     kw_v = dict(kw, bs=dataclasses.replace(bs, **B1_VARIANTS[variant]))

@@ -120,6 +120,11 @@ class BlockSizes:
   # 3 bf16 pieces keep float32 accuracy; 2 keep ~16 bits (relative error ≲ 2⁻¹⁶) and drop two
   # products. The Triton B1 ignores it.
   b1_mask_pieces: int = 3
+  # Registers per thread of the Mosaic B1's and F2's compute warpgroup (setmaxnreg, 232 to 256 in
+  # steps of 8; their producer keeps 40). One 256-thread CTA fills an SM at 232 already, so up
+  # to 256 costs no occupancy. B1 spills ~600 bytes at 232 (twenty-seventh session); ptxas on
+  # the focal dk/dv kernel's PTX recast to 256 threads: 172 bytes at 232, 24 at 256. Untimed.
+  mosaic_registers: int = 232
 
   @classmethod
   def default(cls, head_dim: int, dtype=None, *, hopper: bool = False) -> "BlockSizes":
@@ -167,6 +172,9 @@ class BlockSizes:
                          f"{KERNEL_IMPLS}")
     if self.b1_mask_pieces not in (2, 3):
       raise ValueError(f"BlockSizes.b1_mask_pieces={self.b1_mask_pieces!r} must be 2 or 3")
+    if self.mosaic_registers not in range(232, 257, 8):
+      raise ValueError(f"BlockSizes.mosaic_registers={self.mosaic_registers!r} must be one of "
+                       f"{list(range(232, 257, 8))}")
     for f in dataclasses.fields(self):
       x = getattr(self, f.name)
       if f.name.startswith("block") or f.name in ("ckpt_rows", "split_k_decode"):
@@ -247,7 +255,7 @@ def f2_key_sweep(q, k, v, seg, lse, *, scale, eps, bs, with_ckpt, interpret):
   if _uses_mosaic(q, bs, "f2_impl"):
     return dilution_mgpu_fwd.key_sweep(q, k, v, seg, lse, scale=scale, eps=eps,
                                        ckpt_rows=bs.ckpt_rows, with_ckpt=with_ckpt,
-                                       interpret=interpret)
+                                       registers=bs.mosaic_registers, interpret=interpret)
   return dilution_fwd.key_sweep(q, k, v, seg, lse, scale=scale, eps=eps, bs=bs,
                                 with_ckpt=with_ckpt, interpret=interpret)
 
@@ -257,7 +265,8 @@ def b1_reverse_sweep(q, k, v, seg, lse, ssum, dbar, do, ckpt, *, scale, eps, bs,
   if _uses_mosaic(q, bs, "b1_impl"):
     return dilution_mgpu.reverse_sweep(q, k, v, seg, lse, ssum, dbar, do, ckpt, scale=scale,
                                        eps=eps, ckpt_rows=bs.ckpt_rows,
-                                       mask_pieces=bs.b1_mask_pieces, interpret=interpret)
+                                       mask_pieces=bs.b1_mask_pieces,
+                                       registers=bs.mosaic_registers, interpret=interpret)
   return dilution_bwd.reverse_sweep(q, k, v, seg, lse, ssum, dbar, do, ckpt, scale=scale, eps=eps,
                                     bs=bs, interpret=interpret)
 

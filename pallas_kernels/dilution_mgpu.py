@@ -117,7 +117,8 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, ssum_ref, dbar_ref, do_ref, c
             lo_ref, dq_acc, gh_acc, dk_ref, dv_ref,
             k_s, v_s, up_s, lo_s, segk_s, ck0_s, ck_s, q_s, do_s, lse_s, ssum_s, dbar_s, segq_s,
             w_s, dq_s, gh_s, out_s, res_bar, ck_bar, q_bar, q_free,
-            *, scale, eps, n_q, n_super, ckpt_tiles, group, steps, mask_pieces, interpret):
+            *, scale, eps, n_q, n_super, ckpt_tiles, group, steps, mask_pieces, registers,
+            interpret):
   n, jk, b = lax.axis_index("heads"), lax.axis_index("kv_seq"), lax.axis_index("batch")
   wg = lax.axis_index("wg")
   k0 = jk * BKV
@@ -129,7 +130,7 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, ssum_ref, dbar_ref, do_ref, c
 
   @pl.when(wg == 0)
   def _compute():
-    plgpu.set_max_registers(232, action="increase")
+    plgpu.set_max_registers(registers, action="increase")
     rows_k = (b, pl.ds(k0, BKV), lax.div(n, jnp.int32(group)))
     for src, dst in ((k_ref.at[rows_k], k_s), (v_ref.at[rows_k], v_s), (up_ref, up_s),
                      (lo_ref, lo_s), (seg_ref.at[b, pl.ds(k0, BKV)], segk_s)):
@@ -261,13 +262,14 @@ def supported(q, ckpt_rows: int) -> str | None:
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "eps", "ckpt_rows", "steps",
-                                             "mask_pieces", "interpret"))
+                                             "mask_pieces", "registers", "interpret"))
 def reverse_sweep(q, k, v, seg, lse, ssum, dbar, do, ckpt, *, scale, eps, ckpt_rows, steps=2,
-                  mask_pieces=3, interpret=False):
+                  mask_pieces=3, registers=232, interpret=False):
   """B1 as `dilution_bwd.reverse_sweep`: (dq_main [B,T,Hq,D], ĝ [B,Hq,T], dk_main, dv
   [B,T,Hq,D] per query head), all float32. seg int32 [B, T]; lse, ssum, dbar float32 [B,Hq,T];
   do in q.dtype; ckpt float32 [B, Hq, ceil(T / ckpt_rows), T] from F2 with the same ckpt_rows.
-  mask_pieces: bf16 pieces per in-tile prefix/suffix product (3 exact, 2; `mask_dot`)."""
+  mask_pieces: bf16 pieces per in-tile prefix/suffix product (3 exact, 2; `mask_dot`).
+  registers: the compute warpgroup's setmaxnreg (232..256, BlockSizes.mosaic_registers)."""
   why = supported(q, ckpt_rows)
   if why:
     raise ValueError(f"dilution_mgpu.reverse_sweep: {why}")
@@ -286,7 +288,8 @@ def reverse_sweep(q, k, v, seg, lse, ssum, dbar, do, ckpt, *, scale, eps, ckpt_r
   dk, dv = mc.ref_kernel(
       functools.partial(_kernel, scale=float(scale), eps=float(eps), n_q=n_q,
                         n_super=ckpt.shape[2], ckpt_tiles=ckpt_tiles, group=N // k.shape[2],
-                        steps=steps, mask_pieces=mask_pieces, interpret=flag),
+                        steps=steps, mask_pieces=mask_pieces, registers=registers,
+                        interpret=flag),
       out_type=[jax.ShapeDtypeStruct(q.shape, jnp.float32)] * 2,
       scratch_types=[
           _tile_smem((BKV, D), k.dtype), _tile_smem((BKV, D), k.dtype),        # k, v

@@ -42,7 +42,7 @@ BQ = BKV = dm.BQ
 def _kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, incl_ref, n_acc, s_acc, ckpt_ref, total_ref,
             k_s, v_s, incl_s, segk_s, q_s, lse_s, segq_s, sig_s, n_s, s_s, vec_s,
             res_bar, q_bar, q_free, *, scale, eps, n_q, ckpt_tiles, group, steps, with_ckpt,
-            interpret):
+            registers, interpret):
   n, jk, b = lax.axis_index("heads"), lax.axis_index("kv_seq"), lax.axis_index("batch")
   wg = lax.axis_index("wg")
   k0 = jk * BKV
@@ -52,7 +52,7 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, incl_ref, n_acc, s_acc, ckpt_
 
   @pl.when(wg == 0)
   def _compute():
-    plgpu.set_max_registers(232, action="increase")
+    plgpu.set_max_registers(registers, action="increase")
     rows_k = (b, pl.ds(k0, BKV), lax.div(n, jnp.int32(group)))
     for src, dst in ((k_ref.at[rows_k], k_s), (v_ref.at[rows_k], v_s), (incl_ref, incl_s),
                      (seg_ref.at[b, pl.ds(k0, BKV)], segk_s)):
@@ -119,10 +119,12 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, incl_ref, n_acc, s_acc, ckpt_
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "eps", "ckpt_rows", "with_ckpt", "steps",
-                                             "interpret"))
-def key_sweep(q, k, v, seg, lse, *, scale, eps, ckpt_rows, with_ckpt, steps=2, interpret=False):
+                                             "registers", "interpret"))
+def key_sweep(q, k, v, seg, lse, *, scale, eps, ckpt_rows, with_ckpt, steps=2, registers=232,
+              interpret=False):
   """F2 as `dilution_fwd.key_sweep`: (N float32 [B,T,Hq,D], S, total float32 [B,Hq,T], ckpt
-  float32 [B, Hq, ceil(T / ckpt_rows), T] or None). seg int32 [B, T]; lse float32 [B, Hq, T]."""
+  float32 [B, Hq, ceil(T / ckpt_rows), T] or None). seg int32 [B, T]; lse float32 [B, Hq, T].
+  registers: the compute warpgroup's setmaxnreg (232..256, BlockSizes.mosaic_registers)."""
   why = dm.supported(q, ckpt_rows)
   if why:
     raise ValueError(f"dilution_mgpu_fwd.key_sweep: {why}")
@@ -141,7 +143,7 @@ def key_sweep(q, k, v, seg, lse, *, scale, eps, ckpt_rows, with_ckpt, steps=2, i
   total = mc.ref_kernel(
       functools.partial(_kernel, scale=float(scale), eps=float(eps), n_q=n_q,
                         ckpt_tiles=ckpt_rows // BQ, group=N // k.shape[2], steps=steps,
-                        with_ckpt=with_ckpt, interpret=flag),
+                        with_ckpt=with_ckpt, registers=registers, interpret=flag),
       out_type=jax.ShapeDtypeStruct((B, N, T), jnp.float32),   # every key block writes its keys
       scratch_types=[
           dm._tile_smem((BKV, D), k.dtype), dm._tile_smem((BKV, D), k.dtype),     # k, v

@@ -85,6 +85,8 @@ def test_two_mask_pieces_stay_close():
     assert _rel(a, b) < tol, (name, _rel(a, b))
   with pytest.raises(ValueError, match="b1_mask_pieces"):
     dilution.BlockSizes(b1_mask_pieces=1).validate(64)
+  with pytest.raises(ValueError, match="mosaic_registers"):
+    dilution.BlockSizes(mosaic_registers=250).validate(64)
 
 
 @pytest.mark.parametrize("T, segments, D, dtype, B, N, K", CASES)
@@ -125,19 +127,21 @@ def test_the_op_runs_both_when_asked():
       assert 'name = "dilution_reverse_sweep"' not in text
 
 
-@pytest.mark.parametrize("D, mask_pieces", [(64, 3), (128, 3), (64, 2), (128, 2)])
-def test_lowers_to_mosaic_gpu(D, mask_pieces):
+@pytest.mark.parametrize("D, mask_pieces, registers", [(64, 3, 232), (128, 3, 232), (64, 2, 232),
+                                                      (128, 2, 232), (64, 2, 256)])
+def test_lowers_to_mosaic_gpu(D, mask_pieces, registers):
   S = jax.ShapeDtypeStruct
   q, kv = S((2, 2048, 4, D), jnp.bfloat16), S((2, 2048, 2, D), jnp.bfloat16)
   rows = S((2, 4, 2048), jnp.float32)
   fn = jax.jit(lambda *a: dilution_mgpu.reverse_sweep(*a, scale=D**-0.5, eps=1e-9,
                                                       ckpt_rows=1024, mask_pieces=mask_pieces,
-                                                      interpret=False))
+                                                      registers=registers, interpret=False))
   text = fn.trace(q, kv, kv, S((2, 2048), jnp.int32), rows, rows, rows, q,
                   S((2, 4, 2, 2048), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
   f2 = jax.jit(lambda *a: dilution_mgpu_fwd.key_sweep(*a, scale=D**-0.5, eps=1e-9,
-                                                      ckpt_rows=1024, with_ckpt=True))
+                                                      ckpt_rows=1024, with_ckpt=True,
+                                                      registers=registers))
   text = f2.trace(q, kv, kv, S((2, 2048), jnp.int32), rows).lower(
       lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
