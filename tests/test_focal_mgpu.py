@@ -280,6 +280,15 @@ def test_block_sizes_validate(field, value):
     focal_mgpu.BlockSizes(**{field: value})
 
 
+def test_dkv_step_names_match_the_kernel():
+  """BlockSizes.dkv_step accepts exactly the modes focal_mgpu_dkv.dv_and_dx implements."""
+  from pallas_kernels import focal_mgpu_dkv  # pylint: disable=import-outside-toplevel
+  for mode in focal_mgpu_dkv.DKV_STEPS:
+    assert focal_mgpu.BlockSizes(dkv_step=mode).dkv_step == mode
+  with pytest.raises(ValueError, match="BlockSizes.dkv_step='fast' must be 'plain' or 'lean'"):
+    focal_mgpu.BlockSizes(dkv_step="fast")
+
+
 @pytest.mark.parametrize("segments", [False, True])
 @pytest.mark.parametrize("causal, dtype, D", [(True, jnp.bfloat16, 64), (False, jnp.float16, 128)])
 def test_lowers_to_mosaic_gpu(causal, dtype, D, segments):
