@@ -14,7 +14,7 @@ FLOPs: backward = 2.5 × forward = 2.5 · 4·B·H·T²·D / 2 (causal), the usua
   python bench/focal_mgpu_bwd.py --fused [--shapes ...]   # + the single-pass backward
   python bench/focal_mgpu_bwd.py --fused --joint --halves # + its joint-dq, dq-halves variants (D = 128)
   python bench/focal_mgpu_bwd.py --ablate [--joint]      # + the fused kernel with dq stages left out
-  python bench/focal_mgpu_bwd.py --dkv-steps lean [--fused]  # + the other dk/dv step mode
+  python bench/focal_mgpu_bwd.py --arms lean pingpong [--fused]  # + the ARMS variants
   python bench/focal_mgpu_bwd.py --smoke [--fused]        # CPU, GPU interpret mode, tiny shape
 """
 
@@ -53,7 +53,13 @@ class Blocks:
   joint_dq: bool = False  # focal_mgpu.BlockSizes.joint_dq (the fused kernel at D = 128)
   dq_halves: bool = False  # focal_mgpu_bwd_fused's dq in two column halves (D = 128, --halves)
   ablate: tuple = ()  # focal_mgpu_bwd_fused's stages to leave out (--ablate; wrong dq)
-  dkv_step: str = "plain"  # focal_mgpu.BlockSizes.dkv_step (--dkv-steps times others beside it)
+  dkv_step: str = "plain"  # focal_mgpu.BlockSizes.dkv_step
+  pingpong_backward: bool = False  # focal_mgpu.BlockSizes.pingpong_backward
+
+
+# --arms: BlockSizes fields of the key-resident step, each timed beside the plain kernels.
+ARMS = {"lean": dict(dkv_step="lean"), "pingpong": dict(pingpong_backward=True),
+        "lean_pingpong": dict(dkv_step="lean", pingpong_backward=True)}
 
 
 WARMUP = 2
@@ -113,7 +119,7 @@ ABLATIONS = (("dq",), ("reduce",), ("wait",))
 
 
 def _row(shape, *, blocks, iters, interpret, fused, joint=False, ablate=False, halves=False,
-         dkv_steps=()):
+         arms=()):
   B, H, T, D = shape
   kq, kk, kv, ks, kdo = jax.random.split(jax.random.key(0), 5)
   dtype = jnp.bfloat16
@@ -136,8 +142,8 @@ def _row(shape, *, blocks, iters, interpret, fused, joint=False, ablate=False, h
       vkw = dict(kw, blocks=dataclasses.replace(blocks, **{field: True}))
       res[name] = _median_ms(jax.jit(lambda *a, vkw=vkw: ff.backward(*a, **vkw)), q, k, v, s_BNT,
                              out, lse, do, iters=iters)
-  for mode in dkv_steps:  # what the dk/dv step keeps live across its wgmma pair
-    mkw = dict(kw, blocks=dataclasses.replace(blocks, dkv_step=mode))
+  for mode in arms:  # the key-resident step's variants
+    mkw = dict(kw, blocks=dataclasses.replace(blocks, **ARMS[mode]))
     res[f"{mode}_bwd"] = _median_ms(jax.jit(lambda *a, mkw=mkw: fb.backward(*a, **mkw)), q, k, v,
                                     s_BNT, out, lse, do, iters=iters)
     res[f"{mode}_dkv"] = _median_ms(
@@ -179,8 +185,8 @@ def main():
   ap.add_argument("--ablate", action="store_true",
                   help="also time the fused kernel with its dq stages left out (wrong dq; "
                        "a stage's cost is the difference to the whole kernel)")
-  ap.add_argument("--dkv-steps", nargs="*", default=[], choices=focal_mgpu_dkv.DKV_STEPS,
-                  help="also time the two-kernel (and --fused) backward with these dkv_step modes")
+  ap.add_argument("--arms", nargs="*", default=[], choices=sorted(ARMS),
+                  help="also time the two-kernel (and --fused) backward with these ARMS")
   ap.add_argument("--out", help="write the rows as JSON here")
   a = ap.parse_args()
   a.fused = a.fused or a.ablate or a.halves  # these read against the whole fused kernel
@@ -202,7 +208,7 @@ def main():
     flops = 2.5 * 4 * B * H * T * T * D / 2
     r = _row(shape, blocks=blocks, iters=iters, interpret=a.smoke, fused=a.fused,
              joint=a.joint, ablate=a.ablate, halves=a.halves,
-             dkv_steps=a.dkv_steps)
+             arms=a.arms)
     rows.append({"shape": shape, **r})
     tf = lambda ms: flops / (ms * 1e-3) / 1e12
     cudnn = r.get("cudnn")
@@ -220,9 +226,9 @@ def main():
         print(f"{'':>20} fused, {name} {z:.3f} ms {tf(z):.0f} TF/s, 2k/{name} "
               f"{r['bwd'] / z:.2f}" + (f", cuDNN/{name} {cudnn / z:.2f}" if cudnn else ""),
               flush=True)
-    for mode in a.dkv_steps:
+    for mode in a.arms:
       fz = r.get(f"{mode}_fused")
-      print(f"{'':>20} dkv_step={mode}: two kernels {r[mode + '_bwd']:.3f} ms (dkv "
+      print(f"{'':>20} {mode}: two kernels {r[mode + '_bwd']:.3f} ms (dkv "
             f"{r[mode + '_dkv']:.3f})" + (f", fused {fz:.3f}" if fz else "")
             + (f", cuDNN/two kernels {cudnn / r[mode + '_bwd']:.2f}" if cudnn else "")
             + (f", cuDNN/fused {cudnn / fz:.2f}" if cudnn and fz else ""), flush=True)

@@ -123,6 +123,22 @@ for spec in "$@"; do
                  ${BWD_SHAPES:-24,16,2048,128 2,16,4096,128 1,16,8192,128} 2>&1 | grep -v -i autotun \
                  | tee -a "$OUT/bwd_sweep.log" | tail -5
              done ;;
+    bwd_pingpong)  # issue 3: the ping-pong schedule in the dk/dv and fused backwards (written in
+             # the twenty-seventh session, never compiled): compiled tests, then each arm timed
+             # beside the defaults at D = 128 and 64, then the 1.3B step with the best arm
+             $RUN python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/test_focal_mgpu_bwd.py \
+               tests/test_focal_mgpu_bwd_fused.py -k "Compiled and dkv_step" 2>&1 \
+               | tee "$OUT/pingpong_tests.log" | tail -3
+             $RUN python3 bench/focal_mgpu_bwd.py --fused --arms pingpong lean_pingpong --shapes \
+               24,16,2048,128 2,16,4096,128 1,16,8192,128 1,8,16384,128 --out "$OUT/pingpong128.json" \
+               2>&1 | grep -v -i autotun | tee "$OUT/pingpong.log" | tail -12
+             $RUN python3 bench/focal_mgpu_bwd.py --fused --arms pingpong --blocks 64,64,64,64,3 \
+               --shapes 2,12,16384,64 4,12,4096,64 --out "$OUT/pingpong64.json" 2>&1 \
+               | grep -v -i autotun | tee -a "$OUT/pingpong.log" | tail -6
+             $RUN python3 bench/train_step.py --sizes 1.3b --batch 24 --impls pallas --steps 8 \
+               --variants "${PINGPONG_STEP_VARIANTS:-;bench.mgpu_backward=two_kernel_pingpong}" \
+               --out "$OUT/pingpong_step.json" 2>&1 | grep --line-buffered -v -i autotun \
+               | tee "$OUT/pingpong_step.log" | tail -4 ;;
     fused_diag)  # issue 3: why the fused backward loses at D = 128: the dq-halves variant's
              # compiled tests, then every variant timed with the dq stages left out (--ablate),
              # ptxas's registers and spills per kernel, then ncu's view if it runs here

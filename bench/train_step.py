@@ -47,9 +47,10 @@ MGPU_BACKWARD = {
     "fused": {"fused_backward": True, "joint_dq": False, "dq_halves": False},
     "fused_joint": {"fused_backward": True, "joint_dq": True, "dq_halves": False},
     "fused_halves": {"fused_backward": True, "joint_dq": False, "dq_halves": True},
-    **{f"{kind}_{step}": {"fused_backward": kind == "fused", "joint_dq": False,
-                          "dq_halves": False, "dkv_step": step}
-       for kind in ("two_kernel", "fused") for step in ("lean",)}}
+    **{f"{kind}_{arm}": {"fused_backward": kind == "fused", "joint_dq": False,
+                         "dq_halves": False, "dkv_step": "lean" if "lean" in arm else "plain",
+                         "pingpong_backward": "pingpong" in arm}
+       for kind in ("two_kernel", "fused") for arm in ("lean", "pingpong", "lean_pingpong")}}
 
 
 @contextlib.contextmanager

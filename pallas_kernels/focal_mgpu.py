@@ -104,6 +104,11 @@ class BlockSizes:
   # and made the fused backward 5-15% faster there, but the dk/dv kernel slower (twenty-seventh
   # session); no default takes the fused backward at D=128, so "plain" stays.
   dkv_step: str = "plain"
+  # FA3's ping-pong schedule (as in the forward) in the dk/dv kernel and the fused backward: the
+  # two compute warpgroups take turns at the tensor cores (`focal_mgpu_dkv.visit_q_blocks`), so
+  # one's elementwise work overlaps the other's matmuls. The dk/dv step is bound by issuing its
+  # elementwise work (twenty-seventh session); written then, not yet timed on a GPU.
+  pingpong_backward: bool = False
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
@@ -111,7 +116,7 @@ class BlockSizes:
       if f.name == "dkv_step":
         if value not in ("plain", "lean"):  # focal_mgpu_dkv.DKV_STEPS
           raise ValueError(f"BlockSizes.dkv_step={value!r} must be 'plain' or 'lean'")
-      elif f.name in ("fused_backward", "joint_dq", "dq_halves"):
+      elif f.name in ("fused_backward", "joint_dq", "dq_halves", "pingpong_backward"):
         if not isinstance(value, bool):
           raise ValueError(f"BlockSizes.{f.name}={value!r} must be True or False")
       elif f.name == "max_concurrent_steps":

@@ -37,7 +37,10 @@ three [bkv, bq] tiles; dq holds dq (bq·D/128) plus three [bq, bkv] tiles. At D 
 bq = bkv = 64 the dq kernel fits the 240-register budget but the dk/dv kernel spills (ptxas 13.0:
 100 bytes at 240, 160 at 232; none at D = 64); 128-wide logits tiles at D = 128 spill more.
 BlockSizes.dkv_step="lean" (`focal_mgpu_dkv.dv_and_dx`) cuts that to 16 bytes but runs slower:
-the kernel is bound by issuing its elementwise work, and "lean" adds to it.
+the kernel is bound by issuing its elementwise work, and "lean" adds to it. Both compute
+warpgroups consume the same ring slots and so tend to reach the tensor cores together;
+BlockSizes.pingpong_backward makes them take turns (FA3 §3.2, as the forward does;
+`focal_mgpu_dkv.visit_q_blocks`); interpret-tested, not yet compiled.
 
 Contract (ValueError otherwise, no padding): q, k, v share one 16-bit dtype; D ∈ {64, 128};
 block sizes multiples of 64; T divisible by 2·block_q_dq and block_q_dkv, S by 2·block_kv_dkv and

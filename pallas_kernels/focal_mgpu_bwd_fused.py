@@ -62,6 +62,8 @@ variant of this kernel spills (the dk/dv kernel too); at D = 64 none does.
 blocks.dkv_step="lean" (`focal_mgpu_dkv.dv_and_dx`): dx from the 16-bit p, the temperature row
 reloaded; at D = 128 ptxas spills 312 bytes instead of 440 and the kernel ran 5–15% faster on
 the H200 (twenty-seventh session), level with the two kernels at 4K–8K, still behind at 2K and 16K.
+blocks.pingpong_backward: the two compute warpgroups take turns at the tensor cores
+(`focal_mgpu_dkv.visit_q_blocks`); not with joint_dq (ValueError). Interpret-tested only.
 
 Segment ids (optional, as focal_mgpu_dkv's): each warpgroup's key ids stay resident and each q
 block's ids join its ring slot; a tile masks where the ids differ. Compiled on the H200 at D 64
@@ -116,8 +118,8 @@ def smem_bytes(*, bq: int, bkv: int, D: int, steps: int, itemsize: int = 2,
 
 def _kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, acc_ref, dk_ref, dv_ref,
             k_s, v_s, q_s, do_s, c_s, lse_s, delta_s, ds_s, dq_s, res_bar, q_bar, q_free,
-            *joint_bars, seg, causal, bq, bkv, n_q, group, steps, joint_dq, dq_halves,
-            interpret, mode="plain", ablate=()):
+            schedule, *joint_bars, seg, causal, bq, bkv, n_q, group, steps, joint_dq, dq_halves,
+            interpret, mode="plain", pingpong_on=False, ablate=()):
   b, kv_head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
   cta_k0 = lax.axis_index("kv_seq") * (W * bkv)
   # First q block that sees any key of this CTA (causal); per head the CTA visits [i_lo, n_q).
@@ -150,6 +152,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, acc_ref, dk_
     acc = acc_ref.at[slab] if interpret else acc_ref
     dq_QD_s = dq_s.at[wg]
     shape_KQ = (bkv, bq)
+    sched = schedule if pingpong_on else None
 
     def reduce_dq(acc_tile, tile_s, dst, *, pending):
       """Float32 dq tile → its SMEM tile → TMA reduce-add into dst. The reduce that last read
@@ -194,7 +197,9 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, acc_ref, dk_
       buf = lax.rem(g * per_head + t, 2) if joint_dq else None
       ds_KQ_s = ds_s.at[buf, wg] if joint_dq else ds_s.at[wg]
       plgpu.barrier_wait(q_bar.at[slot])
-      r_KQ = mc.mma(k_s.at[wg], q_s.at[slot], transpose_b=True, interpret=interpret)
+      r_KQ = mc.mma(k_s.at[wg], q_s.at[slot], transpose_b=True, interpret=interpret,
+                    during=None if sched is None
+                    else functools.partial(focal_mgpu_dkv.schedule_phase, sched))
       c_Q = mc.load(c_s.at[slot], layout=col_layout, interpret=interpret)
       lse_Q = mc.load(lse_s.at[slot], layout=col_layout, interpret=interpret)
       x_KQ = r_KQ * fb._bcast(c_Q, shape_KQ, 1) - fb._bcast(lse_Q, shape_KQ, 1)
@@ -208,7 +213,8 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, acc_ref, dk_
         x_KQ = jnp.where(same_KQ, x_KQ, -jnp.inf)
       dv_KD, dx_KQ, c_Q = focal_mgpu_dkv.dv_and_dx(
           jnp.exp2(x_KQ), c_Q, dv_KD, v_tile=v_s.at[wg], do_tile=do_s.at[slot],
-          c_tile=c_s.at[slot], delta_tile=delta_s.at[slot], mode=mode, interpret=interpret)
+          c_tile=c_s.at[slot], delta_tile=delta_s.at[slot], mode=mode, interpret=interpret,
+          schedule=sched)
 
       def store_ds():  # overlapped with the dk wgmma; the last step's dsᵀ·k was awaited
         ds_KQ_s[...] = dx_KQ.astype(ds_KQ_s.dtype)
@@ -236,7 +242,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, acc_ref, dk_
     dk_KD, dv_KD = focal_mgpu_dkv.visit_q_blocks(
         step, causal=causal, group=group, per_head=per_head, steps=steps, k0=k0, bq=bq, bkv=bkv,
         i_lo=i_lo, q_bar=q_bar, q_free=q_free, D=k_s.shape[-1], interpret=interpret,
-        skip_above=not joint_dq)
+        skip_above=not joint_dq, schedule=sched, wg=wg)
     if joint_dq:  # the other warpgroup's last dsᵀ·k reads this one's k tile: wait for it
       plgpu.barrier_arrive(done)
       plgpu.barrier_wait(done)
@@ -273,6 +279,11 @@ def _check_smem(q, blocks):
   if _dq_halves(blocks) and _joint_dq(blocks):
     raise ValueError("blocks.dq_halves and blocks.joint_dq are two ways to split dq's columns; "
                      "set at most one")
+  if _joint_dq(blocks) and focal_mgpu_dkv.pingpong(blocks):
+    # The joint dq's per-step barrier between the warpgroups and the half-phase offset of the
+    # ping-pong schedule would wait on each other.
+    raise ValueError("blocks.pingpong_backward and blocks.joint_dq cannot be combined; set at "
+                     "most one")
   if _dq_halves(blocks) and D != 128:
     raise ValueError(f"blocks.dq_halves=True needs head dim D=128 (64-column halves of the "
                      f"swizzled k tile); got D={D}")
@@ -314,6 +325,7 @@ def fused_call(q, k, v, do, c_BNT, lse_BNT, delta_BNT, *, causal: bool, blocks, 
           functools.partial(_kernel, causal=causal, bq=bq, bkv=bkv, n_q=n_q, group=N // K,
                             steps=steps, joint_dq=joint, dq_halves=halves, interpret=flag,
                             mode=focal_mgpu_dkv.step_mode(blocks),
+                            pingpong_on=focal_mgpu_dkv.pingpong(blocks),
                             ablate=getattr(blocks, "ablate", ())),
           n_in=len(operands), n_seg_scratch=2, segments=segments),
       out_type=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
@@ -327,6 +339,7 @@ def fused_call(q, k, v, do, c_BNT, lse_BNT, delta_BNT, *, causal: bool, blocks, 
           plgpu.Barrier(num_arrivals=2 + segments, num_barriers=W),   # resident tiles landed
           plgpu.Barrier(num_arrivals=5 + segments, num_barriers=steps),  # q, dO, rows landed
           plgpu.Barrier(num_arrivals=W, num_barriers=steps),      # slot released by both wgs
+          plgpu.Barrier(num_arrivals=W),       # ping-pong schedule (with pingpong_backward)
           *joint_bars,
           *seg_scratch,
       ],

@@ -64,19 +64,38 @@ def stream_q_rows(gmem, smem, q_bar, q_free, *, b, kv_head, group, i_lo, per_hea
   _drain(q_free, total, steps)
 
 
+def schedule_phase(schedule):
+  """One phase of the ping-pong schedule barrier (both compute warpgroups arrive, then wait)."""
+  plgpu.barrier_arrive(schedule)
+  plgpu.barrier_wait(schedule)
+
+
+def pingpong(blocks) -> bool:
+  return getattr(blocks, "pingpong_backward", False)  # bench/test Blocks may lack the field
+
+
 def visit_q_blocks(step, *, causal, group, per_head, steps, k0, bq, bkv, i_lo, q_bar, q_free, D,
-                   interpret, skip_above: bool = True):
+                   interpret, skip_above: bool = True, schedule=None, wg=None):
   """A compute warpgroup's walk of a key-resident backward pass (this file's dk/dv kernel and
   focal_mgpu_bwd_fused): for each of the `group` query heads, step(t, (dk, dv), g=g, masked=...)
   on q block i_lo + t, starting from float32 zeros [bkv, D] in the WGMMA layout. Causal: q blocks
   wholly above the warpgroup's keys (from k0) only wait for and release their ring slot, so the
   barrier phases stay in step with the other warpgroup; only blocks crossing its diagonal mask.
   skip_above=False runs those blocks as masked steps instead (all-zero probabilities), for a
-  kernel whose warpgroups meet at every step (the fused backward's joint dq)."""
+  kernel whose warpgroups meet at every step (the fused backward's joint dq).
+
+  schedule (BlockSizes.pingpong_backward; wg: this warpgroup's index): FA3 §3.2's ping-pong, as
+  in focal_mgpu's forward. Every step passes two phases of this barrier (one after issuing its
+  k·qᵀ wgmma, one before issuing the dv / dP pair, `dv_and_dx`), skipped blocks too, and
+  warpgroup 1 runs one phase behind warpgroup 0, so one warpgroup's elementwise work overlaps
+  the other's matmuls instead of both reaching the tensor cores together."""
   def skip(t, carry, *, g):
     slot = lax.rem(g * per_head + t, steps)
     plgpu.barrier_wait(q_bar.at[slot])
     plgpu.barrier_arrive(q_free.at[slot])
+    if schedule is not None:
+      schedule_phase(schedule)
+      schedule_phase(schedule)
     return carry
 
   def head(g, carry):
@@ -94,14 +113,20 @@ def visit_q_blocks(step, *, causal, group, per_head, steps, k0, bq, bkv, i_lo, q
 
   zeros = mc.layout_cast(jnp.zeros((bkv, D), jnp.float32), plgpu.Layout.WGMMA,
                          interpret=interpret)
-  return lax.fori_loop(0, group, head, (zeros, zeros))
+  if schedule is not None:
+    pl.when(wg == 1)(functools.partial(schedule_phase, schedule))  # one phase behind
+  carry = lax.fori_loop(0, group, head, (zeros, zeros))
+  if schedule is not None:
+    pl.when(wg == 0)(functools.partial(schedule_phase, schedule))  # balances warpgroup 1's
+  return carry
 
 
 # BlockSizes.dkv_step: what the dk/dv step keeps live across its wgmma pair (`dv_and_dx`).
 DKV_STEPS = ("plain", "lean")
 
 
-def dv_and_dx(p_KQ, c_Q, dv_KD, *, v_tile, do_tile, c_tile, delta_tile, mode, interpret):
+def dv_and_dx(p_KQ, c_Q, dv_KD, *, v_tile, do_tile, c_tile, delta_tile, mode, interpret,
+              schedule=None):
   """The key-resident step's middle (this file's dk/dv kernel and focal_mgpu_bwd_fused):
   dv += p·dO and dP = v·dOᵀ, issued together and awaited once, then dx = p ⊙ (dP − delta).
   p_KQ: float32 [bkv, bq] in the WGMMA layout; c_Q: the slot's LOG2E·s row (c_tile) in the
@@ -117,11 +142,21 @@ def dv_and_dx(p_KQ, c_Q, dv_KD, *, v_tile, do_tile, c_tile, delta_tile, mode, in
       made the fused backward 5–15% faster at D = 128, but the dk/dv kernel 1–11% slower (17% at
       D = 64): its hot loop has 18% more instructions (the widening, the reload), and this kernel
       is bound by the issue of its elementwise work, not by the spills, which sit mostly outside
-      the unmasked loop."""
+      the unmasked loop.
+  schedule: the ping-pong barrier (`visit_q_blocks`): this warpgroup's elementwise work is done
+  before the pair is issued, then it waits for the other warpgroup's matmuls."""
   p16_KQ = p_KQ.astype(do_tile.dtype)
   col_layout = plgpu.Layout.WGMMA.reduce(0)
   if mode == "lean":
     del p_KQ, c_Q  # rebuilt below, after the wgmmas
+  if schedule is not None:
+    # The fence keeps the exp and the cast ahead of the arrival (focal_mgpu's forward does the
+    # same with its softmax).
+    if mode == "lean":
+      p16_KQ = lax.optimization_barrier(p16_KQ)
+    else:
+      p_KQ, p16_KQ, c_Q = lax.optimization_barrier((p_KQ, p16_KQ, c_Q))
+    schedule_phase(schedule)
   dv_KD, dp_KQ = mc.mma_pair((p16_KQ, do_tile, dv_KD, False), (v_tile, do_tile, None, True),
                              interpret=interpret)
   delta_Q = mc.load(delta_tile, layout=col_layout, interpret=interpret)
@@ -137,9 +172,11 @@ def step_mode(blocks) -> str:
 
 
 def kernel_name(base: str, blocks) -> str:
-  """Kernel name with the step mode, so profiles and PTX dumps tell the variants apart."""
+  """Kernel name with the step mode and schedule, so profiles and PTX dumps tell the variants
+  apart."""
   mode = step_mode(blocks)
-  return base if mode == "plain" else f"{base}_{mode}"
+  return (base + ("" if mode == "plain" else f"_{mode}")
+          + ("_pingpong" if pingpong(blocks) else ""))
 
 
 def write_dk_dv(dk_KD, dv_KD, k_tile, v_tile, dk_out, dv_out):
@@ -154,8 +191,8 @@ def write_dk_dv(dk_KD, dv_KD, k_tile, v_tile, dk_out, dv_out):
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, dk_ref, dv_ref,
-                k_s, v_s, q_s, do_s, c_s, lse_s, delta_s, res_bar, q_bar, q_free,
-                *, seg, causal, bq, bkv, n_q, group, steps, mode, interpret):
+                k_s, v_s, q_s, do_s, c_s, lse_s, delta_s, res_bar, q_bar, q_free, schedule,
+                *, seg, causal, bq, bkv, n_q, group, steps, mode, pingpong_on, interpret):
   b, kv_head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
   cta_k0 = lax.axis_index("kv_seq") * (W * bkv)
   # First q block that sees any key of this CTA (causal); per head the CTA visits [i_lo, n_q).
@@ -180,13 +217,15 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, dk_ref, 
     if seg:
       segk_K = mc.load(segk_s.at[wg], layout=wgmma_layout.reduce(1), interpret=interpret)
     shape_KQ = (bkv, bq)
+    sched = schedule if pingpong_on else None
 
     def step(t, carry, *, g, masked):
       dk_KD, dv_KD = carry
       i = i_lo + t
       slot = lax.rem(g * per_head + t, steps)  # the producer's step index of this q block
       plgpu.barrier_wait(q_bar.at[slot])
-      r_KQ = mc.mma(k_s.at[wg], q_s.at[slot], transpose_b=True, interpret=interpret)
+      r_KQ = mc.mma(k_s.at[wg], q_s.at[slot], transpose_b=True, interpret=interpret,
+                    during=None if sched is None else functools.partial(schedule_phase, sched))
       c_Q = mc.load(c_s.at[slot], layout=col_layout, interpret=interpret)
       lse_Q = mc.load(lse_s.at[slot], layout=col_layout, interpret=interpret)
       x_KQ = r_KQ * _bcast(c_Q, shape_KQ, 1) - _bcast(lse_Q, shape_KQ, 1)
@@ -200,7 +239,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, dk_ref, 
         x_KQ = jnp.where(same_KQ, x_KQ, -jnp.inf)
       dv_KD, dx_KQ, c_Q = dv_and_dx(jnp.exp2(x_KQ), c_Q, dv_KD, v_tile=v_s.at[wg],
                                     do_tile=do_s.at[slot], c_tile=c_s.at[slot],
-                                    delta_tile=delta_s.at[slot], mode=mode, interpret=interpret)
+                                    delta_tile=delta_s.at[slot], mode=mode, interpret=interpret,
+                                    schedule=sched)
       # The temperature multiplies dlogits per query before the q-side contraction.
       dx_KQ = dx_KQ * _bcast(c_Q * LN2, shape_KQ, 1)
       dk_KD = mc.mma(dx_KQ.astype(q_s.dtype), q_s.at[slot], acc=dk_KD, interpret=interpret)
@@ -209,7 +249,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, dk_ref, 
 
     dk_KD, dv_KD = visit_q_blocks(step, causal=causal, group=group, per_head=per_head,
                                   steps=steps, k0=k0, bq=bq, bkv=bkv, i_lo=i_lo, q_bar=q_bar,
-                                  q_free=q_free, D=k_s.shape[-1], interpret=interpret)
+                                  q_free=q_free, D=k_s.shape[-1], interpret=interpret,
+                                  schedule=sched, wg=wg)
     write_dk_dv(dk_KD, dv_KD, k_s.at[wg], v_s.at[wg], dk_ref.at[rows], dv_ref.at[rows])
 
   @pl.when(wg == W)
@@ -236,7 +277,8 @@ def dkv_call(q, k, v, do, c_BNT, lse_BNT, delta_BNT, *, causal: bool, blocks, in
   return plgpu.kernel(
       mc.with_segments(
           functools.partial(_dkv_kernel, causal=causal, bq=bq, bkv=bkv, n_q=n_q, group=N // K,
-                            steps=steps, mode=step_mode(blocks), interpret=flag),
+                            steps=steps, mode=step_mode(blocks), pingpong_on=pingpong(blocks),
+                            interpret=flag),
           n_in=len(operands), n_seg_scratch=2, segments=segments),
       out_type=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
       scratch_types=[
@@ -246,6 +288,7 @@ def dkv_call(q, k, v, do, c_BNT, lse_BNT, delta_BNT, *, causal: bool, blocks, in
           plgpu.Barrier(num_arrivals=2 + segments, num_barriers=W),   # resident tiles landed
           plgpu.Barrier(num_arrivals=5 + segments, num_barriers=steps),  # q, dO, rows landed
           plgpu.Barrier(num_arrivals=W, num_barriers=steps),      # slot released by both wgs
+          plgpu.Barrier(num_arrivals=W),       # ping-pong schedule (with pingpong_backward)
           *seg_scratch,
       ],
       grid=(K, S // (W * bkv), B), grid_names=("heads", "kv_seq", "batch"),

@@ -55,6 +55,13 @@ class LeanBlocks(Blocks):
   dkv_step: str = "lean"
 
 
+@dataclasses.dataclass(frozen=True)
+class PingpongBlocks(Blocks):
+  """focal_mgpu.BlockSizes.pingpong_backward: the warpgroups take turns at the tensor cores."""
+  dkv_step: str = "plain"
+  pingpong_backward: bool = True
+
+
 # block_q != block_kv on both kernels (the causal block-range arithmetic) and a 3-slot ring.
 MIXED = Blocks(block_q_dq=64, block_kv_dq=128, block_q_dkv=128, block_kv_dkv=64,
                max_concurrent_steps=3)
@@ -130,6 +137,8 @@ def _interpreted(args, *, causal, blocks, seg_BT=None):
     (jnp.float16, True, 4, 1, 64, Blocks()),
     (jnp.bfloat16, True, 4, 2, 128, LeanBlocks()),
     (jnp.float16, False, 2, 1, 64, LeanBlocks(max_concurrent_steps=3)),
+    (jnp.bfloat16, True, 4, 2, 64, PingpongBlocks(max_concurrent_steps=3)),
+    (jnp.float16, False, 2, 1, 128, PingpongBlocks(dkv_step="lean")),
 ])
 def test_matches_reference(dtype, causal, N, K, D, blocks):
   args, want = _problem(1, B=1, T=256, N=N, K=K, D=D, dtype=dtype, causal=causal)
@@ -140,6 +149,7 @@ def test_matches_reference(dtype, causal, N, K, D, blocks):
     # Two packed rows, GQA, mixed tiles and a 3-slot ring: ids resident and streamed both ways.
     (jnp.bfloat16, True, 2, 4, 2, 64, MIXED),
     (jnp.float16, False, 1, 2, 1, 128, Blocks()),  # every tile masked by segments alone
+    (jnp.bfloat16, True, 2, 4, 2, 64, PingpongBlocks(block_q_dkv=128)),
 ])
 def test_matches_reference_segments(dtype, causal, B, N, K, D, blocks):
   seg_BT = _packed_segment_ids(7, B, 256)
@@ -192,7 +202,7 @@ def test_bad_inputs_raise(field):
 
 
 @pytest.mark.parametrize("causal, D, step", [(True, 64, "plain"), (False, 128, "plain"),
-                                             (True, 128, "lean")])
+                                             (True, 128, "lean"), (True, 64, "pingpong")])
 def test_lowers_to_mosaic_gpu_with_segments(causal, D, step):
   """Both kernels with segment ids lower through Pallas' Mosaic GPU backend for CUDA without a
   GPU (int32 ids in the row and column layouts, the extra TMA arrivals, shared memory), with
@@ -202,7 +212,7 @@ def test_lowers_to_mosaic_gpu_with_segments(causal, D, step):
   k = jax.ShapeDtypeStruct((B, T, K, D), jnp.bfloat16)
   rows = jax.ShapeDtypeStruct((B, N, T), jnp.float32)
   seg = jax.ShapeDtypeStruct((B, T), jnp.int32)
-  kind = {"plain": Blocks, "lean": LeanBlocks}[step]
+  kind = {"plain": Blocks, "lean": LeanBlocks, "pingpong": PingpongBlocks}[step]
   blocks = kind(max_concurrent_steps=3 if D == 64 else 2)
   bwd = jax.jit(lambda q, k, v, s, out, lse, do, seg: fb.backward(
       q, k, v, s, out, lse, do, causal=causal, blocks=blocks, interpret=False, seg_BT=seg))
@@ -225,7 +235,8 @@ class TestCompiledGPU:
     _assert_close(got, want, jnp.bfloat16)
 
   @pytest.mark.parametrize("D, causal, blocks", [
-      (128, True, LeanBlocks()), (128, False, LeanBlocks())])
+      (128, True, LeanBlocks()), (128, False, LeanBlocks()), (128, True, PingpongBlocks()),
+      (64, True, PingpongBlocks(max_concurrent_steps=3)), (64, False, PingpongBlocks())])
   def test_dkv_step_modes(self, D, causal, blocks):
     args, want = _problem(9, B=2, T=2048, N=8, K=2, D=D, dtype=jnp.bfloat16, causal=causal)
     got = jax.jit(lambda *a: fb.backward(*a, causal=causal, blocks=blocks, interpret=False))(

@@ -43,6 +43,8 @@ def _strict_ranks_and_fast_interpreter():
     (jnp.float16, False, 4, 2, 64, Blocks(block_q_dkv=64, block_kv_dkv=128,
                                           max_concurrent_steps=3)),
     (jnp.bfloat16, True, 4, 2, 128, base.LeanBlocks()),
+    (jnp.bfloat16, True, 4, 2, 64, base.PingpongBlocks(max_concurrent_steps=3)),
+    (jnp.float16, False, 2, 1, 128, base.PingpongBlocks(dkv_step="lean")),
 ])
 def test_matches_reference(dtype, causal, N, K, D, blocks):
   args, want = base._problem(1, B=1, T=256, N=N, K=K, D=D, dtype=dtype, causal=causal)
@@ -64,6 +66,11 @@ class HalvesBlocks(Blocks):
 @dataclasses.dataclass(frozen=True)
 class BothBlocks(JointBlocks):
   dq_halves: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class JointPingpongBlocks(JointBlocks):
+  pingpong_backward: bool = True
 
 
 @pytest.mark.parametrize("dtype, causal, N, K, blocks", [
@@ -127,6 +134,7 @@ def test_backward_output_types():
     (64, JointBlocks(), {}, "joint_dq=True needs head dim D=128"),
     (64, HalvesBlocks(), {}, "dq_halves=True needs head dim D=128"),
     (128, BothBlocks(), {}, "set at most one"),
+    (128, JointPingpongBlocks(), {}, "pingpong_backward and blocks.joint_dq cannot be combined"),
 ])
 def test_bad_blocks_raise(D, blocks, change, match):
   args, _ = base._problem(3, B=1, T=256, N=2, K=1, D=D, dtype=jnp.bfloat16, causal=True)
@@ -138,17 +146,17 @@ def test_bad_blocks_raise(D, blocks, change, match):
 @pytest.mark.parametrize("D, steps, causal, joint, segments", [
     (64, 3, True, False, False), (128, 2, False, False, False), (128, 2, True, True, False),
     (64, 3, True, False, True), (128, 2, True, True, True), (128, 2, True, "halves", True),
-    (128, 2, True, "lean", False)])
+    (128, 2, True, "lean", False), (64, 3, True, "pingpong", True)])
 def test_lowers_for_cuda(D, steps, causal, joint, segments):
   """The compiled kernel (not the interpreter's stand-ins) passes Pallas → Mosaic GPU lowering on
   the installed jax, and the float32 accumulator is aliased in place (no copy). joint: the
   column-half slices of the swizzled k tiles as wgmma operands, the dS ring and barriers;
-  "lean": BlockSizes.dkv_step="lean"."""
+  "lean" / "pingpong": BlockSizes.dkv_step="lean", BlockSizes.pingpong_backward."""
   q = jax.ShapeDtypeStruct((2, 2048, 8, D), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((2, 2048, 2, D), jnp.bfloat16)
   rows = jax.ShapeDtypeStruct((2, 8, 2048), jnp.float32)
   blocks = {True: JointBlocks, False: Blocks, "halves": HalvesBlocks,
-            "lean": base.LeanBlocks}[joint](
+            "lean": base.LeanBlocks, "pingpong": base.PingpongBlocks}[joint](
       max_concurrent_steps=steps)
   seg = jax.ShapeDtypeStruct((2, 2048), jnp.int32) if segments else None
   fn = jax.jit(lambda *a, seg_BT=None: ff.backward(*a, causal=causal, blocks=blocks,
@@ -188,7 +196,8 @@ class TestCompiledGPU:
     base._assert_close(got, want, jnp.bfloat16)
 
   @pytest.mark.parametrize("D, blocks", [
-      (128, base.LeanBlocks()), (64, base.LeanBlocks(max_concurrent_steps=3))])
+      (128, base.LeanBlocks()), (64, base.LeanBlocks(max_concurrent_steps=3)),
+      (64, base.PingpongBlocks(max_concurrent_steps=3)), (128, base.PingpongBlocks())])
   def test_dkv_step_modes(self, D, blocks):
     args, want = base._problem(13, B=2, T=2048, N=8, K=2, D=D, dtype=jnp.bfloat16, causal=True)
     got = jax.jit(lambda *a: ff.backward(*a, causal=True, blocks=blocks, interpret=False))(*args)
