@@ -104,9 +104,9 @@ class BlockSizes:
   # and made the fused backward 5-15% faster there, but the dk/dv kernel slower (twenty-seventh
   # session); no default takes the fused backward at D=128, so "plain" stays.
   dkv_step: str = "plain"
-  # FA3's ping-pong schedule (as in the forward) in the dk/dv kernel and the fused backward: the
-  # two compute warpgroups take turns at the tensor cores (`focal_mgpu_dkv.visit_q_blocks`), so
-  # one's elementwise work overlaps the other's matmuls. The dk/dv step is bound by issuing its
+  # FA3's ping-pong schedule (as in the forward) in the dq and dk/dv kernels and the fused
+  # backward: the two compute warpgroups take turns at the tensor cores (focal_mgpu_bwd's
+  # docstring), so one's elementwise work overlaps the other's matmuls. The dk/dv step is bound by issuing its
   # elementwise work (twenty-seventh session); written then, not yet timed on a GPU.
   pingpong_backward: bool = False
 

@@ -37,10 +37,12 @@ three [bkv, bq] tiles; dq holds dq (bq·D/128) plus three [bq, bkv] tiles. At D 
 bq = bkv = 64 the dq kernel fits the 240-register budget but the dk/dv kernel spills (ptxas 13.0:
 100 bytes at 240, 160 at 232; none at D = 64); 128-wide logits tiles at D = 128 spill more.
 BlockSizes.dkv_step="lean" (`focal_mgpu_dkv.dv_and_dx`) cuts that to 16 bytes but runs slower:
-the kernel is bound by issuing its elementwise work, and "lean" adds to it. Both compute
-warpgroups consume the same ring slots and so tend to reach the tensor cores together;
-BlockSizes.pingpong_backward makes them take turns (FA3 §3.2, as the forward does;
-`focal_mgpu_dkv.visit_q_blocks`); interpret-tested, not yet compiled.
+the kernel is bound by issuing its elementwise work, and "lean" adds to it. In both kernels the
+two compute warpgroups consume the same ring slots and so tend to reach the tensor cores
+together; BlockSizes.pingpong_backward makes them take turns (FA3 §3.2, as the forward does):
+two phases of a schedule barrier per step (after issuing the step's first matmuls, and before
+its last ones), skipped blocks included, warpgroup 1 one phase behind (`schedule_phase`,
+`focal_mgpu_dkv.visit_q_blocks`). Interpret-tested, not yet compiled.
 
 Contract (ValueError otherwise, no padding): q, k, v share one 16-bit dtype; D ∈ {64, 128};
 block sizes multiples of 64; T divisible by 2·block_q_dq and block_q_dkv, S by 2·block_kv_dkv and
@@ -88,6 +90,17 @@ def _bcast(x, shape, dim: int):
   return lax.broadcast_in_dim(x, shape, [dim])
 
 
+def schedule_phase(schedule):
+  """One phase of the ping-pong schedule barrier (both compute warpgroups arrive, then wait)."""
+  plgpu.barrier_arrive(schedule)
+  plgpu.barrier_wait(schedule)
+
+
+def pingpong(blocks) -> bool:
+  """BlockSizes.pingpong_backward (bench/test Blocks may lack the field)."""
+  return getattr(blocks, "pingpong_backward", False)
+
+
 def _drain(free_bar, total, steps: int):
   """The producer awaits the consumers' last releases, so that it has observed every phase of
   every slot barrier when the kernel ends (the interpreter checks this; on hardware it costs one
@@ -130,8 +143,8 @@ def _check(q, k, v, s_BNT, lse_BNT, do, blocks, seg_BT=None):
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, dq_ref, ds_ref,
-               q_s, do_s, c_s, lse_s, delta_s, ds_s, k_s, v_s, res_bar, kv_bar, kv_free,
-               *, seg, causal, bq, bkv, n_kv, n_cta, group, steps, interpret):
+               q_s, do_s, c_s, lse_s, delta_s, ds_s, k_s, v_s, res_bar, kv_bar, kv_free, schedule,
+               *, seg, causal, bq, bkv, n_kv, n_cta, group, steps, pingpong_on, interpret):
   b, n, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
   cta = lax.axis_index("q_seq")
   if causal:  # the last q tiles see the most keys: start them first
@@ -165,6 +178,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, dq_ref, d
     lse_Q = mc.load(lse_s.at[wg], layout=row_layout, interpret=interpret)
     delta_Q = mc.load(delta_s.at[wg], layout=row_layout, interpret=interpret)
     shape_QK = (bq, bkv)
+    # BlockSizes.pingpong_backward: the warpgroups take turns at the tensor cores, two schedule
+    # phases per step (after issuing the pair; before the dx·k wgmma), as in the dk/dv kernel.
+    phase = functools.partial(schedule_phase, schedule) if pingpong_on else None
 
     def step(j, carry, *, masked):
       dq_QD, ds_Q = carry
@@ -172,7 +188,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, dq_ref, d
       plgpu.barrier_wait(kv_bar.at[slot])
       # Both logits-sized products at once: one wgmma wait per step instead of two.
       r_QK, dp_QK = mc.mma_pair((q_s.at[wg], k_s.at[slot], None, True),
-                                (do_s.at[wg], v_s.at[slot], None, True), interpret=interpret)
+                                (do_s.at[wg], v_s.at[slot], None, True), during=phase,
+                                interpret=interpret)
       x_QK = r_QK * _bcast(c_Q, shape_QK, 0) - _bcast(lse_Q, shape_QK, 0)
       if masked:
         t = mc.iota(jnp.int32, shape_QK, 0, wgmma_layout, interpret=interpret) + q0
@@ -185,7 +202,12 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, dq_ref, d
       p_QK = jnp.exp2(x_QK)
       dx_QK = p_QK * (dp_QK - _bcast(delta_Q, shape_QK, 0))
       ds_Q = ds_Q + jnp.sum(dx_QK * r_QK, axis=1)
-      dq_QD = mc.mma(dx_QK.astype(q_s.dtype), k_s.at[slot], acc=dq_QD, interpret=interpret)
+      dx16_QK = dx_QK.astype(q_s.dtype)
+      if phase is not None:
+        # The fence keeps the elementwise work ahead of the arrival (as in the forward).
+        dq_QD, ds_Q, dx16_QK = lax.optimization_barrier((dq_QD, ds_Q, dx16_QK))
+        phase()
+      dq_QD = mc.mma(dx16_QK, k_s.at[slot], acc=dq_QD, interpret=interpret)
       plgpu.barrier_arrive(kv_free.at[slot])
       return dq_QD, ds_Q
 
@@ -194,12 +216,17 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, dq_ref, d
       slot = lax.rem(j, steps)
       plgpu.barrier_wait(kv_bar.at[slot])
       plgpu.barrier_arrive(kv_free.at[slot])
+      if phase is not None:
+        phase()
+        phase()
       return carry
 
     carry = (mc.layout_cast(jnp.zeros((bq, q_s.shape[-1]), jnp.float32), wgmma_layout,
                             interpret=interpret),
              mc.layout_cast(jnp.zeros((bq,), jnp.float32), row_layout, interpret=interpret))
     unmasked = functools.partial(step, masked=False)
+    if phase is not None:
+      pl.when(wg == 1)(phase)  # one phase behind warpgroup 0
     if causal:
       j_full = lax.div(q0, jnp.int32(bkv))  # blocks wholly at or below the diagonal
       j_end = pl.cdiv(q0 + bq, jnp.int32(bkv))
@@ -208,6 +235,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, dq_ref, d
       carry = lax.fori_loop(j_end, n_kv_cta, skip, carry)
     else:
       carry = lax.fori_loop(0, n_kv, unmasked, carry)
+    if phase is not None:
+      pl.when(wg == 0)(phase)  # balances warpgroup 1's
     dq_QD, ds_Q = carry
     # dq_t = s_t Σ_s dx_ts k_s: the temperature is applied once per row here (s = c·ln 2).
     dq_QD = dq_QD * _bcast(c_Q * LN2, dq_QD.shape, 0)
@@ -275,7 +304,8 @@ def dq_call(q, k, v, do, c_BNT, lse_BNT, delta_BNT, *, causal: bool, blocks, int
   return plgpu.kernel(
       mc.with_segments(
           functools.partial(_dq_kernel, causal=causal, bq=bq, bkv=bkv, n_kv=n_kv, n_cta=n_cta,
-                            group=N // K, steps=steps, interpret=flag),
+                            group=N // K, steps=steps, pingpong_on=pingpong(blocks),
+                            interpret=flag),
           n_in=len(operands), n_seg_scratch=2, segments=segments),
       out_type=[jax.ShapeDtypeStruct(q.shape, q.dtype),
                 jax.ShapeDtypeStruct((B, N, T), jnp.float32)],
@@ -287,12 +317,14 @@ def dq_call(q, k, v, do, c_BNT, lse_BNT, delta_BNT, *, causal: bool, blocks, int
           plgpu.Barrier(num_arrivals=5 + segments, num_barriers=W),   # resident tiles landed
           plgpu.Barrier(num_arrivals=2 + segments, num_barriers=steps),  # k, v slot landed
           plgpu.Barrier(num_arrivals=W, num_barriers=steps),      # slot released by both wgs
+          plgpu.Barrier(num_arrivals=W),       # ping-pong schedule (with pingpong_backward)
           *seg_scratch,
       ],
       grid=(N, n_cta, B), grid_names=("heads", "q_seq", "batch"),
       num_threads=W + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
-      interpret=params, kernel_name="focal_mgpu_dq")(*operands)
+      interpret=params,
+      kernel_name="focal_mgpu_dq_pingpong" if pingpong(blocks) else "focal_mgpu_dq")(*operands)
 
 
 def backward(q, k, v, s_BNT, out, lse_BNT, do, *, causal: bool, blocks, interpret, seg_BT=None):

@@ -24,6 +24,7 @@ LOG2E, LN2 = fb.LOG2E, fb.LN2
 # pylint: disable=protected-access
 _tile_smem, _bcast, _drain, _launch_params = (fb._tile_smem, fb._bcast, fb._drain,
                                                fb._launch_params)
+schedule_phase, pingpong = fb.schedule_phase, fb.pingpong
 
 
 def stream_q_rows(gmem, smem, q_bar, q_free, *, b, kv_head, group, i_lo, per_head, bq, steps,
@@ -62,16 +63,6 @@ def stream_q_rows(gmem, smem, q_bar, q_free, *, b, kv_head, group, i_lo, per_hea
     issue(st)
 
   _drain(q_free, total, steps)
-
-
-def schedule_phase(schedule):
-  """One phase of the ping-pong schedule barrier (both compute warpgroups arrive, then wait)."""
-  plgpu.barrier_arrive(schedule)
-  plgpu.barrier_wait(schedule)
-
-
-def pingpong(blocks) -> bool:
-  return getattr(blocks, "pingpong_backward", False)  # bench/test Blocks may lack the field
 
 
 def visit_q_blocks(step, *, causal, group, per_head, steps, k0, bq, bkv, i_lo, q_bar, q_free, D,

@@ -121,16 +121,20 @@ def mma(a, b_ref, *, acc=None, transpose_b: bool = False, during=None, interpret
   return pl.run_state(body)(plgpu.ACC.init(acc))
 
 
-def mma_pair(first, second, *, interpret: bool):
+def mma_pair(first, second, *, during=None, interpret: bool):
   """Two independent wgmmas issued together and awaited once: (acc1 + a1 @ b1, acc2 + a2 @ b2).
 
   first, second: (a, b_ref, acc, transpose_b) with the meanings of `mma` (acc None = zeros).
   One run_state over both accumulators (jax's attention_mgpu dk/dv kernel does the same for dV
   and dPᵀ): the second matmul is queued behind the first instead of waiting for it.
+  `during()`, as in `mma`, runs after both are issued and before they are awaited.
   """
   if interpret:
-    return tuple(mma(a, b, acc=acc, transpose_b=tb, interpret=True)
-                 for a, b, acc, tb in (first, second))
+    out = tuple(mma(a, b, acc=acc, transpose_b=tb, interpret=True)
+                for a, b, acc, tb in (first, second))
+    if during is not None:
+      during()
+    return out
   ops, inits = [], []
   for a, b_ref, acc, transpose_b in (first, second):
     b_op = b_ref.transpose((1, 0)) if transpose_b else b_ref
@@ -143,6 +147,8 @@ def mma_pair(first, second, *, interpret: bool):
   def body(acc_refs):
     for acc_ref, (a, b_op) in zip(acc_refs, ops):
       plgpu.wgmma(acc_ref, a, b_op)
+    if during is not None:
+      during()
 
   return tuple(pl.run_state(body)(tuple(inits)))
 
