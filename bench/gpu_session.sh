@@ -123,11 +123,12 @@ for spec in "$@"; do
                  ${BWD_SHAPES:-24,16,2048,128 2,16,4096,128 1,16,8192,128} 2>&1 | grep -v -i autotun \
                  | tee -a "$OUT/bwd_sweep.log" | tail -5
              done ;;
-    bwd_pingpong)  # issue 3: the ping-pong schedule in the dk/dv and fused backwards (written in
-             # the twenty-seventh session, never compiled): compiled tests, then each arm timed
-             # beside the defaults at D = 128 and 64, then the 1.3B step with the best arm
+    bwd_pingpong)  # issue 3: the ping-pong schedule in the dq, dk/dv and fused backwards (written
+             # in the twenty-seventh session, never compiled): the backward's compiled tests (the
+             # defaults too: their scratch gained the schedule barrier), then each arm timed
+             # beside the defaults at D = 128 and 64, then the 1.3B step with it (~500 s)
              $RUN python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/test_focal_mgpu_bwd.py \
-               tests/test_focal_mgpu_bwd_fused.py -k "Compiled and dkv_step" 2>&1 \
+               tests/test_focal_mgpu_bwd_fused.py -k "Compiled and not joint and not halves" 2>&1 \
                | tee "$OUT/pingpong_tests.log" | tail -3
              $RUN python3 bench/focal_mgpu_bwd.py --fused --arms pingpong lean_pingpong --shapes \
                24,16,2048,128 2,16,4096,128 1,16,8192,128 1,8,16384,128 --out "$OUT/pingpong128.json" \
