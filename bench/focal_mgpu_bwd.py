@@ -12,8 +12,8 @@ FLOPs: backward = 2.5 × forward = 2.5 · 4·B·H·T²·D / 2 (causal), the usua
 
   python bench/focal_mgpu_bwd.py [--iters 10] [--blocks 64,64,64,64,2] [--shapes 2,16,4096,128]
   python bench/focal_mgpu_bwd.py --fused [--shapes ...]   # + the single-pass backward
-  python bench/focal_mgpu_bwd.py --fused --joint --halves # + its joint-dq, dq-halves variants (D = 128)
-  python bench/focal_mgpu_bwd.py --ablate [--joint]      # + the fused kernel with dq stages left out
+  python bench/focal_mgpu_bwd.py --fused --joint --halves # + joint-dq, dq-halves (D = 128)
+  python bench/focal_mgpu_bwd.py --ablate [--joint]      # + fused, dq stages left out
   python bench/focal_mgpu_bwd.py --arms lean pingpong [--fused]  # + the ARMS variants
   python bench/focal_mgpu_bwd.py --smoke [--fused]        # CPU, GPU interpret mode, tiny shape
 """

@@ -106,8 +106,8 @@ class BlockSizes:
   dkv_step: str = "plain"
   # FA3's ping-pong schedule (as in the forward) in the dq and dk/dv kernels and the fused
   # backward: the two compute warpgroups take turns at the tensor cores (focal_mgpu_bwd's
-  # docstring), so one's elementwise work overlaps the other's matmuls. The dk/dv step is bound by issuing its
-  # elementwise work (twenty-seventh session); written then, not yet timed on a GPU.
+  # docstring), so one's elementwise work overlaps the other's matmuls. The dk/dv step is bound
+  # by issuing its elementwise work (twenty-seventh session); written then, not yet timed.
   pingpong_backward: bool = False
 
   def __post_init__(self):

@@ -152,7 +152,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, acc_ref, dk_
     acc = acc_ref.at[slab] if interpret else acc_ref
     dq_QD_s = dq_s.at[wg]
     shape_KQ = (bkv, bq)
-    sched = schedule if pingpong_on else None
+    phase = functools.partial(fb.schedule_phase, schedule) if pingpong_on else None
 
     def reduce_dq(acc_tile, tile_s, dst, *, pending):
       """Float32 dq tile → its SMEM tile → TMA reduce-add into dst. The reduce that last read
@@ -198,8 +198,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, acc_ref, dk_
       ds_KQ_s = ds_s.at[buf, wg] if joint_dq else ds_s.at[wg]
       plgpu.barrier_wait(q_bar.at[slot])
       r_KQ = mc.mma(k_s.at[wg], q_s.at[slot], transpose_b=True, interpret=interpret,
-                    during=None if sched is None
-                    else functools.partial(focal_mgpu_dkv.schedule_phase, sched))
+                    during=phase)
       c_Q = mc.load(c_s.at[slot], layout=col_layout, interpret=interpret)
       lse_Q = mc.load(lse_s.at[slot], layout=col_layout, interpret=interpret)
       x_KQ = r_KQ * fb._bcast(c_Q, shape_KQ, 1) - fb._bcast(lse_Q, shape_KQ, 1)
@@ -214,7 +213,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, acc_ref, dk_
       dv_KD, dx_KQ, c_Q = focal_mgpu_dkv.dv_and_dx(
           jnp.exp2(x_KQ), c_Q, dv_KD, v_tile=v_s.at[wg], do_tile=do_s.at[slot],
           c_tile=c_s.at[slot], delta_tile=delta_s.at[slot], mode=mode, interpret=interpret,
-          schedule=sched)
+          phase=phase)
 
       def store_ds():  # overlapped with the dk wgmma; the last step's dsᵀ·k was awaited
         ds_KQ_s[...] = dx_KQ.astype(ds_KQ_s.dtype)
@@ -242,7 +241,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, acc_ref, dk_
     dk_KD, dv_KD = focal_mgpu_dkv.visit_q_blocks(
         step, causal=causal, group=group, per_head=per_head, steps=steps, k0=k0, bq=bq, bkv=bkv,
         i_lo=i_lo, q_bar=q_bar, q_free=q_free, D=k_s.shape[-1], interpret=interpret,
-        skip_above=not joint_dq, schedule=sched, wg=wg)
+        skip_above=not joint_dq, phase=phase, wg=wg)
     if joint_dq:  # the other warpgroup's last dsᵀ·k reads this one's k tile: wait for it
       plgpu.barrier_arrive(done)
       plgpu.barrier_wait(done)

@@ -66,7 +66,7 @@ def stream_q_rows(gmem, smem, q_bar, q_free, *, b, kv_head, group, i_lo, per_hea
 
 
 def visit_q_blocks(step, *, causal, group, per_head, steps, k0, bq, bkv, i_lo, q_bar, q_free, D,
-                   interpret, skip_above: bool = True, schedule=None, wg=None):
+                   interpret, skip_above: bool = True, phase=None, wg=None):
   """A compute warpgroup's walk of a key-resident backward pass (this file's dk/dv kernel and
   focal_mgpu_bwd_fused): for each of the `group` query heads, step(t, (dk, dv), g=g, masked=...)
   on q block i_lo + t, starting from float32 zeros [bkv, D] in the WGMMA layout. Causal: q blocks
@@ -75,18 +75,19 @@ def visit_q_blocks(step, *, causal, group, per_head, steps, k0, bq, bkv, i_lo, q
   skip_above=False runs those blocks as masked steps instead (all-zero probabilities), for a
   kernel whose warpgroups meet at every step (the fused backward's joint dq).
 
-  schedule (BlockSizes.pingpong_backward; wg: this warpgroup's index): FA3 §3.2's ping-pong, as
-  in focal_mgpu's forward. Every step passes two phases of this barrier (one after issuing its
-  k·qᵀ wgmma, one before issuing the dv / dP pair, `dv_and_dx`), skipped blocks too, and
-  warpgroup 1 runs one phase behind warpgroup 0, so one warpgroup's elementwise work overlaps
-  the other's matmuls instead of both reaching the tensor cores together."""
+  phase (BlockSizes.pingpong_backward: one phase of the schedule barrier, `schedule_phase`; wg:
+  this warpgroup's index): FA3 §3.2's ping-pong, as in focal_mgpu's forward. Every step passes
+  two phases (one after issuing its k·qᵀ wgmma, one before issuing the dv / dP pair,
+  `dv_and_dx`), skipped blocks too, and warpgroup 1 runs one phase behind warpgroup 0, so one
+  warpgroup's elementwise work overlaps the other's matmuls instead of both reaching the tensor
+  cores together."""
   def skip(t, carry, *, g):
     slot = lax.rem(g * per_head + t, steps)
     plgpu.barrier_wait(q_bar.at[slot])
     plgpu.barrier_arrive(q_free.at[slot])
-    if schedule is not None:
-      schedule_phase(schedule)
-      schedule_phase(schedule)
+    if phase is not None:
+      phase()
+      phase()
     return carry
 
   def head(g, carry):
@@ -104,11 +105,11 @@ def visit_q_blocks(step, *, causal, group, per_head, steps, k0, bq, bkv, i_lo, q
 
   zeros = mc.layout_cast(jnp.zeros((bkv, D), jnp.float32), plgpu.Layout.WGMMA,
                          interpret=interpret)
-  if schedule is not None:
-    pl.when(wg == 1)(functools.partial(schedule_phase, schedule))  # one phase behind
+  if phase is not None:
+    pl.when(wg == 1)(phase)  # one phase behind
   carry = lax.fori_loop(0, group, head, (zeros, zeros))
-  if schedule is not None:
-    pl.when(wg == 0)(functools.partial(schedule_phase, schedule))  # balances warpgroup 1's
+  if phase is not None:
+    pl.when(wg == 0)(phase)  # balances warpgroup 1's
   return carry
 
 
@@ -117,7 +118,7 @@ DKV_STEPS = ("plain", "lean")
 
 
 def dv_and_dx(p_KQ, c_Q, dv_KD, *, v_tile, do_tile, c_tile, delta_tile, mode, interpret,
-              schedule=None):
+              phase=None):
   """The key-resident step's middle (this file's dk/dv kernel and focal_mgpu_bwd_fused):
   dv += p·dO and dP = v·dOᵀ, issued together and awaited once, then dx = p ⊙ (dP − delta).
   p_KQ: float32 [bkv, bq] in the WGMMA layout; c_Q: the slot's LOG2E·s row (c_tile) in the
@@ -134,20 +135,20 @@ def dv_and_dx(p_KQ, c_Q, dv_KD, *, v_tile, do_tile, c_tile, delta_tile, mode, in
       D = 64): its hot loop has 18% more instructions (the widening, the reload), and this kernel
       is bound by the issue of its elementwise work, not by the spills, which sit mostly outside
       the unmasked loop.
-  schedule: the ping-pong barrier (`visit_q_blocks`): this warpgroup's elementwise work is done
-  before the pair is issued, then it waits for the other warpgroup's matmuls."""
+  phase: the ping-pong schedule's phase (`visit_q_blocks`): this warpgroup's elementwise work is
+  done before the pair is issued, then it waits for the other warpgroup's matmuls."""
   p16_KQ = p_KQ.astype(do_tile.dtype)
   col_layout = plgpu.Layout.WGMMA.reduce(0)
   if mode == "lean":
     del p_KQ, c_Q  # rebuilt below, after the wgmmas
-  if schedule is not None:
+  if phase is not None:
     # The fence keeps the exp and the cast ahead of the arrival (focal_mgpu's forward does the
     # same with its softmax).
     if mode == "lean":
       p16_KQ = lax.optimization_barrier(p16_KQ)
     else:
       p_KQ, p16_KQ, c_Q = lax.optimization_barrier((p_KQ, p16_KQ, c_Q))
-    schedule_phase(schedule)
+    phase()
   dv_KD, dp_KQ = mc.mma_pair((p16_KQ, do_tile, dv_KD, False), (v_tile, do_tile, None, True),
                              interpret=interpret)
   delta_Q = mc.load(delta_tile, layout=col_layout, interpret=interpret)
@@ -208,7 +209,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, dk_ref, 
     if seg:
       segk_K = mc.load(segk_s.at[wg], layout=wgmma_layout.reduce(1), interpret=interpret)
     shape_KQ = (bkv, bq)
-    sched = schedule if pingpong_on else None
+    phase = functools.partial(schedule_phase, schedule) if pingpong_on else None
 
     def step(t, carry, *, g, masked):
       dk_KD, dv_KD = carry
@@ -216,7 +217,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, dk_ref, 
       slot = lax.rem(g * per_head + t, steps)  # the producer's step index of this q block
       plgpu.barrier_wait(q_bar.at[slot])
       r_KQ = mc.mma(k_s.at[wg], q_s.at[slot], transpose_b=True, interpret=interpret,
-                    during=None if sched is None else functools.partial(schedule_phase, sched))
+                    during=phase)
       c_Q = mc.load(c_s.at[slot], layout=col_layout, interpret=interpret)
       lse_Q = mc.load(lse_s.at[slot], layout=col_layout, interpret=interpret)
       x_KQ = r_KQ * _bcast(c_Q, shape_KQ, 1) - _bcast(lse_Q, shape_KQ, 1)
@@ -231,7 +232,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, dk_ref, 
       dv_KD, dx_KQ, c_Q = dv_and_dx(jnp.exp2(x_KQ), c_Q, dv_KD, v_tile=v_s.at[wg],
                                     do_tile=do_s.at[slot], c_tile=c_s.at[slot],
                                     delta_tile=delta_s.at[slot], mode=mode, interpret=interpret,
-                                    schedule=sched)
+                                    phase=phase)
       # The temperature multiplies dlogits per query before the q-side contraction.
       dx_KQ = dx_KQ * _bcast(c_Q * LN2, shape_KQ, 1)
       dk_KD = mc.mma(dx_KQ.astype(q_s.dtype), q_s.at[slot], acc=dk_KD, interpret=interpret)
@@ -241,7 +242,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, dk_ref, 
     dk_KD, dv_KD = visit_q_blocks(step, causal=causal, group=group, per_head=per_head,
                                   steps=steps, k0=k0, bq=bq, bkv=bkv, i_lo=i_lo, q_bar=q_bar,
                                   q_free=q_free, D=k_s.shape[-1], interpret=interpret,
-                                  schedule=sched, wg=wg)
+                                  phase=phase, wg=wg)
     write_dk_dv(dk_KD, dv_KD, k_s.at[wg], v_s.at[wg], dk_ref.at[rows], dv_ref.at[rows])
 
   @pl.when(wg == W)
