@@ -54,12 +54,14 @@ class Blocks:
   dq_halves: bool = False  # focal_mgpu_bwd_fused's dq in two column halves (D = 128, --halves)
   ablate: tuple = ()  # focal_mgpu_bwd_fused's stages to leave out (--ablate; wrong dq)
   dkv_step: str = "plain"  # focal_mgpu.BlockSizes.dkv_step
-  pingpong_backward: bool = False  # focal_mgpu.BlockSizes.pingpong_backward
+  pingpong_backward: bool = False  # focal_mgpu.BlockSizes.pingpong_backward (dk/dv, fused)
+  pingpong_dq: bool = False  # focal_mgpu.BlockSizes.pingpong_dq
 
 
 # --arms: BlockSizes fields of the key-resident step, each timed beside the plain kernels.
-ARMS = {"lean": dict(dkv_step="lean"), "pingpong": dict(pingpong_backward=True),
-        "lean_pingpong": dict(dkv_step="lean", pingpong_backward=True)}
+ARMS = {"lean": dict(dkv_step="lean"), "pingpong": dict(pingpong_backward=True, pingpong_dq=True),
+        "lean_pingpong": dict(dkv_step="lean", pingpong_backward=True, pingpong_dq=True),
+        "lean_pingpong_dkv": dict(dkv_step="lean", pingpong_backward=True)}
 
 
 WARMUP = 2

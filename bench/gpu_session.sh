@@ -140,6 +140,18 @@ for spec in "$@"; do
                --variants "${PINGPONG_STEP_VARIANTS:-;bench.mgpu_backward=two_kernel_pingpong}" \
                --out "$OUT/pingpong_step.json" 2>&1 | grep --line-buffered -v -i autotun \
                | tee "$OUT/pingpong_step.log" | tail -4 ;;
+    pingpong_dkv)  # issue 3: the dk/dv kernel's ping-pong with its lean step, the dq kernel
+             # plain (twenty-eighth session: that pair ran fastest at 2K): compiled tests, the
+             # kernels at D = 128, then the 1.3B step twice each, interleaved (~420 s)
+             $RUN python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/test_focal_mgpu_bwd.py \
+               -k "Compiled and dkv_step_modes" 2>&1 | tee "$OUT/pingpong_dkv_tests.log" | tail -3
+             $RUN python3 bench/focal_mgpu_bwd.py --arms lean_pingpong_dkv --shapes 24,16,2048,128 \
+               1,16,8192,128 --out "$OUT/pingpong_dkv.json" 2>&1 | grep -v -i autotun \
+               | tee "$OUT/pingpong_dkv.log" | tail -6
+             v=bench.mgpu_backward=two_kernel_lean_pingpong_dkv
+             $RUN python3 bench/train_step.py --sizes 1.3b --batch 24 --impls pallas --steps 8 \
+               --variants ";$v;;$v" --out "$OUT/pingpong_dkv_step.json" 2>&1 \
+               | grep --line-buffered -v -i autotun | tee "$OUT/pingpong_dkv_step.log" | tail -6 ;;
     fused_diag)  # issue 3: why the fused backward loses at D = 128: the dq-halves variant's
              # compiled tests, then every variant timed with the dq stages left out (--ablate),
              # ptxas's registers and spills per kernel, then ncu's view if it runs here

@@ -49,8 +49,10 @@ MGPU_BACKWARD = {
     "fused_halves": {"fused_backward": True, "joint_dq": False, "dq_halves": True},
     **{f"{kind}_{arm}": {"fused_backward": kind == "fused", "joint_dq": False,
                          "dq_halves": False, "dkv_step": "lean" if "lean" in arm else "plain",
-                         "pingpong_backward": "pingpong" in arm}
-       for kind in ("two_kernel", "fused") for arm in ("lean", "pingpong", "lean_pingpong")}}
+                         "pingpong_backward": "pingpong" in arm,
+                         "pingpong_dq": arm in ("pingpong", "lean_pingpong")}
+       for kind in ("two_kernel", "fused")
+       for arm in ("lean", "pingpong", "lean_pingpong", "lean_pingpong_dkv")}}
 
 
 @contextlib.contextmanager

@@ -104,11 +104,14 @@ class BlockSizes:
   # and made the fused backward 5-15% faster there, but the dk/dv kernel slower (twenty-seventh
   # session); no default takes the fused backward at D=128, so "plain" stays.
   dkv_step: str = "plain"
-  # FA3's ping-pong schedule (as in the forward) in the dq and dk/dv kernels and the fused
-  # backward: the two compute warpgroups take turns at the tensor cores (focal_mgpu_bwd's
-  # docstring), so one's elementwise work overlaps the other's matmuls. The dk/dv step is bound
-  # by issuing its elementwise work (twenty-seventh session); written then, not yet timed.
+  # FA3's ping-pong schedule (as in the forward) in the dk/dv kernel and the fused backward: the
+  # two compute warpgroups take turns at the tensor cores (focal_mgpu_bwd's docstring), so one's
+  # elementwise work overlaps the other's matmuls. pingpong_dq: the same in the dq kernel.
+  # Compiled on the H200 (twenty-eighth session) both pass their tests; timed there with
+  # dkv_step="lean", the dk/dv kernel ran 17% faster at (24,16,2K,128), while the dq kernel's
+  # ping-pong ran slower.
   pingpong_backward: bool = False
+  pingpong_dq: bool = False
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
@@ -116,7 +119,8 @@ class BlockSizes:
       if f.name == "dkv_step":
         if value not in ("plain", "lean"):  # focal_mgpu_dkv.DKV_STEPS
           raise ValueError(f"BlockSizes.dkv_step={value!r} must be 'plain' or 'lean'")
-      elif f.name in ("fused_backward", "joint_dq", "dq_halves", "pingpong_backward"):
+      elif f.name in ("fused_backward", "joint_dq", "dq_halves", "pingpong_backward",
+                      "pingpong_dq"):
         if not isinstance(value, bool):
           raise ValueError(f"BlockSizes.{f.name}={value!r} must be True or False")
       elif f.name == "max_concurrent_steps":

@@ -39,10 +39,10 @@ bq = bkv = 64 the dq kernel fits the 240-register budget but the dk/dv kernel sp
 BlockSizes.dkv_step="lean" (`focal_mgpu_dkv.dv_and_dx`) cuts that to 16 bytes but runs slower:
 the kernel is bound by issuing its elementwise work, and "lean" adds to it. In both kernels the
 two compute warpgroups consume the same ring slots and so tend to reach the tensor cores
-together; BlockSizes.pingpong_backward makes them take turns (FA3 §3.2, as the forward does):
-two phases of a schedule barrier per step (after issuing the step's first matmuls, and before
-its last ones), skipped blocks included, warpgroup 1 one phase behind (`schedule_phase`,
-`focal_mgpu_dkv.visit_q_blocks`). Interpret-tested, not yet compiled.
+together; BlockSizes.pingpong_backward (dk/dv) and pingpong_dq make them take turns (FA3 §3.2,
+as the forward does): two phases of a schedule barrier per step (after issuing the step's first
+matmuls, and before its last ones), skipped blocks included, warpgroup 1 one phase behind
+(`schedule_phase`, `focal_mgpu_dkv.visit_q_blocks`). Compiled tests pass on the H200.
 
 Contract (ValueError otherwise, no padding): q, k, v share one 16-bit dtype; D ∈ {64, 128};
 block sizes multiples of 64; T divisible by 2·block_q_dq and block_q_dkv, S by 2·block_kv_dkv and
@@ -99,6 +99,11 @@ def schedule_phase(schedule):
 def pingpong(blocks) -> bool:
   """BlockSizes.pingpong_backward (bench/test Blocks may lack the field)."""
   return getattr(blocks, "pingpong_backward", False)
+
+
+def pingpong_dq(blocks) -> bool:
+  """BlockSizes.pingpong_dq: the dq kernel's ping-pong schedule."""
+  return getattr(blocks, "pingpong_dq", False)
 
 
 def _drain(free_bar, total, steps: int):
@@ -178,7 +183,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, dq_ref, d
     lse_Q = mc.load(lse_s.at[wg], layout=row_layout, interpret=interpret)
     delta_Q = mc.load(delta_s.at[wg], layout=row_layout, interpret=interpret)
     shape_QK = (bq, bkv)
-    # BlockSizes.pingpong_backward: the warpgroups take turns at the tensor cores, two schedule
+    # BlockSizes.pingpong_dq: the warpgroups take turns at the tensor cores, two schedule
     # phases per step (after issuing the pair; before the dx·k wgmma), as in the dk/dv kernel.
     phase = functools.partial(schedule_phase, schedule) if pingpong_on else None
 
@@ -304,7 +309,7 @@ def dq_call(q, k, v, do, c_BNT, lse_BNT, delta_BNT, *, causal: bool, blocks, int
   return plgpu.kernel(
       mc.with_segments(
           functools.partial(_dq_kernel, causal=causal, bq=bq, bkv=bkv, n_kv=n_kv, n_cta=n_cta,
-                            group=N // K, steps=steps, pingpong_on=pingpong(blocks),
+                            group=N // K, steps=steps, pingpong_on=pingpong_dq(blocks),
                             interpret=flag),
           n_in=len(operands), n_seg_scratch=2, segments=segments),
       out_type=[jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -317,14 +322,14 @@ def dq_call(q, k, v, do, c_BNT, lse_BNT, delta_BNT, *, causal: bool, blocks, int
           plgpu.Barrier(num_arrivals=5 + segments, num_barriers=W),   # resident tiles landed
           plgpu.Barrier(num_arrivals=2 + segments, num_barriers=steps),  # k, v slot landed
           plgpu.Barrier(num_arrivals=W, num_barriers=steps),      # slot released by both wgs
-          plgpu.Barrier(num_arrivals=W),       # ping-pong schedule (with pingpong_backward)
+          plgpu.Barrier(num_arrivals=W),       # ping-pong schedule (with pingpong_dq)
           *seg_scratch,
       ],
       grid=(N, n_cta, B), grid_names=("heads", "q_seq", "batch"),
       num_threads=W + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=params,
-      kernel_name="focal_mgpu_dq_pingpong" if pingpong(blocks) else "focal_mgpu_dq")(*operands)
+      kernel_name="focal_mgpu_dq_pingpong" if pingpong_dq(blocks) else "focal_mgpu_dq")(*operands)
 
 
 def backward(q, k, v, s_BNT, out, lse_BNT, do, *, causal: bool, blocks, interpret, seg_BT=None):

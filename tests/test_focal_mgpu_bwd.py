@@ -57,9 +57,11 @@ class LeanBlocks(Blocks):
 
 @dataclasses.dataclass(frozen=True)
 class PingpongBlocks(Blocks):
-  """focal_mgpu.BlockSizes.pingpong_backward: the warpgroups take turns at the tensor cores."""
+  """focal_mgpu.BlockSizes.pingpong_backward and pingpong_dq: the warpgroups take turns at the
+  tensor cores (in the dk/dv and dq kernels)."""
   dkv_step: str = "plain"
   pingpong_backward: bool = True
+  pingpong_dq: bool = True
 
 
 # block_q != block_kv on both kernels (the causal block-range arithmetic) and a 3-slot ring.
@@ -139,6 +141,7 @@ def _interpreted(args, *, causal, blocks, seg_BT=None):
     (jnp.float16, False, 2, 1, 64, LeanBlocks(max_concurrent_steps=3)),
     (jnp.bfloat16, True, 4, 2, 64, PingpongBlocks(max_concurrent_steps=3)),
     (jnp.float16, False, 2, 1, 128, PingpongBlocks(dkv_step="lean")),
+    (jnp.bfloat16, True, 4, 2, 128, PingpongBlocks(dkv_step="lean", pingpong_dq=False)),
 ])
 def test_matches_reference(dtype, causal, N, K, D, blocks):
   args, want = _problem(1, B=1, T=256, N=N, K=K, D=D, dtype=dtype, causal=causal)
@@ -236,7 +239,9 @@ class TestCompiledGPU:
 
   @pytest.mark.parametrize("D, causal, blocks", [
       (128, True, LeanBlocks()), (128, False, LeanBlocks()), (128, True, PingpongBlocks()),
-      (64, True, PingpongBlocks(max_concurrent_steps=3)), (64, False, PingpongBlocks())])
+      (64, True, PingpongBlocks(max_concurrent_steps=3)), (64, False, PingpongBlocks()),
+      (128, True, PingpongBlocks(dkv_step="lean", pingpong_dq=False)),
+      (128, False, PingpongBlocks(dkv_step="lean", pingpong_dq=False))])
   def test_dkv_step_modes(self, D, causal, blocks):
     args, want = _problem(9, B=2, T=2048, N=8, K=2, D=D, dtype=jnp.bfloat16, causal=causal)
     got = jax.jit(lambda *a: fb.backward(*a, causal=causal, blocks=blocks, interpret=False))(
