@@ -122,9 +122,10 @@ class BlockSizes:
   b1_mask_pieces: int = 3
   # Registers per thread of the Mosaic B1's and F2's compute warpgroup (setmaxnreg, 232 to 256 in
   # steps of 8; their producer keeps 40). One 256-thread CTA fills an SM at 232 already, so up
-  # to 256 costs no occupancy. B1 spills ~600 bytes at 232 (twenty-seventh session); ptxas on
-  # the focal dk/dv kernel's PTX recast to 256 threads: 172 bytes at 232, 24 at 256. Untimed.
-  mosaic_registers: int = 232
+  # to 256 costs no occupancy. On the H200 (twenty-eighth session, (2,12,16K,64)): B1's spill
+  # stores 488 → 368 bytes and B1 alone 84 → 86 TFLOP/s, forward+backward 51.36 → 51.06 ms;
+  # F2 spills nothing either way and runs the same.
+  mosaic_registers: int = 256
 
   @classmethod
   def default(cls, head_dim: int, dtype=None, *, hopper: bool = False) -> "BlockSizes":

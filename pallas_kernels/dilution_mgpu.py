@@ -9,11 +9,13 @@ walks the same tiles bottom-up and accumulates dv_J += Aᵀ dO, dk_J += Wᵀ Q (
 Grid (Hq, T / bkv, B): one CTA per (query head, key block of bkv = 64 keys, batch), two Pallas
 threads: warpgroup 0 computes, warpgroup 1 is the TMA producer (40 registers). One compute
 warpgroup, because ĝ is a cross-warp reduction (W summed over keys) and the lowering's reduction
-scratch is one region per CTA. ptxas launches these 256-thread CTAs at 232 registers per thread
-(the setmaxnreg maximum), so one CTA fills an SM's 65536: a single compute warpgroup per SM,
-nothing beside it to hide its latency. A two-warpgroup B1 (commit 0ee1bfd: ĝ by wgmmas of W's
-hi + lo pieces; reverted) ran no faster on the H200, 29.4 against this kernel's 29.1 ms at
-(2,12,16K,64): both spill ~600 bytes (twenty-seventh session). Tiles are [keys, queries] ("KQ",
+scratch is one region per CTA. These 256-thread CTAs run one per SM (at 232 registers per
+thread, the default until the twenty-eighth session, one already fills an SM's 65536): a single
+compute warpgroup per SM, nothing beside it to hide its latency; so the compute warpgroup takes
+up to 256 (BlockSizes.mosaic_registers; B1 still spills 368 bytes there, 488 at 232). A
+two-warpgroup B1 (commit 0ee1bfd: ĝ by wgmmas of W's hi + lo pieces; reverted) ran no faster on
+the H200, 29.4 against this kernel's 29.1 ms at (2,12,16K,64): both spill ~600 bytes
+(twenty-seventh session). Tiles are [keys, queries] ("KQ",
 64 × bq, bq = 64) so that every product is a wgmma with the keys as M:
   r = k·qᵀ (SMEM × SMEM);  p = exp2(log2e·(s·r − lse)), masked causal and by segment;
   mini-sweep: carry_K stored per tile (SMEM [ckpt_rows/bq, 64]), carry_K += rowsum(p);
@@ -264,7 +266,7 @@ def supported(q, ckpt_rows: int) -> str | None:
 @functools.partial(jax.jit, static_argnames=("scale", "eps", "ckpt_rows", "steps",
                                              "mask_pieces", "registers", "interpret"))
 def reverse_sweep(q, k, v, seg, lse, ssum, dbar, do, ckpt, *, scale, eps, ckpt_rows, steps=2,
-                  mask_pieces=3, registers=232, interpret=False):
+                  mask_pieces=3, registers=256, interpret=False):
   """B1 as `dilution_bwd.reverse_sweep`: (dq_main [B,T,Hq,D], ĝ [B,Hq,T], dk_main, dv
   [B,T,Hq,D] per query head), all float32. seg int32 [B, T]; lse, ssum, dbar float32 [B,Hq,T];
   do in q.dtype; ckpt float32 [B, Hq, ceil(T / ckpt_rows), T] from F2 with the same ckpt_rows.

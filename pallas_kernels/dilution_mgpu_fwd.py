@@ -120,7 +120,7 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, incl_ref, n_acc, s_acc, ckpt_
 
 @functools.partial(jax.jit, static_argnames=("scale", "eps", "ckpt_rows", "with_ckpt", "steps",
                                              "registers", "interpret"))
-def key_sweep(q, k, v, seg, lse, *, scale, eps, ckpt_rows, with_ckpt, steps=2, registers=232,
+def key_sweep(q, k, v, seg, lse, *, scale, eps, ckpt_rows, with_ckpt, steps=2, registers=256,
               interpret=False):
   """F2 as `dilution_fwd.key_sweep`: (N float32 [B,T,Hq,D], S, total float32 [B,Hq,T], ckpt
   float32 [B, Hq, ceil(T / ckpt_rows), T] or None). seg int32 [B, T]; lse float32 [B, Hq, T].
