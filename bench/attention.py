@@ -76,6 +76,11 @@ def _impls(interpret: bool, sweep: bool):
     return attend
 
   def tokamax_(q, k, v, t):
+    # tokamax reads absl flags, which parse sys.argv on first use and reject this script's
+    # (--impls ...: UnrecognizedFlagError, twenty-eighth session): parse none of them.
+    from absl import flags  # pylint: disable=import-outside-toplevel
+    if not flags.FLAGS.is_parsed():
+      flags.FLAGS(sys.argv[:1])
     import tokamax  # pylint: disable=import-outside-toplevel
     return tokamax.dot_product_attention(q, k, v, is_causal=True, scale=q.shape[-1] ** -0.5)
 
