@@ -107,9 +107,9 @@ class BlockSizes:
   # FA3's ping-pong schedule (as in the forward) in the dk/dv kernel and the fused backward: the
   # two compute warpgroups take turns at the tensor cores (focal_mgpu_bwd's docstring), so one's
   # elementwise work overlaps the other's matmuls. pingpong_dq: the same in the dq kernel.
-  # Compiled on the H200 (twenty-eighth session) both pass their tests; timed there with
-  # dkv_step="lean", the dk/dv kernel ran 17% faster at (24,16,2K,128), while the dq kernel's
-  # ping-pong ran slower.
+  # Compiled on the H200 (twenty-eighth session) both pass their tests. With dkv_step="lean" the
+  # dk/dv kernel ran 17% faster at (24,16,2K,128) on one machine and 9% slower on another; the
+  # 1.3B step with lean + pingpong_backward was 0.6 ms slower over five pairs: so both off.
   pingpong_backward: bool = False
   pingpong_dq: bool = False
 
