@@ -66,7 +66,10 @@ B1_VARIANTS = {"default": dict(), "plain": B1_PLAIN,
                # the default is 256)
                "b1_mosaic_2p_r232": dict(b1_impl="mosaic", b1_mask_pieces=2, mosaic_registers=232),
                "triton": dict(b1_impl="triton", f2_impl="triton"),   # the default off Hopper
-               "mosaic": dict(b1_impl="mosaic", f2_impl="mosaic")}
+               "mosaic": dict(b1_impl="mosaic", f2_impl="mosaic"),
+               # both Mosaic passes with two bf16 mask pieces (BlockSizes.f2_mask_pieces)
+               "mosaic_2p": dict(b1_impl="mosaic", f2_impl="mosaic", b1_mask_pieces=2,
+                                 f2_mask_pieces=2)}
 SMOKE_BLOCKS = dilution.BlockSizes(block_q_stats=16, block_k_stats=16, block_q=16, block_k=32,
                                    block_k_fwd=32, ckpt_rows=32, block_k_decode=16, split_k_decode=64)
 
@@ -173,10 +176,12 @@ def _passes(shape, dtype, reps, interpret, bs, b1_variants=("default",)):
   regs = sorted({B1_VARIANTS[v].get("mosaic_registers", bs.mosaic_registers) for v in b1_variants
                  if B1_VARIANTS[v].get("b1_impl") == "mosaic"})
   for r in regs:
-    kw_m = dict(kw, bs=dataclasses.replace(bs, f2_impl="mosaic", mosaic_registers=r))
-    passes.append(("F2 key_sweep", f"mosaic_r{r}", lambda q, k, v, lse, kw_m=kw_m:
-                   dilution.f2_key_sweep(q, k, v, seg, lse, eps=1e-9, with_ckpt=True, **kw_m),
-                   (q, k, v, lse)))
+    for pieces in (3, 2):   # BlockSizes.f2_mask_pieces
+      kw_m = dict(kw, bs=dataclasses.replace(bs, f2_impl="mosaic", mosaic_registers=r,
+                                             f2_mask_pieces=pieces))
+      passes.append(("F2 key_sweep", f"mosaic_r{r}" + ("_2p" if pieces == 2 else ""),
+                     lambda q, k, v, lse, kw_m=kw_m: dilution.f2_key_sweep(
+                         q, k, v, seg, lse, eps=1e-9, with_ckpt=True, **kw_m), (q, k, v, lse)))
   for variant in b1_variants:
     # The checkpoints are per key (any block_k reads them); block_k must divide T.
     kw_v = dict(kw, bs=dataclasses.replace(bs, **B1_VARIANTS[variant]))

@@ -120,6 +120,9 @@ class BlockSizes:
   # 3 bf16 pieces keep float32 accuracy; 2 keep ~16 bits (relative error ≲ 2⁻¹⁶) and drop two
   # products. The Triton B1 ignores it.
   b1_mask_pieces: int = 3
+  # The same for the Mosaic F2's in-tile inclusive prefix (3 of its 5 wgmmas per tile pair at 3,
+  # at D = 64 each as large as k·qᵀ). Untimed: 3 until the H200 says otherwise.
+  f2_mask_pieces: int = 3
   # Registers per thread of the Mosaic B1's and F2's compute warpgroup (setmaxnreg, 232 to 256 in
   # steps of 8; their producer keeps 40). One 256-thread CTA fills an SM at 232 already, so up
   # to 256 costs no occupancy. On the H200 (twenty-eighth session, (2,12,16K,64)): B1's spill
@@ -171,8 +174,9 @@ class BlockSizes:
       if getattr(self, field) not in KERNEL_IMPLS:
         raise ValueError(f"BlockSizes.{field}={getattr(self, field)!r} must be one of "
                          f"{KERNEL_IMPLS}")
-    if self.b1_mask_pieces not in (2, 3):
-      raise ValueError(f"BlockSizes.b1_mask_pieces={self.b1_mask_pieces!r} must be 2 or 3")
+    for field in ("b1_mask_pieces", "f2_mask_pieces"):
+      if getattr(self, field) not in (2, 3):
+        raise ValueError(f"BlockSizes.{field}={getattr(self, field)!r} must be 2 or 3")
     if self.mosaic_registers not in range(232, 257, 8):
       raise ValueError(f"BlockSizes.mosaic_registers={self.mosaic_registers!r} must be one of "
                        f"{list(range(232, 257, 8))}")
@@ -256,6 +260,7 @@ def f2_key_sweep(q, k, v, seg, lse, *, scale, eps, bs, with_ckpt, interpret):
   if _uses_mosaic(q, bs, "f2_impl"):
     return dilution_mgpu_fwd.key_sweep(q, k, v, seg, lse, scale=scale, eps=eps,
                                        ckpt_rows=bs.ckpt_rows, with_ckpt=with_ckpt,
+                                       mask_pieces=bs.f2_mask_pieces,
                                        registers=bs.mosaic_registers, interpret=interpret)
   return dilution_fwd.key_sweep(q, k, v, seg, lse, scale=scale, eps=eps, bs=bs,
                                 with_ckpt=with_ckpt, interpret=interpret)

@@ -10,7 +10,7 @@ and the final carry (the column total, the decode demand).
 Grid (Hq, T / 64, B), two Pallas threads (as dilution_mgpu's B1): warpgroup 0 computes on
 [keys, queries] tiles (64 × 64), warpgroup 1 TMA-streams q, lse and segment ids through a ring
 of `steps` slots. Per tile: k·qᵀ and three bf16-piece products against U≤ (float32-exact, see
-dilution_mgpu.mask_dot) on wgmma; σ → SMEM (16-bit: σ ∈ [0, 1]) → σᵀ·V (transposed SMEM lhs)
+dilution_mgpu.mask_dot; two with BlockSizes.f2_mask_pieces=2) on wgmma; σ → SMEM (16-bit: σ ∈ [0, 1]) → σᵀ·V (transposed SMEM lhs)
 → float32 SMEM → TMA reduce-add into N; colsum(σ) (a cross-warp reduction, hence one compute
 warpgroup) → TMA reduce-add into S. The Triton kernel adds both with per-element fp32 atomics.
 Checkpoints and totals leave through a [64] SMEM vector and a TMA copy; checkpoints of
@@ -42,7 +42,7 @@ BQ = BKV = dm.BQ
 def _kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, incl_ref, n_acc, s_acc, ckpt_ref, total_ref,
             k_s, v_s, incl_s, segk_s, q_s, lse_s, segq_s, sig_s, n_s, s_s, vec_s,
             res_bar, q_bar, q_free, *, scale, eps, n_q, ckpt_tiles, group, steps, with_ckpt,
-            registers, interpret):
+            mask_pieces, registers, interpret):
   n, jk, b = lax.axis_index("heads"), lax.axis_index("kv_seq"), lax.axis_index("batch")
   wg = lax.axis_index("wg")
   k0 = jk * BKV
@@ -83,8 +83,8 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, incl_ref, n_acc, s_acc, ckpt_
       p_KQ = dm.tile_probs_kq(k_s, q_s.at[slot], lse_s.at[slot], segq_s.at[slot], segk_K,
                               key_KQ, qry_KQ, i, scale=scale, interpret=interpret)
       plgpu.barrier_arrive(q_free.at[slot])   # q, lse and ids of this slot are read
-      incl_KQ = dm._bcast(carry_K, shape_KQ, 0) + dm.mask_dot(p_KQ, incl_s,
-                                                               interpret=interpret)
+      incl_KQ = dm._bcast(carry_K, shape_KQ, 0) + dm.mask_dot(
+          p_KQ, incl_s, pieces=mask_pieces, interpret=interpret)
       sig_KQ = p_KQ / (incl_KQ + eps)
       s_Q = sig_KQ.sum(axis=0)
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last reduces have read sig/n/s
@@ -119,11 +119,12 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, incl_ref, n_acc, s_acc, ckpt_
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "eps", "ckpt_rows", "with_ckpt", "steps",
-                                             "registers", "interpret"))
-def key_sweep(q, k, v, seg, lse, *, scale, eps, ckpt_rows, with_ckpt, steps=2, registers=256,
-              interpret=False):
+                                             "mask_pieces", "registers", "interpret"))
+def key_sweep(q, k, v, seg, lse, *, scale, eps, ckpt_rows, with_ckpt, steps=2, mask_pieces=3,
+              registers=256, interpret=False):
   """F2 as `dilution_fwd.key_sweep`: (N float32 [B,T,Hq,D], S, total float32 [B,Hq,T], ckpt
   float32 [B, Hq, ceil(T / ckpt_rows), T] or None). seg int32 [B, T]; lse float32 [B, Hq, T].
+  mask_pieces: bf16 pieces of p in the in-tile prefix (3 exact, 2 ~16 bits; dm.mask_dot).
   registers: the compute warpgroup's setmaxnreg (232..256, BlockSizes.mosaic_registers)."""
   why = dm.supported(q, ckpt_rows)
   if why:
@@ -143,7 +144,8 @@ def key_sweep(q, k, v, seg, lse, *, scale, eps, ckpt_rows, with_ckpt, steps=2, r
   total = mc.ref_kernel(
       functools.partial(_kernel, scale=float(scale), eps=float(eps), n_q=n_q,
                         ckpt_tiles=ckpt_rows // BQ, group=N // k.shape[2], steps=steps,
-                        with_ckpt=with_ckpt, registers=registers, interpret=flag),
+                        with_ckpt=with_ckpt, mask_pieces=mask_pieces, registers=registers,
+                        interpret=flag),
       out_type=jax.ShapeDtypeStruct((B, N, T), jnp.float32),   # every key block writes its keys
       scratch_types=[
           dm._tile_smem((BKV, D), k.dtype), dm._tile_smem((BKV, D), k.dtype),     # k, v

@@ -41,7 +41,10 @@ B1_VARIANTS_LONG = {"default": {}, **B1_VARIANTS,
                     "mosaic_2p": dict(b1_impl="mosaic", b1_mask_pieces=2),
                     # Both Mosaic passes at 232 registers per compute thread (default 256).
                     "mosaic_r232": dict(b1_impl="mosaic", f2_impl="mosaic", b1_mask_pieces=2,
-                                        mosaic_registers=232)}
+                                        mosaic_registers=232),
+                    # Both Mosaic passes with two bf16 pieces in their in-tile products.
+                    "mosaic_f2_2p": dict(b1_impl="mosaic", f2_impl="mosaic", b1_mask_pieces=2,
+                                         f2_mask_pieces=2)}
 # B1's key block unlike B2's (on SMALL, T = 96): B1 wider (3 blocks of 32 vs B2's 6 of 16, as
 # b1_block_k=128 over block_k=64 on the GPU) and narrower (6 of 16 vs 3 of 32); warps only matter
 # compiled.

@@ -83,21 +83,25 @@ def test_two_mask_pieces_stay_close():
   # rounding is 3.9e-3.
   for name, a, b, tol in zip(("dq", "ghat", "dk", "dv"), got, want, (2e-3, 1e-5, 2e-3, 2e-3)):
     assert _rel(a, b) < tol, (name, _rel(a, b))
-  with pytest.raises(ValueError, match="b1_mask_pieces"):
-    dilution.BlockSizes(b1_mask_pieces=1).validate(64)
+  for field in ("b1_mask_pieces", "f2_mask_pieces"):
+    with pytest.raises(ValueError, match=field):
+      dilution.BlockSizes(**{field: 1}).validate(64)
   with pytest.raises(ValueError, match="mosaic_registers"):
     dilution.BlockSizes(mosaic_registers=250).validate(64)
 
 
-@pytest.mark.parametrize("T, segments, D, dtype, B, N, K", CASES)
-def test_f2_matches_the_triton_f2_interpret(T, segments, D, dtype, B, N, K):
+@pytest.mark.parametrize("T, segments, D, dtype, B, N, K, pieces",
+                         [c + (3,) for c in CASES] + [(384, True, 64, jnp.bfloat16, 1, 2, 1, 2)])
+def test_f2_matches_the_triton_f2_interpret(T, segments, D, dtype, B, N, K, pieces):
+  """pieces: BlockSizes.f2_mask_pieces (2: the in-tile prefix from two bf16 pieces, ~16 bits)."""
   q, k, v, seg, _ = _qkv(T, N, K, segments=segments, D=D, dtype=dtype, B=B)
   lse, _ = dilution_fwd.row_stats(q, k, seg, scale=0.125, bs=BS, with_pk=False, interpret=True)
   want = dilution_fwd.key_sweep(q, k, v, seg, lse, scale=0.125, eps=1e-9, bs=BS,
                                 with_ckpt=True, interpret=True)
   with mgpu_compat.cached_interpreter_threads():
     got = jax.block_until_ready(dilution_mgpu_fwd.key_sweep(
-        q, k, v, seg, lse, scale=0.125, eps=1e-9, ckpt_rows=R, with_ckpt=True, interpret=True))
+        q, k, v, seg, lse, scale=0.125, eps=1e-9, ckpt_rows=R, with_ckpt=True,
+        mask_pieces=pieces, interpret=True))
   assert not mgpu_compat.interpret_races_found()
   # N contracts the 16-bit σ in both kernels; the probabilities differ by exp2 vs exp.
   for name, a, b, tol in zip(("N", "S", "total", "ckpt"), got, want, (2e-4, 1e-5, 1e-5, 1e-5)):
@@ -141,6 +145,7 @@ def test_lowers_to_mosaic_gpu(D, mask_pieces, registers):
   assert "mosaic_gpu" in text
   f2 = jax.jit(lambda *a: dilution_mgpu_fwd.key_sweep(*a, scale=D**-0.5, eps=1e-9,
                                                       ckpt_rows=1024, with_ckpt=True,
+                                                      mask_pieces=mask_pieces,
                                                       registers=registers))
   text = f2.trace(q, kv, kv, S((2, 2048), jnp.int32), rows).lower(
       lowering_platforms=("cuda",)).as_text()
