@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from pallas_kernels import dilution, reference  # pylint: disable=wrong-import-position
+from pallas_kernels import dilution, dilution_mgpu_fwd, reference  # pylint: disable=wrong-import-position
 
 TRAIN_SHAPES = [(8, 8, 4096, 64), (2, 12, 16384, 64), (1, 16, 8192, 128)]
 PREFILL_T = [32768, 65536, 131072]
@@ -69,7 +69,12 @@ B1_VARIANTS = {"default": dict(), "plain": B1_PLAIN,
                "mosaic": dict(b1_impl="mosaic", f2_impl="mosaic"),
                # both Mosaic passes with two bf16 mask pieces (BlockSizes.f2_mask_pieces)
                "mosaic_2p": dict(b1_impl="mosaic", f2_impl="mosaic", b1_mask_pieces=2,
-                                 f2_mask_pieces=2)}
+                                 f2_mask_pieces=2),
+               # ... and 4 (D = 64) or 2 key tiles per F2 CTA (BlockSizes.f2_key_tiles)
+               "mosaic_2p_k4": dict(b1_impl="mosaic", f2_impl="mosaic", b1_mask_pieces=2,
+                                    f2_mask_pieces=2, f2_key_tiles=4),
+               "mosaic_2p_k2": dict(b1_impl="mosaic", f2_impl="mosaic", b1_mask_pieces=2,
+                                    f2_mask_pieces=2, f2_key_tiles=2)}
 SMOKE_BLOCKS = dilution.BlockSizes(block_q_stats=16, block_k_stats=16, block_q=16, block_k=32,
                                    block_k_fwd=32, ckpt_rows=32, block_k_decode=16, split_k_decode=64)
 
@@ -175,13 +180,17 @@ def _passes(shape, dtype, reps, interpret, bs, b1_variants=("default",)):
   # F2 on wgmma/TMA alongside the Triton F2, at each register budget a B1 variant asks for
   regs = sorted({B1_VARIANTS[v].get("mosaic_registers", bs.mosaic_registers) for v in b1_variants
                  if B1_VARIANTS[v].get("b1_impl") == "mosaic"})
+  # (BlockSizes.f2_mask_pieces, f2_key_tiles): 3 pieces and one key tile are the kernel as first
+  # timed; the key tiles that fit shared memory at this D
+  f2_arms = [(3, 1), (2, 1)] + [(p, g) for g in dilution_mgpu_fwd.key_tiles_for(D) if g > 1
+                                for p in (3, 2)]
   for r in regs:
-    for pieces in (3, 2):   # BlockSizes.f2_mask_pieces
+    for pieces, tiles in f2_arms:
       kw_m = dict(kw, bs=dataclasses.replace(bs, f2_impl="mosaic", mosaic_registers=r,
-                                             f2_mask_pieces=pieces))
-      passes.append(("F2 key_sweep", f"mosaic_r{r}" + ("_2p" if pieces == 2 else ""),
-                     lambda q, k, v, lse, kw_m=kw_m: dilution.f2_key_sweep(
-                         q, k, v, seg, lse, eps=1e-9, with_ckpt=True, **kw_m), (q, k, v, lse)))
+                                             f2_mask_pieces=pieces, f2_key_tiles=tiles))
+      name = f"mosaic_r{r}" + ("_2p" if pieces == 2 else "") + (f"_k{tiles}" if tiles > 1 else "")
+      passes.append(("F2 key_sweep", name, lambda q, k, v, lse, kw_m=kw_m: dilution.f2_key_sweep(
+          q, k, v, seg, lse, eps=1e-9, with_ckpt=True, **kw_m), (q, k, v, lse)))
   for variant in b1_variants:
     # The checkpoints are per key (any block_k reads them); block_k must divide T.
     kw_v = dict(kw, bs=dataclasses.replace(bs, **B1_VARIANTS[variant]))

@@ -78,16 +78,18 @@ for spec in "$@"; do
              $RUN python3 bench/dilution.py --impls dilution,cudnn --skip prefill,decode \
                --train-variants default,b1_mosaic_2p_r232 --train-shapes 2x12x16384x64 \
                --out "$OUT/dilution_regs.json" 2>&1 | tee "$OUT/dilution_regs.log" | tail -8 ;;
-    dilution_f2_pieces)  # issue 4: the Mosaic F2 with two bf16 mask pieces (BlockSizes.f2_mask_pieces,
-             # twenty-eighth session, untimed): compiled test, the passes (F2 Triton, Mosaic 3 and 2
-             # pieces), then forward+backward with both Mosaic passes at 2 pieces (~300 s)
+    dilution_f2)  # issue 4: the Mosaic F2 with two bf16 mask pieces (BlockSizes.f2_mask_pieces) and
+             # with 2 or 4 key tiles per CTA (f2_key_tiles: a quarter of the float32 reduce-adds),
+             # both written in the twenty-eighth session, untimed: compiled tests, the passes (F2
+             # Triton and every Mosaic arm), then forward+backward (~400 s)
              $RUN python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/test_dilution_kernel.py \
-               -k "Compiled and f2_2p" 2>&1 | tee "$OUT/f2_pieces_tests.log" | tail -3
+               -k "Compiled and (f2_2p or f2_k4)" 2>&1 | tee "$OUT/f2_tests.log" | tail -3
              $RUN python3 bench/dilution.py --passes --b1-variants b1_mosaic_2p \
-               --out "$OUT/f2_pieces_passes.json" 2>&1 | grep "TFLOP" | tee "$OUT/f2_pieces_passes.log"
+               --out "$OUT/f2_passes.json" 2>&1 | grep "TFLOP" | tee "$OUT/f2_passes.log"
              $RUN python3 bench/dilution.py --impls dilution,cudnn --skip prefill,decode \
-               --train-variants default,mosaic_2p --train-shapes 2x12x16384x64,1x16x8192x128 \
-               --out "$OUT/f2_pieces.json" 2>&1 | tee "$OUT/f2_pieces.log" | tail -10 ;;
+               --train-variants default,mosaic_2p,mosaic_2p_k4,mosaic_2p_k2 \
+               --train-shapes 2x12x16384x64,1x16x8192x128 \
+               --out "$OUT/f2.json" 2>&1 | tee "$OUT/f2.log" | tail -14 ;;
     dilution_step) $RUN python3 bench/train_step.py --sizes 209m --seq_len 16384 --batch 1 \
              --impls pallas,cudnn --patterns "softmax:rope;dilution:none;softmax:rope,dilution:none" --steps 6 \
              --out "$OUT/dilution_step.json" 2>&1 | grep --line-buffered -v -i autotun \

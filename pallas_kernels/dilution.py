@@ -123,6 +123,9 @@ class BlockSizes:
   # The same for the Mosaic F2's in-tile inclusive prefix (3 of its 5 wgmmas per tile pair at 3,
   # at D = 64 each as large as k·qᵀ). Untimed: 3 until the H200 says otherwise.
   f2_mask_pieces: int = 3
+  # 64-key tiles per Mosaic F2 CTA (1, 2, 4), summed before one float32 reduce-add of N and S per
+  # row tile (dilution_mgpu_fwd's docstring). Untimed: 1 until the H200 says otherwise.
+  f2_key_tiles: int = 1
   # Registers per thread of the Mosaic B1's and F2's compute warpgroup (setmaxnreg, 232 to 256 in
   # steps of 8; their producer keeps 40). One 256-thread CTA fills an SM at 232 already, so up
   # to 256 costs no occupancy. On the H200 (twenty-eighth session, (2,12,16K,64)): B1's spill
@@ -164,7 +167,9 @@ class BlockSizes:
   def pad_multiple(self, training: bool = True) -> int:
     """T is padded to this: a multiple of every row/key block the passes run use (all powers of
     two, so the largest is a multiple of the rest); B1/B2's key blocks only when training."""
-    fwd = max(self.block_q_stats, self.block_k_stats, self.block_q, self.block_k_fwd)
+    fwd = max(self.block_q_stats, self.block_k_stats, self.block_q, self.block_k_fwd,
+              # the Mosaic F2's CTA spans f2_key_tiles 64-key tiles (the Triton F2 ignores it)
+              dilution_mgpu_fwd.BKV * self.f2_key_tiles if self.f2_key_tiles > 1 else 0)
     return max(fwd, self.block_k, self.keys_b1()) if training else fwd
 
   def validate(self, D: int):
@@ -177,6 +182,9 @@ class BlockSizes:
     for field in ("b1_mask_pieces", "f2_mask_pieces"):
       if getattr(self, field) not in (2, 3):
         raise ValueError(f"BlockSizes.{field}={getattr(self, field)!r} must be 2 or 3")
+    if self.f2_key_tiles not in dilution_mgpu_fwd.key_tiles_for(D):
+      raise ValueError(f"BlockSizes.f2_key_tiles={self.f2_key_tiles!r} must be one of "
+                       f"{dilution_mgpu_fwd.key_tiles_for(D)} at head dim {D}")
     if self.mosaic_registers not in range(232, 257, 8):
       raise ValueError(f"BlockSizes.mosaic_registers={self.mosaic_registers!r} must be one of "
                        f"{list(range(232, 257, 8))}")
@@ -261,6 +269,7 @@ def f2_key_sweep(q, k, v, seg, lse, *, scale, eps, bs, with_ckpt, interpret):
     return dilution_mgpu_fwd.key_sweep(q, k, v, seg, lse, scale=scale, eps=eps,
                                        ckpt_rows=bs.ckpt_rows, with_ckpt=with_ckpt,
                                        mask_pieces=bs.f2_mask_pieces,
+                                       key_tiles=bs.f2_key_tiles,
                                        registers=bs.mosaic_registers, interpret=interpret)
   return dilution_fwd.key_sweep(q, k, v, seg, lse, scale=scale, eps=eps, bs=bs,
                                 with_ckpt=with_ckpt, interpret=interpret)

@@ -44,7 +44,10 @@ B1_VARIANTS_LONG = {"default": {}, **B1_VARIANTS,
                                         mosaic_registers=232),
                     # Both Mosaic passes with two bf16 pieces in their in-tile products.
                     "mosaic_f2_2p": dict(b1_impl="mosaic", f2_impl="mosaic", b1_mask_pieces=2,
-                                         f2_mask_pieces=2)}
+                                         f2_mask_pieces=2),
+                    # The Mosaic F2 with 4 key tiles per CTA (one reduce-add per row tile).
+                    "mosaic_f2_k4": dict(b1_impl="mosaic", f2_impl="mosaic", b1_mask_pieces=2,
+                                         f2_key_tiles=4)}
 # B1's key block unlike B2's (on SMALL, T = 96): B1 wider (3 blocks of 32 vs B2's 6 of 16, as
 # b1_block_k=128 over block_k=64 on the GPU) and narrower (6 of 16 vs 3 of 32); warps only matter
 # compiled.
@@ -223,6 +226,8 @@ class TestCompiledGPU(_DilutionKernelChecks):
     # the Mosaic F2.
     if D == 128 and variant.startswith("scratch_k128"):
       pytest.skip("the 128-key tiles were only tuned at D = 64")
+    if D == 128 and variant == "mosaic_f2_k4":
+      pytest.skip("4 key tiles per F2 CTA overflow shared memory at D = 128")
     q, k, v, seg = _inputs(10, B, 2048, 4, 2, D, jnp.bfloat16, segments=True)
     scale = D ** -0.5
     # "machine": no block_sizes, i.e. what the op picks here (dilution.default_block_sizes).
