@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import (dilution, dilution_bwd, dilution_fwd, dilution_mgpu, dilution_mgpu_fwd,
-                            mgpu_compat, reference)
+                            mgpu_compat)
 
 R = 128   # checkpoint rows: several super-blocks at T = 256..384 with 64-row tiles
 BS = dilution.BlockSizes(block_q_stats=64, block_k_stats=64, block_q=32, block_k=64,
@@ -120,17 +120,20 @@ def test_f2_matches_the_triton_f2_interpret(T, segments, D, dtype, B, N, K, piec
 
 def test_f2_key_tiles_through_the_op():
   """dilution_attention with the Mosaic F2 over 2 key tiles per CTA: T = 200 is padded to a
-  multiple of 128 (BlockSizes.pad_multiple) and the output matches the reference (bf16 output
-  rounding: one ulp at |out| ~ 2.6 is 7.8e-3, 3e-3 relative)."""
-  q, k, v, seg, _ = _qkv(200, 2, 1, segments=True)
+  multiple of 128 (BlockSizes.pad_multiple), and the op, forward and backward, lowers for CUDA
+  with it. (Its output against the reference: test_f2_matches_the_triton_f2_interpret here, and
+  compiled, test_dilution_kernel's mosaic_f2_k4. Run interpreted inside the jitted op, it hung
+  the 2-core machine's XLA thread pool in 2 of 3 runs under xdist, as
+  test_the_op_runs_both_when_asked describes for jax.grad.)"""
   bs = dataclasses.replace(BS, f2_impl="mosaic", f2_key_tiles=2)
-  assert bs.pad_multiple(training=False) == 128
-  with mgpu_compat.cached_interpreter_threads():
-    got = dilution.dilution_attention(q, k, v, scale=0.125, segment_ids=seg, block_sizes=bs,
-                                      interpret=True)
-  want = reference.dilution_attention(*(x.astype(jnp.float32) for x in (q, k, v)), scale=0.125,
-                                      segment_ids_BT=seg)[0]
-  assert got.shape == q.shape and _rel(got, want) < 5e-3, _rel(got, want)
+  assert bs.pad_multiple(training=False) == 128 and bs.pad_multiple() == 128
+  q, kv = jnp.zeros((1, 200, 2, 64), jnp.bfloat16), jnp.zeros((1, 200, 1, 64), jnp.bfloat16)
+  grad = jax.grad(lambda q, k, v: dilution.dilution_attention(
+      q, k, v, scale=0.125, block_sizes=bs).astype(jnp.float32).sum(), (0, 1, 2))
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # jax >= 0.11 warns that Pallas-Triton is deprecated
+    text = jax.jit(grad).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text and 'name = "dilution_key_sweep"' not in text
 
 
 def test_the_op_runs_both_when_asked():
