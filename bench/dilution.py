@@ -33,7 +33,8 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from pallas_kernels import dilution, dilution_mgpu_fwd, reference  # pylint: disable=wrong-import-position
+# pylint: disable-next=wrong-import-position
+from pallas_kernels import dilution, dilution_mgpu_fwd, reference
 
 TRAIN_SHAPES = [(8, 8, 4096, 64), (2, 12, 16384, 64), (1, 16, 8192, 128)]
 PREFILL_T = [32768, 65536, 131072]

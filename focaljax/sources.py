@@ -106,7 +106,8 @@ def _file_documents(paths: tuple[str, ...], jsonl_field: str) -> list[str]:
   return read_text_files(list(paths), jsonl_field)
 
 
-def _source_documents(spec: str, field: str, cfg: "data.DataConfig", tfds_split: str) -> grain.MapDataset:
+def _source_documents(spec: str, field: str, cfg: "data.DataConfig",
+                      tfds_split: str) -> grain.MapDataset:
   kind, arg = parse_source(spec, field)
   if kind == "tfds":
     from focaljax import tfds_text  # Lazy: TFDS import is slow and optional.

@@ -10,8 +10,8 @@ and the final carry (the column total, the decode demand).
 Grid (Hq, T / 64, B), two Pallas threads (as dilution_mgpu's B1): warpgroup 0 computes on
 [keys, queries] tiles (64 × 64), warpgroup 1 TMA-streams q, lse and segment ids through a ring
 of `steps` slots. Per tile: k·qᵀ and three bf16-piece products against U≤ (float32-exact, see
-dilution_mgpu.mask_dot; two with BlockSizes.f2_mask_pieces=2) on wgmma; σ → SMEM (16-bit: σ ∈ [0, 1]) → σᵀ·V (transposed SMEM lhs)
-→ float32 SMEM → TMA reduce-add into N; colsum(σ) (a cross-warp reduction, hence one compute
+dilution_mgpu.mask_dot; two with BlockSizes.f2_mask_pieces=2) on wgmma; σ → SMEM (16-bit:
+σ ∈ [0, 1]) → σᵀ·V (transposed SMEM lhs) → float32 SMEM → TMA reduce-add into N; colsum(σ) (a cross-warp reduction, hence one compute
 warpgroup) → TMA reduce-add into S. The Triton kernel adds both with per-element fp32 atomics.
 Checkpoints and totals leave through a [64] SMEM vector and a TMA copy; checkpoints of
 super-blocks before the first visible one stay zero (XLA zero-fills the buffer).
@@ -24,7 +24,8 @@ G = 1). Tiles above a row tile's diagonal run with p = 0 (G(G-1)/2 wasted tile p
 Why: F2 and B1 are the two passes with a reduce-add per tile pair and run at 57 and 86 TFLOP/s,
 F1 and B2 (none) at 181 and 167, and the Triton and Mosaic F2s, built nothing alike, run at the
 same speed; the reduce-adds are the suspect (an inference, not a measurement). SMEM grows by
-G·(2·64·D·2 + 64·64·2) bytes: G = 4 at D = 128 needs 239 KiB and is refused. Interpret-tested; untimed.
+G·(2·64·D·2 + 64·64·2) bytes: G = 4 at D = 128 needs 239 KiB and is refused (`key_tiles_for`).
+Interpret-tested; untimed.
 
 On CPU pass interpret=True: N and S then get one slab per CTA (TMA reductions are not
 interpreted), summed by XLA. Written in the thirteenth session with dilution_mgpu's B1;

@@ -63,7 +63,8 @@ blocks.dkv_step="lean" (`focal_mgpu_dkv.dv_and_dx`): dx from the 16-bit p, the t
 reloaded; at D = 128 ptxas spills 312 bytes instead of 440 and the kernel ran 5–15% faster on
 the H200 (twenty-seventh session), level with the two kernels at 4K–8K, still behind at 2K and 16K.
 blocks.pingpong_backward: the two compute warpgroups take turns at the tensor cores
-(`focal_mgpu_dkv.visit_q_blocks`); not with joint_dq (ValueError). Interpret-tested only.
+(`focal_mgpu_dkv.visit_q_blocks`); not with joint_dq (ValueError). Compiled tests pass on the
+H200; no faster (twenty-eighth session: 4.77 against 4.10 ms at (24,16,2K,128), 3.71 with "lean").
 
 Segment ids (optional, as focal_mgpu_dkv's): each warpgroup's key ids stay resident and each q
 block's ids join its ring slot; a tile masks where the ids differ. Compiled on the H200 at D 64
@@ -76,8 +77,8 @@ store or reduce), "reduce" (the dq tile is stored but never reduced), "wait" (no
 previous reduce's read: a race). dq is then wrong; focal_mgpu's BlockSizes has no such field.
 
 Contract: focal_mgpu_bwd's (`_check`; this kernel reads blocks.block_q_dkv, blocks.block_kv_dkv,
-blocks.max_concurrent_steps and, if present, blocks.joint_dq, blocks.dq_halves and
-blocks.dkv_step) plus the SMEM budget above.
+blocks.max_concurrent_steps and, if present, blocks.joint_dq, blocks.dq_halves,
+blocks.dkv_step and blocks.pingpong_backward) plus the SMEM budget above.
 Causal: s visible to t iff s <= t.
 
 On CPU pass interpret=True (GPU interpret mode, race detector on). The interpreters of 0.10.2 and
