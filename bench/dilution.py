@@ -75,7 +75,12 @@ B1_VARIANTS = {"default": dict(), "plain": B1_PLAIN,
                "mosaic_2p_k4": dict(b1_impl="mosaic", f2_impl="mosaic", b1_mask_pieces=2,
                                     f2_mask_pieces=2, f2_key_tiles=4),
                "mosaic_2p_k2": dict(b1_impl="mosaic", f2_impl="mosaic", b1_mask_pieces=2,
-                                    f2_mask_pieces=2, f2_key_tiles=2)}
+                                    f2_mask_pieces=2, f2_key_tiles=2),
+               # the Hopper defaults before the twenty-ninth session, over today's: the Triton
+               # F2 (D = 64) and the Triton B1 with the three-piece Mosaic F2 (D = 128)
+               "f2_triton": dict(f2_impl="triton", f2_mask_pieces=3, f2_key_tiles=1),
+               "b1_triton": dict(b1_impl="triton", b1_mask_pieces=3, f2_mask_pieces=3,
+                                 f2_key_tiles=1)}
 SMOKE_BLOCKS = dilution.BlockSizes(block_q_stats=16, block_k_stats=16, block_q=16, block_k=32,
                                    block_k_fwd=32, ckpt_rows=32, block_k_decode=16, split_k_decode=64)
 

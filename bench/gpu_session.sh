@@ -90,6 +90,15 @@ for spec in "$@"; do
                --train-variants default,mosaic_2p,mosaic_2p_k4,mosaic_2p_k2 \
                --train-shapes 2x12x16384x64,1x16x8192x128 \
                --out "$OUT/f2.json" 2>&1 | tee "$OUT/f2.log" | tail -14 ;;
+    dilution_defaults)  # issue 4: both Mosaic passes with two pieces (and two F2 key tiles at
+             # D = 64), the Hopper default since the twenty-ninth session: compiled tests, then the
+             # issue's shapes and prefill against the old defaults, the default timed first and last
+             $RUN python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/test_dilution_kernel.py \
+               -k "Compiled and (machine or triton_b1 or prefill or head_dim)" 2>&1 \
+               | tee "$OUT/defaults_tests.log" | tail -3
+             $RUN python3 bench/dilution.py --impls dilution,cudnn --skip decode \
+               --train-variants default,f2_triton,b1_triton,default \
+               --out "$OUT/defaults.json" 2>&1 | tee "$OUT/defaults.log" | tail -30 ;;
     dilution_step) $RUN python3 bench/train_step.py --sizes 209m --seq_len 16384 --batch 1 \
              --impls pallas,cudnn --patterns "softmax:rope;dilution:none;softmax:rope,dilution:none" --steps 6 \
              --out "$OUT/dilution_step.json" 2>&1 | grep --line-buffered -v -i autotun \

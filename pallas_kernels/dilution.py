@@ -46,7 +46,7 @@ Memory (no T×T tensor anywhere). Per (batch, query head), float32, T padded to 
   (transient B·Hq·T·R/32 fp32 whatever Kb1: 48 MiB at B2 Hq12 T16K; dilution_bwd.py says why).
 
 Prefill (`dilution_prefill`): F1 without pk + F2 without checkpoints (the training op's F2 choice:
-the Mosaic F2 at D = 128 on Hopper, 1.25× the Triton prefill there); returns out and the demand
+the Mosaic F2 on Hopper, 1.25× the Triton prefill at D = 128); returns out and the demand
 totals (F2's final carries). Extra memory B·Hq·(2·T·D + 3T)·4 bytes (N and the fp32 output, lse,
 S, totals), linear in T: B1 Hq12 T128K D64 → 768 MiB + 18 MiB, plus the q-sized output (and a
 padded copy of q, k, v when T is not a multiple of the largest forward block, 128 by default).
@@ -59,7 +59,7 @@ Keep S_max a multiple of block_k_decode (128), or every step pads (copies) the c
 Backends: `interpret=True` runs every kernel in Pallas interpret mode (CPU tests). On GPU the
 kernels lower through Triton (explicit `pltriton.CompilerParams`; jax ≥ 0.11 warns that the Triton
 backend is deprecated), except that on sm_90 with 16-bit inputs `BlockSizes.default` swaps in the
-Mosaic GPU B1 (D = 64) or F2 (D = 128), whichever the H200 measured faster. On TPU there is no
+Mosaic GPU B1 and F2 (both, at D 64 and 128: the H200 measured them faster). On TPU there is no
 Mosaic-TPU port (fp32 atomics): when `jax.default_backend() == "tpu"` and interpret is False, the
 functions fall back to the XLA reference in `pallas_kernels.reference` (T×T memory: short contexts
 only).
@@ -121,10 +121,12 @@ class BlockSizes:
   # products. The Triton B1 ignores it.
   b1_mask_pieces: int = 3
   # The same for the Mosaic F2's in-tile inclusive prefix (3 of its 5 wgmmas per tile pair at 3,
-  # at D = 64 each as large as k·qᵀ). Untimed: 3 until the H200 says otherwise.
+  # at D = 64 each as large as k·qᵀ). 2 on Hopper by default (twenty-ninth session: F2 alone 53
+  # → 59 TFLOP/s at (2,12,16K,64)).
   f2_mask_pieces: int = 3
   # 64-key tiles per Mosaic F2 CTA (1, 2, 4), summed before one float32 reduce-add of N and S per
-  # row tile (dilution_mgpu_fwd's docstring). Untimed: 1 until the H200 says otherwise.
+  # row tile (dilution_mgpu_fwd's docstring). H200, F2 alone at (2,12,16K,64) with two pieces:
+  # 59 / 67 / 52 TFLOP/s at 1 / 2 / 4 tiles, so 2 is the D = 64 Hopper default.
   f2_key_tiles: int = 1
   # Registers per thread of the Mosaic B1's and F2's compute warpgroup (setmaxnreg, 232 to 256 in
   # steps of 8; their producer keeps 40). One 256-thread CTA fills an SM at 232 already, so up
@@ -142,17 +144,25 @@ class BlockSizes:
       74.6 ms (78.3 with the plain fields); with the Mosaic B1 56.0 ms, 51.4 ms with two mask
       pieces (B1 alone 33.8 → 29.1 ms; sixteenth session). Two pieces keep ~16 significant bits in
       the in-tile prefix/suffix products, far below the bf16 inputs' 8; b1_mask_pieces=3 restores
-      float32 accuracy there. The Mosaic F2 is slower (15.3 against 14.5 ms alone): F2 stays Triton.
-    - D = 128, (1,16,8K,128): the Mosaic B1 is slower (43.3 against 26.9 ms end to end), the
-      Mosaic F2 faster (forward 3.94 against 5.76 ms). B1 keeps the plain Triton fields.
+      float32 accuracy there. The Mosaic F2 was slower then (15.3 against 14.5 ms alone).
+    - D = 128, (1,16,8K,128): the Mosaic B1 was slower in the thirteenth session (43.3 against
+      26.9 ms end to end, three pieces); with two pieces and 256 registers (twenty-ninth
+      session) both Mosaic passes take 18.3 ms against 25.2 with the Triton B1.
+    - Twenty-ninth session: the Mosaic F2 with two pieces and two 64-key tiles per CTA runs F2
+      alone at 67 TFLOP/s against the Triton F2's 57 at (2,12,16K,64); forward+backward 49.0
+      against 51.0 ms. At D = 128 two key tiles gain nothing (18.5 against 18.3 ms): one.
     The Mosaic kernels take 16-bit inputs at D 64 or 128 only (`dilution_mgpu.supported`);
     anything else, interpret mode and other GPUs get the Triton passes."""
     mosaic = hopper and head_dim in (64, 128) and dtype is not None and jnp.dtype(dtype) in (
         jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-    if head_dim <= 64:   # the Triton B1 fields stay, so b1_impl="triton" alone restores them
-      return cls(b1_carries="scratch", b1_block_k=128, b1_warps=8,
-                 b1_impl="mosaic" if mosaic else "triton", b1_mask_pieces=2 if mosaic else 3)
-    return cls(f2_impl="mosaic" if mosaic else "triton")
+    # With both passes on Mosaic the Triton-only fields below are inert; they stay so that
+    # b1_impl="triton" / f2_impl="triton" alone restore the measured Triton tiles.
+    hop = dict(b1_impl="mosaic", f2_impl="mosaic", b1_mask_pieces=2, f2_mask_pieces=2) if mosaic \
+        else {}
+    if head_dim <= 64:
+      return cls(b1_carries="scratch", b1_block_k=128, b1_warps=8, **hop,
+                 **(dict(f2_key_tiles=2) if mosaic else {}))
+    return cls(**hop)
 
   def warps(self, D: int) -> int:
     return self.num_warps or (4 if D <= 64 else 8)
@@ -345,7 +355,7 @@ def dilution_prefill(q, k, v, *, scale=None, eps=1e-9, block_sizes=None, interpr
 
   demand[b, h, j] = Σ_i p[i, j], the state `dilution_decode_step` continues from. Not
   differentiable (use `dilution_attention` for training). Without block_sizes it runs the
-  training op's F1/F2 choice (`default_block_sizes`: the Mosaic F2 at D = 128 on Hopper).
+  training op's F1/F2 choice (`default_block_sizes`: the Mosaic F2 on Hopper).
   """
   bs = block_sizes or default_block_sizes(q.shape[-1], q.dtype, interpret)
   scale = q.shape[-1] ** -0.5 if scale is None else float(scale)

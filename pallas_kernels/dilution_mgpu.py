@@ -41,11 +41,12 @@ D = 64) plus the [64, 64] float32 tiles (32 each).
 On CPU pass interpret=True (GPU interpret mode): TMA reductions are not interpreted there, so dq
 and ĝ get one slab per key block (every slab row written at most once) and XLA sums them.
 `dilution.dilution_attention` runs it with `BlockSizes(b1_impl="mosaic")`, which
-`BlockSizes.default` picks on sm_90 for 16-bit inputs at D = 64. Interpret-tested against the
+`BlockSizes.default` picks on sm_90 for 16-bit inputs at D 64 and 128. Interpret-tested against the
 Triton B1 on CPU (tests/test_dilution_mgpu.py); compiled and tested on the H200 (jax 0.11.2,
 outputs and gradients against the reference). Timed there at (2,12,16K,64) bf16: 34.0 ms against
-the Triton B1's 52.1 (73 against 47 TFLOP/s). At (1,16,8K,128) it is slower than Triton end to
-end (43.3 against 26.9 ms), likely register pressure with [64,128] fp32 dk, dv and dq tiles.
+the Triton B1's 52.1 (73 against 47 TFLOP/s). At (1,16,8K,128) it was slower than Triton end to
+end (43.3 against 26.9 ms, three pieces, thirteenth session); with two pieces and 256 registers
+it is faster (18.3 against 25.2 ms with the Mosaic F2 either way, twenty-ninth session).
 """
 
 from __future__ import annotations

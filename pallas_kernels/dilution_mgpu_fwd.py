@@ -23,15 +23,17 @@ reduce-add of N and S: G times fewer float32 reduce-adds (12.9 GB of them at (2,
 G = 1). Tiles above a row tile's diagonal run with p = 0 (G(G-1)/2 wasted tile pairs per CTA).
 Why: F2 and B1 are the two passes with a reduce-add per tile pair and run at 57 and 86 TFLOP/s,
 F1 and B2 (none) at 181 and 167, and the Triton and Mosaic F2s, built nothing alike, run at the
-same speed; the reduce-adds are the suspect (an inference, not a measurement). SMEM grows by
-G·(2·64·D·2 + 64·64·2) bytes: G = 4 at D = 128 needs 239 KiB and is refused (`key_tiles_for`).
-Interpret-tested; untimed.
+same speed; the reduce-adds were the suspect. Measured (twenty-ninth session, H200, F2 alone at
+(2,12,16K,64), two mask pieces): 59 / 67 / 52 TFLOP/s at G = 1 / 2 / 4. So the reduce-adds are not
+the whole bound (G = 4 quarters them and loses, paying G(G-1)/2 masked tile pairs and more SMEM
+traffic); G = 2 is the D = 64 Hopper default. SMEM grows by G·(2·64·D·2 + 64·64·2) bytes: G = 4
+at D = 128 needs 239 KiB and is refused (`key_tiles_for`).
 
 On CPU pass interpret=True: N and S then get one slab per CTA (TMA reductions are not
 interpreted), summed by XLA. Written in the thirteenth session with dilution_mgpu's B1;
 interpret-tested on CPU, compiled and tested on the H200 (jax 0.11.2). Timed there: 15.3 ms against
 the Triton F2's 14.5 at (2,12,16K,64) bf16, but faster at D = 128 (forward 3.94 against 5.76 ms at
-(1,16,8K,128)), where `BlockSizes.default` picks it on sm_90.
+(1,16,8K,128)). `BlockSizes.default` picks it on sm_90 at D 64 (two pieces, G = 2) and 128.
 """
 
 from __future__ import annotations

@@ -47,7 +47,10 @@ B1_VARIANTS_LONG = {"default": {}, **B1_VARIANTS,
                                          f2_mask_pieces=2),
                     # The Mosaic F2 with 4 key tiles per CTA (one reduce-add per row tile).
                     "mosaic_f2_k4": dict(b1_impl="mosaic", f2_impl="mosaic", b1_mask_pieces=2,
-                                         f2_key_tiles=4)}
+                                         f2_key_tiles=4),
+                    # The D = 128 Hopper default before the twenty-ninth session ("machine" now
+                    # runs both Mosaic passes; "mosaic_2p" is the old D = 64 one).
+                    "triton_b1": dict(b1_impl="triton", f2_impl="mosaic")}
 # B1's key block unlike B2's (on SMALL, T = 96): B1 wider (3 blocks of 32 vs B2's 6 of 16, as
 # b1_block_k=128 over block_k=64 on the GPU) and narrower (6 of 16 vs 3 of 32); warps only matter
 # compiled.
@@ -222,8 +225,7 @@ class TestCompiledGPU(_DilutionKernelChecks):
   @pytest.mark.parametrize("B, D", [(1, 64), (2, 64), (2, 128)])
   def test_default_blocks_long(self, variant, B, D):
     # Default tiles and R = 1024 checkpoints: T = 2048 spans two super-blocks. B = 2 checks the
-    # batch indexing (per-row segment cuts); D = 128 is where the default pairs Triton B1 with
-    # the Mosaic F2.
+    # batch indexing (per-row segment cuts); D = 128 has its own Mosaic tiles and spills.
     if D == 128 and variant.startswith("scratch_k128"):
       pytest.skip("the 128-key tiles were only tuned at D = 64")
     if D == 128 and variant == "mosaic_f2_k4":
@@ -265,11 +267,12 @@ def test_b1_block_k_sets_padding_and_refuses_a_non_dividing_t():
   d64 = dilution.BlockSizes.default(64)
   assert (d64.b1_carries, d64.keys_b1(), d64.warps_b1(64), d64.block_k) == ("scratch", 128, 8, 64)
   assert dilution.BlockSizes.default(128) == dilution.BlockSizes()
-  # On Hopper with 16-bit inputs: the Mosaic B1 (two mask pieces) at D = 64, the Mosaic F2 at
-  # D = 128; float32, other head dims and non-Hopper GPUs keep Triton.
+  # On Hopper with 16-bit inputs: both Mosaic passes with two mask pieces, and two key tiles per
+  # F2 CTA at D = 64; float32, other head dims and non-Hopper GPUs keep Triton.
   hop = functools.partial(dilution.BlockSizes.default, hopper=True)
-  assert hop(64, jnp.bfloat16) == dataclasses.replace(d64, b1_impl="mosaic", b1_mask_pieces=2)
-  assert hop(128, jnp.float16) == dilution.BlockSizes(f2_impl="mosaic")
+  both = dict(b1_impl="mosaic", f2_impl="mosaic", b1_mask_pieces=2, f2_mask_pieces=2)
+  assert hop(64, jnp.bfloat16) == dataclasses.replace(d64, **both, f2_key_tiles=2)
+  assert hop(128, jnp.float16) == dilution.BlockSizes(**both)
   assert hop(64, jnp.float32) == d64 and hop(32, jnp.bfloat16) == dilution.BlockSizes.default(32)
   assert hop(128, jnp.float32) == dilution.BlockSizes()
   assert dilution.BlockSizes.default(64, jnp.bfloat16) == d64
