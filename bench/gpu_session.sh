@@ -99,6 +99,11 @@ for spec in "$@"; do
              $RUN python3 bench/dilution.py --impls dilution,cudnn --skip decode \
                --train-variants default,f2_triton,b1_triton,default \
                --out "$OUT/defaults.json" 2>&1 | tee "$OUT/defaults.log" | tail -30 ;;
+    step_1p3b)  # issue 3: the 1.3B step (batch 24 x 2048, packed) with the defaults, STEP_RUNS
+             # times in one process (55% MFU needs <= 748.4 ms; machines differ by 2-10%)
+             $RUN python3 bench/train_step.py --sizes 1.3b --batch 24 --impls pallas --steps 8 \
+               --variants "$(printf ';%.0s' $(seq 2 ${STEP_RUNS:-4}))" --out "$OUT/step_1p3b.json" \
+               2>&1 | grep --line-buffered -v -i autotun | tee "$OUT/step_1p3b.log" | tail -8 ;;
     dilution_step) $RUN python3 bench/train_step.py --sizes 209m --seq_len 16384 --batch 1 \
              --impls pallas,cudnn --patterns "softmax:rope;dilution:none;softmax:rope,dilution:none" --steps 6 \
              --out "$OUT/dilution_step.json" 2>&1 | grep --line-buffered -v -i autotun \
