@@ -8,6 +8,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+# XLA's CPU client runs computations and host callbacks on a pool of one thread per core (2 in
+# CI). GPU interpret mode runs a Mosaic kernel from a host callback that holds one worker while
+# each simulated Pallas thread (2-3 warpgroups) runs its own computation and waits at barriers
+# for the others: with 2 workers a barrier wait and the callback can hold both while another
+# thread waits for one, a deadlock. Measured on this 2-core machine (the F2 over 2 key tiles
+# interpreted inside the jitted op): 2 of 6 runs hung at the default, 0 of 6 with PJRT_NPROC=3,
+# every run with PJRT_NPROC=1. That is the 2-core CI hang seen in the twenty-eighth session. The
+# pool must exceed 1 + the simulated threads per kernel; PJRT_NPROC sizes it (read when the
+# client starts, so before any test touches a device).
+os.environ.setdefault("PJRT_NPROC", "8")
 # One persistent XLA compilation cache for the whole run -- xdist workers and the train.py /
 # eval.py subprocesses inherit it -- since many tests compile the same small programs again
 # (a resumed run, its uninterrupted twin): test_train.py 106 s -> 64 s from a cold cache on 2
