@@ -79,9 +79,9 @@ for spec in "$@"; do
                --train-variants default,b1_mosaic_2p_r232 --train-shapes 2x12x16384x64 \
                --out "$OUT/dilution_regs.json" 2>&1 | tee "$OUT/dilution_regs.log" | tail -8 ;;
     dilution_f2)  # issue 4: the Mosaic F2 with two bf16 mask pieces (BlockSizes.f2_mask_pieces) and
-             # with 2 or 4 key tiles per CTA (f2_key_tiles: a quarter of the float32 reduce-adds),
-             # both written in the twenty-eighth session, untimed: compiled tests, the passes (F2
-             # Triton and every Mosaic arm), then forward+backward (~400 s)
+             # with 2 or 4 key tiles per CTA (f2_key_tiles: a quarter of the float32 reduce-adds);
+             # timed in the twenty-ninth session (~200 s): compiled tests, the passes (F2 Triton
+             # and every Mosaic arm), then forward+backward
              $RUN python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/test_dilution_kernel.py \
                -k "Compiled and (f2_2p or f2_k4)" 2>&1 | tee "$OUT/f2_tests.log" | tail -3
              $RUN python3 bench/dilution.py --passes --b1-variants b1_mosaic_2p \

@@ -157,11 +157,12 @@ class BlockSizes:
         jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
     # With both passes on Mosaic the Triton-only fields below are inert; they stay so that
     # b1_impl="triton" / f2_impl="triton" alone restore the measured Triton tiles.
-    hop = dict(b1_impl="mosaic", f2_impl="mosaic", b1_mask_pieces=2, f2_mask_pieces=2) if mosaic \
-        else {}
+    hop = {}
+    if mosaic:
+      hop = dict(b1_impl="mosaic", f2_impl="mosaic", b1_mask_pieces=2, f2_mask_pieces=2,
+                 f2_key_tiles=2 if head_dim <= 64 else 1)
     if head_dim <= 64:
-      return cls(b1_carries="scratch", b1_block_k=128, b1_warps=8, **hop,
-                 **(dict(f2_key_tiles=2) if mosaic else {}))
+      return cls(b1_carries="scratch", b1_block_k=128, b1_warps=8, **hop)
     return cls(**hop)
 
   def warps(self, D: int) -> int:

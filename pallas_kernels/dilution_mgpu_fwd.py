@@ -11,10 +11,11 @@ Grid (Hq, T / 64, B), two Pallas threads (as dilution_mgpu's B1): warpgroup 0 co
 [keys, queries] tiles (64 × 64), warpgroup 1 TMA-streams q, lse and segment ids through a ring
 of `steps` slots. Per tile: k·qᵀ and three bf16-piece products against U≤ (float32-exact, see
 dilution_mgpu.mask_dot; two with BlockSizes.f2_mask_pieces=2) on wgmma; σ → SMEM (16-bit:
-σ ∈ [0, 1]) → σᵀ·V (transposed SMEM lhs) → float32 SMEM → TMA reduce-add into N; colsum(σ) (a cross-warp reduction, hence one compute
-warpgroup) → TMA reduce-add into S. The Triton kernel adds both with per-element fp32 atomics.
-Checkpoints and totals leave through a [64] SMEM vector and a TMA copy; checkpoints of
-super-blocks before the first visible one stay zero (XLA zero-fills the buffer).
+σ ∈ [0, 1]) → σᵀ·V (transposed SMEM lhs) → float32 SMEM → TMA reduce-add into N; colsum(σ)
+(a cross-warp reduction, hence one compute warpgroup) → TMA reduce-add into S. The Triton kernel
+adds both with per-element fp32 atomics. Checkpoints and totals leave through a [64] SMEM vector
+and a TMA copy; checkpoints of super-blocks before the first visible one stay zero (XLA
+zero-fills the buffer).
 
 BlockSizes.f2_key_tiles = G > 1 (`key_tiles`): one CTA owns G consecutive 64-key tiles (grid
 (Hq, T / 64G, B)), walks the row tiles from its first key's, and per row tile sums σ_g, colsum(σ_g)
