@@ -15,6 +15,7 @@ xla_temp for the _temp rows) on the same inputs.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import fnmatch
 import json
@@ -28,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from pallas_kernels import focal_flash, reference  # noqa: E402
+from pallas_kernels import focal_flash, focal_mgpu, reference  # noqa: E402
 
 SHAPES = [(4, 16, 2048, 128), (2, 16, 4096, 128), (1, 16, 8192, 128), (1, 8, 16384, 128),
           (2, 12, 16384, 64)]  # (B, H, T, D)
@@ -55,6 +56,14 @@ def _impls(interpret: bool, sweep: bool):
       scale = t if temp else q.shape[-1] ** -0.5
       return focal_flash.focal_attention(q, k, v, scale=scale, causal=True, interpret=interpret,
                                          block_sizes=blocks, kernel=kernel)
+    return attend
+
+  def mosaic_overlap(temp=False):  # focal_mgpu with BlockSizes.overlap_softmax (FA3 §3.2)
+    def attend(q, k, v, t):
+      blocks = dataclasses.replace(focal_mgpu.BlockSizes.default(q.shape[-1], q.dtype),
+                                   overlap_softmax=True)
+      return focal_mgpu.focal_attention(q, k, v, scale=t if temp else q.shape[-1] ** -0.5,
+                                        causal=True, interpret=interpret, block_sizes=blocks)
     return attend
 
   def cudnn(temp=False):
@@ -87,7 +96,8 @@ def _impls(interpret: bool, sweep: bool):
   # References first: `err` of later rows is measured against them.
   impls = {"cudnn": cudnn(), "xla": xla(), "cudnn_temp": cudnn(temp=True),
            "xla_temp": xla(temp=True), "mosaic": pallas(kernel="mosaic"),
-           "mosaic_temp": pallas(temp=True, kernel="mosaic"), "pallas": pallas(),
+           "mosaic_temp": pallas(temp=True, kernel="mosaic"), "mosaic_overlap": mosaic_overlap(),
+           "mosaic_overlap_temp": mosaic_overlap(temp=True), "pallas": pallas(),
            "pallas_temp": pallas(temp=True), "jax_triton": jax_triton, "tokamax": tokamax_}
   if sweep:
     for b in SWEEP:

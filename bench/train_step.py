@@ -52,7 +52,9 @@ MGPU_BACKWARD = {
                          "pingpong_backward": "pingpong" in arm,
                          "pingpong_dq": arm in ("pingpong", "lean_pingpong")}
        for kind in ("two_kernel", "fused")
-       for arm in ("lean", "pingpong", "lean_pingpong", "lean_pingpong_dkv")}}
+       for arm in ("lean", "pingpong", "lean_pingpong", "lean_pingpong_dkv")},
+    # Not a backward: the forward's intra-warpgroup overlap (BlockSizes.overlap_softmax).
+    "overlap_fwd": {"overlap_softmax": True}}
 
 
 @contextlib.contextmanager

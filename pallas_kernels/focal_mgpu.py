@@ -56,6 +56,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
+from pallas_kernels import focal_mgpu_overlap
 from pallas_kernels import mgpu_compat as mc
 from pallas_kernels import reference
 from pallas_kernels.focal_mgpu_blocks import BlockSizes  # callers name it focal_mgpu.BlockSizes
@@ -107,7 +108,8 @@ def supported(q, k, v, segment_ids, causal, *, blocks: BlockSizes | None = None)
 
 def _kernel(q_ref, k_ref, v_ref, s_ref, out_ref, lse_ref, qo_smem2, k_smem, v_smem, rows_smem2,
             q_barriers, s_barriers, k_barriers, v_barriers, k_consumed, v_consumed, schedule,
-            *, seg, causal, group, block_q, block_kv, n_kv, n_q_tiles, stages, interpret):
+            *, seg, causal, group, block_q, block_kv, n_kv, n_q_tiles, stages, overlap,
+            interpret):
   b = lax.axis_index("batch")
   h = lax.axis_index("heads")
   # Causal: the last q tiles see the most keys; starting them first shortens the tail.
@@ -169,14 +171,11 @@ def _kernel(q_ref, k_ref, v_ref, s_ref, out_ref, lse_ref, qo_smem2, k_smem, v_sm
     # Ping-pong: warpgroup 1 starts one schedule phase behind warpgroup 0 (FA3 §3.2).
     pl.when(wg == 1)(schedule_barrier)
 
-    def step(j, carry, *, masked):
-      acc_QD, m_Q, l_Q = carry
-      slot = slot_of(j)
-      if seg:  # read before the arrival below lets the producer refill the slot
-        segk_K = mc.load(segk_smem.at[slot], layout=_COL, interpret=interpret)
-      s_QK = mc.mma(qo_smem, k_smem.at[slot], transpose_b=True, during=schedule_barrier,
-                    interpret=interpret)
-      plgpu.barrier_arrive(k_consumed.at[slot])
+    def key_ids(slot):  # read before the K-slot release lets the producer refill it
+      return mc.load(segk_smem.at[slot], layout=_COL, interpret=interpret) if seg else None
+
+    def block_softmax(s_QK, j, m_Q, segk_K, *, masked):
+      """Block j's logits -> (p f32 with the new running max, that max, the rescale factor)."""
       x_QK = s_QK * lax.broadcast_in_dim(c_Q, s_QK.shape, [0])
       if masked:
         t_QK = mc.iota(jnp.int32, s_QK.shape, 0, _WGMMA, interpret=interpret) + q_start
@@ -188,7 +187,16 @@ def _kernel(q_ref, k_ref, v_ref, s_ref, out_ref, lse_ref, qo_smem2, k_smem, v_sm
         x_QK = jnp.where(same_QK, x_QK, -jnp.inf)
       m_new = jnp.maximum(m_Q, x_QK.max(axis=1))
       alpha_Q = jnp.exp2(m_Q - m_new)
-      p_QK = jnp.exp2(x_QK - lax.broadcast_in_dim(m_new, x_QK.shape, [0]))
+      return jnp.exp2(x_QK - lax.broadcast_in_dim(m_new, x_QK.shape, [0])), m_new, alpha_Q
+
+    def step(j, carry, *, masked):
+      acc_QD, m_Q, l_Q = carry
+      slot = slot_of(j)
+      segk_K = key_ids(slot)
+      s_QK = mc.mma(qo_smem, k_smem.at[slot], transpose_b=True, during=schedule_barrier,
+                    interpret=interpret)
+      plgpu.barrier_arrive(k_consumed.at[slot])
+      p_QK, m_new, alpha_Q = block_softmax(s_QK, j, m_Q, segk_K, masked=masked)
       acc_QD = acc_QD * lax.broadcast_in_dim(alpha_Q, acc_QD.shape, [0])
       # p is rounded to the input dtype for the tensor cores (FA2/FA3 do the same).
       p16_QK = p_QK.astype(qo_smem.dtype)
@@ -211,9 +219,17 @@ def _kernel(q_ref, k_ref, v_ref, s_ref, out_ref, lse_ref, qo_smem2, k_smem, v_sm
       return acc_QD, m_new, l_Q
 
     carry = (acc_QD, m_Q, l_Q)
-    carry = lax.fori_loop(0, full_steps, functools.partial(step, masked=False), carry)
+    if overlap:
+      carry = focal_mgpu_overlap.blocks(
+          carry, block_softmax=block_softmax, key_ids=key_ids, q_smem=qo_smem, k_smem=k_smem,
+          v_smem=v_smem, k_barriers=k_barriers, v_barriers=v_barriers, k_consumed=k_consumed,
+          v_consumed=v_consumed, schedule_barrier=schedule_barrier, slot_of=slot_of,
+          kv_steps=kv_steps, full_steps=full_steps, causal=causal, interpret=interpret)
+    else:
+      carry = lax.fori_loop(0, full_steps, functools.partial(step, masked=False), carry)
+      if causal:
+        carry = lax.fori_loop(full_steps, kv_steps, functools.partial(step, masked=True), carry)
     if causal:
-      carry = lax.fori_loop(full_steps, kv_steps, functools.partial(step, masked=True), carry)
 
       # Warpgroup 0's share of warpgroup 1's extra blocks: it waits for each block (so every
       # barrier phase is observed in order), releases it and keeps the schedule in step.
@@ -320,7 +336,7 @@ def forward(q_BTHD, k_BSKD, v_BSKD, s_BNT, *, causal: bool, blocks: BlockSizes |
                 plgpu.SMEM((stages, bkv), jnp.int32)]  # key ids ring, beside K
   kernel = mc.with_segments(functools.partial(
       _kernel, causal=causal, group=N // K, block_q=bq, block_kv=bkv, n_kv=n_kv,
-      n_q_tiles=n_q_tiles, stages=stages, interpret=interpret),
+      n_q_tiles=n_q_tiles, stages=stages, overlap=blocks.overlap_softmax, interpret=interpret),
       n_in=len(operands), n_seg_scratch=2, segments=segments)
   out_types = (jax.ShapeDtypeStruct(q_BTHD.shape, dtype),
                jax.ShapeDtypeStruct((B, N, T), jnp.float32))

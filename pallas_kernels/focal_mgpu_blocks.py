@@ -53,6 +53,10 @@ class BlockSizes:
   # 1.3B step with lean + pingpong_backward was 0.6 ms slower over five pairs: so both off.
   pingpong_backward: bool = False
   pingpong_dq: bool = False
+  # The forward's kv loop with FA3's intra-warpgroup overlap (focal_mgpu_overlap): block j's
+  # softmax runs while the same warpgroup's p·v of block j-1 is on the tensor cores. Written in
+  # the thirtieth session; off until it is compiled and timed on the H200.
+  overlap_softmax: bool = False
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
@@ -61,7 +65,7 @@ class BlockSizes:
         if value not in ("plain", "lean"):  # focal_mgpu_dkv.DKV_STEPS
           raise ValueError(f"BlockSizes.dkv_step={value!r} must be 'plain' or 'lean'")
       elif f.name in ("fused_backward", "joint_dq", "dq_halves", "pingpong_backward",
-                      "pingpong_dq"):
+                      "pingpong_dq", "overlap_softmax"):
         if not isinstance(value, bool):
           raise ValueError(f"BlockSizes.{f.name}={value!r} must be True or False")
       elif f.name == "max_concurrent_steps":

@@ -153,6 +153,47 @@ def mma_pair(first, second, *, during=None, interpret: bool):
   return tuple(pl.run_state(body)(tuple(inits)))
 
 
+def mma_then(first, second, *, after_first, state, during=None, interpret: bool):
+  """FlashAttention-3's intra-warpgroup overlap: issue `first` then `second`, and once `first`
+  has finished (`second` may still be running) run `after_first(first's result)`.
+
+  first: (a, b_ref, transpose_b), accumulated from zeros; second: (a, b_ref, acc, transpose_b)
+  as in `mma`. `after_first` returns arrays with the shapes, dtypes and layouts of `state` (whose
+  values are only placeholders: the body writes its results into them; they ride in the same
+  run_state as the accumulators because a run_state body returns nothing else). `during()` runs
+  after both are issued, before the first is awaited. Returns (second's result, after_first's
+  arrays); the second is awaited on return. The wgmmas complete in issue order, so waiting
+  until at most one is in flight (`wgmma_accumulator_load(wait_n=1)`) means the first is done.
+  """
+  if interpret:
+    first_out = mma(first[0], first[1], transpose_b=first[2], interpret=True)
+    a2, b2, acc2, tb2 = second
+    second_out = mma(a2, b2, acc=acc2, transpose_b=tb2, interpret=True)
+    if during is not None:
+      during()
+    return second_out, tuple(after_first(first_out))
+  a1, b1_ref, tb1 = first
+  a2, b2_ref, acc2, tb2 = second
+  b1 = b1_ref.transpose((1, 0)) if tb1 else b1_ref
+  b2 = b2_ref.transpose((1, 0)) if tb2 else b2_ref
+  zeros = layout_cast(jnp.zeros((a1.shape[0], b1.shape[1]), jnp.float32), plgpu.Layout.WGMMA,
+                      interpret=False)
+
+  def body(refs):
+    first_ref, second_ref, *state_refs = refs
+    plgpu.wgmma(first_ref, a1, b1)
+    plgpu.wgmma(second_ref, a2, b2)
+    if during is not None:
+      during()
+    outs = after_first(plgpu.wgmma_accumulator_load(first_ref, wait_n=1))
+    for ref, value in zip(state_refs, outs, strict=True):
+      ref[...] = value
+
+  _, second_out, *outs = pl.run_state(body)(
+      (plgpu.ACC.init(zeros), plgpu.ACC.init(acc2), *state))
+  return second_out, tuple(outs)
+
+
 def interpret_races_found() -> bool:
   """Whether the last GPU-interpreted kernel tripped the race detector (it prints the racing
   accesses; this is the flag tests assert on). Private jax state, 0.10.2 layout."""

@@ -18,6 +18,8 @@ Run: python -m pytest -q tests/test_focal_mgpu.py          (CI subset, ~1 min on
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -120,6 +122,11 @@ CI_CASES = [
     (True, jnp.bfloat16, "BNT", dict(B=2, segments=True,
                                      blocks=focal_mgpu.BlockSizes(block_kv=64,
                                                                   max_concurrent_steps=3))),
+    # FA3's intra-warpgroup overlap, with packed documents: prologue, both loops, epilogue.
+    (True, jnp.bfloat16, "BNT", dict(B=2, segments=True,
+                                     blocks=focal_mgpu.BlockSizes(block_kv=64,
+                                                                  max_concurrent_steps=3,
+                                                                  overlap_softmax=True))),
 ]
 SLOW_CASES = [
     (True, jnp.float16, "B11", dict(N=2, K=2, D=128)),  # MHA
@@ -130,6 +137,11 @@ SLOW_CASES = [
     (True, jnp.bfloat16, "BNT", dict(T=512, N=2, K=1,
                                      blocks=focal_mgpu.BlockSizes(block_q=128, block_kv=64))),
     (False, jnp.float16, "float", dict(N=2, K=1, D=128, segments=True)),  # segments only
+    (False, jnp.float16, "float", dict(N=2, K=1, D=128,  # overlap, no mask at all
+                                       blocks=focal_mgpu.BlockSizes(overlap_softmax=True))),
+    (True, jnp.bfloat16, "BNT", dict(T=384, S=256, N=2, K=1, D=128,  # overlap, causal T > S
+                                     blocks=focal_mgpu.BlockSizes(block_kv=64,
+                                                                  overlap_softmax=True))),
 ]
 
 
@@ -289,9 +301,10 @@ def test_dkv_step_names_match_the_kernel():
     focal_mgpu.BlockSizes(dkv_step="fast")
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("segments", [False, True])
 @pytest.mark.parametrize("causal, dtype, D", [(True, jnp.bfloat16, 64), (False, jnp.float16, 128)])
-def test_lowers_to_mosaic_gpu(causal, dtype, D, segments):
+def test_lowers_to_mosaic_gpu(causal, dtype, D, segments, overlap):
   """Lowers through Pallas' Mosaic GPU backend for CUDA without a GPU: catches layouts and
   primitives the lowering rejects (e.g. int32 segment ids in the row / column layouts) and
   shared-memory overflow before the H200 sees them (ptxas is not run). Checks the installed jax
@@ -300,8 +313,8 @@ def test_lowers_to_mosaic_gpu(causal, dtype, D, segments):
   s = jax.ShapeDtypeStruct((2, 8, 1024), jnp.float32)
   seg = jax.ShapeDtypeStruct((2, 1024), jnp.int32) if segments else None
   fwd = jax.jit(lambda q, k, v, s, seg: focal_mgpu.forward(
-      q, k, v, s, causal=causal, blocks=focal_mgpu.BlockSizes.default(D, dtype), interpret=False,
-      segment_ids=seg))
+      q, k, v, s, causal=causal, interpret=False, segment_ids=seg,
+      blocks=dataclasses.replace(focal_mgpu.BlockSizes.default(D, dtype), overlap_softmax=overlap)))
   text = fwd.trace(q, k, v, s, seg).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
 
@@ -360,3 +373,12 @@ class TestCompiledGPU:
     _poison_allocator(((2, 2048, 8, D), jnp.bfloat16), ((2, 8, 2048), jnp.float32))
     _compare(400, causal=True, dtype=jnp.bfloat16, scale="BNT", B=2, T=2048, N=8, K=2, D=D,
              blocks=blocks, interpret=False)
+
+  @pytest.mark.parametrize("D", [64, 128])
+  @pytest.mark.parametrize("causal, segments", [(True, False), (False, False), (True, True)])
+  def test_overlap_softmax(self, D, causal, segments):
+    """BlockSizes.overlap_softmax (FA3's intra-warpgroup overlap, focal_mgpu_overlap) compiled."""
+    _poison_allocator(((2, 2048, 8, D), jnp.bfloat16), ((2, 8, 2048), jnp.float32))
+    blocks = dataclasses.replace(focal_mgpu.BlockSizes.default(D), overlap_softmax=True)
+    _compare(700 + D, causal=causal, dtype=jnp.bfloat16, scale="BNT", B=2, T=2048, N=8, K=2,
+             D=D, blocks=blocks, interpret=False, segments=segments)
