@@ -19,6 +19,8 @@ Kernel `_kernel`, grid (Hq, T / (2·block_q), B), 3 warpgroups per CTA:
   wg 2     producer (24 registers): TMA-loads K (with its block's segment ids) and V into a ring of
            `max_concurrent_steps` slots, refilling a slot once both compute warpgroups arrived on
            its "consumed" barrier.
+With `BlockSizes.overlap_softmax` the compute loop is focal_mgpu_overlap's instead: block j's softmax
+runs while the same warpgroup's p·v of block j-1 is still on the tensor cores (FA3 §3.2).
 Causal: blocks wholly below the diagonal run unmasked, only blocks crossing it build the mask,
 blocks above it are never loaded. Segment ids mask every visited block (seg_q[:, None] ==
 seg_k[None, :]; no per-document block skipping); without them (static None) the kernel has no
