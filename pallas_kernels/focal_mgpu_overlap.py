@@ -13,7 +13,8 @@ block j's softmax runs while the same warpgroup's previous p·v is still on the 
 
 Carries per compute warpgroup: acc [block_q, D] f32, m and l [block_q] f32 as in the plain loop,
 plus P_{j-1} [block_q, block_kv] in the input dtype and α_{j-1} [block_q] f32: one more 16-bit
-tile of registers (32 per thread at block_kv = 128) and the S tile live beside the in-flight acc.
+tile of registers (32 per thread at block_kv = 128) and the S tile (P_j in float32, exponentiated
+in place) live beside the in-flight acc. P_j is rounded to 16 bits only after the p·v retires.
 The ping-pong schedule keeps its two rendezvous per block (one while the matmuls run, one after
 the softmax), so warpgroup 0's catch-up loop in focal_mgpu still balances it. Barrier order:
 K_j is released once S_j is read, V_{j-1} once its p·v has retired; the producer and the ring
@@ -77,13 +78,16 @@ def blocks(carry, *, block_softmax, key_ids, q_smem, k_smem, v_smem, k_barriers,
     def softmax_j(s_QK):  # runs while acc += P_{j-1}·v_{j-1} is still on the tensor cores
       plgpu.barrier_arrive(k_consumed.at[slot])
       p_QK, m_new, alpha_new = block_softmax(s_QK, j, m_Q, segk_K, masked=masked)
-      l_new = l_Q * alpha_new + p_QK.sum(axis=1)
-      return p_QK.astype(dtype), m_new, l_new, alpha_new
+      return p_QK, m_new, l_Q * alpha_new + p_QK.sum(axis=1), alpha_new
 
-    acc_QD, (p16_QK, m_Q, l_Q, alpha_Q) = mc.mma_then(
+    acc_QD, (p_QK, m_Q, l_Q, alpha_Q) = mc.mma_then(
         (q_smem, k_smem.at[slot], True), (p16_QK, v_smem.at[prev], _scaled(acc_QD, alpha_Q), False),
-        after_first=softmax_j, state=(p16_QK, m_Q, l_Q, alpha_Q), during=schedule_barrier,
+        after_first=softmax_j, state=(p_placeholder, m_Q, l_Q, alpha_Q), during=schedule_barrier,
         interpret=interpret)
+    # Rounded only now: registers that feed a wgmma (P_j, for the next p·v) must not be written
+    # while one is in flight, or ptxas serializes every wgmma of the kernel (warning C7513,
+    # H200, thirtieth session; FA3 converts P after its wait too).
+    p16_QK = p_QK.astype(dtype)
     plgpu.barrier_arrive(v_consumed.at[prev])
     acc_QD, p16_QK, m_Q, l_Q, alpha_Q = lax.optimization_barrier(
         (acc_QD, p16_QK, m_Q, l_Q, alpha_Q))
@@ -91,6 +95,8 @@ def blocks(carry, *, block_softmax, key_ids, q_smem, k_smem, v_smem, k_barriers,
     wait_k(j + 1)
     return acc_QD, m_Q, l_Q, alpha_Q, p16_QK
 
+  p_placeholder = mc.layout_cast(jnp.zeros(s_QK.shape, jnp.float32), plgpu.Layout.WGMMA,
+                                 interpret=interpret)  # state slot for the f32 P (see mma_then)
   carry = (acc_QD, m_Q, l_Q, alpha_Q, p16_QK)
   first_masked = jnp.maximum(full_steps, 1)
   carry = lax.fori_loop(1, first_masked, functools.partial(step, masked=False), carry)
