@@ -7,11 +7,13 @@ max|cudnn| with the same scale on both (D^-1/2, a float). Tile configs that over
 memory are reported as such and skipped.
 
   python bench/focal_mgpu_fwd.py [--dtype bfloat16|float16] [--noncausal] [--quick]   # H100/H200
+  python bench/focal_mgpu_fwd.py --overlap --iters 40   # default vs overlap_softmax, alternating
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -50,11 +52,15 @@ def main():
   ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
   ap.add_argument("--noncausal", action="store_true")
   ap.add_argument("--quick", action="store_true", help="one shape only")
+  ap.add_argument("--overlap", action="store_true",
+                  help="the default tiles against BlockSizes.overlap_softmax, alternating x3")
+  ap.add_argument("--iters", type=int, default=10)
   args = ap.parse_args()
   dtype, causal = jnp.dtype(args.dtype), not args.noncausal
   print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; {dtype.name}, causal={causal}")
   print(f"{'B':>2} {'H':>3} {'T':>6} {'D':>4}  {'impl':<34} {'ms':>8} {'TFLOP/s':>8} {'err':>8}")
-  for (b, h, t, d) in (QUICK if args.quick else SHAPES):
+  shapes = QUICK if args.quick else [(24, 16, 2048, 128)] + SHAPES if args.overlap else SHAPES
+  for (b, h, t, d) in shapes:
     kq, kk, kv, ks = jax.random.split(jax.random.key(0), 4)
     q, k, v = (jax.random.normal(key, (b, t, h, d), jnp.float32).astype(dtype)
                for key in (kq, kk, kv))
@@ -63,15 +69,20 @@ def main():
     cudnn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
         q, k, v, scale=d**-0.5, is_causal=causal, implementation="cudnn"))
     rows = [("cudnn", cudnn, (q, k, v), None)]
-    for cfg in CONFIGS:
-      name = f"mgpu q{cfg.block_q}x2 kv{cfg.block_kv} st{cfg.max_concurrent_steps}"
+    configs = CONFIGS
+    if args.overlap:  # the same executables re-timed in turn: machine drift shows as spread
+      default = B.default(d, dtype)
+      configs = [default, dataclasses.replace(default, overlap_softmax=True)] * 3
+    for cfg in configs:
+      name = (f"mgpu q{cfg.block_q}x2 kv{cfg.block_kv} st{cfg.max_concurrent_steps}"
+              f"{' overlap' if cfg.overlap_softmax else ''}")
       fn = jax.jit(lambda q, k, v, s, cfg=cfg: focal_mgpu.focal_attention(
           q, k, v, scale=s, causal=causal, block_sizes=cfg))
       rows.append((name, fn, (q, k, v, temp), cfg))
     ref = None
     for name, fn, fn_args, cfg in rows:
       try:
-        sec = _time(fn, *fn_args)
+        sec = _time(fn, *fn_args, iters=args.iters)
       except Exception as e:  # pylint: disable=broad-except
         msg = str(e).splitlines()[0][:60] if str(e) else type(e).__name__
         print(f"{b:>2} {h:>3} {t:>6} {d:>4}  {name:<34} skipped: {msg}")
