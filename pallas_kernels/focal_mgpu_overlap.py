@@ -20,6 +20,11 @@ the softmax), so warpgroup 0's catch-up loop in focal_mgpu still balances it. Ba
 K_j is released once S_j is read, V_{j-1} once its p·v has retired; the producer and the ring
 (slots, phases) are focal_mgpu's, unchanged.
 
+Measured on the H200 (thirtieth session, BENCHMARKS.md): compiled tests pass and ptxas neither
+spills nor serializes, but the forward is level with the plain loop at (24,16,2K,128) and 5-7%
+slower at T >= 4K, so `overlap_softmax` is off. With two warpgroups in ping-pong, one's softmax
+already runs under the other's matmuls.
+
 The first block is always masked when causal (the mask is the exact s <= t test, so it is also
 right for a block wholly below the diagonal); later blocks take focal_mgpu's unmasked / masked
 split.
@@ -69,6 +74,9 @@ def blocks(carry, *, block_softmax, key_ids, q_smem, k_smem, v_smem, k_barriers,
   schedule_barrier()
   wait_k(1)
 
+  p_placeholder = mc.layout_cast(jnp.zeros(s_QK.shape, jnp.float32), plgpu.Layout.WGMMA,
+                                 interpret=interpret)  # state slot for the f32 P (see mma_then)
+
   def step(j, carry, *, masked):
     acc_QD, m_Q, l_Q, alpha_Q, p16_QK = carry
     slot, prev = slot_of(j), slot_of(j - 1)
@@ -95,8 +103,6 @@ def blocks(carry, *, block_softmax, key_ids, q_smem, k_smem, v_smem, k_barriers,
     wait_k(j + 1)
     return acc_QD, m_Q, l_Q, alpha_Q, p16_QK
 
-  p_placeholder = mc.layout_cast(jnp.zeros(s_QK.shape, jnp.float32), plgpu.Layout.WGMMA,
-                                 interpret=interpret)  # state slot for the f32 P (see mma_then)
   carry = (acc_QD, m_Q, l_Q, alpha_Q, p16_QK)
   first_masked = jnp.maximum(full_steps, 1)
   carry = lax.fori_loop(1, first_masked, functools.partial(step, masked=False), carry)
