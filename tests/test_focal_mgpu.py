@@ -197,6 +197,13 @@ def test_gradients_through_custom_vjp_interpret(segments):
   _compare_grads(150, interpret=True, segments=segments, block_sizes=blocks)
 
 
+@pytest.mark.usefixtures("_fast_interpreter")
+def test_overlap_softmax_gradients_interpret():
+  """The overlapped forward's out and lse feed the same backward: all four gradients match."""
+  blocks = dataclasses.replace(focal_mgpu.BlockSizes.default(64), overlap_softmax=True)
+  _compare_grads(160, interpret=True, block_sizes=blocks)
+
+
 def test_focal_flash_routes_segments_to_mosaic(monkeypatch):
   """focal_flash's dispatcher hands packed segment ids to this kernel (training always has them)
   instead of falling back to Triton, cast to int32 as the Triton route would."""
@@ -382,3 +389,9 @@ class TestCompiledGPU:
     blocks = dataclasses.replace(focal_mgpu.BlockSizes.default(D), overlap_softmax=True)
     _compare(700 + D, causal=causal, dtype=jnp.bfloat16, scale="BNT", B=2, T=2048, N=8, K=2,
              D=D, blocks=blocks, interpret=False, segments=segments)
+
+  @pytest.mark.parametrize("D", [64, 128])
+  def test_overlap_softmax_gradients(self, D):
+    blocks = dataclasses.replace(focal_mgpu.BlockSizes.default(D), overlap_softmax=True)
+    _compare_grads(800 + D, interpret=False, B=2, T=2048, N=8, K=2, D=D, segments=True,
+                   block_sizes=blocks)
