@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from bench import tokamax_shim  # noqa: E402
 from pallas_kernels import focal_flash, focal_mgpu, reference  # noqa: E402
 
 SHAPES = [(4, 16, 2048, 128), (2, 16, 4096, 128), (1, 16, 8192, 128), (1, 8, 16384, 128),
@@ -106,37 +107,10 @@ def _impls(interpret: bool, sweep: bool):
 def _tokamax(q, k, v, implementation):
   """tokamax's attention with one named implementation ("mosaic": its Hopper Mosaic GPU kernel;
   "triton"), so a failing kernel is reported instead of falling back to another."""
-  # tokamax reads absl flags, which parse sys.argv on first use and reject this script's
-  # (--impls ...: UnrecognizedFlagError, twenty-eighth session): parse none of them.
-  from absl import flags  # pylint: disable=import-outside-toplevel
-  if not flags.FLAGS.is_parsed():
-    flags.FLAGS(sys.argv[:1])
+  tokamax_shim.prepare()  # absl flags and jax 0.11's plgpu.kernel keywords
   import tokamax  # pylint: disable=import-outside-toplevel
-  _tokamax_kernel_aliases()
   return tokamax.dot_product_attention(q, k, v, is_causal=True, scale=q.shape[-1] ** -0.5,
                                        implementation=implementation)
-
-
-def _tokamax_kernel_aliases():
-  """tokamax 0.0.12 (the newest on the GPU machine's index) calls plgpu.kernel with out_shape= and
-  scratch_shapes=, aliases jax 0.10 deprecated and 0.11 removed (0.11.2 passes them on to Mesh:
-  "Mesh.__init__() got an unexpected keyword argument 'out_shape'", twenty-eighth session). For
-  this benchmark only, map them to out_type= / scratch_types=; a no-op where they still exist."""
-  import inspect  # pylint: disable=import-outside-toplevel
-  import jax.experimental.pallas.mosaic_gpu as plgpu  # pylint: disable=import-outside-toplevel
-  kernel = plgpu.kernel
-  if "out_shape" in inspect.signature(kernel).parameters or getattr(kernel, "_aliased", False):
-    return
-
-  def aliased(*args, out_shape=None, scratch_shapes=None, **kwargs):
-    if out_shape is not None:
-      kwargs["out_type"] = out_shape
-    if scratch_shapes is not None:
-      kwargs["scratch_types"] = scratch_shapes
-    return kernel(*args, **kwargs)
-
-  aliased._aliased = True
-  plgpu.kernel = aliased
 
 
 def _time(fn, args, iters: int) -> float:

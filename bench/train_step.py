@@ -35,6 +35,7 @@ from configs import base  # noqa: E402
 from focaljax import config as config_lib  # noqa: E402
 from focaljax import metrics, optim, sharding, trainer  # noqa: E402
 from focaljax import model as model_lib  # noqa: E402
+from bench import tokamax_shim  # noqa: E402
 from pallas_kernels import focal_mgpu  # noqa: E402
 
 BATCH = {"400m": 16, "1.3b": 8, "small": 8, "tiny": 8}
@@ -207,6 +208,8 @@ def main():
   variants = [parse_variant(v) for v in args.variants.split(";")]
   runs = [(s, i, pat, v) for s in args.sizes.split(",") for pat in args.patterns.split(";")
           for i in args.impls.split(",") for v in variants]
+  if "tokamax" in args.impls.split(","):
+    tokamax_shim.prepare()
   for size, impl, pattern, variant in runs:
     try:
       r = run(size, impl, args.steps, args.seq_len, args.remat, args.batch or None,
