@@ -224,6 +224,15 @@ for spec in "$@"; do
     attention) $RUN python3 bench/attention.py ${ATTN_IMPLS:+--impls $ATTN_IMPLS} ${ATTN_SHAPES:+--shapes $ATTN_SHAPES} --out "$OUT/attention.json" 2>&1 | tee "$OUT/attention.log" | tail -40 ;;
     dilution) $RUN python3 bench/dilution.py --impls dilution,cudnn --out "$OUT/dilution.json" 2>&1 | tee "$OUT/dilution.log" | tail -40 ;;
     train_step) $RUN python3 bench/train_step.py --impls cudnn,pallas,tokamax ${TRAIN_STEP_ARGS:-} --out "$OUT/train_step.json" 2>&1 | grep --line-buffered -v -i autotun | tee "$OUT/train_step.log" | tail -20 ;;
+    tokamax_step)  # issue 3: the training step with implementation="tokamax" (tokamax 0.0.12 through
+             # bench/tokamax_shim.py). Thirty-first session: no row within 150-280 s at 400M or
+             # 1.3B, packed or not, and no error; tokamax's own log lines are kept this time (they
+             # say which of its kernels it picked), and the step prints its phases on stderr
+             $RUN python3 bench/train_step.py --sizes "${TOKAMAX_SIZES:-400m}" --impls tokamax,pallas \
+               --batch "${TOKAMAX_BATCH:-32}" --steps 8 ${TOKAMAX_STEP_ARGS:-} \
+               --out "$OUT/tokamax_step.json" > "$OUT/tokamax_step.log" 2>&1
+             grep -v "Autotuning cache miss" "$OUT/tokamax_step.log" | cut -c1-400 | tail -20
+             grep -c "Autotuning cache miss" "$OUT/tokamax_step.log" ;;
     train_step_packed)  # the trainer's own batches: packed rows with segment ids (cuDNN: a mask)
              $RUN python3 bench/train_step.py --sizes "${PACKED_SIZES:-1.3b}" --impls cudnn,pallas \
                --steps 6 --out "$OUT/train_step_packed.json" 2>&1 | grep --line-buffered -v -i autotun \

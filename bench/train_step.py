@@ -152,9 +152,13 @@ def _run(size, impl, steps, seq_len, remat, batch, fuse, pattern, segments, mesh
       os.makedirs(profile_dir, exist_ok=True)
       with open(os.path.join(profile_dir, "step.hlo.txt"), "w") as f:
         f.write(step.as_text())
+    # Phases on stderr as they happen: a run cut off by a time limit still says where it was
+    # (thirty-first session: the tokamax steps printed nothing before their limits).
+    print(f"[{size} {impl}] compiling and running the first step", file=sys.stderr, flush=True)
     params, opt_state, m = step(params, opt_state, batch)
     jax.block_until_ready(m)
     compile_s = time.perf_counter() - t0
+    print(f"[{size} {impl}] first step done after {compile_s:.1f} s", file=sys.stderr, flush=True)
     for _ in range(2):
       params, opt_state, m = step(params, opt_state, batch)
     jax.block_until_ready(m)
