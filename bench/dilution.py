@@ -79,6 +79,8 @@ B1_VARIANTS = {"default": dict(), "plain": B1_PLAIN,
                # the Hopper defaults before the twenty-ninth session, over today's: the Triton
                # F2 (D = 64) and the Triton B1 with the three-piece Mosaic F2 (D = 128)
                "f2_triton": dict(f2_impl="triton", f2_mask_pieces=3, f2_key_tiles=1),
+               # F1 as focal_mgpu's forward with V := K (dilution_mgpu_fwd.row_stats)
+               "f1_mosaic": dict(f1_impl="mosaic"),
                "b1_triton": dict(b1_impl="triton", b1_mask_pieces=3, f2_mask_pieces=3,
                                  f2_key_tiles=1)}
 SMOKE_BLOCKS = dilution.BlockSizes(block_q_stats=16, block_k_stats=16, block_q=16, block_k=32,
@@ -183,6 +185,9 @@ def _passes(shape, dtype, reps, interpret, bs, b1_variants=("default",)):
       ("F2 key_sweep", None, lambda q, k, v, lse: dilution_fwd.key_sweep(
           q, k, v, seg, lse, eps=1e-9, with_ckpt=True, **kw), (q, k, v, lse)),
   ]
+  if not interpret and dtype != jnp.float32 and D in (64, 128):   # F1 on wgmma (focal_mgpu)
+    passes.append(("F1 row_stats", "mosaic", lambda q, k: dilution_mgpu_fwd.row_stats(
+        q, k, seg, scale=D**-0.5, with_pk=True), (q, k)))
   # F2 on wgmma/TMA alongside the Triton F2, at each register budget a B1 variant asks for
   regs = sorted({B1_VARIANTS[v].get("mosaic_registers", bs.mosaic_registers) for v in b1_variants
                  if B1_VARIANTS[v].get("b1_impl") == "mosaic"})

@@ -14,6 +14,7 @@ Training (`dilution_attention`, jax.custom_vjp) — kernels in dilution_fwd.py /
 every grid (blocks, B, Hq) with the block axis first (CUDA caps grid axes 1-2 at 65,535):
   F1 row_stats      grid (T/64, B, Hq), row-parallel flash-style online softmax:
                     lse_i and pk_i = scale·Σ_j p_ij k_j                   [QKᵀ, PK]
+                    (f1_impl="mosaic": focal_mgpu's forward with V := K, Hopper)
   F2 key_sweep      grid (T/64, B, Hq), key-parallel: a program owns 64 keys and their
                     committed-demand carry (registers), walks 32-row tiles top-down;
                     S_i, N_i by fp32 atomics; carry checkpoint every R rows  [QKᵀ, σV]
@@ -116,6 +117,9 @@ class BlockSizes:
   b1_impl: str = "triton"
   # F2's kernel likewise: "triton" (dilution_fwd) or "mosaic" (dilution_mgpu_fwd).
   f2_impl: str = "triton"
+  # F1's: "triton" (dilution_fwd.row_stats, block_*_stats) or "mosaic" (focal_mgpu's forward
+  # with V := K, dilution_mgpu_fwd.row_stats; T padded to 128). Not yet timed: off.
+  f1_impl: str = "triton"
   # The Mosaic B1's in-tile prefix and suffix products (6 of its 12 wgmmas per tile pair at 3):
   # 3 bf16 pieces keep float32 accuracy; 2 keep ~16 bits (relative error ≲ 2⁻¹⁶) and drop two
   # products. The Triton B1 ignores it.
@@ -180,13 +184,14 @@ class BlockSizes:
     two, so the largest is a multiple of the rest); B1/B2's key blocks only when training."""
     fwd = max(self.block_q_stats, self.block_k_stats, self.block_q, self.block_k_fwd,
               # the Mosaic F2's CTA spans f2_key_tiles 64-key tiles (the Triton F2 ignores it)
-              dilution_mgpu_fwd.BKV * self.f2_key_tiles if self.f2_key_tiles > 1 else 0)
+              dilution_mgpu_fwd.BKV * self.f2_key_tiles if self.f2_key_tiles > 1 else 0,
+              128 if self.f1_impl == "mosaic" else 0)   # focal_mgpu: two 64-row tiles a CTA
     return max(fwd, self.block_k, self.keys_b1()) if training else fwd
 
   def validate(self, D: int):
     if self.b1_carries not in B1_CARRIES:
       raise ValueError(f"BlockSizes.b1_carries={self.b1_carries!r} must be one of {B1_CARRIES}")
-    for field in ("b1_impl", "f2_impl"):
+    for field in ("b1_impl", "f2_impl", "f1_impl"):
       if getattr(self, field) not in KERNEL_IMPLS:
         raise ValueError(f"BlockSizes.{field}={getattr(self, field)!r} must be one of "
                          f"{KERNEL_IMPLS}")
@@ -255,8 +260,12 @@ def _pad(q, k, v, seg, multiple):
 
 
 def _forward(q, k, v, seg, scale, eps, bs, interpret, *, training):
-  lse, pk = dilution_fwd.row_stats(q, k, seg, scale=scale, bs=bs, with_pk=training,
-                                   interpret=interpret)
+  if _uses_mosaic(q, bs, "f1_impl", dilution_mgpu_fwd.row_stats_supported(q, k, seg)):
+    lse, pk = dilution_mgpu_fwd.row_stats(q, k, seg, scale=scale, with_pk=training,
+                                          interpret=interpret)
+  else:
+    lse, pk = dilution_fwd.row_stats(q, k, seg, scale=scale, bs=bs, with_pk=training,
+                                     interpret=interpret)
   n, ssum, total, ckpt = f2_key_sweep(q, k, v, seg, lse, scale=scale, eps=eps, bs=bs,
                                       with_ckpt=training, interpret=interpret)
   # Row normaliser; fp32 until the final cast to the activation dtype.
@@ -264,11 +273,12 @@ def _forward(q, k, v, seg, scale, eps, bs, interpret, *, training):
   return out_f32, (lse, pk, ssum, total, ckpt)
 
 
-def _uses_mosaic(q, bs, field: str) -> bool:
-  """Whether BlockSizes.<field> picks the Mosaic GPU kernel; refuses inputs it cannot run."""
+def _uses_mosaic(q, bs, field: str, why: str | None = "") -> bool:
+  """Whether BlockSizes.<field> picks the Mosaic GPU kernel; refuses inputs it cannot run
+  (`why`: that kernel's reason, default dilution_mgpu.supported's)."""
   if getattr(bs, field) != "mosaic":
     return False
-  why = dilution_mgpu.supported(q, bs.ckpt_rows)
+  why = dilution_mgpu.supported(q, bs.ckpt_rows) if why == "" else why
   if why:
     raise ValueError(f"BlockSizes.{field}='mosaic': {why}; use {field}='triton'")
   return True

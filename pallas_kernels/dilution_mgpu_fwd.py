@@ -1,4 +1,5 @@
-"""Dilution attention's F2 key sweep on Hopper (Pallas Mosaic GPU), the forward's heavy pass.
+"""Dilution attention's forward passes on Hopper (Pallas Mosaic GPU): the F2 key sweep, the heavy
+pass, and F1's row statistics (`row_stats`, focal_mgpu's flash forward with V := K, at the end).
 
 The same math and outputs as `dilution_fwd.key_sweep` (its docstring): a key block J walks the row
 tiles that can see it top-down with its per-key committed demand `carry`:
@@ -48,6 +49,7 @@ from jax.experimental import pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels import dilution_mgpu as dm
+from pallas_kernels import focal_mgpu
 from pallas_kernels import mgpu_compat as mc
 
 BQ = BKV = dm.BQ
@@ -221,3 +223,27 @@ def key_sweep(q, k, v, seg, lse, *, scale, eps, ckpt_rows, with_ckpt, steps=2, m
   if flag:
     n_out, s_out = n_out.sum(axis=0), s_out.sum(axis=0)
   return n_out, s_out, total, ckpt[...] if with_ckpt else None
+
+
+def row_stats_supported(q, k, seg) -> str | None:
+  """None if `row_stats` takes these (padded) inputs, else why not."""
+  return focal_mgpu.supported(q, k, k, seg, True)
+
+
+def row_stats(q, k, seg, *, scale, with_pk, interpret=False):
+  """F1 as `dilution_fwd.row_stats` (lse float32 [B, Hq, T], natural log; pk = scale·Σ_j p_ij k_j
+  float32 [B, T, Hq, D] or None) from focal_mgpu's forward with V := K and a constant scale: that
+  kernel is F1's flash loop on wgmma (FA3's warp specialisation and ping-pong), where the Triton
+  F1 runs at ~180 TFLOP/s. Its output leaves in q.dtype, so pk comes back as out + its rounding
+  residual (`out_lo`: ~16 significant bits). The float32 pk matters: dq = dq_main − ĝ·pk subtracts
+  two terms that can nearly cancel, so one bf16 rounding of pk (2⁻⁹) could dominate dq's error.
+  Every row sees its own key (padding rows their own segment), so no row is empty. Needs what
+  focal_mgpu.supported needs: 16-bit q/k, D 64 or 128, T a multiple of 128."""
+  B, T, N, _ = q.shape
+  s_BNT = jnp.full((B, N, T), scale, jnp.float32)
+  outs = focal_mgpu.forward(q, k, k, s_BNT, causal=True, blocks=None, interpret=interpret,
+                            segment_ids=seg, out_lo=with_pk)
+  lse = outs[1] * (1.0 / dm.LOG2E)   # focal's lse is base 2
+  if not with_pk:
+    return lse, None
+  return lse, scale * (outs[0].astype(jnp.float32) + outs[2].astype(jnp.float32))

@@ -110,7 +110,7 @@ def supported(q, k, v, segment_ids, causal, *, blocks: BlockSizes | None = None)
 
 def _kernel(q_ref, k_ref, v_ref, s_ref, out_ref, lse_ref, qo_smem2, k_smem, v_smem, rows_smem2,
             q_barriers, s_barriers, k_barriers, v_barriers, k_consumed, v_consumed, schedule,
-            *, seg, causal, group, block_q, block_kv, n_kv, n_q_tiles, stages, overlap,
+            *, seg, lo_ref, causal, group, block_q, block_kv, n_kv, n_q_tiles, stages, overlap,
             interpret):
   b = lax.axis_index("batch")
   h = lax.axis_index("heads")
@@ -251,12 +251,18 @@ def _kernel(q_ref, k_ref, v_ref, s_ref, out_ref, lse_ref, qo_smem2, k_smem, v_sm
     # A row with no visible key (not produced by the contract's masks) gives out 0, lse = MASK.
     l_Q = jnp.where(l_Q == 0.0, 1.0, l_Q)
     out_QD = acc_QD * lax.broadcast_in_dim(1.0 / l_Q, acc_QD.shape, [0])
-    qo_smem[...] = out_QD.astype(qo_smem.dtype)
+    out16_QD = out_QD.astype(qo_smem.dtype)
+    qo_smem[...] = out16_QD
     # 0.10.2's Mosaic GPU has no log2 lowering: log2(l) = ln(l) · log2(e).
     rows_smem[...] = m_Q + jnp.log(l_Q) * LOG2E
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[b, pl.ds(q_start, block_q), h])
     plgpu.copy_smem_to_gmem(rows_smem, lse_ref.at[b, h, pl.ds(q_start, block_q)])
+    if lo_ref is not None:  # the rounding residual, through the same tile once it was read
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      qo_smem[...] = (out_QD - out16_QD.astype(jnp.float32)).astype(qo_smem.dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(qo_smem, lo_ref.at[b, pl.ds(q_start, block_q), h])
     plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == _COMPUTE_WGS)
@@ -294,10 +300,12 @@ def _kernel(q_ref, k_ref, v_ref, s_ref, out_ref, lse_ref, qo_smem2, k_smem, v_sm
 
 
 def forward(q_BTHD, k_BSKD, v_BSKD, s_BNT, *, causal: bool, blocks: BlockSizes | None,
-            interpret: bool, segment_ids=None):
+            interpret: bool, segment_ids=None, out_lo: bool = False):
   """(out [B, T, Hq, D] in q.dtype, lse [B, Hq, T] f32 base 2). s_BNT: f32 [B, Hq, T];
   segment_ids: None or int32 [B, T] (T == S). blocks None: BlockSizes.default(D, dtype).
-  Raises ValueError on calls `supported` rejects."""
+  out_lo: also return out's rounding residual in q.dtype (out + lo carries ~16 significant bits,
+  for callers that need the float32 output: dilution's F1 row statistics). Raises ValueError
+  on calls `supported` rejects."""
   blocks = blocks or BlockSizes.default(q_BTHD.shape[-1], q_BTHD.dtype)
   why = supported(q_BTHD, k_BSKD, v_BSKD, segment_ids, causal, blocks=blocks)
   if why:
@@ -336,12 +344,13 @@ def forward(q_BTHD, k_BSKD, v_BSKD, s_BNT, *, causal: bool, blocks: BlockSizes |
     operands += (segment_ids,)
     scratch += [plgpu.SMEM((_COMPUTE_WGS, bq), jnp.int32),  # q ids per compute warpgroup
                 plgpu.SMEM((stages, bkv), jnp.int32)]  # key ids ring, beside K
-  kernel = mc.with_segments(functools.partial(
+  kernel = mc.with_segments(mc.with_optional_ref(functools.partial(
       _kernel, causal=causal, group=N // K, block_q=bq, block_kv=bkv, n_kv=n_kv,
       n_q_tiles=n_q_tiles, stages=stages, overlap=blocks.overlap_softmax, interpret=interpret),
-      n_in=len(operands), n_seg_scratch=2, segments=segments)
+      "lo_ref", at=6, present=out_lo), n_in=len(operands), n_seg_scratch=2, segments=segments)
   out_types = (jax.ShapeDtypeStruct(q_BTHD.shape, dtype),
                jax.ShapeDtypeStruct((B, N, T), jnp.float32))
+  out_types += (jax.ShapeDtypeStruct(q_BTHD.shape, dtype),) if out_lo else ()
   return plgpu.kernel(
       kernel, out_type=out_types, scratch_types=scratch,
       grid=(N, n_q_tiles, B), grid_names=("heads", "q_seq", "batch"),

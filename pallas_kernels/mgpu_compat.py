@@ -305,6 +305,16 @@ def ref_kernel(body, *, out_type, scratch_types, grid, grid_names, num_threads, 
                    interpret=interpret, name=name)
 
 
+def with_optional_ref(kernel, name: str, *, at: int, present: bool):
+  """Adapts `kernel(*refs, name=ref or None)` to flat refs where an optional output sits at
+  position `at` (after the operands and the outputs before it) only when `present`."""
+  def body(*refs, **kwargs):
+    if not present:
+      return kernel(*refs, **{name: None}, **kwargs)
+    return kernel(*refs[:at], *refs[at + 1:], **{name: refs[at]}, **kwargs)
+  return body
+
+
 def with_segments(kernel, *, n_in: int, n_seg_scratch: int, segments: bool):
   """Adapts `kernel(*operands, *outputs, *scratch, seg=...)` to plgpu.kernel's flat refs when an
   optional segment-id operand is passed last among the `n_in` operands and its `n_seg_scratch`

@@ -221,7 +221,7 @@ class TestInterpret(_DilutionKernelChecks):
 class TestCompiledGPU(_DilutionKernelChecks):
   INTERPRET = False
 
-  @pytest.mark.parametrize("variant", sorted(B1_VARIANTS_LONG) + ["machine"])
+  @pytest.mark.parametrize("variant", sorted(B1_VARIANTS_LONG) + ["machine", "machine_f1"])
   @pytest.mark.parametrize("B, D", [(1, 64), (2, 64), (2, 128)])
   def test_default_blocks_long(self, variant, B, D):
     # Default tiles and R = 1024 checkpoints: T = 2048 spans two super-blocks. B = 2 checks the
@@ -233,7 +233,13 @@ class TestCompiledGPU(_DilutionKernelChecks):
     q, k, v, seg = _inputs(10, B, 2048, 4, 2, D, jnp.bfloat16, segments=True)
     scale = D ** -0.5
     # "machine": no block_sizes, i.e. what the op picks here (dilution.default_block_sizes).
-    bs = None if variant == "machine" else dilution.BlockSizes(**B1_VARIANTS_LONG[variant])
+    if variant == "machine":
+      bs = None
+    elif variant == "machine_f1":  # the Hopper default with F1 on focal_mgpu (f1_impl, untimed)
+      bs = dataclasses.replace(dilution.BlockSizes.default(D, jnp.bfloat16, hopper=True),
+                               f1_impl="mosaic")
+    else:
+      bs = dilution.BlockSizes(**B1_VARIANTS_LONG[variant])
     f = lambda q, k, v: dilution.dilution_attention(q, k, v, scale=scale, segment_ids=seg,
                                                     block_sizes=bs)
     g = lambda q, k, v: reference.dilution_attention(

@@ -186,6 +186,54 @@ def test_lowers_to_mosaic_gpu(D, mask_pieces, registers, tiles):
   assert "mosaic_gpu" in text
 
 
+F1_CASES = [(256, False, 64, jnp.bfloat16, 1, 2, 1), (256, True, 128, jnp.float16, 1, 2, 1),
+            (256, True, 64, jnp.bfloat16, 2, 4, 2)]
+
+
+@pytest.mark.parametrize("T, segments, D, dtype, B, N, K", F1_CASES)
+def test_f1_matches_the_triton_f1_interpret(T, segments, D, dtype, B, N, K):
+  """F1 as focal_mgpu's forward with V := K: lse to float32 rounding; pk within 3e-3 of the
+  Triton F1's (both round p to 16 bits for the P·K product, and each is ~7e-4 from the float32
+  product on these inputs; bf16 pk alone would be up to 2⁻⁹ off)."""
+  q, k, _, seg, _ = _qkv(T, N, K, segments=segments, D=D, dtype=dtype, B=B)
+  want = dilution_fwd.row_stats(q, k, seg, scale=D**-0.5, bs=BS, with_pk=True, interpret=True)
+  with mgpu_compat.cached_interpreter_threads():
+    got = jax.block_until_ready(dilution_mgpu_fwd.row_stats(q, k, seg, scale=D**-0.5,
+                                                            with_pk=True, interpret=True))
+  assert not mgpu_compat.interpret_races_found()
+  lse_err = np.abs(np.asarray(got[0]) - np.asarray(want[0])).max()
+  assert lse_err < 1e-6 * max(1.0, float(np.abs(np.asarray(want[0])).max())) * 8, lse_err
+  assert got[1].dtype == jnp.float32 and _rel(got[1], want[1]) < 3e-3, _rel(got[1], want[1])
+
+
+def test_f1_through_the_op():
+  """BlockSizes(f1_impl="mosaic"): T = 200 is padded to 256 (focal_mgpu's 128-row CTAs); the
+  interpreted op's output and all three gradients (dq carries pk) match the same op with the
+  Triton F1; the op, forward and backward, lowers for CUDA without the Triton F1."""
+  bs = dataclasses.replace(BS, f1_impl="mosaic")
+  assert bs.pad_multiple() == 128 and bs.pad_multiple(training=False) == 128
+  q, k, v, seg, _ = _qkv(200, 2, 1, segments=True)
+  w = jax.random.normal(jax.random.PRNGKey(5), q.shape)
+
+  def loss(b):
+    return lambda q, k, v: (dilution.dilution_attention(
+        q, k, v, scale=0.125, segment_ids=seg, block_sizes=b, interpret=True
+    ).astype(jnp.float32) * w).sum()
+
+  with mgpu_compat.cached_interpreter_threads():
+    got = jax.grad(loss(bs), (0, 1, 2))(q, k, v)
+  want = jax.grad(loss(BS), (0, 1, 2))(q, k, v)
+  for a, b in zip(got, want):
+    assert _rel(a, b) < 1e-2, _rel(a, b)
+  q, kv = jnp.zeros((1, 256, 2, 64), jnp.bfloat16), jnp.zeros((1, 256, 1, 64), jnp.bfloat16)
+  grad = jax.grad(lambda q, k, v: dilution.dilution_attention(
+      q, k, v, scale=0.125, block_sizes=bs).astype(jnp.float32).sum(), (0, 1, 2))
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # jax >= 0.11 warns that Pallas-Triton is deprecated
+    text = jax.jit(grad).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text and 'name = "dilution_row_stats"' not in text
+
+
 def test_refuses_what_it_cannot_run():
   q = jnp.zeros((1, 128, 2, 64), jnp.float32)
   bs = dilution.BlockSizes(b1_impl="mosaic")
@@ -196,6 +244,6 @@ def test_refuses_what_it_cannot_run():
   with pytest.raises(ValueError, match="f2_impl='mosaic': 16-bit"):
     dilution.dilution_attention(q, q[:, :, :1], q[:, :, :1], interpret=True,
                                 block_sizes=dilution.BlockSizes(f2_impl="mosaic"))
-  for field in ("b1_impl", "f2_impl"):
+  for field in ("b1_impl", "f2_impl", "f1_impl"):
     with pytest.raises(ValueError, match=field):
       dilution.BlockSizes(**{field: "cuda"}).validate(64)

@@ -204,6 +204,24 @@ def test_overlap_softmax_gradients_interpret():
   _compare_grads(160, interpret=True, block_sizes=blocks)
 
 
+@pytest.mark.usefixtures("_fast_interpreter")
+def test_out_lo_is_the_rounding_residual():
+  """forward(out_lo=True) (dilution's F1 needs the float32 output) leaves out and lse as they
+  were and adds out's rounding residual: at most half an ulp of out, and out + lo within float32
+  rounding of out's float32 value, i.e. no further from the reference than out's own error."""
+  q, k, v, s = _inputs(170, B=1, T=256, S=256, N=4, K=2, D=64, dtype=jnp.bfloat16, scale="BNT")
+  seg = jnp.zeros((1, 256), jnp.int32)
+  kw = dict(causal=True, blocks=None, interpret=True, segment_ids=seg)
+  out, lse = focal_mgpu.forward(q, k, v, s, **kw)
+  out2, lse2, lo = focal_mgpu.forward(q, k, v, s, out_lo=True, **kw)
+  assert lo.dtype == out.dtype and lo.shape == out.shape
+  np.testing.assert_array_equal(np.asarray(out2, np.float32), np.asarray(out, np.float32))
+  np.testing.assert_array_equal(np.asarray(lse2), np.asarray(lse))
+  out32, lo32 = np.asarray(out, np.float32), np.asarray(lo, np.float32)
+  assert np.any(lo32 != 0)
+  assert np.all(np.abs(lo32) <= 2.0**-8 * np.abs(out32) + 1e-30)
+
+
 def test_focal_flash_routes_segments_to_mosaic(monkeypatch):
   """focal_flash's dispatcher hands packed segment ids to this kernel (training always has them)
   instead of falling back to Triton, cast to int32 as the Triton route would."""
