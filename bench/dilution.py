@@ -34,7 +34,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # pylint: disable-next=wrong-import-position
-from pallas_kernels import dilution, dilution_mgpu_fwd, reference
+from pallas_kernels import dilution, dilution_mgpu_b2, dilution_mgpu_fwd, reference
 
 TRAIN_SHAPES = [(8, 8, 4096, 64), (2, 12, 16384, 64), (1, 16, 8192, 128)]
 PREFILL_T = [32768, 65536, 131072]
@@ -81,6 +81,9 @@ B1_VARIANTS = {"default": dict(), "plain": B1_PLAIN,
                "f2_triton": dict(f2_impl="triton", f2_mask_pieces=3, f2_key_tiles=1),
                # F1 as focal_mgpu's forward with V := K (dilution_mgpu_fwd.row_stats)
                "f1_mosaic": dict(f1_impl="mosaic"),
+               # B2 with two compute warpgroups on wgmma (dilution_mgpu_b2), and both
+               "b2_mosaic": dict(b2_impl="mosaic"),
+               "f1_b2_mosaic": dict(f1_impl="mosaic", b2_impl="mosaic"),
                "b1_triton": dict(b1_impl="triton", b1_mask_pieces=3, f2_mask_pieces=3,
                                  f2_key_tiles=1)}
 SMOKE_BLOCKS = dilution.BlockSizes(block_q_stats=16, block_k_stats=16, block_q=16, block_k=32,
@@ -210,6 +213,9 @@ def _passes(shape, dtype, reps, interpret, bs, b1_variants=("default",)):
                                                                  eps=1e-9, **kw_v), b1_args))
   passes.append(("B2 dk_correction", None, lambda q, k, lse, ghat: dilution_bwd.dk_correction(
       q, k, seg, lse, ghat, **kw), (q, k, lse, ghat)))
+  if not interpret and dtype != jnp.float32 and D in (64, 128):   # B2 on wgmma
+    passes.append(("B2 dk_correction", "mosaic", lambda q, k, lse, ghat: dilution_mgpu_b2.
+                   dk_correction(q, k, seg, lse, ghat, scale=D**-0.5), (q, k, lse, ghat)))
   rows = []
   for name, variant, fn, args in passes:
     _entry(rows, "pass", name, shape, lambda fn=fn, args=args: _time(fn, args, reps), variant)

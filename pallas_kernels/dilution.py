@@ -27,6 +27,7 @@ every grid (blocks, B, Hq) with the block axis first (CUDA caps grid axes 1-2 at
                     ĝ, dq_main by fp32 atomics
                     [2 QKᵀ, dO·Vᵀ, AᵀdO, W·K, Wᵀ·Q, triangular suffix (3 bf16 dots, fp32-exact)]
   B2 dk_correction  grid (T/block_k, B, Hq): corr_j = Σ_i p_ij ĝ_i q_i       [QKᵀ, (PĝᵀQ)]
+                    (b2_impl="mosaic": dilution_mgpu_b2, Hopper)
   B1 and B2 exchange only whole per-row / per-key buffers (ĝ, and dq_main, dk_main, dv, corr
   combined in XLA), so their key blocks are independent; T is padded to a multiple of both.
   dq = dq_main − ĝ ⊙ pk,  dk = scale·(dk_main − corr),  GQA groups summed  (XLA).
@@ -76,7 +77,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import (dilution_bwd, dilution_decode, dilution_fwd, dilution_mgpu,
-                            dilution_mgpu_fwd, focal_flash, reference)
+                            dilution_mgpu_b2, dilution_mgpu_fwd, focal_flash, reference)
 
 
 B1_CARRIES = ("registers", "scratch")
@@ -120,6 +121,9 @@ class BlockSizes:
   # F1's: "triton" (dilution_fwd.row_stats, block_*_stats) or "mosaic" (focal_mgpu's forward
   # with V := K, dilution_mgpu_fwd.row_stats; T padded to 128). Not yet timed: off.
   f1_impl: str = "triton"
+  # B2's: "triton" (dilution_bwd.dk_correction) or "mosaic" (dilution_mgpu_b2: two compute
+  # warpgroups of 64 keys; T padded to 128 for training). Not yet timed: off.
+  b2_impl: str = "triton"
   # The Mosaic B1's in-tile prefix and suffix products (6 of its 12 wgmmas per tile pair at 3):
   # 3 bf16 pieces keep float32 accuracy; 2 keep ~16 bits (relative error ≲ 2⁻¹⁶) and drop two
   # products. The Triton B1 ignores it.
@@ -186,12 +190,13 @@ class BlockSizes:
               # the Mosaic F2's CTA spans f2_key_tiles 64-key tiles (the Triton F2 ignores it)
               dilution_mgpu_fwd.BKV * self.f2_key_tiles if self.f2_key_tiles > 1 else 0,
               128 if self.f1_impl == "mosaic" else 0)   # focal_mgpu: two 64-row tiles a CTA
-    return max(fwd, self.block_k, self.keys_b1()) if training else fwd
+    b2 = dilution_mgpu_b2.ROWS_PER_CTA if self.b2_impl == "mosaic" else 0
+    return max(fwd, self.block_k, self.keys_b1(), b2) if training else fwd
 
   def validate(self, D: int):
     if self.b1_carries not in B1_CARRIES:
       raise ValueError(f"BlockSizes.b1_carries={self.b1_carries!r} must be one of {B1_CARRIES}")
-    for field in ("b1_impl", "f2_impl", "f1_impl"):
+    for field in ("b1_impl", "f2_impl", "f1_impl", "b2_impl"):
       if getattr(self, field) not in KERNEL_IMPLS:
         raise ValueError(f"BlockSizes.{field}={getattr(self, field)!r} must be one of "
                          f"{KERNEL_IMPLS}")
@@ -328,8 +333,11 @@ def _core_bwd(scale, eps, bs, interpret, res, do):
   dq_main, ghat, dk_main, dv = b1_reverse_sweep(
       q, k, v, seg, lse, ssum, dbar, do.astype(q.dtype), ckpt, scale=scale, eps=eps, bs=bs,
       interpret=interpret)
-  corr = dilution_bwd.dk_correction(q, k, seg, lse, ghat, scale=scale, bs=bs,
-                                    interpret=interpret)
+  if _uses_mosaic(q, bs, "b2_impl", dilution_mgpu_b2.supported(q)):
+    corr = dilution_mgpu_b2.dk_correction(q, k, seg, lse, ghat, scale=scale, interpret=interpret)
+  else:
+    corr = dilution_bwd.dk_correction(q, k, seg, lse, ghat, scale=scale, bs=bs,
+                                      interpret=interpret)
   dq = dq_main - ghat.transpose(0, 2, 1)[..., None] * pk
   dk = scale * (dk_main - corr)
   # GQA: a kv head's gradient is the sum over its query-head group.

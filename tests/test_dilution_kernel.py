@@ -51,6 +51,9 @@ B1_VARIANTS_LONG = {"default": {}, **B1_VARIANTS,
                     # The D = 128 Hopper default before the twenty-ninth session ("machine" now
                     # runs both Mosaic passes; "mosaic_2p" is the old D = 64 one).
                     "triton_b1": dict(b1_impl="triton", f2_impl="mosaic")}
+# The Hopper default with one more pass on wgmma (thirty-first session, untimed): F1 as focal_mgpu's
+# forward with V := K, B2 as dilution_mgpu_b2.
+HOPPER_PLUS = {"machine_f1": dict(f1_impl="mosaic"), "machine_b2": dict(b2_impl="mosaic")}
 # B1's key block unlike B2's (on SMALL, T = 96): B1 wider (3 blocks of 32 vs B2's 6 of 16, as
 # b1_block_k=128 over block_k=64 on the GPU) and narrower (6 of 16 vs 3 of 32); warps only matter
 # compiled.
@@ -221,7 +224,7 @@ class TestInterpret(_DilutionKernelChecks):
 class TestCompiledGPU(_DilutionKernelChecks):
   INTERPRET = False
 
-  @pytest.mark.parametrize("variant", sorted(B1_VARIANTS_LONG) + ["machine", "machine_f1"])
+  @pytest.mark.parametrize("variant", sorted(B1_VARIANTS_LONG) + ["machine", *HOPPER_PLUS])
   @pytest.mark.parametrize("B, D", [(1, 64), (2, 64), (2, 128)])
   def test_default_blocks_long(self, variant, B, D):
     # Default tiles and R = 1024 checkpoints: T = 2048 spans two super-blocks. B = 2 checks the
@@ -235,9 +238,9 @@ class TestCompiledGPU(_DilutionKernelChecks):
     # "machine": no block_sizes, i.e. what the op picks here (dilution.default_block_sizes).
     if variant == "machine":
       bs = None
-    elif variant == "machine_f1":  # the Hopper default with F1 on focal_mgpu (f1_impl, untimed)
+    elif variant in HOPPER_PLUS:
       bs = dataclasses.replace(dilution.BlockSizes.default(D, jnp.bfloat16, hopper=True),
-                               f1_impl="mosaic")
+                               **HOPPER_PLUS[variant])
     else:
       bs = dilution.BlockSizes(**B1_VARIANTS_LONG[variant])
     f = lambda q, k, v: dilution.dilution_attention(q, k, v, scale=scale, segment_ids=seg,

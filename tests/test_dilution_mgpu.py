@@ -1,12 +1,12 @@
-"""The Hopper (Mosaic GPU) dilution kernels on CPU: B1 (pallas_kernels/dilution_mgpu.py) and F2
-(dilution_mgpu_fwd.py).
+"""The Hopper (Mosaic GPU) dilution kernels on CPU: B1 (pallas_kernels/dilution_mgpu.py), F2 and
+F1 (dilution_mgpu_fwd.py; F1 is focal_mgpu's forward with V := K) and B2 (dilution_mgpu_b2.py).
 
 Invariants: in GPU interpret mode (threads, SMEM, TMA and barriers simulated, race detector on)
 each kernel's outputs equal its Triton counterpart's on the same inputs (bf16, segments, several
-super-blocks and key blocks); BlockSizes b1_impl/f2_impl="mosaic" route the op's passes to them;
+super-blocks and key blocks); BlockSizes b1/f2/f1/b2_impl="mosaic" route the op's passes to them;
 both lower through Mosaic GPU for CUDA at D = 64 and 128 (layouts and SMEM checked without a
-GPU); float32 inputs are refused naming the field. The compiled comparison runs in test_dilution_kernel.py's TestCompiledGPU (variant
-mosaic).
+GPU); float32 inputs are refused naming the field. The compiled comparisons run in
+test_dilution_kernel.py's TestCompiledGPU (variants mosaic, machine_f1, machine_b2).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import (dilution, dilution_bwd, dilution_fwd, dilution_mgpu, dilution_mgpu_fwd,
-                            mgpu_compat, reference)
+from pallas_kernels import (dilution, dilution_bwd, dilution_fwd, dilution_mgpu,
+                            dilution_mgpu_b2, dilution_mgpu_fwd, mgpu_compat, reference)
 
 R = 128   # checkpoint rows: several super-blocks at T = 256..384 with 64-row tiles
 BS = dilution.BlockSizes(block_q_stats=64, block_k_stats=64, block_q=32, block_k=64,
@@ -206,12 +206,30 @@ def test_f1_matches_the_triton_f1_interpret(T, segments, D, dtype, B, N, K):
   assert got[1].dtype == jnp.float32 and _rel(got[1], want[1]) < 3e-3, _rel(got[1], want[1])
 
 
-def test_f1_through_the_op():
-  """BlockSizes(f1_impl="mosaic"): T = 200 is padded to 256 (focal_mgpu's 128-row CTAs); the
-  interpreted op's output and all three gradients (dq carries pk) match the same op with the
-  Triton F1; the op, forward and backward, lowers for CUDA without the Triton F1."""
-  bs = dataclasses.replace(BS, f1_impl="mosaic")
-  assert bs.pad_multiple() == 128 and bs.pad_multiple(training=False) == 128
+@pytest.mark.parametrize("T, segments, D, dtype, B, N, K", F1_CASES)
+def test_b2_matches_the_triton_b2_interpret(T, segments, D, dtype, B, N, K):
+  """B2 with two compute warpgroups (dilution_mgpu_b2) against the Triton B2, on a real lse and
+  a random ĝ: equal to float32 and 16-bit-product rounding (both round p·ĝ to 16 bits)."""
+  q, k, _, seg, _ = _qkv(T, N, K, segments=segments, D=D, dtype=dtype, B=B)
+  lse, _ = dilution_fwd.row_stats(q, k, seg, scale=D**-0.5, bs=BS, with_pk=False, interpret=True)
+  ghat = jax.random.normal(jax.random.PRNGKey(3), lse.shape, jnp.float32)
+  want = dilution_bwd.dk_correction(q, k, seg, lse, ghat, scale=D**-0.5, bs=BS, interpret=True)
+  with mgpu_compat.cached_interpreter_threads():
+    got = jax.block_until_ready(dilution_mgpu_b2.dk_correction(q, k, seg, lse, ghat,
+                                                               scale=D**-0.5, interpret=True))
+  assert not mgpu_compat.interpret_races_found()
+  assert _rel(got, want) < 1e-3, _rel(got, want)
+
+
+@pytest.mark.parametrize("field, triton_kernel", [("f1_impl", "row_stats"),
+                                                  ("b2_impl", "dk_correction")])
+def test_f1_and_b2_through_the_op(field, triton_kernel):
+  """BlockSizes(f1_impl / b2_impl="mosaic"): T = 200 is padded to 256 (128-row or 128-key CTAs);
+  the interpreted op's output and all three gradients (dq carries F1's pk, dk B2's correction)
+  match the same op with the Triton pass; the op, forward and backward, lowers for CUDA without
+  that Triton kernel."""
+  bs = dataclasses.replace(BS, **{field: "mosaic"})
+  assert bs.pad_multiple() == 128
   q, k, v, seg, _ = _qkv(200, 2, 1, segments=True)
   w = jax.random.normal(jax.random.PRNGKey(5), q.shape)
 
@@ -231,7 +249,19 @@ def test_f1_through_the_op():
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # jax >= 0.11 warns that Pallas-Triton is deprecated
     text = jax.jit(grad).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
-  assert "mosaic_gpu" in text and 'name = "dilution_row_stats"' not in text
+  assert "mosaic_gpu" in text and f'name = "dilution_{triton_kernel}"' not in text
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_b2_lowers_to_mosaic_gpu(D):
+  """The two-warpgroup B2 lowers for CUDA at the timed shapes (shared memory fits)."""
+  S = jax.ShapeDtypeStruct
+  q, k = S((2, 2048, 4, D), jnp.bfloat16), S((2, 2048, 2, D), jnp.bfloat16)
+  rows = S((2, 4, 2048), jnp.float32)
+  fn = jax.jit(lambda *a: dilution_mgpu_b2.dk_correction(*a, scale=D**-0.5))
+  text = fn.trace(q, k, S((2, 2048), jnp.int32), rows, rows).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
 
 
 def test_refuses_what_it_cannot_run():
@@ -244,6 +274,6 @@ def test_refuses_what_it_cannot_run():
   with pytest.raises(ValueError, match="f2_impl='mosaic': 16-bit"):
     dilution.dilution_attention(q, q[:, :, :1], q[:, :, :1], interpret=True,
                                 block_sizes=dilution.BlockSizes(f2_impl="mosaic"))
-  for field in ("b1_impl", "f2_impl", "f1_impl"):
+  for field in ("b1_impl", "f2_impl", "f1_impl", "b2_impl"):
     with pytest.raises(ValueError, match=field):
       dilution.BlockSizes(**{field: "cuda"}).validate(64)
