@@ -118,6 +118,16 @@ def test_f2_matches_the_triton_f2_interpret(T, segments, D, dtype, B, N, K, piec
     assert _rel(a, b) < tol, (name, _rel(a, b))
 
 
+def _op_grad_lowered_for_cuda(bs, *, T):
+  """The StableHLO text of dilution_attention's forward + backward with `bs`, lowered for CUDA."""
+  q, kv = jnp.zeros((1, T, 2, 64), jnp.bfloat16), jnp.zeros((1, T, 1, 64), jnp.bfloat16)
+  grad = jax.grad(lambda q, k, v: dilution.dilution_attention(
+      q, k, v, scale=0.125, block_sizes=bs).astype(jnp.float32).sum(), (0, 1, 2))
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # jax >= 0.11 warns that Pallas-Triton is deprecated
+    return jax.jit(grad).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+
+
 def test_f2_key_tiles_through_the_op():
   """dilution_attention with the Mosaic F2 over 2 key tiles per CTA: T = 200 is padded to a
   multiple of 128 (BlockSizes.pad_multiple), the interpreted op's output matches the reference
@@ -133,12 +143,7 @@ def test_f2_key_tiles_through_the_op():
   want = reference.dilution_attention(*(x.astype(jnp.float32) for x in (q, k, v)), scale=0.125,
                                       segment_ids_BT=seg)[0]
   assert got.shape == q.shape and _rel(got, want) < 5e-3, _rel(got, want)
-  q, kv = jnp.zeros((1, 200, 2, 64), jnp.bfloat16), jnp.zeros((1, 200, 1, 64), jnp.bfloat16)
-  grad = jax.grad(lambda q, k, v: dilution.dilution_attention(
-      q, k, v, scale=0.125, block_sizes=bs).astype(jnp.float32).sum(), (0, 1, 2))
-  with warnings.catch_warnings():
-    warnings.simplefilter("ignore")  # jax >= 0.11 warns that Pallas-Triton is deprecated
-    text = jax.jit(grad).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+  text = _op_grad_lowered_for_cuda(bs, T=200)
   assert "mosaic_gpu" in text and 'name = "dilution_key_sweep"' not in text
 
 
@@ -243,12 +248,7 @@ def test_f1_and_b2_through_the_op(field, triton_kernel):
   want = jax.grad(loss(BS), (0, 1, 2))(q, k, v)
   for a, b in zip(got, want):
     assert _rel(a, b) < 1e-2, _rel(a, b)
-  q, kv = jnp.zeros((1, 256, 2, 64), jnp.bfloat16), jnp.zeros((1, 256, 1, 64), jnp.bfloat16)
-  grad = jax.grad(lambda q, k, v: dilution.dilution_attention(
-      q, k, v, scale=0.125, block_sizes=bs).astype(jnp.float32).sum(), (0, 1, 2))
-  with warnings.catch_warnings():
-    warnings.simplefilter("ignore")  # jax >= 0.11 warns that Pallas-Triton is deprecated
-    text = jax.jit(grad).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+  text = _op_grad_lowered_for_cuda(bs, T=256)
   assert "mosaic_gpu" in text and f'name = "dilution_{triton_kernel}"' not in text
 
 
