@@ -188,7 +188,8 @@ def _passes(shape, dtype, reps, interpret, bs, b1_variants=("default",)):
       ("F2 key_sweep", None, lambda q, k, v, lse: dilution_fwd.key_sweep(
           q, k, v, seg, lse, eps=1e-9, with_ckpt=True, **kw), (q, k, v, lse)),
   ]
-  if not interpret and dtype != jnp.float32 and D in (64, 128):   # F1 on wgmma (focal_mgpu)
+  hopper_arms = not interpret and dtype != jnp.float32 and D in (64, 128)   # the Mosaic passes
+  if hopper_arms:   # F1 on wgmma (focal_mgpu)
     passes.append(("F1 row_stats", "mosaic", lambda q, k: dilution_mgpu_fwd.row_stats(
         q, k, seg, scale=D**-0.5, with_pk=True), (q, k)))
   # F2 on wgmma/TMA alongside the Triton F2, at each register budget a B1 variant asks for
@@ -213,7 +214,7 @@ def _passes(shape, dtype, reps, interpret, bs, b1_variants=("default",)):
                                                                  eps=1e-9, **kw_v), b1_args))
   passes.append(("B2 dk_correction", None, lambda q, k, lse, ghat: dilution_bwd.dk_correction(
       q, k, seg, lse, ghat, **kw), (q, k, lse, ghat)))
-  if not interpret and dtype != jnp.float32 and D in (64, 128):   # B2 on wgmma
+  if hopper_arms:   # B2 on wgmma
     passes.append(("B2 dk_correction", "mosaic", lambda q, k, lse, ghat: dilution_mgpu_b2.
                    dk_correction(q, k, seg, lse, ghat, scale=D**-0.5), (q, k, lse, ghat)))
   rows = []

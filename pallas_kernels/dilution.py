@@ -189,7 +189,7 @@ class BlockSizes:
     fwd = max(self.block_q_stats, self.block_k_stats, self.block_q, self.block_k_fwd,
               # the Mosaic F2's CTA spans f2_key_tiles 64-key tiles (the Triton F2 ignores it)
               dilution_mgpu_fwd.BKV * self.f2_key_tiles if self.f2_key_tiles > 1 else 0,
-              128 if self.f1_impl == "mosaic" else 0)   # focal_mgpu: two 64-row tiles a CTA
+              dilution_mgpu_fwd.F1_ROWS_PER_CTA if self.f1_impl == "mosaic" else 0)
     b2 = dilution_mgpu_b2.ROWS_PER_CTA if self.b2_impl == "mosaic" else 0
     return max(fwd, self.block_k, self.keys_b1(), b2) if training else fwd
 
@@ -265,7 +265,7 @@ def _pad(q, k, v, seg, multiple):
 
 
 def _forward(q, k, v, seg, scale, eps, bs, interpret, *, training):
-  if _uses_mosaic(q, bs, "f1_impl", dilution_mgpu_fwd.row_stats_supported(q, k, seg)):
+  if _uses_mosaic(bs, "f1_impl", dilution_mgpu_fwd.row_stats_supported(q, k, seg)):
     lse, pk = dilution_mgpu_fwd.row_stats(q, k, seg, scale=scale, with_pk=training,
                                           interpret=interpret)
   else:
@@ -278,12 +278,11 @@ def _forward(q, k, v, seg, scale, eps, bs, interpret, *, training):
   return out_f32, (lse, pk, ssum, total, ckpt)
 
 
-def _uses_mosaic(q, bs, field: str, why: str | None = "") -> bool:
+def _uses_mosaic(bs, field: str, why: str | None) -> bool:
   """Whether BlockSizes.<field> picks the Mosaic GPU kernel; refuses inputs it cannot run
-  (`why`: that kernel's reason, default dilution_mgpu.supported's)."""
+  (`why`: that kernel's `supported` answer for these inputs)."""
   if getattr(bs, field) != "mosaic":
     return False
-  why = dilution_mgpu.supported(q, bs.ckpt_rows) if why == "" else why
   if why:
     raise ValueError(f"BlockSizes.{field}='mosaic': {why}; use {field}='triton'")
   return True
@@ -291,7 +290,7 @@ def _uses_mosaic(q, bs, field: str, why: str | None = "") -> bool:
 
 def f2_key_sweep(q, k, v, seg, lse, *, scale, eps, bs, with_ckpt, interpret):
   """F2 by `BlockSizes.f2_impl`: (N, S, total, ckpt), as dilution_fwd.key_sweep."""
-  if _uses_mosaic(q, bs, "f2_impl"):
+  if _uses_mosaic(bs, "f2_impl", dilution_mgpu.supported(q, bs.ckpt_rows)):
     return dilution_mgpu_fwd.key_sweep(q, k, v, seg, lse, scale=scale, eps=eps,
                                        ckpt_rows=bs.ckpt_rows, with_ckpt=with_ckpt,
                                        mask_pieces=bs.f2_mask_pieces,
@@ -303,7 +302,7 @@ def f2_key_sweep(q, k, v, seg, lse, *, scale, eps, bs, with_ckpt, interpret):
 
 def b1_reverse_sweep(q, k, v, seg, lse, ssum, dbar, do, ckpt, *, scale, eps, bs, interpret):
   """B1 by `BlockSizes.b1_impl`: (dq_main, ĝ, dk_main, dv), as dilution_bwd.reverse_sweep."""
-  if _uses_mosaic(q, bs, "b1_impl"):
+  if _uses_mosaic(bs, "b1_impl", dilution_mgpu.supported(q, bs.ckpt_rows)):
     return dilution_mgpu.reverse_sweep(q, k, v, seg, lse, ssum, dbar, do, ckpt, scale=scale,
                                        eps=eps, ckpt_rows=bs.ckpt_rows,
                                        mask_pieces=bs.b1_mask_pieces,
@@ -333,7 +332,7 @@ def _core_bwd(scale, eps, bs, interpret, res, do):
   dq_main, ghat, dk_main, dv = b1_reverse_sweep(
       q, k, v, seg, lse, ssum, dbar, do.astype(q.dtype), ckpt, scale=scale, eps=eps, bs=bs,
       interpret=interpret)
-  if _uses_mosaic(q, bs, "b2_impl", dilution_mgpu_b2.supported(q)):
+  if _uses_mosaic(bs, "b2_impl", dilution_mgpu_b2.supported(q)):
     corr = dilution_mgpu_b2.dk_correction(q, k, seg, lse, ghat, scale=scale, interpret=interpret)
   else:
     corr = dilution_bwd.dk_correction(q, k, seg, lse, ghat, scale=scale, bs=bs,

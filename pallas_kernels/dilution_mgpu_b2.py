@@ -110,11 +110,10 @@ def _kernel(q_ref, k_ref, seg_ref, lse_ref, gh_ref, corr_ref,
 
 def supported(q) -> str | None:
   """None if this kernel takes these (padded) inputs, else why not."""
-  B, T, N, D = q.shape
-  if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-    return f"16-bit q/k only (wgmma operands), got {q.dtype}"
-  if D not in (64, 128):
-    return f"head dim 64 or 128, got {D}"
+  why = dm.supported(q, ckpt_rows=BQ)   # B1's dtype and head-dim rules (no checkpoints here)
+  if why:
+    return why
+  T = q.shape[1]
   if T % ROWS_PER_CTA:
     return f"T={T} must be a multiple of {ROWS_PER_CTA} (two 64-key blocks a CTA)"
   return None

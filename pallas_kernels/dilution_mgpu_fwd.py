@@ -54,6 +54,7 @@ from pallas_kernels import mgpu_compat as mc
 
 BQ = BKV = dm.BQ
 KEY_TILES = (1, 2, 4)   # BlockSizes.f2_key_tiles
+F1_ROWS_PER_CTA = 128   # row_stats (focal_mgpu's forward): two 64-row tiles a CTA, T a multiple
 
 
 def key_tiles_for(D: int) -> tuple[int, ...]:

@@ -37,8 +37,9 @@ lowering time with "exceeds available shared memory".
 
 Outputs: out [B, T, Hq, D] in q.dtype; lse [B, Hq, T] f32 in base 2 (log2 Σ_s exp2(x_ts)), the
 backward's residual; with `forward(out_lo=True)` also out's rounding residual in q.dtype, through
-the q/out tile after out's TMA store has read it (dilution's F1 needs pk in float32). The backward is `focal_mgpu_bwd.backward` (dq and dk/dv kernels), or
-`focal_mgpu_bwd_fused.backward` when `BlockSizes.fused_backward` (the D=64 default).
+the q/out tile after out's TMA store has read it (dilution's F1 needs pk in float32). The
+backward is `focal_mgpu_bwd.backward` (dq and dk/dv kernels), or `focal_mgpu_bwd_fused.backward`
+when `BlockSizes.fused_backward` (the D=64 default).
 
 Not supported (`supported` says why; callers route to focal_flash): float32 inputs,
 head dims other than 64 and 128, T not a multiple of 2·block_q or S not a multiple of block_kv.
