@@ -241,11 +241,13 @@ for spec in "$@"; do
              # bench/tokamax_shim.py). Thirty-first session: no row within 150-280 s at 400M or
              # 1.3B, packed or not, and no error; tokamax's own log lines are kept this time (they
              # say which of its kernels it picked), and the step prints its phases on stderr
-             $RUN python3 bench/train_step.py --sizes "${TOKAMAX_SIZES:-400m}" --impls tokamax,pallas \
+             $RUN env STEP_STACK_EVERY="${STEP_STACK_EVERY:-45}" python3 bench/train_step.py \
+               --sizes "${TOKAMAX_SIZES:-400m}" --impls tokamax,pallas \
                --batch "${TOKAMAX_BATCH:-32}" --steps 8 ${TOKAMAX_STEP_ARGS:-} \
                --out "$OUT/tokamax_step.json" > "$OUT/tokamax_step.log" 2>&1
-             grep -v "Autotuning cache miss" "$OUT/tokamax_step.log" | cut -c1-400 | tail -20
-             grep -c "Autotuning cache miss" "$OUT/tokamax_step.log" ;;
+             grep -v "Autotuning cache miss" "$OUT/tokamax_step.log" | cut -c1-300 | tail -60
+             grep "Autotuning cache miss" "$OUT/tokamax_step.log" | sed 's/ with key.*//' | cut -c1-200 \
+               | sort | uniq -c | head ;;
     train_step_packed)  # the trainer's own batches: packed rows with segment ids (cuDNN: a mask)
              $RUN python3 bench/train_step.py --sizes "${PACKED_SIZES:-1.3b}" --impls cudnn,pallas \
                --steps 6 --out "$OUT/train_step_packed.json" 2>&1 | grep --line-buffered -v -i autotun \

@@ -18,6 +18,7 @@ import argparse
 import ast
 import contextlib
 import dataclasses
+import faulthandler
 import functools
 import json
 import os
@@ -214,6 +215,10 @@ def main():
           for i in args.impls.split(",") for v in variants]
   if "tokamax" in args.impls.split(","):
     tokamax_shim.prepare()
+  # STEP_STACK_EVERY=<s>: the Python stack on stderr every s seconds, so a run cut off by a time
+  # limit says whether it was compiling, in tokamax's Python, or running (the tokamax steps).
+  if every := float(os.environ.get("STEP_STACK_EVERY", "0")):
+    faulthandler.dump_traceback_later(every, repeat=True)
   for size, impl, pattern, variant in runs:
     try:
       r = run(size, impl, args.steps, args.seq_len, args.remat, args.batch or None,
