@@ -240,9 +240,12 @@ for spec in "$@"; do
     tokamax_step)  # issue 3: the training step with implementation="tokamax" (tokamax 0.0.12 through
              # bench/tokamax_shim.py). Thirty-first session: no row within 150-280 s at 400M or
              # 1.3B, packed or not, and no error; tokamax's own log lines are kept this time (they
-             # say which of its kernels it picked), and the step prints its phases on stderr
+             # say which of its kernels it picked), and the step prints its phases on stderr.
+             # Thirty-second session (400M): init compiles ~45 s, tracing tokamax's backward ~45 s
+             # (jax builds a ConcretizationError message per call, tokamax/_src/ops/op.py:638),
+             # then XLA compiled for > 65 s when the 200 s limit came; ours runs first
              $RUN env STEP_STACK_EVERY="${STEP_STACK_EVERY:-45}" python3 bench/train_step.py \
-               --sizes "${TOKAMAX_SIZES:-400m}" --impls tokamax,pallas \
+               --sizes "${TOKAMAX_SIZES:-400m}" --impls "${TOKAMAX_IMPLS:-pallas,tokamax}" \
                --batch "${TOKAMAX_BATCH:-32}" --steps 8 ${TOKAMAX_STEP_ARGS:-} \
                --out "$OUT/tokamax_step.json" > "$OUT/tokamax_step.log" 2>&1
              grep -v "Autotuning cache miss" "$OUT/tokamax_step.log" | cut -c1-300 | tail -60

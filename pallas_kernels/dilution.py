@@ -119,10 +119,12 @@ class BlockSizes:
   # F2's kernel likewise: "triton" (dilution_fwd) or "mosaic" (dilution_mgpu_fwd).
   f2_impl: str = "triton"
   # F1's: "triton" (dilution_fwd.row_stats, block_*_stats) or "mosaic" (focal_mgpu's forward
-  # with V := K, dilution_mgpu_fwd.row_stats; T padded to 128). Not yet timed: off.
+  # with V := K, dilution_mgpu_fwd.row_stats; T padded to 128). Hopper default since the
+  # thirty-second session (F1 alone 174 → 307 TFLOP/s at (2,12,16K,64)).
   f1_impl: str = "triton"
   # B2's: "triton" (dilution_bwd.dk_correction) or "mosaic" (dilution_mgpu_b2: two compute
-  # warpgroups of 64 keys; T padded to 128 for training). Not yet timed: off.
+  # warpgroups of 64 keys; T padded to 128 for training). Hopper default since the
+  # thirty-second session (B2 alone 169 → 278 TFLOP/s at (2,12,16K,64)).
   b2_impl: str = "triton"
   # The Mosaic B1's in-tile prefix and suffix products (6 of its 12 wgmmas per tile pair at 3):
   # 3 bf16 pieces keep float32 accuracy; 2 keep ~16 bits (relative error ≲ 2⁻¹⁶) and drop two
@@ -159,6 +161,9 @@ class BlockSizes:
     - Twenty-ninth session: the Mosaic F2 with two pieces and two 64-key tiles per CTA runs F2
       alone at 67 TFLOP/s against the Triton F2's 57 at (2,12,16K,64); forward+backward 49.0
       against 51.0 ms. At D = 128 two key tiles gain nothing (18.5 against 18.3 ms): one.
+    - Thirty-second session: F1 and B2 on Mosaic too (focal_mgpu's forward with V := K; two
+      64-key warpgroups): forward+backward 48.7 → 45.4 ms at (2,12,16K,64), 18.7 → 15.7 ms at
+      (1,16,8K,128); prefill of 131K tokens 462 → 432 ms.
     The Mosaic kernels take 16-bit inputs at D 64 or 128 only (`dilution_mgpu.supported`);
     anything else, interpret mode and other GPUs get the Triton passes."""
     mosaic = hopper and head_dim in (64, 128) and dtype is not None and jnp.dtype(dtype) in (
@@ -167,7 +172,8 @@ class BlockSizes:
     # b1_impl="triton" / f2_impl="triton" alone restore the measured Triton tiles.
     hop = {}
     if mosaic:
-      hop = dict(b1_impl="mosaic", f2_impl="mosaic", b1_mask_pieces=2, f2_mask_pieces=2,
+      hop = dict(b1_impl="mosaic", f2_impl="mosaic", f1_impl="mosaic", b2_impl="mosaic",
+                 b1_mask_pieces=2, f2_mask_pieces=2,
                  f2_key_tiles=2 if head_dim <= 64 else 1)
     if head_dim <= 64:
       return cls(b1_carries="scratch", b1_block_k=128, b1_warps=8, **hop)
