@@ -118,7 +118,8 @@ for spec in "$@"; do
                --variants "$(printf ';%.0s' $(seq 2 ${STEP_RUNS:-4}))" --out "$OUT/step_1p3b.json" \
                2>&1 | grep --line-buffered -v -i autotun | tee "$OUT/step_1p3b.log" | tail -8 ;;
     dilution_step) $RUN python3 bench/train_step.py --sizes 209m --seq_len 16384 --batch 1 \
-             --impls pallas,cudnn --patterns "softmax:rope;dilution:none;softmax:rope,dilution:none" --steps 6 \
+             --impls "${DIL_STEP_IMPLS:-pallas,cudnn}" --steps 6 \
+             --patterns "${DIL_STEP_PATTERNS:-softmax:rope;dilution:none;softmax:rope,dilution:none}" \
              --out "$OUT/dilution_step.json" 2>&1 | grep --line-buffered -v -i autotun \
              | tee "$OUT/dilution_step.log" | tail -12 ;;
     auto_crossover)  # issue 3: where packed rows stop favouring cuDNN (its dense segment mask):
@@ -243,7 +244,9 @@ for spec in "$@"; do
              # say which of its kernels it picked), and the step prints its phases on stderr.
              # Thirty-second session (400M): init compiles ~45 s, tracing tokamax's backward ~45 s
              # (jax builds a ConcretizationError message per call, tokamax/_src/ops/op.py:638),
-             # then XLA compiled for > 65 s when the 200 s limit came; ours runs first
+             # then XLA compiled for > 65 s when the 200 s limit came; ours runs first. The second
+             # try segfaulted while faulthandler printed a stack (during MLIR lowering, ~190 s):
+             # STEP_STACK_EVERY=0 turns the dumps off
              $RUN env STEP_STACK_EVERY="${STEP_STACK_EVERY:-45}" python3 bench/train_step.py \
                --sizes "${TOKAMAX_SIZES:-400m}" --impls "${TOKAMAX_IMPLS:-pallas,tokamax}" \
                --batch "${TOKAMAX_BATCH:-32}" --steps 8 ${TOKAMAX_STEP_ARGS:-} \
