@@ -66,7 +66,9 @@ B1_VARIANTS = {"default": dict(), "plain": B1_PLAIN,
                # ... with 232 registers per compute thread (B1 and, for the whole op, F2;
                # the default is 256)
                "b1_mosaic_2p_r232": dict(b1_impl="mosaic", b1_mask_pieces=2, mosaic_registers=232),
-               "triton": dict(b1_impl="triton", f2_impl="triton"),   # the default off Hopper
+               # the default off Hopper
+               "triton": dict(b1_impl="triton", f2_impl="triton", f1_impl="triton",
+                              b2_impl="triton"),
                "mosaic": dict(b1_impl="mosaic", f2_impl="mosaic"),
                # both Mosaic passes with two bf16 mask pieces (BlockSizes.f2_mask_pieces)
                "mosaic_2p": dict(b1_impl="mosaic", f2_impl="mosaic", b1_mask_pieces=2,
@@ -81,9 +83,11 @@ B1_VARIANTS = {"default": dict(), "plain": B1_PLAIN,
                "f2_triton": dict(f2_impl="triton", f2_mask_pieces=3, f2_key_tiles=1),
                # F1 as focal_mgpu's forward with V := K (dilution_mgpu_fwd.row_stats)
                "f1_mosaic": dict(f1_impl="mosaic"),
-               # B2 with two compute warpgroups on wgmma (dilution_mgpu_b2), and both
+               # B2 with two compute warpgroups on wgmma (dilution_mgpu_b2), and both (the
+               # Hopper default since the thirty-second session; f1_b2_triton: the one before)
                "b2_mosaic": dict(b2_impl="mosaic"),
                "f1_b2_mosaic": dict(f1_impl="mosaic", b2_impl="mosaic"),
+               "f1_b2_triton": dict(f1_impl="triton", b2_impl="triton"),
                "b1_triton": dict(b1_impl="triton", b1_mask_pieces=3, f2_mask_pieces=3,
                                  f2_key_tiles=1)}
 SMOKE_BLOCKS = dilution.BlockSizes(block_q_stats=16, block_k_stats=16, block_q=16, block_k=32,

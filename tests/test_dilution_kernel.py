@@ -51,9 +51,9 @@ B1_VARIANTS_LONG = {"default": {}, **B1_VARIANTS,
                     # The D = 128 Hopper default before the twenty-ninth session ("machine" now
                     # runs both Mosaic passes; "mosaic_2p" is the old D = 64 one).
                     "triton_b1": dict(b1_impl="triton", f2_impl="mosaic")}
-# The Hopper default with one more pass on wgmma (thirty-first session, untimed): F1 as focal_mgpu's
-# forward with V := K, B2 as dilution_mgpu_b2.
-HOPPER_PLUS = {"machine_f1": dict(f1_impl="mosaic"), "machine_b2": dict(b2_impl="mosaic")}
+# The Hopper default with one of F1 (focal_mgpu's forward with V := K) and B2 (dilution_mgpu_b2)
+# back on Triton: each Mosaic pass alone (both are the default since the thirty-second session).
+HOPPER_PLUS = {"machine_f1": dict(b2_impl="triton"), "machine_b2": dict(f1_impl="triton")}
 # B1's key block unlike B2's (on SMALL, T = 96): B1 wider (3 blocks of 32 vs B2's 6 of 16, as
 # b1_block_k=128 over block_k=64 on the GPU) and narrower (6 of 16 vs 3 of 32); warps only matter
 # compiled.
@@ -276,10 +276,11 @@ def test_b1_block_k_sets_padding_and_refuses_a_non_dividing_t():
   d64 = dilution.BlockSizes.default(64)
   assert (d64.b1_carries, d64.keys_b1(), d64.warps_b1(64), d64.block_k) == ("scratch", 128, 8, 64)
   assert dilution.BlockSizes.default(128) == dilution.BlockSizes()
-  # On Hopper with 16-bit inputs: both Mosaic passes with two mask pieces, and two key tiles per
-  # F2 CTA at D = 64; float32, other head dims and non-Hopper GPUs keep Triton.
+  # On Hopper with 16-bit inputs: all four passes on Mosaic, two mask pieces, and two key tiles
+  # per F2 CTA at D = 64; float32, other head dims and non-Hopper GPUs keep Triton.
   hop = functools.partial(dilution.BlockSizes.default, hopper=True)
-  both = dict(b1_impl="mosaic", f2_impl="mosaic", b1_mask_pieces=2, f2_mask_pieces=2)
+  both = dict(b1_impl="mosaic", f2_impl="mosaic", f1_impl="mosaic", b2_impl="mosaic",
+              b1_mask_pieces=2, f2_mask_pieces=2)
   assert hop(64, jnp.bfloat16) == dataclasses.replace(d64, **both, f2_key_tiles=2)
   assert hop(128, jnp.float16) == dilution.BlockSizes(**both)
   assert hop(64, jnp.float32) == d64 and hop(32, jnp.bfloat16) == dilution.BlockSizes.default(32)
