@@ -81,11 +81,11 @@ B1_VARIANTS = {"default": dict(), "plain": B1_PLAIN,
                # the Hopper defaults before the twenty-ninth session, over today's: the Triton
                # F2 (D = 64) and the Triton B1 with the three-piece Mosaic F2 (D = 128)
                "f2_triton": dict(f2_impl="triton", f2_mask_pieces=3, f2_key_tiles=1),
-               # F1 as focal_mgpu's forward with V := K (dilution_mgpu_fwd.row_stats)
-               "f1_mosaic": dict(f1_impl="mosaic"),
-               # B2 with two compute warpgroups on wgmma (dilution_mgpu_b2), and both (the
-               # Hopper default since the thirty-second session; f1_b2_triton: the one before)
-               "b2_mosaic": dict(b2_impl="mosaic"),
+               # F1 as focal_mgpu's forward with V := K (dilution_mgpu_fwd.row_stats) and B2
+               # with two compute warpgroups on wgmma (dilution_mgpu_b2): each alone, both (the
+               # Hopper default since the thirty-second session) and neither (the one before)
+               "f1_mosaic": dict(f1_impl="mosaic", b2_impl="triton"),
+               "b2_mosaic": dict(f1_impl="triton", b2_impl="mosaic"),
                "f1_b2_mosaic": dict(f1_impl="mosaic", b2_impl="mosaic"),
                "f1_b2_triton": dict(f1_impl="triton", b2_impl="triton"),
                "b1_triton": dict(b1_impl="triton", b1_mask_pieces=3, f2_mask_pieces=3,

@@ -101,16 +101,17 @@ for spec in "$@"; do
                --out "$OUT/defaults.json" 2>&1 | tee "$OUT/defaults.log" | tail -30 ;;
     dilution_f1b2)  # issue 4: F1 (row statistics) as focal_mgpu's flash forward with V := K
              # (BlockSizes.f1_impl) and B2 with two compute warpgroups on wgmma (b2_impl), both
-             # written in the thirty-first session, untimed (Triton F1 and B2: ~170 TFLOP/s each,
-             # 4.9 ms each at (2,12,16K,64)): compiled tests, each pass alone (F1 and B2 both
-             # ways), then two of the issue's shapes and prefill, the default first and last
+             # written in the thirty-first session, the Hopper default since the thirty-second
+             # (alone at (2,12,16K,64): F1 307, B2 278 TFLOP/s against the Triton passes' ~170):
+             # compiled tests, each pass alone (F1 and B2 both ways), then two of the issue's
+             # shapes and prefill with each pass alone, both, and neither (the old default)
              $RUN python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/test_dilution_kernel.py \
                -k "Compiled and (machine_f1 or machine_b2)" 2>&1 | tee "$OUT/f1b2_tests.log" | tail -3
              $RUN python3 bench/dilution.py --passes --b1-variants default \
                --out "$OUT/f1b2_passes.json" 2>&1 | grep "TFLOP" | tee "$OUT/f1b2_passes.log"
              $RUN python3 bench/dilution.py --impls dilution,cudnn --skip decode \
                --train-shapes 2x12x16384x64,1x16x8192x128 \
-               --train-variants default,f1_mosaic,b2_mosaic,f1_b2_mosaic,default \
+               --train-variants f1_b2_triton,f1_mosaic,b2_mosaic,default,f1_b2_triton \
                --out "$OUT/f1b2.json" 2>&1 | tee "$OUT/f1b2.log" | tail -30 ;;
     step_1p3b)  # issue 3: the 1.3B step (batch 24 x 2048, packed) with the defaults, STEP_RUNS
              # times in one process (55% MFU needs <= 748.4 ms; machines differ by 2-10%)
