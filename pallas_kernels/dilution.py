@@ -149,23 +149,14 @@ class BlockSizes:
   def default(cls, head_dim: int, dtype=None, *, hopper: bool = False) -> "BlockSizes":
     """What `dilution_attention` runs without block_sizes; `hopper`: compiling for an sm_90 GPU.
 
-    Measured on the H200 (jax 0.11.2, bf16, one run each; BENCHMARKS.md):
-    - D = 64, (2,12,16K,64) forward+backward: Triton B1 with scratch carries, 128 keys and 8 warps
-      74.6 ms (78.3 with the plain fields); with the Mosaic B1 56.0 ms, 51.4 ms with two mask
-      pieces (B1 alone 33.8 → 29.1 ms; sixteenth session). Two pieces keep ~16 significant bits in
-      the in-tile prefix/suffix products, far below the bf16 inputs' 8; b1_mask_pieces=3 restores
-      float32 accuracy there. The Mosaic F2 was slower then (15.3 against 14.5 ms alone).
-    - D = 128, (1,16,8K,128): the Mosaic B1 was slower in the thirteenth session (43.3 against
-      26.9 ms end to end, three pieces); with two pieces and 256 registers (twenty-ninth
-      session) both Mosaic passes take 18.3 ms against 25.2 with the Triton B1.
-    - Twenty-ninth session: the Mosaic F2 with two pieces and two 64-key tiles per CTA runs F2
-      alone at 67 TFLOP/s against the Triton F2's 57 at (2,12,16K,64); forward+backward 49.0
-      against 51.0 ms. At D = 128 two key tiles gain nothing (18.5 against 18.3 ms): one.
-    - Thirty-second session: F1 and B2 on Mosaic too (focal_mgpu's forward with V := K; two
-      64-key warpgroups): forward+backward 48.7 → 45.4 ms at (2,12,16K,64), 18.7 → 15.7 ms at
-      (1,16,8K,128); prefill of 131K tokens 462 → 432 ms.
-    The Mosaic kernels take 16-bit inputs at D 64 or 128 only (`dilution_mgpu.supported`);
-    anything else, interpret mode and other GPUs get the Triton passes."""
+    On Hopper with 16-bit inputs at D 64 or 128 (what the Mosaic kernels take,
+    `dilution_mgpu.supported`) all four training passes run on Mosaic GPU, B1 and F2 with two mask
+    pieces (~16 significant bits in the in-tile products, far below the bf16 inputs' 8; 3 restores
+    float32 accuracy) and F2 with two 64-key tiles per CTA at D = 64. Each choice was the faster
+    in the same run on the H200 (BENCHMARKS.md, dilution section; thirty-second session:
+    forward+backward 45.4 ms at (2,12,16K,64), 15.7 ms at (1,16,8K,128)). Anything else,
+    interpret mode and other GPUs get the Triton passes; at D <= 64 the Triton B1 takes its
+    measured tile (scratch carries, 128 keys, 8 warps: 74.6 against 78.3 ms)."""
     mosaic = hopper and head_dim in (64, 128) and dtype is not None and jnp.dtype(dtype) in (
         jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
     # With both passes on Mosaic the Triton-only fields below are inert; they stay so that
