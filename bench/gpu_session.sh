@@ -246,9 +246,9 @@ for spec in "$@"; do
              # Thirty-second session (400M): init compiles ~45 s, tracing tokamax's backward ~45 s
              # (jax builds a ConcretizationError message per call, tokamax/_src/ops/op.py:638),
              # then XLA compiled for > 65 s when the 200 s limit came; ours runs first. The second
-             # try segfaulted while faulthandler printed a stack (during MLIR lowering, ~190 s):
-             # STEP_STACK_EVERY=0 turns the dumps off
-             $RUN env STEP_STACK_EVERY="${STEP_STACK_EVERY:-45}" python3 bench/train_step.py \
+             # try segfaulted while faulthandler printed a stack (during MLIR lowering, ~190 s), the
+             # third, without the dumps, ran (first step 162 s): STEP_STACK_EVERY=45 turns them on
+             $RUN env STEP_STACK_EVERY="${STEP_STACK_EVERY:-0}" python3 bench/train_step.py \
                --sizes "${TOKAMAX_SIZES:-400m}" --impls "${TOKAMAX_IMPLS:-pallas,tokamax}" \
                --batch "${TOKAMAX_BATCH:-32}" --steps 8 ${TOKAMAX_STEP_ARGS:-} \
                --out "$OUT/tokamax_step.json" > "$OUT/tokamax_step.log" 2>&1

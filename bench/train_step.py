@@ -217,6 +217,7 @@ def main():
     tokamax_shim.prepare()
   # STEP_STACK_EVERY=<s>: the Python stack on stderr every s seconds, so a run cut off by a time
   # limit says whether it was compiling, in tokamax's Python, or running (the tokamax steps).
+  # Off by default: one tokamax run segfaulted while a dump was being printed mid-lowering.
   if every := float(os.environ.get("STEP_STACK_EVERY", "0")):
     faulthandler.dump_traceback_later(every, repeat=True)
   for size, impl, pattern, variant in runs:
