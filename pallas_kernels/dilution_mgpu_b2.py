@@ -22,9 +22,10 @@ Per tile pair 2 wgmmas (k·qᵀ, x·q) and one exp2; no reduce-adds (corr stays 
 SMEM (D = 64, 16-bit, steps = 2): k 2 × 8 KB, q ring 2 × 8 KB, rows and ids 2 KB, corr out tiles
 2 × 16 KB (float32): ~66 KB; D = 128: ~130 KB.
 
-On CPU pass interpret=True (GPU interpret mode). Written in the thirty-first session, interpret-
-tested against the Triton B2 and lowered for CUDA on the CPU; not yet compiled or timed:
-`BlockSizes.b2_impl="mosaic"` is off.
+On CPU pass interpret=True (GPU interpret mode): interpret-tested against the Triton B2. Compiled
+and tested on the H200 (jax 0.11.2, through the op against the reference), and timed there at
+(2,12,16K,64) bf16: 278 against the Triton B2's 169 TFLOP/s (3.0 against 4.9 ms), so
+`BlockSizes.default` picks it (`b2_impl="mosaic"`) on sm_90 since the thirty-second session.
 """
 
 from __future__ import annotations

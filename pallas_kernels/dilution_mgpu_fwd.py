@@ -239,7 +239,9 @@ def row_stats(q, k, seg, *, scale, with_pk, interpret=False):
   residual (`out_lo`: ~16 significant bits). The float32 pk matters: dq = dq_main − ĝ·pk subtracts
   two terms that can nearly cancel, so one bf16 rounding of pk (2⁻⁹) could dominate dq's error.
   Every row sees its own key (padding rows their own segment), so no row is empty. Needs what
-  focal_mgpu.supported needs: 16-bit q/k, D 64 or 128, T a multiple of 128."""
+  focal_mgpu.supported needs: 16-bit q/k, D 64 or 128, T a multiple of 128. H200, (2,12,16K,64):
+  307 against the Triton F1's 174 TFLOP/s; the sm_90 default (`f1_impl`) since the thirty-second
+  session, compiled-tested through the op."""
   B, T, N, _ = q.shape
   s_BNT = jnp.full((B, N, T), scale, jnp.float32)
   outs = focal_mgpu.forward(q, k, k, s_BNT, causal=True, blocks=None, interpret=interpret,
