@@ -89,7 +89,11 @@ B1_VARIANTS = {"default": dict(), "plain": B1_PLAIN,
                "f1_b2_mosaic": dict(f1_impl="mosaic", b2_impl="mosaic"),
                "f1_b2_triton": dict(f1_impl="triton", b2_impl="triton"),
                "b1_triton": dict(b1_impl="triton", b1_mask_pieces=3, f2_mask_pieces=3,
-                                 f2_key_tiles=1)}
+                                 f2_key_tiles=1),
+               # a checkpoint per 64-row tile: the Mosaic B1 rebuilds no carries (one k·qᵀ and
+               # exp per tile pair fewer), at ceil(T/64)·T·4 bytes per (batch, head), past the
+               # issue's R >= 1024 memory bound
+               "ckpt64": dict(ckpt_rows=64)}
 SMOKE_BLOCKS = dilution.BlockSizes(block_q_stats=16, block_k_stats=16, block_q=16, block_k=32,
                                    block_k_fwd=32, ckpt_rows=32, block_k_decode=16, split_k_decode=64)
 
@@ -211,11 +215,16 @@ def _passes(shape, dtype, reps, interpret, bs, b1_variants=("default",)):
       passes.append(("F2 key_sweep", name, lambda q, k, v, lse, kw_m=kw_m: dilution.f2_key_sweep(
           q, k, v, seg, lse, eps=1e-9, with_ckpt=True, **kw_m), (q, k, v, lse)))
   for variant in b1_variants:
-    # The checkpoints are per key (any block_k reads them); block_k must divide T.
+    # The checkpoints are per key (any block_k reads them); block_k must divide T. A variant with
+    # its own ckpt_rows gets F2's checkpoints at that spacing.
     kw_v = dict(kw, bs=dataclasses.replace(bs, **B1_VARIANTS[variant]))
+    args_v = b1_args
+    if kw_v["bs"].ckpt_rows != bs.ckpt_rows:
+      ckpt_v = dilution_fwd.key_sweep(q, k, v, seg, lse, eps=1e-9, with_ckpt=True, **kw_v)[3]
+      args_v = b1_args[:-1] + (ckpt_v,)
     passes.append(("B1 reverse_sweep", variant,
                    lambda *a, kw_v=kw_v: dilution.b1_reverse_sweep(*a[:3], seg, *a[3:],
-                                                                 eps=1e-9, **kw_v), b1_args))
+                                                                 eps=1e-9, **kw_v), args_v))
   passes.append(("B2 dk_correction", None, lambda q, k, lse, ghat: dilution_bwd.dk_correction(
       q, k, seg, lse, ghat, **kw), (q, k, lse, ghat)))
   if hopper_arms:   # B2 on wgmma

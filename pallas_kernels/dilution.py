@@ -96,7 +96,9 @@ class BlockSizes:
   # (2,12,16K,64) 128 took the forward from 21.7 to 18.0 ms, while B1 with 128 slowed 100→173 ms.
   # Carries and checkpoints are per key, so F2 and B1/B2 may tile the keys differently.
   block_k_fwd: int = 128
-  ckpt_rows: int = 1024       # R: rows between stored carry checkpoints (multiple of block_q)
+  # R: rows between stored carry checkpoints (multiple of block_q). 64 (past the issue's
+  # R >= 1024 bound; 403 MiB at (2,12,16K,64)) spares the Mosaic B1 its carry rebuild.
+  ckpt_rows: int = 1024
   block_k_decode: int = 128   # keys per decode loop step
   split_k_decode: int = 2048  # keys per decode program (flash-decoding split)
   num_warps: int | None = None  # None: 4 for D <= 64, else 8 (B1 keeps dk, dv [64, D] fp32 live)

@@ -33,7 +33,10 @@ per tile pair; CPU interpret: dv within 9e-4 of the Triton B1, against 2e-4 with
 (2,12,16K,64): B1 29.1 against 33.8 ms with three; the D = 64 Hopper default since then.
 
 The producer streams each super-block's row tiles twice (top-down, then bottom-up): q, dO
-[bq, D] and the rows lse, S, dbar, segment ids through a ring of `steps` slots.
+[bq, D] and the rows lse, S, dbar, segment ids through a ring of `steps` slots. With
+ckpt_rows = 64 each super-block is one tile whose carry is F2's checkpoint: no mini-sweep, one
+stream, one k·qᵀ and exp per tile pair fewer (memory ceil(T/64)·T·4 bytes per (batch, head);
+interpret-tested, not yet timed).
 SMEM (D = 64, 16-bit, steps = 2): k, v 16 KB; U, L 16 KB; ring 33 KB; W 8 KB; dq tile 16 KB;
 dk/dv out tile 16 KB; carries 4·ckpt_rows/bq·64 bytes; ~110 KB. Registers: dk, dv (64 each at
 D = 64) plus the [64, 64] float32 tiles (32 each).
@@ -204,15 +207,20 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, ssum_ref, dbar_ref, do_ref, c
         plgpu.barrier_arrive(q_free.at[slot])
         return st + 1, carry_K + p_KQ.sum(axis=1)
 
-      st, _ = lax.fori_loop(lo, hi, mini,
-                            (st, mc.load(ck0_s, layout=row_layout, interpret=interpret)))
+      if ckpt_tiles > 1:
+        st, _ = lax.fori_loop(lo, hi, mini,
+                              (st, mc.load(ck0_s, layout=row_layout, interpret=interpret)))
+      # ckpt_rows = 64: the checkpoint is the carry of the super-block's one tile, so there is
+      # nothing to rebuild (and the producer streams that tile once).
+      carries = ck_s if ckpt_tiles > 1 else None
 
       def reverse(u, c):
         st, acc = c
         i = hi - 1 - u
         slot = lax.rem(st, steps)
         plgpu.barrier_wait(q_bar.at[slot])
-        carry_K = mc.load(ck_s.at[i - s * ckpt_tiles], layout=row_layout, interpret=interpret)
+        src = ck0_s if carries is None else carries.at[i - s * ckpt_tiles]
+        carry_K = mc.load(src, layout=row_layout, interpret=interpret)
         return st + 1, reverse_tile(i, slot, carry_K, acc)
 
       return lax.fori_loop(0, hi - lo, reverse, (st, acc))
@@ -246,7 +254,8 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, ssum_ref, dbar_ref, do_ref, c
 
     def super_block(t, st):
       _, lo, hi = bounds(t)
-      st = lax.fori_loop(lo, hi, visit, st)          # the mini-sweep's tiles, top-down
+      if ckpt_tiles > 1:
+        st = lax.fori_loop(lo, hi, visit, st)        # the mini-sweep's tiles, top-down
       return lax.fori_loop(0, hi - lo, lambda u, st: visit(hi - 1 - u, st), st)   # bottom-up
 
     _drain(q_free, lax.fori_loop(0, n_visit, super_block, jnp.int32(0)), steps)

@@ -49,30 +49,41 @@ CASES = [(256, False, 64, jnp.bfloat16, 1, 2, 1), (384, True, 64, jnp.bfloat16, 
          (256, True, 128, jnp.float16, 1, 2, 1), (256, True, 64, jnp.bfloat16, 2, 4, 2)]
 
 
-def _b1_both(T, N, K, *, segments, D=64, dtype=jnp.bfloat16, B=1, mask_pieces=3):
+def _b1_both(T, N, K, *, segments, D=64, dtype=jnp.bfloat16, B=1, mask_pieces=3, ckpt_rows=R):
   """(Mosaic B1, Triton B1) outputs on the inputs of a real forward; asserts no interpreter
   races."""
   q, k, v, seg, do = _qkv(T, N, K, segments=segments, D=D, dtype=dtype, B=B)
   scale, eps = 0.125, 1e-9
-  out, (lse, _, ssum, _, ckpt) = dilution._forward(q, k, v, seg, scale, eps, BS, True,
+  bs = dataclasses.replace(BS, ckpt_rows=ckpt_rows)
+  out, (lse, _, ssum, _, ckpt) = dilution._forward(q, k, v, seg, scale, eps, bs, True,
                                                    training=True)
   dbar = jnp.einsum("BTND,BTND->BNT", do.astype(jnp.float32), out)
   args = (q, k, v, seg, lse, ssum, dbar, do, ckpt)
-  want = dilution_bwd.reverse_sweep(*args, scale=scale, eps=eps, bs=BS, interpret=True)
+  want = dilution_bwd.reverse_sweep(*args, scale=scale, eps=eps, bs=bs, interpret=True)
   with mgpu_compat.cached_interpreter_threads():
     got = jax.block_until_ready(dilution_mgpu.reverse_sweep(
-        *args, scale=scale, eps=eps, ckpt_rows=R, mask_pieces=mask_pieces, interpret=True))
+        *args, scale=scale, eps=eps, ckpt_rows=ckpt_rows, mask_pieces=mask_pieces,
+        interpret=True))
   assert not mgpu_compat.interpret_races_found()
   return got, want
 
 
-@pytest.mark.parametrize("T, segments, D, dtype, B, N, K", CASES)
-def test_matches_the_triton_b1_interpret(T, segments, D, dtype, B, N, K):
-  got, want = _b1_both(T, N, K, segments=segments, D=D, dtype=dtype, B=B)
+def _assert_b1_close(got, want):
   # dq and dk contract the 16-bit W in both kernels; the probabilities differ by exp2 vs exp.
   for name, a, b, tol in zip(("dq", "ghat", "dk", "dv"), got, want, (2e-3, 1e-5, 2e-3, 2e-4)):
     assert a.shape == b.shape and a.dtype == jnp.float32, name
     assert _rel(a, b) < tol, (name, _rel(a, b))
+
+
+@pytest.mark.parametrize("T, segments, D, dtype, B, N, K", CASES)
+def test_matches_the_triton_b1_interpret(T, segments, D, dtype, B, N, K):
+  _assert_b1_close(*_b1_both(T, N, K, segments=segments, D=D, dtype=dtype, B=B))
+
+
+def test_b1_with_a_checkpoint_per_row_tile_interpret():
+  """ckpt_rows = 64 (one row tile per super-block): the Mosaic B1 skips its carry rebuild and
+  streams each row tile once; the Triton B1 still rebuilds. Both must agree."""
+  _assert_b1_close(*_b1_both(256, 4, 2, segments=True, B=2, ckpt_rows=64))
 
 
 def test_two_mask_pieces_stay_close():
@@ -91,22 +102,26 @@ def test_two_mask_pieces_stay_close():
     dilution.BlockSizes(mosaic_registers=250).validate(64)
 
 
-@pytest.mark.parametrize("T, segments, D, dtype, B, N, K, pieces, tiles",
-                         [c + (3, 1) for c in CASES] + [
-                             (384, True, 64, jnp.bfloat16, 1, 2, 1, 2, 1),
-                             (384, True, 64, jnp.bfloat16, 1, 4, 2, 3, 2),
-                             (256, False, 64, jnp.float16, 1, 2, 1, 3, 4),
-                             (256, True, 128, jnp.bfloat16, 1, 2, 1, 2, 2)])
-def test_f2_matches_the_triton_f2_interpret(T, segments, D, dtype, B, N, K, pieces, tiles):
+@pytest.mark.parametrize("T, segments, D, dtype, B, N, K, pieces, tiles, ckpt_rows",
+                         [c + (3, 1, R) for c in CASES] + [
+                             (384, True, 64, jnp.bfloat16, 1, 2, 1, 2, 1, R),
+                             (384, True, 64, jnp.bfloat16, 1, 4, 2, 3, 2, R),
+                             (256, False, 64, jnp.float16, 1, 2, 1, 3, 4, R),
+                             (256, True, 128, jnp.bfloat16, 1, 2, 1, 2, 2, R),
+                             (256, True, 64, jnp.bfloat16, 2, 4, 2, 2, 2, 64)])
+def test_f2_matches_the_triton_f2_interpret(T, segments, D, dtype, B, N, K, pieces, tiles,
+                                            ckpt_rows):
   """pieces: BlockSizes.f2_mask_pieces (2: the in-tile prefix from two bf16 pieces, ~16 bits);
-  tiles: BlockSizes.f2_key_tiles (64-key tiles per CTA, N and S summed over them)."""
+  tiles: BlockSizes.f2_key_tiles (64-key tiles per CTA, N and S summed over them); ckpt_rows 64:
+  a checkpoint per row tile."""
   q, k, v, seg, _ = _qkv(T, N, K, segments=segments, D=D, dtype=dtype, B=B)
-  lse, _ = dilution_fwd.row_stats(q, k, seg, scale=0.125, bs=BS, with_pk=False, interpret=True)
-  want = dilution_fwd.key_sweep(q, k, v, seg, lse, scale=0.125, eps=1e-9, bs=BS,
+  bs = dataclasses.replace(BS, ckpt_rows=ckpt_rows)
+  lse, _ = dilution_fwd.row_stats(q, k, seg, scale=0.125, bs=bs, with_pk=False, interpret=True)
+  want = dilution_fwd.key_sweep(q, k, v, seg, lse, scale=0.125, eps=1e-9, bs=bs,
                                 with_ckpt=True, interpret=True)
   with mgpu_compat.cached_interpreter_threads():
     got = jax.block_until_ready(dilution_mgpu_fwd.key_sweep(
-        q, k, v, seg, lse, scale=0.125, eps=1e-9, ckpt_rows=R, with_ckpt=True,
+        q, k, v, seg, lse, scale=0.125, eps=1e-9, ckpt_rows=ckpt_rows, with_ckpt=True,
         mask_pieces=pieces, key_tiles=tiles, interpret=True))
   assert not mgpu_compat.interpret_races_found()
   # N contracts the 16-bit σ in both kernels; the probabilities differ by exp2 vs exp. With two
@@ -168,22 +183,24 @@ def test_the_op_runs_both_when_asked():
       assert 'name = "dilution_reverse_sweep"' not in text
 
 
-@pytest.mark.parametrize("D, mask_pieces, registers, tiles", [
-    (64, 3, 232, 1), (128, 3, 232, 1), (64, 2, 232, 2), (128, 2, 232, 2), (64, 2, 256, 4)])
-def test_lowers_to_mosaic_gpu(D, mask_pieces, registers, tiles):
+@pytest.mark.parametrize("D, mask_pieces, registers, tiles, ckpt_rows", [
+    (64, 3, 232, 1, 1024), (128, 3, 232, 1, 1024), (64, 2, 232, 2, 1024), (128, 2, 232, 2, 1024),
+    (64, 2, 256, 4, 1024), (64, 2, 256, 2, 64), (128, 2, 256, 1, 64)])
+def test_lowers_to_mosaic_gpu(D, mask_pieces, registers, tiles, ckpt_rows):
   """B1 and F2 lower for CUDA (Mosaic rejects overflowing shared memory here, so this checks that
-  every key_tiles the F2 accepts fits)."""
+  every key_tiles the F2 accepts fits), also with a checkpoint per row tile (B1 rebuilds none)."""
   S = jax.ShapeDtypeStruct
   q, kv = S((2, 2048, 4, D), jnp.bfloat16), S((2, 2048, 2, D), jnp.bfloat16)
   rows = S((2, 4, 2048), jnp.float32)
   fn = jax.jit(lambda *a: dilution_mgpu.reverse_sweep(*a, scale=D**-0.5, eps=1e-9,
-                                                      ckpt_rows=1024, mask_pieces=mask_pieces,
+                                                      ckpt_rows=ckpt_rows, mask_pieces=mask_pieces,
                                                       registers=registers, interpret=False))
   text = fn.trace(q, kv, kv, S((2, 2048), jnp.int32), rows, rows, rows, q,
-                  S((2, 4, 2, 2048), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
+                  S((2, 4, 2048 // ckpt_rows, 2048), jnp.float32)).lower(
+                      lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
   f2 = jax.jit(lambda *a: dilution_mgpu_fwd.key_sweep(*a, scale=D**-0.5, eps=1e-9,
-                                                      ckpt_rows=1024, with_ckpt=True,
+                                                      ckpt_rows=ckpt_rows, with_ckpt=True,
                                                       mask_pieces=mask_pieces,
                                                       key_tiles=tiles, registers=registers))
   text = f2.trace(q, kv, kv, S((2, 2048), jnp.int32), rows).lower(
