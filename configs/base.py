@@ -79,6 +79,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       tau_init=7.5,              # starts τ inside the clip range, so w_τ gets gradient at init
       tau_mean="causal",         # causal | token | sequence (see focaljax.attention.TauMean)
       eps=1e-9,                  # dilution ε
+      # dilution, Pallas: rows between the demand checkpoints the backward keeps (power of two
+      # >= 64; ceil(T/R)·T·4 bytes per row and head). 64: no carry rebuild on Hopper (untimed).
+      checkpoint_rows=1024,
   ))
   c.data = ml_collections.ConfigDict(dict(
       source="bundled",          # bundled | text:<glob> | tfds:<name>[:split]

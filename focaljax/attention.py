@@ -108,6 +108,7 @@ class AttentionConfig:
   tau_init: float = 7.5             # offset added to mean(X·w_τ): starts τ inside the clip range
   tau_mean: TauMean = TauMean.CAUSAL
   eps: float = 1e-9                 # dilution ε
+  checkpoint_rows: int | None = None  # dilution, Pallas: rows between demand checkpoints
 
 
 def parse_pattern(pattern: str, num_layers: int) -> tuple[LayerSpec, ...]:
@@ -160,7 +161,8 @@ def _attend_softmax(cfg, q, k, v, scale, segment_ids):
 
 def _attend_dilution(cfg, q, k, v, scale, segment_ids):
   return ops.dilution_attention(q, k, v, scale=scale, eps=cfg.eps, segment_ids=segment_ids,
-                                implementation=_kernel_impl(cfg))
+                                implementation=_kernel_impl(cfg),
+                                checkpoint_rows=cfg.checkpoint_rows)
 
 
 def _kernel_impl(cfg):

@@ -13,6 +13,7 @@ from focaljax import attention as attn_lib
 from focaljax import loss as loss_lib
 from focaljax import mlp as mlp_lib
 from focaljax import model as model_lib
+from focaljax import ops
 
 _CHOICES = {
     "model.attention.implementation": attn_lib.IMPLEMENTATIONS,
@@ -72,6 +73,10 @@ def validate(c: ml_collections.ConfigDict, *, vocab_size: int | None = None,
            f"{a.tau_init} must lie in [tau_min, tau_max] = [{a.tau_min}, {a.tau_max}] or w_τ "
            "starts clipped and never learns")
   _require(a.eps > 0, "model.attention.eps", f"must be > 0, got {a.eps}")
+  try:
+    ops.check_checkpoint_rows(a.get("checkpoint_rows", 1024), "model.attention.checkpoint_rows")
+  except ValueError as e:
+    raise ConfigError(f"config field {e}") from None
   _require(d.seq_len > 0, "data.seq_len", f"must be > 0, got {d.seq_len}")
   if a.implementation == "pallas":
     _require(d.seq_len % 64 == 0, "data.seq_len",
@@ -128,7 +133,8 @@ def model_config(c: ml_collections.ConfigDict, vocab_size: int) -> model_lib.Mod
           layers=attn_lib.parse_pattern(a.pattern, m.num_layers),
           implementation=a.implementation, temperature=a.temperature, learned=a.learned,
           tau_min=a.tau_min, tau_max=a.tau_max, tau_init=a.tau_init,
-          tau_mean=attn_lib.TauMean(a.tau_mean), eps=a.eps))
+          tau_mean=attn_lib.TauMean(a.tau_mean), eps=a.eps,
+          checkpoint_rows=a.get("checkpoint_rows", 1024)))
 
 
 def optim_config(c: ml_collections.ConfigDict):

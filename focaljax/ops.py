@@ -10,6 +10,7 @@ folded into q.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Callable
@@ -119,15 +120,20 @@ def _focal_tokamax(q, k, v, *, scale, causal, segment_ids):
 # ----------------------------------------------------------------------- dilution attention
 
 
-def _dilution_xla(q, k, v, *, scale, eps, segment_ids):
+def _dilution_xla(q, k, v, *, scale, eps, segment_ids, checkpoint_rows):
+  del checkpoint_rows   # the reference keeps its [T, T] intermediates; nothing to checkpoint
   return reference.dilution_attention(q, k, v, scale=scale, eps=eps, segment_ids_BT=segment_ids)[0]
 
 
 @_per_device
-def _dilution_pallas(q, k, v, *, scale, eps, segment_ids):
+def _dilution_pallas(q, k, v, *, scale, eps, segment_ids, checkpoint_rows):
   from pallas_kernels import dilution  # pylint: disable=import-outside-toplevel
+  bs = None   # the kernels' defaults (BlockSizes.ckpt_rows: 1024)
+  if checkpoint_rows is not None:
+    bs = dataclasses.replace(dilution.default_block_sizes(q.shape[-1], q.dtype, _interpret()),
+                             ckpt_rows=checkpoint_rows)
   return dilution.dilution_attention(q, k, v, scale=scale, eps=eps, segment_ids=segment_ids,
-                                     interpret=_interpret())
+                                     block_sizes=bs, interpret=_interpret())
 
 
 def _prefill_xla(q, k, v, *, scale, eps):
@@ -184,12 +190,27 @@ def focal_attention(q, k, v, *, scale, causal=True, segment_ids=None, implementa
                segment_ids=segment_ids)
 
 
-def dilution_attention(q, k, v, *, scale=None, eps=1e-9, segment_ids=None, implementation="xla"):
+def dilution_attention(q, k, v, *, scale=None, eps=1e-9, segment_ids=None, implementation="xla",
+                       checkpoint_rows=None):
   """Causal dilution attention: p = causal softmax; share = p / (committed + p + eps) with
-  committed the exclusive column cumsum of p over queries; rows renormalised; out = A @ v."""
+  committed the exclusive column cumsum of p over queries; rows renormalised; out = A @ v.
+
+  `checkpoint_rows` (Pallas): rows R between the demand checkpoints the backward keeps, a power
+  of two >= 64; they take ceil(T / R)·T·4 bytes per batch row and query head. None: the kernels'
+  1024. 64 lets the Hopper backward skip rebuilding its carries (untimed).
+  """
   reference.check_qkv(q, k, v)
+  if checkpoint_rows is not None:
+    check_checkpoint_rows(checkpoint_rows, "checkpoint_rows")
   return _call("dilution_attention", implementation, q, k, v, scale=_default_scale(q, scale),
-               eps=eps, segment_ids=segment_ids)
+               eps=eps, segment_ids=segment_ids, checkpoint_rows=checkpoint_rows)
+
+
+def check_checkpoint_rows(rows, field: str) -> None:
+  """Raises ValueError naming `field` unless rows is a power of two >= 64 (the kernels' tile)."""
+  if not isinstance(rows, int) or rows < 64 or rows & (rows - 1):
+    raise ValueError(f"{field}: must be a power of two >= 64 (64, 128, ..., 1024, ...); "
+                     f"got {rows!r}")
 
 
 def dilution_prefill(q, k, v, *, scale=None, eps=1e-9, implementation="xla"):

@@ -74,6 +74,25 @@ def test_dilution_of_uniform_softmax_is_not_softmax():
   np.testing.assert_allclose(a[:, 0], jnp.repeat(v[:, 0], 2, axis=1), rtol=1e-5)  # row 0 sees only key 0
 
 
+def test_dilution_checkpoint_rows_change_memory_not_values():
+  """model.attention.checkpoint_rows reaches the Pallas op: a checkpoint every 64 rows (4 super-
+  blocks at T = 256) gives the default's output and gradients; a bad value names the field."""
+  q, k, v = _qkv(4, B=1, T=256, N=2, K=1, D=64)
+  w = jax.random.normal(jax.random.key(5), q.shape)
+
+  def loss(rows, q, k, v):
+    spec = A.LayerSpec(A.Variant.DILUTION, A.Position.NONE)
+    cfg = A.AttentionConfig(layers=(spec,), implementation="pallas", checkpoint_rows=rows)
+    return (A.FAMILY[spec.variant].attend(cfg, q, k, v, 0.125, None) * w).sum()
+
+  want, got = (jax.value_and_grad(functools.partial(loss, r), (0, 1, 2))(q, k, v)
+               for r in (None, 64))
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)
+  with pytest.raises(ValueError, match="checkpoint_rows: must be a power of two >= 64"):
+    ops.dilution_attention(q, k, v, implementation="pallas", checkpoint_rows=100)
+
+
 @pytest.mark.parametrize("mode", ["causal", "token", "sequence"])
 def test_learned_tau_modes(mode):
   cfg = A.AttentionConfig(layers=(), learned=True, tau_mean=A.TauMean(mode), tau_min=5.0,

@@ -54,6 +54,8 @@ def test_size_presets_build_abstractly(size):
     ("model.attention.pattern", "softmax,flash", "unknown variant 'flash'"),
     ("model.attention.implementation", "triton", "model.attention.implementation"),
     ("model.attention.tau_mean", "global", "model.attention.tau_mean"),
+    ("model.attention.checkpoint_rows", 96, "model.attention.checkpoint_rows: must be a power"),
+    ("model.attention.checkpoint_rows", 32, "model.attention.checkpoint_rows"),
     ("optim.grad_accum", 3, "optim.grad_accum"),
     ("train.nonfinite", "ignore", "train.nonfinite"),
     ("optim.no_decay", "norm,bias", "optim.no_decay"),
