@@ -116,7 +116,8 @@ for spec in "$@"; do
     dilution_ckpt64)  # issue 4: the new default's compiled test (F1 and B2 on Mosaic together,
              # "machine") and a checkpoint per 64-row tile (BlockSizes.ckpt_rows=64, past the
              # issue's R >= 1024: the Mosaic B1 skips its carry rebuild), compiled, B1 alone, then
-             # forward+backward at two shapes against the default (no model knob for it yet)
+             # forward+backward at two shapes against the default, then the 209M step both ways
+             # (model.attention.checkpoint_rows)
              $RUN python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/test_dilution_kernel.py \
                -k "Compiled and machine and not machine_f1 and not machine_b2" 2>&1 \
                | tee "$OUT/ckpt64_tests.log" | tail -3
@@ -124,7 +125,11 @@ for spec in "$@"; do
                --out "$OUT/ckpt64_passes.json" 2>&1 | grep "B1" | tee "$OUT/ckpt64_passes.log"
              $RUN python3 bench/dilution.py --impls dilution,cudnn --skip prefill,decode \
                --train-shapes 2x12x16384x64,1x16x8192x128 --train-variants default,ckpt64,default \
-               --out "$OUT/ckpt64.json" 2>&1 | tee "$OUT/ckpt64.log" | tail -12 ;;
+               --out "$OUT/ckpt64.json" 2>&1 | tee "$OUT/ckpt64.log" | tail -12
+             $RUN python3 bench/train_step.py --sizes 209m --seq_len 16384 --batch 1 --impls pallas \
+               --patterns "dilution:none" --variants ";model.attention.checkpoint_rows=64" \
+               --steps 6 --out "$OUT/ckpt64_step.json" 2>&1 | grep --line-buffered -v -i autotun \
+               | tee "$OUT/ckpt64_step.log" | tail -4 ;;
     step_1p3b)  # issue 3: the 1.3B step (batch 24 x 2048, packed) with the defaults, STEP_RUNS
              # times in one process (55% MFU needs <= 748.4 ms; machines differ by 2-10%)
              $RUN python3 bench/train_step.py --sizes 1.3b --batch 24 --impls pallas --steps 8 \
