@@ -73,10 +73,11 @@ def validate(c: ml_collections.ConfigDict, *, vocab_size: int | None = None,
            f"{a.tau_init} must lie in [tau_min, tau_max] = [{a.tau_min}, {a.tau_max}] or w_τ "
            "starts clipped and never learns")
   _require(a.eps > 0, "model.attention.eps", f"must be > 0, got {a.eps}")
-  try:
-    ops.check_checkpoint_rows(a.get("checkpoint_rows", 1024), "model.attention.checkpoint_rows")
-  except ValueError as e:
-    raise ConfigError(f"config field {e}") from None
+  if (rows := a.get("checkpoint_rows")) is not None:   # None: the kernels' default
+    try:
+      ops.check_checkpoint_rows(rows, "model.attention.checkpoint_rows")
+    except ValueError as e:
+      raise ConfigError(f"config field {e}") from None
   _require(d.seq_len > 0, "data.seq_len", f"must be > 0, got {d.seq_len}")
   if a.implementation == "pallas":
     _require(d.seq_len % 64 == 0, "data.seq_len",
@@ -134,7 +135,7 @@ def model_config(c: ml_collections.ConfigDict, vocab_size: int) -> model_lib.Mod
           implementation=a.implementation, temperature=a.temperature, learned=a.learned,
           tau_min=a.tau_min, tau_max=a.tau_max, tau_init=a.tau_init,
           tau_mean=attn_lib.TauMean(a.tau_mean), eps=a.eps,
-          checkpoint_rows=a.get("checkpoint_rows", 1024)))
+          checkpoint_rows=a.get("checkpoint_rows")))
 
 
 def optim_config(c: ml_collections.ConfigDict):

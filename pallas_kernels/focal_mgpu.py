@@ -342,6 +342,7 @@ def forward(q_BTHD, k_BSKD, v_BSKD, s_BNT, *, causal: bool, blocks: BlockSizes |
       plgpu.Barrier(num_arrivals=_COMPUTE_WGS),  # ping-pong schedule
   ]
   operands = (q_BTHD, k_BSKD, v_BSKD, s_BNT)
+  lo_at = len(operands) + 2   # out_lo's ref: after the operands (less the ids) and out, lse
   if segments:
     operands += (segment_ids,)
     scratch += [plgpu.SMEM((_COMPUTE_WGS, bq), jnp.int32),  # q ids per compute warpgroup
@@ -349,7 +350,7 @@ def forward(q_BTHD, k_BSKD, v_BSKD, s_BNT, *, causal: bool, blocks: BlockSizes |
   kernel = mc.with_segments(mc.with_optional_ref(functools.partial(
       _kernel, causal=causal, group=N // K, block_q=bq, block_kv=bkv, n_kv=n_kv,
       n_q_tiles=n_q_tiles, stages=stages, overlap=blocks.overlap_softmax, interpret=interpret),
-      "lo_ref", at=6, present=out_lo), n_in=len(operands), n_seg_scratch=2, segments=segments)
+      "lo_ref", at=lo_at, present=out_lo), n_in=len(operands), n_seg_scratch=2, segments=segments)
   out_types = (jax.ShapeDtypeStruct(q_BTHD.shape, dtype),
                jax.ShapeDtypeStruct((B, N, T), jnp.float32))
   out_types += (jax.ShapeDtypeStruct(q_BTHD.shape, dtype),) if out_lo else ()
