@@ -117,7 +117,8 @@ for spec in "$@"; do
              # "machine") and a checkpoint per 64-row tile (BlockSizes.ckpt_rows=64, past the
              # issue's R >= 1024: the Mosaic B1 skips its carry rebuild), compiled, B1 alone, then
              # forward+backward at two shapes against the default, then the 209M step both ways
-             # (model.attention.checkpoint_rows)
+             # (model.attention.checkpoint_rows) beside the softmax model's step, the ratio's anchor
+             # (its checkpoint_rows arm is the same program: dilution-only field)
              $RUN python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/test_dilution_kernel.py \
                -k "Compiled and machine and not machine_f1 and not machine_b2" 2>&1 \
                | tee "$OUT/ckpt64_tests.log" | tail -3
@@ -127,7 +128,7 @@ for spec in "$@"; do
                --train-shapes 2x12x16384x64,1x16x8192x128 --train-variants default,ckpt64,default \
                --out "$OUT/ckpt64.json" 2>&1 | tee "$OUT/ckpt64.log" | tail -12
              $RUN python3 bench/train_step.py --sizes 209m --seq_len 16384 --batch 1 --impls pallas \
-               --patterns "dilution:none" --variants ";model.attention.checkpoint_rows=64" \
+               --patterns "softmax:rope;dilution:none" --variants ";model.attention.checkpoint_rows=64" \
                --steps 6 --out "$OUT/ckpt64_step.json" 2>&1 | grep --line-buffered -v -i autotun \
                | tee "$OUT/ckpt64_step.log" | tail -4 ;;
     step_1p3b)  # issue 3: the 1.3B step (batch 24 x 2048, packed) with the defaults, STEP_RUNS
