@@ -124,11 +124,13 @@ def test_f2_matches_the_triton_f2_interpret(T, segments, D, dtype, B, N, K, piec
         q, k, v, seg, lse, scale=0.125, eps=1e-9, ckpt_rows=ckpt_rows, with_ckpt=True,
         mask_pieces=pieces, key_tiles=tiles, interpret=True))
   assert not mgpu_compat.interpret_races_found()
-  # N contracts the 16-bit σ in both kernels; the probabilities differ by exp2 vs exp. With two
-  # pieces σ moves by ~2⁻¹⁶ and some of its 16-bit roundings flip (measured N 1.3e-3 at D = 128;
-  # one bf16 ulp is 3.9e-3); the key tiles change only the order of float32 sums (1.3e-7).
-  n_tol = 2e-4 if pieces == 3 else 3e-3
-  for name, a, b, tol in zip(("N", "S", "total", "ckpt"), got, want, (n_tol, 1e-5, 1e-5, 1e-5)):
+  # N contracts the 16-bit σ in both kernels, so a σ whose 16-bit rounding flips moves N by one
+  # bf16 ulp (3.9e-3) of σ·v. Flips come from exp2 vs exp (and the CPU's own exp: 2.6e-4 with
+  # three pieces on an AMD host, < 2e-4 on earlier ones) and, with two pieces, from σ moving by
+  # ~2⁻¹⁶ (measured 1.3e-3 at D = 128). S, total and the checkpoints are float32 sums of the
+  # unrounded σ, so they hold the pieces' exactness to 1e-5; the key tiles change only the order
+  # of float32 sums (1.3e-7).
+  for name, a, b, tol in zip(("N", "S", "total", "ckpt"), got, want, (3e-3, 1e-5, 1e-5, 1e-5)):
     assert a.shape == b.shape and a.dtype == jnp.float32, name
     assert _rel(a, b) < tol, (name, _rel(a, b))
 
