@@ -22,6 +22,8 @@ import pytest
 from pallas_kernels import (dilution, dilution_bwd, dilution_fwd, dilution_mgpu,
                             dilution_mgpu_b2, dilution_mgpu_fwd, mgpu_compat, reference)
 
+SLOW = pytest.mark.slow  # extra configurations: run with -m slow (conftest)
+
 R = 128   # checkpoint rows: several super-blocks at T = 256..384 with 64-row tiles
 BS = dilution.BlockSizes(block_q_stats=64, block_k_stats=64, block_q=32, block_k=64,
                          block_k_fwd=64, ckpt_rows=R)
@@ -75,7 +77,8 @@ def _assert_b1_close(got, want):
     assert _rel(a, b) < tol, (name, _rel(a, b))
 
 
-@pytest.mark.parametrize("T, segments, D, dtype, B, N, K", CASES)
+@pytest.mark.parametrize("T, segments, D, dtype, B, N, K",
+                         [CASES[0], pytest.param(*CASES[1], marks=SLOW), *CASES[2:]])
 def test_matches_the_triton_b1_interpret(T, segments, D, dtype, B, N, K):
   _assert_b1_close(*_b1_both(T, N, K, segments=segments, D=D, dtype=dtype, B=B))
 
@@ -103,8 +106,10 @@ def test_two_mask_pieces_stay_close():
 
 
 @pytest.mark.parametrize("T, segments, D, dtype, B, N, K, pieces, tiles, ckpt_rows",
-                         [c + (3, 1, R) for c in CASES] + [
-                             (384, True, 64, jnp.bfloat16, 1, 2, 1, 2, 1, R),
+                         [pytest.param(*c, 3, 1, R, marks=SLOW) for c in CASES[:2]]
+                         + [c + (3, 1, R) for c in CASES[2:]] + [
+                             pytest.param(384, True, 64, jnp.bfloat16, 1, 2, 1, 2, 1, R,
+                                          marks=SLOW),
                              (384, True, 64, jnp.bfloat16, 1, 4, 2, 3, 2, R),
                              (256, False, 64, jnp.float16, 1, 2, 1, 3, 4, R),
                              (256, True, 128, jnp.bfloat16, 1, 2, 1, 2, 2, R),

@@ -155,10 +155,8 @@ def test_matches_reference_interpret(i):
 @pytest.mark.slow
 @pytest.mark.usefixtures("_fast_interpreter")
 @pytest.mark.parametrize("i", range(len(SLOW_CASES)))
-def test_matches_reference_interpret_slow(i, request):
-  # CI runs `pytest tests` with no marker filter: slow cases run only when asked for (-m slow).
-  if "slow" not in (request.config.getoption("markexpr") or ""):
-    pytest.skip("slow interpret case: select with -m slow")
+def test_matches_reference_interpret_slow(i):
+  # conftest skips `slow` cases unless the marker expression asks for them (-m slow).
   causal, dtype, scale, kw = SLOW_CASES[i]
   _compare(200 + i, causal=causal, dtype=dtype, scale=scale, **kw)
 

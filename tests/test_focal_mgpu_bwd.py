@@ -29,6 +29,8 @@ from pallas_kernels import focal_mgpu_dkv
 from pallas_kernels import mgpu_compat as mc
 from pallas_kernels import reference
 
+SLOW = pytest.mark.slow  # extra configurations: run with -m slow (conftest)
+
 TOL = {jnp.bfloat16: 2e-2, jnp.float16: 5e-3}  # max|err| / max|ref|, per output
 
 
@@ -134,14 +136,15 @@ def _interpreted(args, *, causal, blocks, seg_BT=None):
 @pytest.mark.parametrize("dtype, causal, N, K, D, blocks", [
     (jnp.bfloat16, True, 2, 1, 64, Blocks()),
     (jnp.float16, False, 4, 2, 128, Blocks()),
-    (jnp.bfloat16, False, 2, 2, 64, Blocks(max_concurrent_steps=3)),
+    pytest.param(jnp.bfloat16, False, 2, 2, 64, Blocks(max_concurrent_steps=3), marks=SLOW),
     (jnp.bfloat16, True, 4, 2, 128, MIXED),
-    (jnp.float16, True, 4, 1, 64, Blocks()),
+    pytest.param(jnp.float16, True, 4, 1, 64, Blocks(), marks=SLOW),
     (jnp.bfloat16, True, 4, 2, 128, LeanBlocks()),
-    (jnp.float16, False, 2, 1, 64, LeanBlocks(max_concurrent_steps=3)),
+    pytest.param(jnp.float16, False, 2, 1, 64, LeanBlocks(max_concurrent_steps=3), marks=SLOW),
     (jnp.bfloat16, True, 4, 2, 64, PingpongBlocks(max_concurrent_steps=3)),
-    (jnp.float16, False, 2, 1, 128, PingpongBlocks(dkv_step="lean")),
-    (jnp.bfloat16, True, 4, 2, 128, PingpongBlocks(dkv_step="lean", pingpong_dq=False)),
+    pytest.param(jnp.float16, False, 2, 1, 128, PingpongBlocks(dkv_step="lean"), marks=SLOW),
+    pytest.param(jnp.bfloat16, True, 4, 2, 128, PingpongBlocks(dkv_step="lean", pingpong_dq=False),
+                 marks=SLOW),
 ])
 def test_matches_reference(dtype, causal, N, K, D, blocks):
   args, want = _problem(1, B=1, T=256, N=N, K=K, D=D, dtype=dtype, causal=causal)
@@ -152,7 +155,7 @@ def test_matches_reference(dtype, causal, N, K, D, blocks):
     # Two packed rows, GQA, mixed tiles and a 3-slot ring: ids resident and streamed both ways.
     (jnp.bfloat16, True, 2, 4, 2, 64, MIXED),
     (jnp.float16, False, 1, 2, 1, 128, Blocks()),  # every tile masked by segments alone
-    (jnp.bfloat16, True, 2, 4, 2, 64, PingpongBlocks(block_q_dkv=128)),
+    pytest.param(jnp.bfloat16, True, 2, 4, 2, 64, PingpongBlocks(block_q_dkv=128), marks=SLOW),
 ])
 def test_matches_reference_segments(dtype, causal, B, N, K, D, blocks):
   seg_BT = _packed_segment_ids(7, B, 256)

@@ -25,6 +25,8 @@ from pallas_kernels import focal_mgpu_bwd_fused as ff
 from pallas_kernels import mgpu_compat as mc
 import test_focal_mgpu_bwd as base  # tests/ is on sys.path under pytest
 
+SLOW = pytest.mark.slow  # extra configurations: run with -m slow (conftest)
+
 Blocks = base.Blocks
 
 
@@ -37,14 +39,14 @@ def _strict_ranks_and_fast_interpreter():
 @pytest.mark.parametrize("dtype, causal, N, K, D, blocks", [
     (jnp.bfloat16, True, 2, 1, 64, Blocks()),
     (jnp.bfloat16, False, 4, 2, 128, Blocks()),
-    (jnp.bfloat16, True, 4, 2, 128, Blocks()),
+    pytest.param(jnp.bfloat16, True, 4, 2, 128, Blocks(), marks=SLOW),
     # block_q != block_kv both ways (the causal block-range arithmetic), and a 3-slot ring.
     (jnp.bfloat16, True, 2, 1, 64, Blocks(block_q_dkv=128, block_kv_dkv=64)),
-    (jnp.float16, False, 4, 2, 64, Blocks(block_q_dkv=64, block_kv_dkv=128,
-                                          max_concurrent_steps=3)),
-    (jnp.bfloat16, True, 4, 2, 128, base.LeanBlocks()),
+    pytest.param(jnp.float16, False, 4, 2, 64, Blocks(block_q_dkv=64, block_kv_dkv=128,
+                                                      max_concurrent_steps=3), marks=SLOW),
+    pytest.param(jnp.bfloat16, True, 4, 2, 128, base.LeanBlocks(), marks=SLOW),
     (jnp.bfloat16, True, 4, 2, 64, base.PingpongBlocks(max_concurrent_steps=3)),
-    (jnp.float16, False, 2, 1, 128, base.PingpongBlocks(dkv_step="lean")),
+    pytest.param(jnp.float16, False, 2, 1, 128, base.PingpongBlocks(dkv_step="lean"), marks=SLOW),
 ])
 def test_matches_reference(dtype, causal, N, K, D, blocks):
   args, want = base._problem(1, B=1, T=256, N=N, K=K, D=D, dtype=dtype, causal=causal)
@@ -75,7 +77,7 @@ class JointPingpongBlocks(JointBlocks):
 
 @pytest.mark.parametrize("dtype, causal, N, K, blocks", [
     (jnp.bfloat16, True, 4, 2, HalvesBlocks()),
-    (jnp.float16, False, 2, 1, HalvesBlocks(max_concurrent_steps=1)),
+    pytest.param(jnp.float16, False, 2, 1, HalvesBlocks(max_concurrent_steps=1), marks=SLOW),
 ])
 def test_dq_halves_matches_reference(dtype, causal, N, K, blocks):
   """blocks.dq_halves (each warpgroup's dq tile as two 64-column wgmmas and reduces, the older
@@ -88,8 +90,8 @@ def test_dq_halves_matches_reference(dtype, causal, N, K, blocks):
 
 @pytest.mark.parametrize("dtype, causal, N, K", [
     (jnp.bfloat16, True, 4, 2),
-    (jnp.bfloat16, False, 2, 2),
-    (jnp.float16, True, 2, 1),
+    pytest.param(jnp.bfloat16, False, 2, 2, marks=SLOW),
+    pytest.param(jnp.float16, True, 2, 1, marks=SLOW),
 ])
 def test_joint_dq_matches_reference(dtype, causal, N, K):
   """blocks.joint_dq (both warpgroups compute dq over the CTA's 128 keys, half the columns each;
@@ -104,7 +106,7 @@ def test_joint_dq_matches_reference(dtype, causal, N, K):
 @pytest.mark.parametrize("dtype, causal, B, N, K, D, blocks", [
     (jnp.bfloat16, True, 2, 4, 2, 64, Blocks()),
     (jnp.bfloat16, True, 1, 2, 1, 128, JointBlocks()),
-    (jnp.float16, False, 1, 2, 2, 128, JointBlocks()),
+    pytest.param(jnp.float16, False, 1, 2, 2, 128, JointBlocks(), marks=SLOW),
 ])
 def test_matches_reference_segments(dtype, causal, B, N, K, D, blocks):
   """Packed segment ids (a key's gradient only from queries of its segment), with and without

@@ -22,6 +22,8 @@ from focaljax import generate as gen_lib
 from focaljax import model as model_lib
 from focaljax import optim
 
+SLOW = pytest.mark.slow  # extra configurations: run with -m slow (conftest)
+
 V = 97
 
 
@@ -207,9 +209,9 @@ def test_batched_chunks_equal_one_at_a_time():
 
 @pytest.mark.parametrize("layout, bias, sink, path",
                          [(layout, "none", "none", "adapter") for layout in focus.CANDIDATE_POSITIONS]
-                         + [("sequential", "log_count", "none", "adapter"),
+                         + [pytest.param("sequential", "log_count", "none", "adapter", marks=SLOW),
                             ("sequential", "none", "first_token", "adapter"),
-                            ("shared", "none", "first_token", "adapter"),
+                            pytest.param("shared", "none", "first_token", "adapter", marks=SLOW),
                             ("sequential", "none", "none", "frozen")])
 def test_incremental_generation_equals_recomputation(layout, bias, sink, path):
   base = tiny_base(qk_norm=True)

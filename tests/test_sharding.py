@@ -13,6 +13,8 @@ import pytest
 
 from focaljax import sharding
 
+SLOW = pytest.mark.slow  # extra configurations: run with -m slow (conftest)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 4
 
@@ -46,7 +48,7 @@ def single(tmp_path_factory):
   return _train(tmp_path_factory.mktemp("one"), devices=1)
 
 
-@pytest.mark.parametrize("mesh", [(8, 1, 1), (2, 2, 2), (1, 4, 2)])
+@pytest.mark.parametrize("mesh", [(8, 1, 1), (2, 2, 2), pytest.param((1, 4, 2), marks=SLOW)])
 def test_eight_devices_match_one(single, mesh, tmp_path):
   data, fsdp, tensor = mesh
   losses = _train(tmp_path, devices=8, extra=[f"--config.mesh.data={data}",
