@@ -80,7 +80,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       tau_mean="causal",         # causal | token | sequence (see focaljax.attention.TauMean)
       eps=1e-9,                  # dilution ε
       # dilution, Pallas: rows between the demand checkpoints the backward keeps (power of two
-      # >= 64; ceil(T/R)·T·4 bytes per row and head). 64: no carry rebuild on Hopper (untimed).
+      # >= 64; ceil(T/R)·T·4 bytes per row and head). 64: no carry rebuild on Hopper (H200: the
+      # op 0-8% faster, the 209M step 0.9%).
       checkpoint_rows=1024,
   ))
   c.data = ml_collections.ConfigDict(dict(

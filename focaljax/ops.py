@@ -197,7 +197,7 @@ def dilution_attention(q, k, v, *, scale=None, eps=1e-9, segment_ids=None, imple
 
   `checkpoint_rows` (Pallas): rows R between the demand checkpoints the backward keeps, a power
   of two >= 64; they take ceil(T / R)·T·4 bytes per batch row and query head. None: the kernels'
-  1024. 64 lets the Hopper backward skip rebuilding its carries (untimed).
+  1024. 64 lets the Hopper backward skip rebuilding its carries (H200: 0-8% faster end to end).
   """
   reference.check_qkv(q, k, v)
   if checkpoint_rows is not None:

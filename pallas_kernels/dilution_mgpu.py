@@ -36,7 +36,7 @@ The producer streams each super-block's row tiles twice (top-down, then bottom-u
 [bq, D] and the rows lse, S, dbar, segment ids through a ring of `steps` slots. With
 ckpt_rows = 64 each super-block is one tile whose carry is F2's checkpoint: no mini-sweep, one
 stream, one k·qᵀ and exp per tile pair fewer (memory ceil(T/64)·T·4 bytes per (batch, head);
-interpret-tested, not yet timed).
+compiled-tested; H200, (2,12,16K,64): B1 alone 28.6 -> 26.8 ms, the op no faster).
 SMEM (D = 64, 16-bit, steps = 2): k, v 16 KB; U, L 16 KB; ring 33 KB; W 8 KB; dq tile 16 KB;
 dk/dv out tile 16 KB; carries 4·ckpt_rows/bq·64 bytes; ~110 KB. Registers: dk, dv (64 each at
 D = 64) plus the [64, 64] float32 tiles (32 each).

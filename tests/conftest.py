@@ -5,8 +5,6 @@ import shutil
 import sys
 import tempfile
 
-import pytest
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
@@ -36,15 +34,3 @@ if shutil.which("nvidia-smi") is None and "xla_backend_optimization_level" not i
     "XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              " --xla_backend_optimization_level=0").strip()
-
-
-def pytest_collection_modifyitems(config, items):
-  """Cases marked `slow` (extra tile configurations of a kernel whose main cases run anyway) run
-  only when the marker expression names them: `pytest tests -m slow` or `-m "slow or not slow"`;
-  the README's `pytest tests` skips them, to keep CI on 2 cores well inside its time."""
-  if "slow" in (config.getoption("markexpr") or ""):
-    return
-  skip = pytest.mark.skip(reason="slow case: select with -m slow")
-  for item in items:
-    if "slow" in item.keywords:
-      item.add_marker(skip)

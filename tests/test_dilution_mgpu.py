@@ -22,7 +22,7 @@ import pytest
 from pallas_kernels import (dilution, dilution_bwd, dilution_fwd, dilution_mgpu,
                             dilution_mgpu_b2, dilution_mgpu_fwd, mgpu_compat, reference)
 
-SLOW = pytest.mark.slow  # extra configurations: run with -m slow (conftest)
+SLOW = pytest.mark.slow  # extra configurations: deselected unless -m slow (pyproject)
 
 R = 128   # checkpoint rows: several super-blocks at T = 256..384 with 64-row tiles
 BS = dilution.BlockSizes(block_q_stats=64, block_k_stats=64, block_q=32, block_k=64,

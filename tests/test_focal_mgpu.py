@@ -156,7 +156,7 @@ def test_matches_reference_interpret(i):
 @pytest.mark.usefixtures("_fast_interpreter")
 @pytest.mark.parametrize("i", range(len(SLOW_CASES)))
 def test_matches_reference_interpret_slow(i):
-  # conftest skips `slow` cases unless the marker expression asks for them (-m slow).
+  # deselected by pyproject's addopts unless the command line asks for them (-m slow).
   causal, dtype, scale, kw = SLOW_CASES[i]
   _compare(200 + i, causal=causal, dtype=dtype, scale=scale, **kw)
 

@@ -29,7 +29,7 @@ from pallas_kernels import focal_mgpu_dkv
 from pallas_kernels import mgpu_compat as mc
 from pallas_kernels import reference
 
-SLOW = pytest.mark.slow  # extra configurations: run with -m slow (conftest)
+SLOW = pytest.mark.slow  # extra configurations: deselected unless -m slow (pyproject)
 
 TOL = {jnp.bfloat16: 2e-2, jnp.float16: 5e-3}  # max|err| / max|ref|, per output
 

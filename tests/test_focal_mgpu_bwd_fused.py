@@ -25,7 +25,7 @@ from pallas_kernels import focal_mgpu_bwd_fused as ff
 from pallas_kernels import mgpu_compat as mc
 import test_focal_mgpu_bwd as base  # tests/ is on sys.path under pytest
 
-SLOW = pytest.mark.slow  # extra configurations: run with -m slow (conftest)
+SLOW = pytest.mark.slow  # extra configurations: deselected unless -m slow (pyproject)
 
 Blocks = base.Blocks
 

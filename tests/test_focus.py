@@ -22,7 +22,7 @@ from focaljax import generate as gen_lib
 from focaljax import model as model_lib
 from focaljax import optim
 
-SLOW = pytest.mark.slow  # extra configurations: run with -m slow (conftest)
+SLOW = pytest.mark.slow  # extra configurations: deselected unless -m slow (pyproject)
 
 V = 97
 

@@ -13,7 +13,7 @@ import pytest
 
 from focaljax import sharding
 
-SLOW = pytest.mark.slow  # extra configurations: run with -m slow (conftest)
+SLOW = pytest.mark.slow  # extra configurations: deselected unless -m slow (pyproject)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 4
