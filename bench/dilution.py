@@ -93,7 +93,10 @@ B1_VARIANTS = {"default": dict(), "plain": B1_PLAIN,
                # a checkpoint per 64-row tile: the Mosaic B1 rebuilds no carries (one k·qᵀ and
                # exp per tile pair fewer), at ceil(T/64)·T·4 bytes per (batch, head), past the
                # issue's R >= 1024 memory bound
-               "ckpt64": dict(ckpt_rows=64)}
+               "ckpt64": dict(ckpt_rows=64),
+               # fewer instructions per element in the Mosaic B1 and F2 (BlockSizes.mosaic_lean:
+               # approx_math, rsqrt.approx² reciprocals, position vectors, XLA's per-query rows)
+               "lean": dict(mosaic_lean=True)}
 SMOKE_BLOCKS = dilution.BlockSizes(block_q_stats=16, block_k_stats=16, block_q=16, block_k=32,
                                    block_k_fwd=32, ckpt_rows=32, block_k_decode=16, split_k_decode=64)
 
@@ -212,6 +215,12 @@ def _passes(shape, dtype, reps, interpret, bs, b1_variants=("default",)):
       kw_m = dict(kw, bs=dataclasses.replace(bs, f2_impl="mosaic", mosaic_registers=r,
                                              f2_mask_pieces=pieces, f2_key_tiles=tiles))
       name = f"mosaic_r{r}" + ("_2p" if pieces == 2 else "") + (f"_k{tiles}" if tiles > 1 else "")
+      passes.append(("F2 key_sweep", name, lambda q, k, v, lse, kw_m=kw_m: dilution.f2_key_sweep(
+          q, k, v, seg, lse, eps=1e-9, with_ckpt=True, **kw_m), (q, k, v, lse)))
+  if any("mosaic_lean" in B1_VARIANTS[v] for v in b1_variants):
+    # F2 as the op runs it here (`bs`), without and with BlockSizes.mosaic_lean
+    for name, lean in (("machine", False), ("machine_lean", True)):
+      kw_m = dict(kw, bs=dataclasses.replace(bs, mosaic_lean=lean))
       passes.append(("F2 key_sweep", name, lambda q, k, v, lse, kw_m=kw_m: dilution.f2_key_sweep(
           q, k, v, seg, lse, eps=1e-9, with_ckpt=True, **kw_m), (q, k, v, lse)))
   for variant in b1_variants:

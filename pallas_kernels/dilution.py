@@ -146,6 +146,11 @@ class BlockSizes:
   # stores 488 → 368 bytes and B1 alone 84 → 86 TFLOP/s, forward+backward 51.36 → 51.06 ms;
   # F2 spills nothing either way and runs the same.
   mosaic_registers: int = 256
+  # Fewer instructions per element in the Mosaic B1 and F2 (thirty-fourth session; untimed, so
+  # off): approx_math (ex2.approx), reciprocals as rsqrt.approx² instead of IEEE divisions, the
+  # causal mask from [64] position vectors instead of two live int32 tiles, and B1's per-query
+  # 1/(S + ε) and dbar/(S + ε) computed once by XLA instead of in every key block.
+  mosaic_lean: bool = False
 
   @classmethod
   def default(cls, head_dim: int, dtype=None, *, hopper: bool = False) -> "BlockSizes":
@@ -205,6 +210,8 @@ class BlockSizes:
     if self.f2_key_tiles not in dilution_mgpu_fwd.key_tiles_for(D):
       raise ValueError(f"BlockSizes.f2_key_tiles={self.f2_key_tiles!r} must be one of "
                        f"{dilution_mgpu_fwd.key_tiles_for(D)} at head dim {D}")
+    if not isinstance(self.mosaic_lean, bool):
+      raise ValueError(f"BlockSizes.mosaic_lean={self.mosaic_lean!r} must be True or False")
     if self.mosaic_registers not in range(232, 257, 8):
       raise ValueError(f"BlockSizes.mosaic_registers={self.mosaic_registers!r} must be one of "
                        f"{list(range(232, 257, 8))}")
@@ -294,7 +301,8 @@ def f2_key_sweep(q, k, v, seg, lse, *, scale, eps, bs, with_ckpt, interpret):
                                        ckpt_rows=bs.ckpt_rows, with_ckpt=with_ckpt,
                                        mask_pieces=bs.f2_mask_pieces,
                                        key_tiles=bs.f2_key_tiles,
-                                       registers=bs.mosaic_registers, interpret=interpret)
+                                       registers=bs.mosaic_registers, lean=bs.mosaic_lean,
+                                       interpret=interpret)
   return dilution_fwd.key_sweep(q, k, v, seg, lse, scale=scale, eps=eps, bs=bs,
                                 with_ckpt=with_ckpt, interpret=interpret)
 
@@ -305,7 +313,8 @@ def b1_reverse_sweep(q, k, v, seg, lse, ssum, dbar, do, ckpt, *, scale, eps, bs,
     return dilution_mgpu.reverse_sweep(q, k, v, seg, lse, ssum, dbar, do, ckpt, scale=scale,
                                        eps=eps, ckpt_rows=bs.ckpt_rows,
                                        mask_pieces=bs.b1_mask_pieces,
-                                       registers=bs.mosaic_registers, interpret=interpret)
+                                       registers=bs.mosaic_registers, lean=bs.mosaic_lean,
+                                       interpret=interpret)
   return dilution_bwd.reverse_sweep(q, k, v, seg, lse, ssum, dbar, do, ckpt, scale=scale, eps=eps,
                                     bs=bs, interpret=interpret)
 

@@ -89,16 +89,43 @@ def tile_probs_kq(k_s, q_tile, lse_tile, segq_tile, segk_K, key_KQ, qry_KQ, i, *
                   interpret):
   """Causal softmax probabilities of one [keys, queries] tile, float32, exactly 0 where masked:
   p = exp2(log2e·(s·k·qᵀ − lse)) for keys ≤ queries of one segment. key_KQ: the tile's key
-  positions; qry_KQ: 0..bq-1 along the queries (row tile i); the rest are SMEM refs."""
-  shape_KQ = key_KQ.shape
-  col_layout = plgpu.Layout.WGMMA.reduce(0)
+  positions; qry_KQ: 0..bq-1 along the queries (row tile i); the rest are SMEM refs. Given as
+  [keys] and [queries] vectors (`positions`, lean) they are broadcast into the comparison
+  instead: two full int32 tiles (64 registers a thread) need not stay live across the loop."""
   r_KQ = mc.mma(k_s, q_tile, transpose_b=True, interpret=interpret)
+  shape_KQ = r_KQ.shape
+  col_layout = plgpu.Layout.WGMMA.reduce(0)
   lse_Q = mc.load(lse_tile, layout=col_layout, interpret=interpret)
   segq_Q = mc.load(segq_tile, layout=col_layout, interpret=interpret)
   x_KQ = r_KQ * (scale * LOG2E) - _bcast(lse_Q * LOG2E, shape_KQ, 1)
-  vis = (key_KQ <= qry_KQ + i * shape_KQ[1]) & (_bcast(segk_K, shape_KQ, 0)
-                                                == _bcast(segq_Q, shape_KQ, 1))
+  if key_KQ.ndim == 1:
+    causal = _bcast(key_KQ, shape_KQ, 0) <= _bcast(qry_KQ + i * shape_KQ[1], shape_KQ, 1)
+  else:
+    causal = key_KQ <= qry_KQ + i * shape_KQ[1]
+  vis = causal & (_bcast(segk_K, shape_KQ, 0) == _bcast(segq_Q, shape_KQ, 1))
   return jnp.exp2(jnp.where(vis, x_KQ, -jnp.inf))
+
+
+def positions(k0, *, lean: bool, interpret):
+  """The key positions (from k0) and the in-tile query offsets 0..63 that `tile_probs_kq`
+  compares: [64] vectors in the WGMMA row / column layouts when lean, else full [64, 64] tiles
+  (the layout every kernel was compiled and timed with until `BlockSizes.mosaic_lean`)."""
+  wgmma = plgpu.Layout.WGMMA
+  if lean:
+    return (mc.iota(jnp.int32, (BKV,), 0, wgmma.reduce(1), interpret=interpret) + k0,
+            mc.iota(jnp.int32, (BQ,), 0, wgmma.reduce(0), interpret=interpret))
+  return (mc.iota(jnp.int32, (BKV, BQ), 0, wgmma, interpret=interpret) + k0,
+          mc.iota(jnp.int32, (BKV, BQ), 1, wgmma, interpret=interpret))
+
+
+def recip(x, *, lean: bool):
+  """1/x for x > 0 (here always ≥ ε). lean: rsqrt(x)², which under approx_math is one
+  rsqrt.approx.f32 (MUFU) and a multiply, ~2⁻²² relative; `1/x` lowers to an IEEE division
+  (div.rn.f32: a refinement sequence and a slow-path branch per element)."""
+  if lean:
+    r = lax.rsqrt(x)
+    return r * r
+  return 1.0 / x
 
 
 def ring_slot(st, steps: int, q_free):
@@ -124,7 +151,7 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, ssum_ref, dbar_ref, do_ref, c
             k_s, v_s, up_s, lo_s, segk_s, ck0_s, ck_s, q_s, do_s, lse_s, ssum_s, dbar_s, segq_s,
             w_s, dq_s, gh_s, out_s, res_bar, ck_bar, q_bar, q_free,
             *, scale, eps, n_q, n_super, ckpt_tiles, group, steps, mask_pieces, registers,
-            interpret):
+            lean, interpret):
   n, jk, b = lax.axis_index("heads"), lax.axis_index("kv_seq"), lax.axis_index("batch")
   wg = lax.axis_index("wg")
   k0 = jk * BKV
@@ -147,8 +174,7 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, ssum_ref, dbar_ref, do_ref, c
     dq_out = dq_acc.at[jk] if interpret else dq_acc
     gh_out = gh_acc.at[jk] if interpret else gh_acc
     shape_KQ = (BKV, BQ)
-    key_KQ = mc.iota(jnp.int32, shape_KQ, 0, wgmma, interpret=interpret) + k0
-    qry_KQ = mc.iota(jnp.int32, shape_KQ, 1, wgmma, interpret=interpret)
+    key_KQ, qry_KQ = positions(k0, lean=lean, interpret=interpret)
 
     def probs(slot, i):
       return tile_probs_kq(k_s, q_s.at[slot], lse_s.at[slot], segq_s.at[slot], segk_K, key_KQ,
@@ -159,19 +185,33 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, ssum_ref, dbar_ref, do_ref, c
       p_KQ = probs(slot, i)
       c_KQ = _bcast(carry_K, shape_KQ, 0) + mask_dot(p_KQ, up_s, pieces=mask_pieces,
                                                      interpret=interpret)
-      inv_KQ = 1.0 / (c_KQ + p_KQ + eps)
-      rn_Q = _bcast(1.0 / (mc.load(ssum_s.at[slot], layout=col_layout, interpret=interpret)
-                           + eps), shape_KQ, 1)
-      a_KQ = p_KQ * inv_KQ * rn_Q
+      rows_Q = mc.load(ssum_s.at[slot], layout=col_layout, interpret=interpret)
+      if lean:   # the rows arrive as 1/(S + ε) and dbar/(S + ε) (reverse_sweep)
+        ce_KQ = c_KQ + eps
+        inv_KQ = recip(ce_KQ + p_KQ, lean=True)
+        rn_Q = _bcast(rows_Q, shape_KQ, 1)
+        pi_KQ = p_KQ * inv_KQ
+        a_KQ = pi_KQ * rn_Q
+      else:
+        inv_KQ = 1.0 / (c_KQ + p_KQ + eps)
+        rn_Q = _bcast(1.0 / (rows_Q + eps), shape_KQ, 1)
+        a_KQ = p_KQ * inv_KQ * rn_Q
       dv_KD, dp_KQ = mc.mma_pair((a_KQ.astype(q_s.dtype), do_s.at[slot], dv_KD, False),
                                  (v_s, do_s.at[slot], None, True), interpret=interpret)
       dbar_Q = mc.load(dbar_s.at[slot], layout=col_layout, interpret=interpret)
-      ds_KQ = (dp_KQ - _bcast(dbar_Q, shape_KQ, 1)) * rn_Q
-      inv2_KQ = inv_KQ * inv_KQ
-      g_KQ = -(ds_KQ * p_KQ * inv2_KQ)
-      w_KQ = p_KQ * ds_KQ * (c_KQ + eps) * inv2_KQ
-      w_KQ = w_KQ + p_KQ * (_bcast(sufk_K, shape_KQ, 0) + mask_dot(
-          g_KQ, lo_s, pieces=mask_pieces, interpret=interpret))
+      if lean:
+        # The same terms as below: ds·(c + ε)·inv² = t·(ce·inv) and ds·p·inv² = t·pi.
+        t_KQ = (dp_KQ * rn_Q - _bcast(dbar_Q, shape_KQ, 1)) * inv_KQ
+        g_KQ = -(t_KQ * pi_KQ)
+        w_KQ = p_KQ * (t_KQ * (ce_KQ * inv_KQ) + _bcast(sufk_K, shape_KQ, 0) + mask_dot(
+            g_KQ, lo_s, pieces=mask_pieces, interpret=interpret))
+      else:
+        ds_KQ = (dp_KQ - _bcast(dbar_Q, shape_KQ, 1)) * rn_Q
+        inv2_KQ = inv_KQ * inv_KQ
+        g_KQ = -(ds_KQ * p_KQ * inv2_KQ)
+        w_KQ = p_KQ * ds_KQ * (c_KQ + eps) * inv2_KQ
+        w_KQ = w_KQ + p_KQ * (_bcast(sufk_K, shape_KQ, 0) + mask_dot(
+            g_KQ, lo_s, pieces=mask_pieces, interpret=interpret))
       sufk_K = sufk_K + g_KQ.sum(axis=1)
       gh_Q = w_KQ.sum(axis=0)
       w16_KQ = w_KQ.astype(q_s.dtype)
@@ -274,14 +314,16 @@ def supported(q, ckpt_rows: int) -> str | None:
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "eps", "ckpt_rows", "steps",
-                                             "mask_pieces", "registers", "interpret"))
+                                             "mask_pieces", "registers", "lean", "interpret"))
 def reverse_sweep(q, k, v, seg, lse, ssum, dbar, do, ckpt, *, scale, eps, ckpt_rows, steps=2,
-                  mask_pieces=3, registers=256, interpret=False):
+                  mask_pieces=3, registers=256, lean=False, interpret=False):
   """B1 as `dilution_bwd.reverse_sweep`: (dq_main [B,T,Hq,D], ĝ [B,Hq,T], dk_main, dv
   [B,T,Hq,D] per query head), all float32. seg int32 [B, T]; lse, ssum, dbar float32 [B,Hq,T];
   do in q.dtype; ckpt float32 [B, Hq, ceil(T / ckpt_rows), T] from F2 with the same ckpt_rows.
   mask_pieces: bf16 pieces per in-tile prefix/suffix product (3 exact, 2; `mask_dot`).
-  registers: the compute warpgroup's setmaxnreg (232..256, BlockSizes.mosaic_registers)."""
+  registers: the compute warpgroup's setmaxnreg (232..256, BlockSizes.mosaic_registers).
+  lean: BlockSizes.mosaic_lean (approx_math, `recip`, `positions` as vectors, and the rows
+  1/(S + ε) and dbar/(S + ε) computed here once instead of per key block)."""
   why = supported(q, ckpt_rows)
   if why:
     raise ValueError(f"dilution_mgpu.reverse_sweep: {why}")
@@ -297,10 +339,13 @@ def reverse_sweep(q, k, v, seg, lse, ssum, dbar, do, ckpt, *, scale, eps, ckpt_r
   steps = max(1, min(steps, n_q))
   ckpt_tiles = ckpt_rows // BQ
   vec = lambda dtype: plgpu.SMEM((steps, BQ), dtype)
+  if lean:
+    ssum = 1.0 / (ssum + eps)
+    dbar = dbar * ssum
   dk, dv = mc.ref_kernel(
       functools.partial(_kernel, scale=float(scale), eps=float(eps), n_q=n_q,
                         n_super=ckpt.shape[2], ckpt_tiles=ckpt_tiles, group=N // k.shape[2],
-                        steps=steps, mask_pieces=mask_pieces, registers=registers,
+                        steps=steps, mask_pieces=mask_pieces, registers=registers, lean=lean,
                         interpret=flag),
       out_type=[jax.ShapeDtypeStruct(q.shape, jnp.float32)] * 2,
       scratch_types=[
@@ -321,7 +366,7 @@ def reverse_sweep(q, k, v, seg, lse, ssum, dbar, do, ckpt, *, scale, eps, ckpt_r
       ],
       grid=(N, n_kb, B), grid_names=("heads", "kv_seq", "batch"),
       num_threads=2, thread_name="wg",
-      compiler_params=plgpu.CompilerParams(),
+      compiler_params=plgpu.CompilerParams(approx_math=lean),
       interpret=params, name="dilution_mgpu_b1")(
           q, k, v, seg, lse, ssum, dbar, do, ckpt, upper, lower, dq_acc, gh_acc)
   dq, gh = dq_acc[...], gh_acc[...]

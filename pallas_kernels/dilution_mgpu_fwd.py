@@ -65,7 +65,7 @@ def key_tiles_for(D: int) -> tuple[int, ...]:
 def _kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, incl_ref, n_acc, s_acc, ckpt_ref, total_ref,
             k_s, v_s, incl_s, segk_s, q_s, lse_s, segq_s, sig_s, n_s, s_s, vec_s,
             res_bar, q_bar, q_free, *, scale, eps, n_q, ckpt_tiles, group, steps, with_ckpt,
-            mask_pieces, key_tiles, registers, interpret):
+            mask_pieces, key_tiles, registers, lean, interpret):
   n, jk, b = lax.axis_index("heads"), lax.axis_index("kv_seq"), lax.axis_index("batch")
   wg = lax.axis_index("wg")
   G = key_tiles
@@ -92,8 +92,7 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, incl_ref, n_acc, s_acc, ckpt_
     n_out = n_acc.at[jk] if interpret else n_acc   # interpreted: this CTA's own slab
     s_out = s_acc.at[jk] if interpret else s_acc
     shape_KQ = (BKV, BQ)
-    key_KQ = mc.iota(jnp.int32, shape_KQ, 0, wgmma, interpret=interpret) + k0
-    qry_KQ = mc.iota(jnp.int32, shape_KQ, 1, wgmma, interpret=interpret)
+    key_KQ, qry_KQ = dm.positions(k0, lean=lean, interpret=interpret)
 
     def write_vecs(carries, dst):
       """Per-key vectors to GMEM (dst(g): tile g's [64] keys): SMEM, then TMA (the last copies
@@ -123,7 +122,7 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, incl_ref, n_acc, s_acc, ckpt_
           plgpu.barrier_arrive(q_free.at[slot])   # q, lse and ids of this slot are read
         incl_KQ = dm._bcast(carries[g], shape_KQ, 0) + dm.mask_dot(
             p_KQ, incl_s, pieces=mask_pieces, interpret=interpret)
-        sig_KQ = p_KQ / (incl_KQ + eps)
+        sig_KQ = p_KQ * dm.recip(incl_KQ + eps, lean=True) if lean else p_KQ / (incl_KQ + eps)
         sig_sum_KQ = sig_KQ if sig_sum_KQ is None else sig_sum_KQ + sig_KQ
         if g == G - 1:
           s_Q = sig_sum_KQ.sum(axis=0)
@@ -168,16 +167,17 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, incl_ref, n_acc, s_acc, ckpt_
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "eps", "ckpt_rows", "with_ckpt", "steps",
-                                             "mask_pieces", "key_tiles", "registers",
+                                             "mask_pieces", "key_tiles", "registers", "lean",
                                              "interpret"))
 def key_sweep(q, k, v, seg, lse, *, scale, eps, ckpt_rows, with_ckpt, steps=2, mask_pieces=3,
-              key_tiles=1, registers=256, interpret=False):
+              key_tiles=1, registers=256, lean=False, interpret=False):
   """F2 as `dilution_fwd.key_sweep`: (N float32 [B,T,Hq,D], S, total float32 [B,Hq,T], ckpt
   float32 [B, Hq, ceil(T / ckpt_rows), T] or None). seg int32 [B, T]; lse float32 [B, Hq, T].
   mask_pieces: bf16 pieces of p in the in-tile prefix (3 exact, 2 ~16 bits; dm.mask_dot).
   key_tiles: 64-key tiles per CTA (1, 2, 4; BlockSizes.f2_key_tiles), their N and S summed
   before one reduce-add per row tile; T must be a multiple of 64·key_tiles.
-  registers: the compute warpgroup's setmaxnreg (232..256, BlockSizes.mosaic_registers)."""
+  registers: the compute warpgroup's setmaxnreg (232..256, BlockSizes.mosaic_registers).
+  lean: BlockSizes.mosaic_lean (approx_math, dm.recip, dm.positions as vectors)."""
   why = dm.supported(q, ckpt_rows)
   B, T, N, D = q.shape
   if not why and (key_tiles not in key_tiles_for(D) or T % (key_tiles * BKV)):
@@ -202,7 +202,7 @@ def key_sweep(q, k, v, seg, lse, *, scale, eps, ckpt_rows, with_ckpt, steps=2, m
       functools.partial(_kernel, scale=float(scale), eps=float(eps), n_q=n_q,
                         ckpt_tiles=ckpt_rows // BQ, group=N // k.shape[2], steps=steps,
                         with_ckpt=with_ckpt, mask_pieces=mask_pieces, key_tiles=key_tiles,
-                        registers=registers, interpret=flag),
+                        registers=registers, lean=lean, interpret=flag),
       out_type=jax.ShapeDtypeStruct((B, N, T), jnp.float32),   # every key block writes its keys
       scratch_types=[
           dm._tile_smem(tiles + (BKV, D), k.dtype), dm._tile_smem(tiles + (BKV, D), k.dtype),
@@ -217,7 +217,7 @@ def key_sweep(q, k, v, seg, lse, *, scale, eps, ckpt_rows, with_ckpt, steps=2, m
           plgpu.Barrier(num_arrivals=1, num_barriers=steps),   # slot released
       ],
       grid=(N, T // (G * BKV), B), grid_names=("heads", "kv_seq", "batch"),
-      num_threads=2, thread_name="wg", compiler_params=plgpu.CompilerParams(),
+      num_threads=2, thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=lean),
       interpret=params, name="dilution_mgpu_f2")(
           q, k, v, seg, lse, (r_QQ <= i_QQ).astype(jnp.bfloat16), n_acc, s_acc, ckpt)
   n_out, s_out = n_acc[...], s_acc[...]
