@@ -96,7 +96,10 @@ B1_VARIANTS = {"default": dict(), "plain": B1_PLAIN,
                "ckpt64": dict(ckpt_rows=64),
                # fewer instructions per element in the Mosaic B1 and F2 (BlockSizes.mosaic_lean:
                # approx_math, rsqrt.approx² reciprocals, position vectors, XLA's per-query rows)
-               "lean": dict(mosaic_lean=True)}
+               "lean": dict(mosaic_lean=True),
+               # ... and no mask on tiles below the diagonal within one segment
+               # (BlockSizes.mosaic_skip_masks)
+               "lean_skip": dict(mosaic_lean=True, mosaic_skip_masks=True)}
 SMOKE_BLOCKS = dilution.BlockSizes(block_q_stats=16, block_k_stats=16, block_q=16, block_k=32,
                                    block_k_fwd=32, ckpt_rows=32, block_k_decode=16, split_k_decode=64)
 
@@ -217,10 +220,11 @@ def _passes(shape, dtype, reps, interpret, bs, b1_variants=("default",)):
       name = f"mosaic_r{r}" + ("_2p" if pieces == 2 else "") + (f"_k{tiles}" if tiles > 1 else "")
       passes.append(("F2 key_sweep", name, lambda q, k, v, lse, kw_m=kw_m: dilution.f2_key_sweep(
           q, k, v, seg, lse, eps=1e-9, with_ckpt=True, **kw_m), (q, k, v, lse)))
-  if any("mosaic_lean" in B1_VARIANTS[v] for v in b1_variants):
-    # F2 as the op runs it here (`bs`), without and with BlockSizes.mosaic_lean
-    for name, lean in (("machine", False), ("machine_lean", True)):
-      kw_m = dict(kw, bs=dataclasses.replace(bs, mosaic_lean=lean))
+  lean_variants = [v for v in b1_variants if "mosaic_lean" in B1_VARIANTS[v]]
+  if lean_variants:
+    # F2 as the op runs it here (`bs`), without and with each BlockSizes.mosaic_lean variant
+    for name in ["default", *lean_variants]:
+      kw_m = dict(kw, bs=dataclasses.replace(bs, **B1_VARIANTS[name]))
       passes.append(("F2 key_sweep", name, lambda q, k, v, lse, kw_m=kw_m: dilution.f2_key_sweep(
           q, k, v, seg, lse, eps=1e-9, with_ckpt=True, **kw_m), (q, k, v, lse)))
   for variant in b1_variants:

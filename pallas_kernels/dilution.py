@@ -151,6 +151,10 @@ class BlockSizes:
   # causal mask from [64] position vectors instead of two live int32 tiles, and B1's per-query
   # 1/(S + ε) and dbar/(S + ε) computed once by XLA instead of in every key block.
   mosaic_lean: bool = False
+  # Skip the causal/segment mask (compares and a select per element, twice per B1 tile pair) on
+  # tiles below the diagonal whose 64 keys and 64 queries lie in one segment: a branch per tile on
+  # per-block (min, max) segment ids (dilution_mgpu.visible_all). Untimed, so off.
+  mosaic_skip_masks: bool = False
 
   @classmethod
   def default(cls, head_dim: int, dtype=None, *, hopper: bool = False) -> "BlockSizes":
@@ -210,8 +214,9 @@ class BlockSizes:
     if self.f2_key_tiles not in dilution_mgpu_fwd.key_tiles_for(D):
       raise ValueError(f"BlockSizes.f2_key_tiles={self.f2_key_tiles!r} must be one of "
                        f"{dilution_mgpu_fwd.key_tiles_for(D)} at head dim {D}")
-    if not isinstance(self.mosaic_lean, bool):
-      raise ValueError(f"BlockSizes.mosaic_lean={self.mosaic_lean!r} must be True or False")
+    for field in ("mosaic_lean", "mosaic_skip_masks"):
+      if not isinstance(getattr(self, field), bool):
+        raise ValueError(f"BlockSizes.{field}={getattr(self, field)!r} must be True or False")
     if self.mosaic_registers not in range(232, 257, 8):
       raise ValueError(f"BlockSizes.mosaic_registers={self.mosaic_registers!r} must be one of "
                        f"{list(range(232, 257, 8))}")
@@ -302,7 +307,7 @@ def f2_key_sweep(q, k, v, seg, lse, *, scale, eps, bs, with_ckpt, interpret):
                                        mask_pieces=bs.f2_mask_pieces,
                                        key_tiles=bs.f2_key_tiles,
                                        registers=bs.mosaic_registers, lean=bs.mosaic_lean,
-                                       interpret=interpret)
+                                       skip_masks=bs.mosaic_skip_masks, interpret=interpret)
   return dilution_fwd.key_sweep(q, k, v, seg, lse, scale=scale, eps=eps, bs=bs,
                                 with_ckpt=with_ckpt, interpret=interpret)
 
@@ -314,7 +319,7 @@ def b1_reverse_sweep(q, k, v, seg, lse, ssum, dbar, do, ckpt, *, scale, eps, bs,
                                        eps=eps, ckpt_rows=bs.ckpt_rows,
                                        mask_pieces=bs.b1_mask_pieces,
                                        registers=bs.mosaic_registers, lean=bs.mosaic_lean,
-                                       interpret=interpret)
+                                       skip_masks=bs.mosaic_skip_masks, interpret=interpret)
   return dilution_bwd.reverse_sweep(q, k, v, seg, lse, ssum, dbar, do, ckpt, scale=scale, eps=eps,
                                     bs=bs, interpret=interpret)
 

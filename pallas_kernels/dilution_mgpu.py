@@ -86,24 +86,48 @@ def mask_dot(x_KQ, mask_s, *, pieces: int = 3, interpret):
 
 
 def tile_probs_kq(k_s, q_tile, lse_tile, segq_tile, segk_K, key_KQ, qry_KQ, i, *, scale,
-                  interpret):
+                  interpret, unmasked=None):
   """Causal softmax probabilities of one [keys, queries] tile, float32, exactly 0 where masked:
   p = exp2(log2e·(s·k·qᵀ − lse)) for keys ≤ queries of one segment. key_KQ: the tile's key
   positions; qry_KQ: 0..bq-1 along the queries (row tile i); the rest are SMEM refs. Given as
   [keys] and [queries] vectors (`positions`, lean) they are broadcast into the comparison
-  instead: two full int32 tiles (64 registers a thread) need not stay live across the loop."""
+  instead: two full int32 tiles (64 registers a thread) need not stay live across the loop.
+  unmasked: None, or a scalar bool, True where every pair of the tile is visible (`visible_all`):
+  then the mask's compares and select are skipped (a branch per tile)."""
   r_KQ = mc.mma(k_s, q_tile, transpose_b=True, interpret=interpret)
   shape_KQ = r_KQ.shape
   col_layout = plgpu.Layout.WGMMA.reduce(0)
   lse_Q = mc.load(lse_tile, layout=col_layout, interpret=interpret)
   segq_Q = mc.load(segq_tile, layout=col_layout, interpret=interpret)
   x_KQ = r_KQ * (scale * LOG2E) - _bcast(lse_Q * LOG2E, shape_KQ, 1)
-  if key_KQ.ndim == 1:
-    causal = _bcast(key_KQ, shape_KQ, 0) <= _bcast(qry_KQ + i * shape_KQ[1], shape_KQ, 1)
-  else:
-    causal = key_KQ <= qry_KQ + i * shape_KQ[1]
-  vis = causal & (_bcast(segk_K, shape_KQ, 0) == _bcast(segq_Q, shape_KQ, 1))
-  return jnp.exp2(jnp.where(vis, x_KQ, -jnp.inf))
+
+  def masked(x_KQ):
+    if key_KQ.ndim == 1:
+      causal = _bcast(key_KQ, shape_KQ, 0) <= _bcast(qry_KQ + i * shape_KQ[1], shape_KQ, 1)
+    else:
+      causal = key_KQ <= qry_KQ + i * shape_KQ[1]
+    vis = causal & (_bcast(segk_K, shape_KQ, 0) == _bcast(segq_Q, shape_KQ, 1))
+    return jnp.exp2(jnp.where(vis, x_KQ, -jnp.inf))
+
+  if unmasked is None:
+    return masked(x_KQ)
+  return lax.cond(unmasked, jnp.exp2, masked, x_KQ)
+
+
+def block_codes(seg):
+  """[B, T] segment ids → int32 [B, T/64, 2]: each 64-block's (min, max) id, for `visible_all`."""
+  B, T = seg.shape
+  s = seg.reshape(B, T // BQ, BQ)
+  return jnp.stack([s.min(-1), s.max(-1)], axis=-1)
+
+
+def visible_all(codes_ref, b, kb, i):
+  """True where key block kb (64 keys) and row tile i (64 queries) need no mask: the tile is
+  strictly below the diagonal and both blocks lie in one segment (codes: `block_codes`, in GMEM;
+  scalar loads, the same address for every thread of the warpgroup)."""
+  kmin, kmax = codes_ref[b, kb, 0], codes_ref[b, kb, 1]
+  qmin, qmax = codes_ref[b, i, 0], codes_ref[b, i, 1]
+  return (i > kb) & (kmin == kmax) & (qmin == qmax) & (kmin == qmin)
 
 
 def positions(k0, *, lean: bool, interpret):
@@ -147,11 +171,11 @@ def _bounds(t, *, n_super, ckpt_tiles, i_lo, n_q):
 
 
 def _kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, ssum_ref, dbar_ref, do_ref, ckpt_ref, up_ref,
-            lo_ref, dq_acc, gh_acc, dk_ref, dv_ref,
+            lo_ref, codes_ref, dq_acc, gh_acc, dk_ref, dv_ref,
             k_s, v_s, up_s, lo_s, segk_s, ck0_s, ck_s, q_s, do_s, lse_s, ssum_s, dbar_s, segq_s,
             w_s, dq_s, gh_s, out_s, res_bar, ck_bar, q_bar, q_free,
             *, scale, eps, n_q, n_super, ckpt_tiles, group, steps, mask_pieces, registers,
-            lean, interpret):
+            lean, skip_masks, interpret):
   n, jk, b = lax.axis_index("heads"), lax.axis_index("kv_seq"), lax.axis_index("batch")
   wg = lax.axis_index("wg")
   k0 = jk * BKV
@@ -178,7 +202,8 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, ssum_ref, dbar_ref, do_ref, c
 
     def probs(slot, i):
       return tile_probs_kq(k_s, q_s.at[slot], lse_s.at[slot], segq_s.at[slot], segk_K, key_KQ,
-                           qry_KQ, i, scale=scale, interpret=interpret)
+                           qry_KQ, i, scale=scale, interpret=interpret,
+                           unmasked=visible_all(codes_ref, b, jk, i) if skip_masks else None)
 
     def reverse_tile(i, slot, carry_K, acc):
       dk_KD, dv_KD, sufk_K = acc
@@ -314,16 +339,19 @@ def supported(q, ckpt_rows: int) -> str | None:
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "eps", "ckpt_rows", "steps",
-                                             "mask_pieces", "registers", "lean", "interpret"))
+                                             "mask_pieces", "registers", "lean", "skip_masks",
+                                             "interpret"))
 def reverse_sweep(q, k, v, seg, lse, ssum, dbar, do, ckpt, *, scale, eps, ckpt_rows, steps=2,
-                  mask_pieces=3, registers=256, lean=False, interpret=False):
+                  mask_pieces=3, registers=256, lean=False, skip_masks=False, interpret=False):
   """B1 as `dilution_bwd.reverse_sweep`: (dq_main [B,T,Hq,D], ĝ [B,Hq,T], dk_main, dv
   [B,T,Hq,D] per query head), all float32. seg int32 [B, T]; lse, ssum, dbar float32 [B,Hq,T];
   do in q.dtype; ckpt float32 [B, Hq, ceil(T / ckpt_rows), T] from F2 with the same ckpt_rows.
   mask_pieces: bf16 pieces per in-tile prefix/suffix product (3 exact, 2; `mask_dot`).
   registers: the compute warpgroup's setmaxnreg (232..256, BlockSizes.mosaic_registers).
   lean: BlockSizes.mosaic_lean (approx_math, `recip`, `positions` as vectors, and the rows
-  1/(S + ε) and dbar/(S + ε) computed here once instead of per key block)."""
+  1/(S + ε) and dbar/(S + ε) computed here once instead of per key block).
+  skip_masks: BlockSizes.mosaic_skip_masks (no mask on tiles below the diagonal within one
+  segment: `visible_all`)."""
   why = supported(q, ckpt_rows)
   if why:
     raise ValueError(f"dilution_mgpu.reverse_sweep: {why}")
@@ -346,7 +374,7 @@ def reverse_sweep(q, k, v, seg, lse, ssum, dbar, do, ckpt, *, scale, eps, ckpt_r
       functools.partial(_kernel, scale=float(scale), eps=float(eps), n_q=n_q,
                         n_super=ckpt.shape[2], ckpt_tiles=ckpt_tiles, group=N // k.shape[2],
                         steps=steps, mask_pieces=mask_pieces, registers=registers, lean=lean,
-                        interpret=flag),
+                        skip_masks=skip_masks, interpret=flag),
       out_type=[jax.ShapeDtypeStruct(q.shape, jnp.float32)] * 2,
       scratch_types=[
           _tile_smem((BKV, D), k.dtype), _tile_smem((BKV, D), k.dtype),        # k, v
@@ -368,7 +396,7 @@ def reverse_sweep(q, k, v, seg, lse, ssum, dbar, do, ckpt, *, scale, eps, ckpt_r
       num_threads=2, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=lean),
       interpret=params, name="dilution_mgpu_b1")(
-          q, k, v, seg, lse, ssum, dbar, do, ckpt, upper, lower, dq_acc, gh_acc)
+          q, k, v, seg, lse, ssum, dbar, do, ckpt, upper, lower, block_codes(seg), dq_acc, gh_acc)
   dq, gh = dq_acc[...], gh_acc[...]
   if flag:
     dq, gh = dq.sum(axis=0), gh.sum(axis=0)

@@ -62,10 +62,11 @@ def key_tiles_for(D: int) -> tuple[int, ...]:
   return tuple(g for g in KEY_TILES if g * D <= 256)
 
 
-def _kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, incl_ref, n_acc, s_acc, ckpt_ref, total_ref,
+def _kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, incl_ref, codes_ref, n_acc, s_acc, ckpt_ref,
+            total_ref,
             k_s, v_s, incl_s, segk_s, q_s, lse_s, segq_s, sig_s, n_s, s_s, vec_s,
             res_bar, q_bar, q_free, *, scale, eps, n_q, ckpt_tiles, group, steps, with_ckpt,
-            mask_pieces, key_tiles, registers, lean, interpret):
+            mask_pieces, key_tiles, registers, lean, skip_masks, interpret):
   n, jk, b = lax.axis_index("heads"), lax.axis_index("kv_seq"), lax.axis_index("batch")
   wg = lax.axis_index("wg")
   G = key_tiles
@@ -117,7 +118,9 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, incl_ref, n_acc, s_acc, ckpt_
       for g in range(G):   # key tiles above row tile i get p = 0: σ = 0, the carry stays
         p_KQ = dm.tile_probs_kq(at(k_s, g), q_s.at[slot], lse_s.at[slot], segq_s.at[slot],
                                 segk_K[g], key_KQ + g * BKV, qry_KQ, i, scale=scale,
-                                interpret=interpret)
+                                interpret=interpret,
+                                unmasked=dm.visible_all(codes_ref, b, G * jk + g, i)
+                                if skip_masks else None)
         if g == G - 1:
           plgpu.barrier_arrive(q_free.at[slot])   # q, lse and ids of this slot are read
         incl_KQ = dm._bcast(carries[g], shape_KQ, 0) + dm.mask_dot(
@@ -168,16 +171,17 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, incl_ref, n_acc, s_acc, ckpt_
 
 @functools.partial(jax.jit, static_argnames=("scale", "eps", "ckpt_rows", "with_ckpt", "steps",
                                              "mask_pieces", "key_tiles", "registers", "lean",
-                                             "interpret"))
+                                             "skip_masks", "interpret"))
 def key_sweep(q, k, v, seg, lse, *, scale, eps, ckpt_rows, with_ckpt, steps=2, mask_pieces=3,
-              key_tiles=1, registers=256, lean=False, interpret=False):
+              key_tiles=1, registers=256, lean=False, skip_masks=False, interpret=False):
   """F2 as `dilution_fwd.key_sweep`: (N float32 [B,T,Hq,D], S, total float32 [B,Hq,T], ckpt
   float32 [B, Hq, ceil(T / ckpt_rows), T] or None). seg int32 [B, T]; lse float32 [B, Hq, T].
   mask_pieces: bf16 pieces of p in the in-tile prefix (3 exact, 2 ~16 bits; dm.mask_dot).
   key_tiles: 64-key tiles per CTA (1, 2, 4; BlockSizes.f2_key_tiles), their N and S summed
   before one reduce-add per row tile; T must be a multiple of 64·key_tiles.
   registers: the compute warpgroup's setmaxnreg (232..256, BlockSizes.mosaic_registers).
-  lean: BlockSizes.mosaic_lean (approx_math, dm.recip, dm.positions as vectors)."""
+  lean: BlockSizes.mosaic_lean (approx_math, dm.recip, dm.positions as vectors).
+  skip_masks: BlockSizes.mosaic_skip_masks (dm.visible_all)."""
   why = dm.supported(q, ckpt_rows)
   B, T, N, D = q.shape
   if not why and (key_tiles not in key_tiles_for(D) or T % (key_tiles * BKV)):
@@ -202,7 +206,7 @@ def key_sweep(q, k, v, seg, lse, *, scale, eps, ckpt_rows, with_ckpt, steps=2, m
       functools.partial(_kernel, scale=float(scale), eps=float(eps), n_q=n_q,
                         ckpt_tiles=ckpt_rows // BQ, group=N // k.shape[2], steps=steps,
                         with_ckpt=with_ckpt, mask_pieces=mask_pieces, key_tiles=key_tiles,
-                        registers=registers, lean=lean, interpret=flag),
+                        registers=registers, lean=lean, skip_masks=skip_masks, interpret=flag),
       out_type=jax.ShapeDtypeStruct((B, N, T), jnp.float32),   # every key block writes its keys
       scratch_types=[
           dm._tile_smem(tiles + (BKV, D), k.dtype), dm._tile_smem(tiles + (BKV, D), k.dtype),
@@ -219,7 +223,8 @@ def key_sweep(q, k, v, seg, lse, *, scale, eps, ckpt_rows, with_ckpt, steps=2, m
       grid=(N, T // (G * BKV), B), grid_names=("heads", "kv_seq", "batch"),
       num_threads=2, thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=lean),
       interpret=params, name="dilution_mgpu_f2")(
-          q, k, v, seg, lse, (r_QQ <= i_QQ).astype(jnp.bfloat16), n_acc, s_acc, ckpt)
+          q, k, v, seg, lse, (r_QQ <= i_QQ).astype(jnp.bfloat16), dm.block_codes(seg), n_acc,
+          s_acc, ckpt)
   n_out, s_out = n_acc[...], s_acc[...]
   if flag:
     n_out, s_out = n_out.sum(axis=0), s_out.sum(axis=0)

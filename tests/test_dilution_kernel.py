@@ -54,9 +54,11 @@ B1_VARIANTS_LONG = {"default": {}, **B1_VARIANTS,
 # The Hopper default with one of F1 (focal_mgpu's forward with V := K) and B2 (dilution_mgpu_b2)
 # back on Triton: each Mosaic pass alone (both are the default since the thirty-second session).
 # machine_ckpt64: a checkpoint per row tile, so the Mosaic B1 rebuilds no carries.
-# machine_lean: BlockSizes.mosaic_lean (fewer instructions per element in B1 and F2).
+# machine_lean: BlockSizes.mosaic_lean (fewer instructions per element in B1 and F2), then with
+# mosaic_skip_masks too (no mask on tiles below the diagonal within one segment).
 HOPPER_PLUS = {"machine_f1": dict(b2_impl="triton"), "machine_b2": dict(f1_impl="triton"),
-               "machine_ckpt64": dict(ckpt_rows=64), "machine_lean": dict(mosaic_lean=True)}
+               "machine_ckpt64": dict(ckpt_rows=64), "machine_lean": dict(mosaic_lean=True),
+               "machine_lean_skip": dict(mosaic_lean=True, mosaic_skip_masks=True)}
 # B1's key block unlike B2's (on SMALL, T = 96): B1 wider (3 blocks of 32 vs B2's 6 of 16, as
 # b1_block_k=128 over block_k=64 on the GPU) and narrower (6 of 16 vs 3 of 32); warps only matter
 # compiled.
