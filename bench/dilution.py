@@ -99,7 +99,8 @@ B1_VARIANTS = {"default": dict(), "plain": B1_PLAIN,
                "lean": dict(mosaic_lean=True),
                # ... and no mask on tiles below the diagonal within one segment
                # (BlockSizes.mosaic_skip_masks)
-               "lean_skip": dict(mosaic_lean=True, mosaic_skip_masks=True)}
+               "lean_skip": dict(mosaic_lean=True, mosaic_skip_masks=True),
+               "lean_off": dict(mosaic_lean=False, mosaic_skip_masks=False)}
 SMOKE_BLOCKS = dilution.BlockSizes(block_q_stats=16, block_k_stats=16, block_q=16, block_k=32,
                                    block_k_fwd=32, ckpt_rows=32, block_k_decode=16, split_k_decode=64)
 

@@ -100,7 +100,7 @@ LEAN = {"plain": {}, "lean": dict(lean=True),
         "lean_skip": dict(lean=True, skip_masks=True, B=2)}
 
 
-@pytest.mark.parametrize("fields", sorted(LEAN))
+@pytest.mark.parametrize("fields", ["lean_skip", pytest.param("lean", marks=SLOW), "plain"])
 def test_two_mask_pieces_stay_close(fields):
   """BlockSizes.b1_mask_pieces=2: the in-tile prefix/suffix products from two bf16 pieces (~16
   significant bits) instead of three stay within bf16-input noise of the Triton B1 (LEAN: also
@@ -233,7 +233,7 @@ def test_lowers_to_mosaic_gpu(D, mask_pieces, registers, tiles, ckpt_rows, lean)
   assert "mosaic_gpu" in text
 
 
-@pytest.mark.parametrize("segments", [True, False])
+@pytest.mark.parametrize("segments", [True, pytest.param(False, marks=SLOW)])
 def test_f2_lean_interpret(segments):
   """BlockSizes.mosaic_lean and mosaic_skip_masks in F2 (position vectors; approx_math is not
   interpreted) with the Hopper default's other fields at D = 64: two pieces, two key tiles. Two
