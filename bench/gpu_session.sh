@@ -150,6 +150,13 @@ for spec in "$@"; do
              $RUN python3 bench/dilution.py --impls dilution,cudnn --skip decode \
                --train-variants default,lean,lean_skip --out "$OUT/lean.json" 2>&1 \
                | tee "$OUT/lean.log" | tail -40 ;;
+    dilution_lean_step)  # issue 4: the 209M step at 16K with dilution.BlockSizes.default plus
+             # DILUTION_STEP (a bench.dilution_blocks choice) beside the softmax model's step
+             $RUN python3 bench/train_step.py --sizes 209m --seq_len 16384 --batch 1 --impls pallas \
+               --patterns "softmax:rope;dilution:none" \
+               --variants ";bench.dilution_blocks=${DILUTION_STEP:-lean_skip}" --steps 6 \
+               --out "$OUT/lean_step.json" 2>&1 | grep --line-buffered -v -i autotun \
+               | tee "$OUT/lean_step.log" | tail -6 ;;
     step_1p3b)  # issue 3: the 1.3B step (batch 24 x 2048, packed) with the defaults, STEP_RUNS
              # times in one process (55% MFU needs <= 748.4 ms; machines differ by 2-10%)
              $RUN python3 bench/train_step.py --sizes 1.3b --batch 24 --impls pallas --steps 8 \

@@ -37,7 +37,7 @@ from focaljax import config as config_lib  # noqa: E402
 from focaljax import metrics, optim, sharding, trainer  # noqa: E402
 from focaljax import model as model_lib  # noqa: E402
 from bench import tokamax_shim  # noqa: E402
-from pallas_kernels import focal_mgpu  # noqa: E402
+from pallas_kernels import dilution, focal_mgpu  # noqa: E402
 
 BATCH = {"400m": 16, "1.3b": 8, "small": 8, "tiny": 8}
 PROFILED_STEPS = 3
@@ -57,6 +57,32 @@ MGPU_BACKWARD = {
        for arm in ("lean", "pingpong", "lean_pingpong", "lean_pingpong_dkv")},
     # Not a backward: the forward's intra-warpgroup overlap (BlockSizes.overlap_softmax).
     "overlap_fwd": {"overlap_softmax": True}}
+
+
+# `bench.dilution_blocks=<choice>` likewise: pallas_kernels.dilution.BlockSizes.default with these
+# fields for that arm (the dilution kernels' settings before one becomes the default).
+DILUTION_BLOCKS = {"lean": {"mosaic_lean": True},
+                   "lean_skip": {"mosaic_lean": True, "mosaic_skip_masks": True},
+                   "lean_off": {"mosaic_lean": False, "mosaic_skip_masks": False}}
+
+
+@contextlib.contextmanager
+def dilution_blocks(choice):
+  """dilution.BlockSizes.default with the fields of DILUTION_BLOCKS[choice] while the arm runs."""
+  if choice is None:
+    yield
+    return
+  if choice not in DILUTION_BLOCKS:
+    raise ValueError(f"bench.dilution_blocks={choice!r}: want one of {sorted(DILUTION_BLOCKS)}")
+  default = dilution.BlockSizes.default
+  dilution.BlockSizes.default = lambda *a, **kw: dataclasses.replace(
+      default(*a, **kw), **DILUTION_BLOCKS[choice])
+  jax.clear_caches()
+  try:
+    yield
+  finally:
+    dilution.BlockSizes.default = default
+    jax.clear_caches()
 
 
 @contextlib.contextmanager
@@ -103,7 +129,8 @@ def run(size, impl, steps, seq_len, remat, batch=None, fuse=False, pattern="foca
   `overrides`: {dotted config field: value}, applied last and validated like train.py's (and
   `bench.mgpu_backward`, see MGPU_BACKWARD)."""
   config_overrides = dict(overrides or {})
-  with mgpu_backward(config_overrides.pop("bench.mgpu_backward", None)):
+  with mgpu_backward(config_overrides.pop("bench.mgpu_backward", None)), dilution_blocks(
+      config_overrides.pop("bench.dilution_blocks", None)):
     r = _run(size, impl, steps, seq_len, remat, batch, fuse, pattern, segments, mesh_shape,
              profile_dir, config_overrides)
   return dict(r, overrides=overrides or {})
