@@ -100,7 +100,9 @@ B1_VARIANTS = {"default": dict(), "plain": B1_PLAIN,
                # ... and no mask on tiles below the diagonal within one segment
                # (BlockSizes.mosaic_skip_masks)
                "lean_skip": dict(mosaic_lean=True, mosaic_skip_masks=True),
-               "lean_off": dict(mosaic_lean=False, mosaic_skip_masks=False)}
+               "lean_off": dict(mosaic_lean=False, mosaic_skip_masks=False),
+               # the mask products' bf16 pieces in one wgmma group (BlockSizes.mosaic_chain_pieces)
+               "chain": dict(mosaic_chain_pieces=True)}
 SMOKE_BLOCKS = dilution.BlockSizes(block_q_stats=16, block_k_stats=16, block_q=16, block_k=32,
                                    block_k_fwd=32, ckpt_rows=32, block_k_decode=16, split_k_decode=64)
 
@@ -221,9 +223,10 @@ def _passes(shape, dtype, reps, interpret, bs, b1_variants=("default",)):
       name = f"mosaic_r{r}" + ("_2p" if pieces == 2 else "") + (f"_k{tiles}" if tiles > 1 else "")
       passes.append(("F2 key_sweep", name, lambda q, k, v, lse, kw_m=kw_m: dilution.f2_key_sweep(
           q, k, v, seg, lse, eps=1e-9, with_ckpt=True, **kw_m), (q, k, v, lse)))
-  lean_variants = [v for v in b1_variants if "mosaic_lean" in B1_VARIANTS[v]]
+  lean_variants = [v for v in b1_variants if any(f.startswith("mosaic_") and f != "mosaic_registers"
+                                                 for f in B1_VARIANTS[v])]
   if lean_variants:
-    # F2 as the op runs it here (`bs`), without and with each BlockSizes.mosaic_lean variant
+    # F2 as the op runs it here (`bs`), and with each variant of its mosaic_* fields
     for name in ["default", *lean_variants]:
       kw_m = dict(kw, bs=dataclasses.replace(bs, **B1_VARIANTS[name]))
       passes.append(("F2 key_sweep", name, lambda q, k, v, lse, kw_m=kw_m: dilution.f2_key_sweep(

@@ -157,6 +157,25 @@ for spec in "$@"; do
                --variants ";bench.dilution_blocks=${DILUTION_STEP:-lean_skip}" --steps 6 \
                --out "$OUT/lean_step.json" 2>&1 | grep --line-buffered -v -i autotun \
                | tee "$OUT/lean_step.log" | tail -6 ;;
+    dilution_chain)  # issue 4: BlockSizes.mosaic_chain_pieces (the mask products' bf16 pieces in
+             # one wgmma group) over the lean default: compiled tests, B1 and F2 alone,
+             # forward+backward at two shapes, then the 209M step beside the softmax model's
+             $RUN python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/test_dilution_kernel.py \
+               tests/test_dilution_mgpu.py -k "(Compiled and machine_chain) or (lean_matches_compiled and True)" \
+               2>&1 | tee "$OUT/chain_tests.log" | tail -3
+             mkdir -p "$OUT/ptx"
+             MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO="$OUT/ptx" $RUN \
+               python3 bench/dilution.py --passes --b1-variants default,chain \
+               --out "$OUT/chain_passes.json" > "$OUT/chain_passes.log" 2>&1
+             find "$OUT/ptx" -type f ! -name "dilution_mgpu_b1*" ! -name "dilution_mgpu_f2*" -delete
+             grep "TFLOP" "$OUT/chain_passes.log" | grep "F2\|B1" | tail -6
+             $RUN python3 bench/dilution.py --impls dilution,cudnn --skip prefill,decode \
+               --train-shapes 2x12x16384x64,1x16x8192x128 --train-variants default,chain \
+               --out "$OUT/chain.json" 2>&1 | tee "$OUT/chain.log" | tail -12
+             $RUN python3 bench/train_step.py --sizes 209m --seq_len 16384 --batch 1 --impls pallas \
+               --patterns "dilution:none;softmax:rope" --variants ";bench.dilution_blocks=chain" \
+               --steps 6 --out "$OUT/chain_step.json" 2>&1 | grep --line-buffered -v -i autotun \
+               | tee "$OUT/chain_step.log" | tail -6 ;;
     step_1p3b)  # issue 3: the 1.3B step (batch 24 x 2048, packed) with the defaults, STEP_RUNS
              # times in one process (55% MFU needs <= 748.4 ms; machines differ by 2-10%)
              $RUN python3 bench/train_step.py --sizes 1.3b --batch 24 --impls pallas --steps 8 \

@@ -63,7 +63,8 @@ MGPU_BACKWARD = {
 # fields for that arm (the dilution kernels' settings before one becomes the default).
 DILUTION_BLOCKS = {"lean": {"mosaic_lean": True},
                    "lean_skip": {"mosaic_lean": True, "mosaic_skip_masks": True},
-                   "lean_off": {"mosaic_lean": False, "mosaic_skip_masks": False}}
+                   "lean_off": {"mosaic_lean": False, "mosaic_skip_masks": False},
+                   "chain": {"mosaic_chain_pieces": True}}
 
 
 @contextlib.contextmanager

@@ -146,15 +146,21 @@ class BlockSizes:
   # stores 488 → 368 bytes and B1 alone 84 → 86 TFLOP/s, forward+backward 51.36 → 51.06 ms;
   # F2 spills nothing either way and runs the same.
   mosaic_registers: int = 256
-  # Fewer instructions per element in the Mosaic B1 and F2 (thirty-fourth session; untimed, so
-  # off): approx_math (ex2.approx), reciprocals as rsqrt.approx² instead of IEEE divisions, the
-  # causal mask from [64] position vectors instead of two live int32 tiles, and B1's per-query
-  # 1/(S + ε) and dbar/(S + ε) computed once by XLA instead of in every key block.
+  # Fewer instructions per element in the Mosaic B1 and F2: approx_math (ex2.approx.ftz instead
+  # of ex2.approx with its denormal fix-up), reciprocals as rsqrt.approx² (the old path's `1/x`
+  # was already rcp.approx), the causal positions as [64] vectors instead of two int32 tiles, and
+  # B1's per-query 1/(S + ε), dbar/(S + ε) from XLA once instead of 16 reciprocals per thread
+  # and tile. SASS of B1's reverse tile 2178 → 1869 instructions. H200 (thirty-fourth session,
+  # (2,12,16K,64)): B1 alone 28.6 → 24.6 ms, F2 12.3 → 10.2; the Hopper default since.
   mosaic_lean: bool = False
   # Skip the causal/segment mask (compares and a select per element, twice per B1 tile pair) on
   # tiles below the diagonal whose 64 keys and 64 queries lie in one segment: a branch per tile on
-  # per-block (min, max) segment ids (dilution_mgpu.visible_all). Untimed, so off.
+  # per-block (min, max) segment ids (dilution_mgpu.visible_all). With lean, B1 24.6 → 24.1 ms
+  # on unsegmented rows (the bench's), forward+backward 39.2 → 38.7; the Hopper default since.
   mosaic_skip_masks: bool = False
+  # The Mosaic B1's and F2's in-tile mask products issue their bf16 pieces' wgmmas as one group,
+  # awaited once (SASS: a wait after each piece, i.e. two more per B1 tile pair). Untimed, so off.
+  mosaic_chain_pieces: bool = False
 
   @classmethod
   def default(cls, head_dim: int, dtype=None, *, hopper: bool = False) -> "BlockSizes":
@@ -164,8 +170,9 @@ class BlockSizes:
     `dilution_mgpu.supported`) all four training passes run on Mosaic GPU, B1 and F2 with two mask
     pieces (~16 significant bits in the in-tile products, far below the bf16 inputs' 8; 3 restores
     float32 accuracy) and F2 with two 64-key tiles per CTA at D = 64. Each choice was the faster
-    in the same run on the H200 (BENCHMARKS.md, dilution section; thirty-second session:
-    forward+backward 45.4 ms at (2,12,16K,64), 15.7 ms at (1,16,8K,128)). Anything else,
+    in the same run on the H200 (BENCHMARKS.md, dilution section), and both run with
+    mosaic_lean and mosaic_skip_masks (thirty-fourth session: forward+backward 45.4 → 38.7 ms at
+    (2,12,16K,64), 15.8 → 13.3 ms at (1,16,8K,128)). Anything else,
     interpret mode and other GPUs get the Triton passes; at D <= 64 the Triton B1 takes its
     measured tile (scratch carries, 128 keys, 8 warps: 74.6 against 78.3 ms)."""
     mosaic = hopper and head_dim in (64, 128) and dtype is not None and jnp.dtype(dtype) in (
@@ -176,7 +183,8 @@ class BlockSizes:
     if mosaic:
       hop = dict(b1_impl="mosaic", f2_impl="mosaic", f1_impl="mosaic", b2_impl="mosaic",
                  b1_mask_pieces=2, f2_mask_pieces=2,
-                 f2_key_tiles=2 if head_dim <= 64 else 1)
+                 f2_key_tiles=2 if head_dim <= 64 else 1,
+                 mosaic_lean=True, mosaic_skip_masks=True)
     if head_dim <= 64:
       return cls(b1_carries="scratch", b1_block_k=128, b1_warps=8, **hop)
     return cls(**hop)
@@ -214,7 +222,7 @@ class BlockSizes:
     if self.f2_key_tiles not in dilution_mgpu_fwd.key_tiles_for(D):
       raise ValueError(f"BlockSizes.f2_key_tiles={self.f2_key_tiles!r} must be one of "
                        f"{dilution_mgpu_fwd.key_tiles_for(D)} at head dim {D}")
-    for field in ("mosaic_lean", "mosaic_skip_masks"):
+    for field in ("mosaic_lean", "mosaic_skip_masks", "mosaic_chain_pieces"):
       if not isinstance(getattr(self, field), bool):
         raise ValueError(f"BlockSizes.{field}={getattr(self, field)!r} must be True or False")
     if self.mosaic_registers not in range(232, 257, 8):
@@ -307,7 +315,8 @@ def f2_key_sweep(q, k, v, seg, lse, *, scale, eps, bs, with_ckpt, interpret):
                                        mask_pieces=bs.f2_mask_pieces,
                                        key_tiles=bs.f2_key_tiles,
                                        registers=bs.mosaic_registers, lean=bs.mosaic_lean,
-                                       skip_masks=bs.mosaic_skip_masks, interpret=interpret)
+                                       skip_masks=bs.mosaic_skip_masks,
+                                       chain=bs.mosaic_chain_pieces, interpret=interpret)
   return dilution_fwd.key_sweep(q, k, v, seg, lse, scale=scale, eps=eps, bs=bs,
                                 with_ckpt=with_ckpt, interpret=interpret)
 
@@ -319,7 +328,8 @@ def b1_reverse_sweep(q, k, v, seg, lse, ssum, dbar, do, ckpt, *, scale, eps, bs,
                                        eps=eps, ckpt_rows=bs.ckpt_rows,
                                        mask_pieces=bs.b1_mask_pieces,
                                        registers=bs.mosaic_registers, lean=bs.mosaic_lean,
-                                       skip_masks=bs.mosaic_skip_masks, interpret=interpret)
+                                       skip_masks=bs.mosaic_skip_masks,
+                                       chain=bs.mosaic_chain_pieces, interpret=interpret)
   return dilution_bwd.reverse_sweep(q, k, v, seg, lse, ssum, dbar, do, ckpt, scale=scale, eps=eps,
                                     bs=bs, interpret=interpret)
 

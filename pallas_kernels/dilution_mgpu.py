@@ -75,10 +75,14 @@ _tile_smem, _bcast, _drain, _launch_params = (fb._tile_smem, fb._bcast, fb._drai
 _F32_TILE = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
 
 
-def mask_dot(x_KQ, mask_s, *, pieces: int = 3, interpret):
+def mask_dot(x_KQ, mask_s, *, pieces: int = 3, chain: bool = False, interpret):
   """x·mask with x split into bf16 pieces, small ones first (exact_mask_dot): three give float32
   accuracy; two (hi + mid, ~16 significant bits, relative error ≲ 2⁻¹⁶) save a third of these
-  products, a sixth of B1's wgmmas (BlockSizes.b1_mask_pieces)."""
+  products, a sixth of B1's wgmmas (BlockSizes.b1_mask_pieces). chain: the pieces' wgmmas in one
+  group, awaited once (BlockSizes.mosaic_chain_pieces; the SASS shows a wait after each)."""
+  if chain:
+    return mc.mma_sum(list(reversed(dilution_bwd.bf16_pieces(x_KQ, pieces))), mask_s,
+                      interpret=interpret)
   acc = None
   for piece in reversed(dilution_bwd.bf16_pieces(x_KQ, pieces)):
     acc = mc.mma(piece, mask_s, acc=acc, interpret=interpret)
@@ -143,9 +147,9 @@ def positions(k0, *, lean: bool, interpret):
 
 
 def recip(x, *, lean: bool):
-  """1/x for x > 0 (here always ≥ ε). lean: rsqrt(x)², which under approx_math is one
-  rsqrt.approx.f32 (MUFU) and a multiply, ~2⁻²² relative; `1/x` lowers to an IEEE division
-  (div.rn.f32: a refinement sequence and a slow-path branch per element)."""
+  """1/x for x > 0 (here always ≥ ε). lean: rsqrt(x)², under approx_math one rsqrt.approx.f32
+  (MUFU.RSQ with a denormal check) and a multiply, ~2⁻²² relative. (`1/x` lowers to
+  rcp.approx.f32 here too, the PTX shows; what lean saves is elsewhere, see BlockSizes.)"""
   if lean:
     r = lax.rsqrt(x)
     return r * r
@@ -175,7 +179,7 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, ssum_ref, dbar_ref, do_ref, c
             k_s, v_s, up_s, lo_s, segk_s, ck0_s, ck_s, q_s, do_s, lse_s, ssum_s, dbar_s, segq_s,
             w_s, dq_s, gh_s, out_s, res_bar, ck_bar, q_bar, q_free,
             *, scale, eps, n_q, n_super, ckpt_tiles, group, steps, mask_pieces, registers,
-            lean, skip_masks, interpret):
+            lean, skip_masks, chain, interpret):
   n, jk, b = lax.axis_index("heads"), lax.axis_index("kv_seq"), lax.axis_index("batch")
   wg = lax.axis_index("wg")
   k0 = jk * BKV
@@ -209,7 +213,7 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, ssum_ref, dbar_ref, do_ref, c
       dk_KD, dv_KD, sufk_K = acc
       p_KQ = probs(slot, i)
       c_KQ = _bcast(carry_K, shape_KQ, 0) + mask_dot(p_KQ, up_s, pieces=mask_pieces,
-                                                     interpret=interpret)
+                                                     chain=chain, interpret=interpret)
       rows_Q = mc.load(ssum_s.at[slot], layout=col_layout, interpret=interpret)
       if lean:   # the rows arrive as 1/(S + ε) and dbar/(S + ε) (reverse_sweep)
         ce_KQ = c_KQ + eps
@@ -229,7 +233,7 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, ssum_ref, dbar_ref, do_ref, c
         t_KQ = (dp_KQ * rn_Q - _bcast(dbar_Q, shape_KQ, 1)) * inv_KQ
         g_KQ = -(t_KQ * pi_KQ)
         w_KQ = p_KQ * (t_KQ * (ce_KQ * inv_KQ) + _bcast(sufk_K, shape_KQ, 0) + mask_dot(
-            g_KQ, lo_s, pieces=mask_pieces, interpret=interpret))
+            g_KQ, lo_s, pieces=mask_pieces, chain=chain, interpret=interpret))
       else:
         ds_KQ = (dp_KQ - _bcast(dbar_Q, shape_KQ, 1)) * rn_Q
         inv2_KQ = inv_KQ * inv_KQ
@@ -340,9 +344,10 @@ def supported(q, ckpt_rows: int) -> str | None:
 
 @functools.partial(jax.jit, static_argnames=("scale", "eps", "ckpt_rows", "steps",
                                              "mask_pieces", "registers", "lean", "skip_masks",
-                                             "interpret"))
+                                             "chain", "interpret"))
 def reverse_sweep(q, k, v, seg, lse, ssum, dbar, do, ckpt, *, scale, eps, ckpt_rows, steps=2,
-                  mask_pieces=3, registers=256, lean=False, skip_masks=False, interpret=False):
+                  mask_pieces=3, registers=256, lean=False, skip_masks=False, chain=False,
+                  interpret=False):
   """B1 as `dilution_bwd.reverse_sweep`: (dq_main [B,T,Hq,D], ĝ [B,Hq,T], dk_main, dv
   [B,T,Hq,D] per query head), all float32. seg int32 [B, T]; lse, ssum, dbar float32 [B,Hq,T];
   do in q.dtype; ckpt float32 [B, Hq, ceil(T / ckpt_rows), T] from F2 with the same ckpt_rows.
@@ -351,7 +356,7 @@ def reverse_sweep(q, k, v, seg, lse, ssum, dbar, do, ckpt, *, scale, eps, ckpt_r
   lean: BlockSizes.mosaic_lean (approx_math, `recip`, `positions` as vectors, and the rows
   1/(S + ε) and dbar/(S + ε) computed here once instead of per key block).
   skip_masks: BlockSizes.mosaic_skip_masks (no mask on tiles below the diagonal within one
-  segment: `visible_all`)."""
+  segment: `visible_all`). chain: BlockSizes.mosaic_chain_pieces (`mask_dot`)."""
   why = supported(q, ckpt_rows)
   if why:
     raise ValueError(f"dilution_mgpu.reverse_sweep: {why}")
@@ -374,7 +379,7 @@ def reverse_sweep(q, k, v, seg, lse, ssum, dbar, do, ckpt, *, scale, eps, ckpt_r
       functools.partial(_kernel, scale=float(scale), eps=float(eps), n_q=n_q,
                         n_super=ckpt.shape[2], ckpt_tiles=ckpt_tiles, group=N // k.shape[2],
                         steps=steps, mask_pieces=mask_pieces, registers=registers, lean=lean,
-                        skip_masks=skip_masks, interpret=flag),
+                        skip_masks=skip_masks, chain=chain, interpret=flag),
       out_type=[jax.ShapeDtypeStruct(q.shape, jnp.float32)] * 2,
       scratch_types=[
           _tile_smem((BKV, D), k.dtype), _tile_smem((BKV, D), k.dtype),        # k, v

@@ -66,7 +66,7 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, incl_ref, codes_ref, n_acc, s
             total_ref,
             k_s, v_s, incl_s, segk_s, q_s, lse_s, segq_s, sig_s, n_s, s_s, vec_s,
             res_bar, q_bar, q_free, *, scale, eps, n_q, ckpt_tiles, group, steps, with_ckpt,
-            mask_pieces, key_tiles, registers, lean, skip_masks, interpret):
+            mask_pieces, key_tiles, registers, lean, skip_masks, chain, interpret):
   n, jk, b = lax.axis_index("heads"), lax.axis_index("kv_seq"), lax.axis_index("batch")
   wg = lax.axis_index("wg")
   G = key_tiles
@@ -124,7 +124,7 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, incl_ref, codes_ref, n_acc, s
         if g == G - 1:
           plgpu.barrier_arrive(q_free.at[slot])   # q, lse and ids of this slot are read
         incl_KQ = dm._bcast(carries[g], shape_KQ, 0) + dm.mask_dot(
-            p_KQ, incl_s, pieces=mask_pieces, interpret=interpret)
+            p_KQ, incl_s, pieces=mask_pieces, chain=chain, interpret=interpret)
         sig_KQ = p_KQ * dm.recip(incl_KQ + eps, lean=True) if lean else p_KQ / (incl_KQ + eps)
         sig_sum_KQ = sig_KQ if sig_sum_KQ is None else sig_sum_KQ + sig_KQ
         if g == G - 1:
@@ -171,9 +171,10 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, incl_ref, codes_ref, n_acc, s
 
 @functools.partial(jax.jit, static_argnames=("scale", "eps", "ckpt_rows", "with_ckpt", "steps",
                                              "mask_pieces", "key_tiles", "registers", "lean",
-                                             "skip_masks", "interpret"))
+                                             "skip_masks", "chain", "interpret"))
 def key_sweep(q, k, v, seg, lse, *, scale, eps, ckpt_rows, with_ckpt, steps=2, mask_pieces=3,
-              key_tiles=1, registers=256, lean=False, skip_masks=False, interpret=False):
+              key_tiles=1, registers=256, lean=False, skip_masks=False, chain=False,
+              interpret=False):
   """F2 as `dilution_fwd.key_sweep`: (N float32 [B,T,Hq,D], S, total float32 [B,Hq,T], ckpt
   float32 [B, Hq, ceil(T / ckpt_rows), T] or None). seg int32 [B, T]; lse float32 [B, Hq, T].
   mask_pieces: bf16 pieces of p in the in-tile prefix (3 exact, 2 ~16 bits; dm.mask_dot).
@@ -181,7 +182,8 @@ def key_sweep(q, k, v, seg, lse, *, scale, eps, ckpt_rows, with_ckpt, steps=2, m
   before one reduce-add per row tile; T must be a multiple of 64·key_tiles.
   registers: the compute warpgroup's setmaxnreg (232..256, BlockSizes.mosaic_registers).
   lean: BlockSizes.mosaic_lean (approx_math, dm.recip, dm.positions as vectors).
-  skip_masks: BlockSizes.mosaic_skip_masks (dm.visible_all)."""
+  skip_masks: BlockSizes.mosaic_skip_masks (dm.visible_all).
+  chain: BlockSizes.mosaic_chain_pieces (dm.mask_dot)."""
   why = dm.supported(q, ckpt_rows)
   B, T, N, D = q.shape
   if not why and (key_tiles not in key_tiles_for(D) or T % (key_tiles * BKV)):
@@ -206,7 +208,8 @@ def key_sweep(q, k, v, seg, lse, *, scale, eps, ckpt_rows, with_ckpt, steps=2, m
       functools.partial(_kernel, scale=float(scale), eps=float(eps), n_q=n_q,
                         ckpt_tiles=ckpt_rows // BQ, group=N // k.shape[2], steps=steps,
                         with_ckpt=with_ckpt, mask_pieces=mask_pieces, key_tiles=key_tiles,
-                        registers=registers, lean=lean, skip_masks=skip_masks, interpret=flag),
+                        registers=registers, lean=lean, skip_masks=skip_masks, chain=chain,
+                        interpret=flag),
       out_type=jax.ShapeDtypeStruct((B, N, T), jnp.float32),   # every key block writes its keys
       scratch_types=[
           dm._tile_smem(tiles + (BKV, D), k.dtype), dm._tile_smem(tiles + (BKV, D), k.dtype),

@@ -271,6 +271,22 @@ def mma_t_sum(pairs, *, interpret: bool):
   return pl.run_scoped(scoped, plgpu.ACC((m, n), jnp.float32))
 
 
+def mma_sum(a_list, b_ref, *, interpret: bool):
+  """Σ a @ b_ref over register operands a (Layout.WGMMA, 16-bit) in that order, the wgmmas
+  issued into one scoped accumulator and awaited once, where a loop of `mma(..., acc=)` waits
+  after each (the in-tile mask products over bf16 pieces: dilution_mgpu.mask_dot)."""
+  if interpret:
+    return sum(_dot(a, b_ref[...]) for a in a_list)
+  m, n = a_list[0].shape[0], b_ref.shape[1]
+
+  def scoped(acc_ref):
+    for a in a_list:
+      plgpu.wgmma(acc_ref, a, b_ref)
+    return acc_ref[...]
+
+  return pl.run_scoped(scoped, plgpu.ACC((m, n), jnp.float32))
+
+
 def copy_smem_to_gmem_add(src, dst, *, interpret: bool):
   """dst += src through a TMA reduce-add (cp.reduce.async.bulk.tensor .add, float32 atomic per
   element in L2, so concurrent CTAs may add into the same rows); awaited like any SMEM->GMEM copy.
