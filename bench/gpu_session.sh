@@ -158,11 +158,14 @@ for spec in "$@"; do
                --out "$OUT/lean_step.json" 2>&1 | grep --line-buffered -v -i autotun \
                | tee "$OUT/lean_step.log" | tail -6 ;;
     dilution_chain)  # issue 4: BlockSizes.mosaic_chain_pieces (the mask products' bf16 pieces in
-             # one wgmma group) over the lean default: compiled tests, B1 and F2 alone,
-             # forward+backward at two shapes, then the 209M step beside the softmax model's
+             # one wgmma group) over the lean default: compiled tests through the op,
+             # forward+backward at (2,12,16K,64), B1 and F2 alone (PTX kept), then the two other
+             # shapes and the 209M step beside the softmax model's, as far as the limit allows
              $RUN python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/test_dilution_kernel.py \
-               tests/test_dilution_mgpu.py -k "(Compiled and machine_chain) or (lean_matches_compiled and True)" \
-               2>&1 | tee "$OUT/chain_tests.log" | tail -3
+               -k "Compiled and machine_chain" 2>&1 | tee "$OUT/chain_tests.log" | tail -3
+             $RUN python3 bench/dilution.py --impls dilution --skip prefill,decode \
+               --train-shapes 2x12x16384x64 --train-variants default,chain,default \
+               --out "$OUT/chain.json" 2>&1 | tee "$OUT/chain.log" | tail -8
              mkdir -p "$OUT/ptx"
              MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO="$OUT/ptx" $RUN \
                python3 bench/dilution.py --passes --b1-variants default,chain \
@@ -170,8 +173,8 @@ for spec in "$@"; do
              find "$OUT/ptx" -type f ! -name "dilution_mgpu_b1*" ! -name "dilution_mgpu_f2*" -delete
              grep "TFLOP" "$OUT/chain_passes.log" | grep "F2\|B1" | tail -6
              $RUN python3 bench/dilution.py --impls dilution,cudnn --skip prefill,decode \
-               --train-shapes 2x12x16384x64,1x16x8192x128 --train-variants default,chain \
-               --out "$OUT/chain.json" 2>&1 | tee "$OUT/chain.log" | tail -12
+               --train-shapes 1x16x8192x128,8x8x4096x64 --train-variants default,chain \
+               --out "$OUT/chain_2.json" 2>&1 | tee "$OUT/chain_2.log" | tail -8
              $RUN python3 bench/train_step.py --sizes 209m --seq_len 16384 --batch 1 --impls pallas \
                --patterns "dilution:none;softmax:rope" --variants ";bench.dilution_blocks=chain" \
                --steps 6 --out "$OUT/chain_step.json" 2>&1 | grep --line-buffered -v -i autotun \
