@@ -68,40 +68,21 @@ DILUTION_BLOCKS = {"lean": {"mosaic_lean": True},
 
 
 @contextlib.contextmanager
-def dilution_blocks(choice):
-  """dilution.BlockSizes.default with the fields of DILUTION_BLOCKS[choice] while the arm runs."""
+def patched_default(blocks_cls, table, field, choice):
+  """`blocks_cls.default` (focal_mgpu's or dilution's BlockSizes) with the fields of
+  table[choice] while an arm runs; `field` names the bench.* override in errors."""
   if choice is None:
     yield
     return
-  if choice not in DILUTION_BLOCKS:
-    raise ValueError(f"bench.dilution_blocks={choice!r}: want one of {sorted(DILUTION_BLOCKS)}")
-  default = dilution.BlockSizes.default
-  dilution.BlockSizes.default = lambda *a, **kw: dataclasses.replace(
-      default(*a, **kw), **DILUTION_BLOCKS[choice])
-  jax.clear_caches()
+  if choice not in table:
+    raise ValueError(f"{field}={choice!r}: want one of {sorted(table)}")
+  default = blocks_cls.default
+  blocks_cls.default = lambda *a, **kw: dataclasses.replace(default(*a, **kw), **table[choice])
+  jax.clear_caches()  # the op's jit resolved block_sizes=None in an earlier arm
   try:
     yield
   finally:
-    dilution.BlockSizes.default = default
-    jax.clear_caches()
-
-
-@contextlib.contextmanager
-def mgpu_backward(choice):
-  """focal_mgpu.BlockSizes.default with the backward `choice` while the arm traces."""
-  if choice is None:
-    yield
-    return
-  if choice not in MGPU_BACKWARD:
-    raise ValueError(f"bench.mgpu_backward={choice!r}: want one of {sorted(MGPU_BACKWARD)}")
-  default = focal_mgpu.BlockSizes.default
-  focal_mgpu.BlockSizes.default = lambda head_dim, dtype=jnp.bfloat16: dataclasses.replace(
-      default(head_dim, dtype), **MGPU_BACKWARD[choice])
-  jax.clear_caches()  # focal_attention's jit resolved block_sizes=None in an earlier arm
-  try:
-    yield
-  finally:
-    focal_mgpu.BlockSizes.default = default
+    blocks_cls.default = default
     jax.clear_caches()
 
 
@@ -130,7 +111,9 @@ def run(size, impl, steps, seq_len, remat, batch=None, fuse=False, pattern="foca
   `overrides`: {dotted config field: value}, applied last and validated like train.py's (and
   `bench.mgpu_backward`, see MGPU_BACKWARD)."""
   config_overrides = dict(overrides or {})
-  with mgpu_backward(config_overrides.pop("bench.mgpu_backward", None)), dilution_blocks(
+  with patched_default(focal_mgpu.BlockSizes, MGPU_BACKWARD, "bench.mgpu_backward",
+                       config_overrides.pop("bench.mgpu_backward", None)), patched_default(
+      dilution.BlockSizes, DILUTION_BLOCKS, "bench.dilution_blocks",
       config_overrides.pop("bench.dilution_blocks", None)):
     r = _run(size, impl, steps, seq_len, remat, batch, fuse, pattern, segments, mesh_shape,
              profile_dir, config_overrides)
