@@ -103,6 +103,8 @@ B1_VARIANTS = {"default": dict(), "plain": B1_PLAIN,
                "lean_off": dict(mosaic_lean=False, mosaic_skip_masks=False),
                # the mask products' bf16 pieces in one wgmma group (BlockSizes.mosaic_chain_pieces)
                "chain": dict(mosaic_chain_pieces=True)}
+# BlockSizes fields the Mosaic F2 reads as well as B1: --passes times F2 too for variants that set one.
+F2_SHARED = ("mosaic_lean", "mosaic_skip_masks", "mosaic_chain_pieces")
 SMOKE_BLOCKS = dilution.BlockSizes(block_q_stats=16, block_k_stats=16, block_q=16, block_k=32,
                                    block_k_fwd=32, ckpt_rows=32, block_k_decode=16, split_k_decode=64)
 
@@ -223,11 +225,10 @@ def _passes(shape, dtype, reps, interpret, bs, b1_variants=("default",)):
       name = f"mosaic_r{r}" + ("_2p" if pieces == 2 else "") + (f"_k{tiles}" if tiles > 1 else "")
       passes.append(("F2 key_sweep", name, lambda q, k, v, lse, kw_m=kw_m: dilution.f2_key_sweep(
           q, k, v, seg, lse, eps=1e-9, with_ckpt=True, **kw_m), (q, k, v, lse)))
-  lean_variants = [v for v in b1_variants if any(f.startswith("mosaic_") and f != "mosaic_registers"
-                                                 for f in B1_VARIANTS[v])]
-  if lean_variants:
-    # F2 as the op runs it here (`bs`), and with each variant of its mosaic_* fields
-    for name in ["default", *lean_variants]:
+  f2_variants = [v for v in b1_variants if set(B1_VARIANTS[v]) & set(F2_SHARED)]
+  if f2_variants:
+    # F2 as the op runs it here (`bs`), and with each variant that sets a field it shares with B1
+    for name in ["default", *f2_variants]:
       kw_m = dict(kw, bs=dataclasses.replace(bs, **B1_VARIANTS[name]))
       passes.append(("F2 key_sweep", name, lambda q, k, v, lse, kw_m=kw_m: dilution.f2_key_sweep(
           q, k, v, seg, lse, eps=1e-9, with_ckpt=True, **kw_m), (q, k, v, lse)))

@@ -36,6 +36,7 @@ from configs import base  # noqa: E402
 from focaljax import config as config_lib  # noqa: E402
 from focaljax import metrics, optim, sharding, trainer  # noqa: E402
 from focaljax import model as model_lib  # noqa: E402
+from bench import dilution as dilution_bench  # noqa: E402
 from bench import tokamax_shim  # noqa: E402
 from pallas_kernels import dilution, focal_mgpu  # noqa: E402
 
@@ -59,12 +60,10 @@ MGPU_BACKWARD = {
     "overlap_fwd": {"overlap_softmax": True}}
 
 
-# `bench.dilution_blocks=<choice>` likewise: pallas_kernels.dilution.BlockSizes.default with these
-# fields for that arm (the dilution kernels' settings before one becomes the default).
-DILUTION_BLOCKS = {"lean": {"mosaic_lean": True},
-                   "lean_skip": {"mosaic_lean": True, "mosaic_skip_masks": True},
-                   "lean_off": {"mosaic_lean": False, "mosaic_skip_masks": False},
-                   "chain": {"mosaic_chain_pieces": True}}
+# `bench.dilution_blocks=<choice>` likewise: pallas_kernels.dilution.BlockSizes.default with the
+# fields of bench/dilution.py's B1_VARIANTS[choice] for that arm (the dilution kernels' settings
+# before one becomes the default).
+DILUTION_BLOCKS = dilution_bench.B1_VARIANTS
 
 
 @contextlib.contextmanager

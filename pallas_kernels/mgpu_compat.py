@@ -261,14 +261,19 @@ def mma_t_sum(pairs, *, interpret: bool):
   """
   if interpret:
     return sum(_dot(a_ref[...].T, b_ref[...]) for a_ref, b_ref in pairs)
-  m, n = pairs[0][0].shape[1], pairs[0][1].shape[1]
+  return _wgmma_sum([(a_ref.transpose((1, 0)), b_ref) for a_ref, b_ref in pairs],
+                    (pairs[0][0].shape[1], pairs[0][1].shape[1]))
 
+
+def _wgmma_sum(operands, shape):
+  """Σ a @ b over (a, b) wgmma operands, issued into one scoped float32 accumulator of `shape`
+  and awaited once."""
   def scoped(acc_ref):
-    for a_ref, b_ref in pairs:
-      plgpu.wgmma(acc_ref, a_ref.transpose((1, 0)), b_ref)
+    for a, b in operands:
+      plgpu.wgmma(acc_ref, a, b)
     return acc_ref[...]
 
-  return pl.run_scoped(scoped, plgpu.ACC((m, n), jnp.float32))
+  return pl.run_scoped(scoped, plgpu.ACC(shape, jnp.float32))
 
 
 def mma_sum(a_list, b_ref, *, interpret: bool):
@@ -277,14 +282,7 @@ def mma_sum(a_list, b_ref, *, interpret: bool):
   after each (the in-tile mask products over bf16 pieces: dilution_mgpu.mask_dot)."""
   if interpret:
     return sum(_dot(a, b_ref[...]) for a in a_list)
-  m, n = a_list[0].shape[0], b_ref.shape[1]
-
-  def scoped(acc_ref):
-    for a in a_list:
-      plgpu.wgmma(acc_ref, a, b_ref)
-    return acc_ref[...]
-
-  return pl.run_scoped(scoped, plgpu.ACC((m, n), jnp.float32))
+  return _wgmma_sum([(a, b_ref) for a in a_list], (a_list[0].shape[0], b_ref.shape[1]))
 
 
 def copy_smem_to_gmem_add(src, dst, *, interpret: bool):

@@ -212,11 +212,11 @@ def test_the_op_runs_both_when_asked():
     (64, 3, 232, 1, 1024, False), (128, 3, 232, 1, 1024, False), (64, 2, 232, 2, 1024, False),
     (128, 2, 232, 2, 1024, False), (64, 2, 256, 4, 1024, False), (64, 2, 256, 2, 64, False),
     (128, 2, 256, 1, 64, False), (64, 2, 256, 2, 1024, True), (128, 2, 256, 1, 1024, True)])
-# lean=True lowers with mosaic_skip_masks and mosaic_chain_pieces too
 def test_lowers_to_mosaic_gpu(D, mask_pieces, registers, tiles, ckpt_rows, lean):
   """B1 and F2 lower for CUDA (Mosaic rejects overflowing shared memory here, so this checks that
   every key_tiles the F2 accepts fits), also with a checkpoint per row tile (B1 rebuilds none)
-  and lean (BlockSizes.mosaic_lean: [64] position vectors, approx_math's rsqrt)."""
+  and lean (BlockSizes.mosaic_lean: [64] position vectors, approx_math's rsqrt; with
+  mosaic_skip_masks and mosaic_chain_pieces)."""
   S = jax.ShapeDtypeStruct
   q, kv = S((2, 2048, 4, D), jnp.bfloat16), S((2, 2048, 2, D), jnp.bfloat16)
   rows = S((2, 4, 2048), jnp.float32)
