@@ -159,8 +159,19 @@ class BlockSizes:
   # on unsegmented rows (the bench's), forward+backward 39.2 → 38.7; the Hopper default since.
   mosaic_skip_masks: bool = False
   # The Mosaic B1's and F2's in-tile mask products issue their bf16 pieces' wgmmas as one group,
-  # awaited once (SASS: a wait after each piece, i.e. two more per B1 tile pair). Untimed, so off.
+  # awaited once (SASS: a wait after each piece, i.e. two more per B1 tile pair). H200
+  # (thirty-fifth session, (2,12,16K,64)): B1 alone 103 → 108 TFLOP/s, forward+backward 38.8 →
+  # 37.5 ms, the 209M step 506.5 → 488.2 ms; the Hopper default at D = 64 since. At D = 128 the
+  # forward+backward at (1,16,8K,128) went the other way, 13.7 → 14.3 ms, so it stays off there.
   mosaic_chain_pieces: bool = False
+  # The cross-warp column sums (B1's ĝ = colsum W, F2's S = colsum σ) by wgmma instead of the
+  # lowering's warpgroup reduction (SASS: 8 of B1's 17 barriers per tile and 36 shuffles): the
+  # float32 tile's two bf16 pieces (hi + lo, ~16 significant bits) stored beside the hi piece the
+  # next product reads anyway, times an e₀ tile (column 0 ones), issued with that product.
+  # Compiled-tested on the H200 and slower there (thirty-fifth session, (2,12,16K,64)): B1 alone
+  # 109 → 106 TFLOP/s, F2 82 → 73, forward+backward 37.5 → 39.1 ms, the step 490.0 → 511.5 ms
+  # (the extra SMEM stores and wgmmas cost more than the barriers they remove). Off.
+  mosaic_colsum_mma: bool = False
 
   @classmethod
   def default(cls, head_dim: int, dtype=None, *, hopper: bool = False) -> "BlockSizes":
@@ -172,7 +183,8 @@ class BlockSizes:
     float32 accuracy) and F2 with two 64-key tiles per CTA at D = 64. Each choice was the faster
     in the same run on the H200 (BENCHMARKS.md, dilution section), and both run with
     mosaic_lean and mosaic_skip_masks (thirty-fourth session: forward+backward 45.4 → 38.7 ms at
-    (2,12,16K,64), 15.8 → 13.3 ms at (1,16,8K,128)). Anything else,
+    (2,12,16K,64), 15.8 → 13.3 ms at (1,16,8K,128)) and, at D = 64, mosaic_chain_pieces
+    (thirty-fifth: 38.8 → 37.5 ms). Anything else,
     interpret mode and other GPUs get the Triton passes; at D <= 64 the Triton B1 takes its
     measured tile (scratch carries, 128 keys, 8 warps: 74.6 against 78.3 ms)."""
     mosaic = hopper and head_dim in (64, 128) and dtype is not None and jnp.dtype(dtype) in (
@@ -184,7 +196,8 @@ class BlockSizes:
       hop = dict(b1_impl="mosaic", f2_impl="mosaic", f1_impl="mosaic", b2_impl="mosaic",
                  b1_mask_pieces=2, f2_mask_pieces=2,
                  f2_key_tiles=2 if head_dim <= 64 else 1,
-                 mosaic_lean=True, mosaic_skip_masks=True)
+                 mosaic_lean=True, mosaic_skip_masks=True,
+                 mosaic_chain_pieces=head_dim <= 64)
     if head_dim <= 64:
       return cls(b1_carries="scratch", b1_block_k=128, b1_warps=8, **hop)
     return cls(**hop)
@@ -222,7 +235,7 @@ class BlockSizes:
     if self.f2_key_tiles not in dilution_mgpu_fwd.key_tiles_for(D):
       raise ValueError(f"BlockSizes.f2_key_tiles={self.f2_key_tiles!r} must be one of "
                        f"{dilution_mgpu_fwd.key_tiles_for(D)} at head dim {D}")
-    for field in ("mosaic_lean", "mosaic_skip_masks", "mosaic_chain_pieces"):
+    for field in ("mosaic_lean", "mosaic_skip_masks", "mosaic_chain_pieces", "mosaic_colsum_mma"):
       if not isinstance(getattr(self, field), bool):
         raise ValueError(f"BlockSizes.{field}={getattr(self, field)!r} must be True or False")
     if self.mosaic_registers not in range(232, 257, 8):
@@ -316,7 +329,8 @@ def f2_key_sweep(q, k, v, seg, lse, *, scale, eps, bs, with_ckpt, interpret):
                                        key_tiles=bs.f2_key_tiles,
                                        registers=bs.mosaic_registers, lean=bs.mosaic_lean,
                                        skip_masks=bs.mosaic_skip_masks,
-                                       chain=bs.mosaic_chain_pieces, interpret=interpret)
+                                       chain=bs.mosaic_chain_pieces,
+                                       colsum_mma=bs.mosaic_colsum_mma, interpret=interpret)
   return dilution_fwd.key_sweep(q, k, v, seg, lse, scale=scale, eps=eps, bs=bs,
                                 with_ckpt=with_ckpt, interpret=interpret)
 
@@ -329,7 +343,8 @@ def b1_reverse_sweep(q, k, v, seg, lse, ssum, dbar, do, ckpt, *, scale, eps, bs,
                                        mask_pieces=bs.b1_mask_pieces,
                                        registers=bs.mosaic_registers, lean=bs.mosaic_lean,
                                        skip_masks=bs.mosaic_skip_masks,
-                                       chain=bs.mosaic_chain_pieces, interpret=interpret)
+                                       chain=bs.mosaic_chain_pieces,
+                                       colsum_mma=bs.mosaic_colsum_mma, interpret=interpret)
   return dilution_bwd.reverse_sweep(q, k, v, seg, lse, ssum, dbar, do, ckpt, scale=scale, eps=eps,
                                     bs=bs, interpret=interpret)
 

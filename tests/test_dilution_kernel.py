@@ -54,14 +54,19 @@ B1_VARIANTS_LONG = {"default": {}, **B1_VARIANTS,
 # The Hopper default with one of F1 (focal_mgpu's forward with V := K) and B2 (dilution_mgpu_b2)
 # back on Triton: each Mosaic pass alone (both are the default since the thirty-second session).
 # machine_ckpt64: a checkpoint per row tile, so the Mosaic B1 rebuilds no carries.
-# machine_lean_off: without BlockSizes.mosaic_lean and mosaic_skip_masks (the default before the
-# thirty-fourth session); machine_masked: lean, but every tile masked; machine_chain: the mask
-# products' bf16 pieces in one wgmma group (BlockSizes.mosaic_chain_pieces).
+# machine_lean_off: without BlockSizes.mosaic_lean, mosaic_skip_masks and mosaic_chain_pieces
+# (the default before the thirty-fourth session); machine_masked: lean, but every tile masked;
+# machine_chain / machine_chain_off: the mask products' bf16 pieces in one wgmma group or awaited
+# one by one (BlockSizes.mosaic_chain_pieces: the default at D = 64 since the thirty-fifth
+# session, off at 128); machine_colsum: ĝ and S by wgmma (BlockSizes.mosaic_colsum_mma).
 HOPPER_PLUS = {"machine_f1": dict(b2_impl="triton"), "machine_b2": dict(f1_impl="triton"),
                "machine_ckpt64": dict(ckpt_rows=64),
-               "machine_lean_off": dict(mosaic_lean=False, mosaic_skip_masks=False),
+               "machine_lean_off": dict(mosaic_lean=False, mosaic_skip_masks=False,
+                                        mosaic_chain_pieces=False),
                "machine_masked": dict(mosaic_skip_masks=False),
-               "machine_chain": dict(mosaic_chain_pieces=True)}
+               "machine_chain": dict(mosaic_chain_pieces=True),
+               "machine_chain_off": dict(mosaic_chain_pieces=False),
+               "machine_colsum": dict(mosaic_colsum_mma=True)}
 # B1's key block unlike B2's (on SMALL, T = 96): B1 wider (3 blocks of 32 vs B2's 6 of 16, as
 # b1_block_k=128 over block_k=64 on the GPU) and narrower (6 of 16 vs 3 of 32); warps only matter
 # compiled.
@@ -285,12 +290,13 @@ def test_b1_block_k_sets_padding_and_refuses_a_non_dividing_t():
   assert (d64.b1_carries, d64.keys_b1(), d64.warps_b1(64), d64.block_k) == ("scratch", 128, 8, 64)
   assert dilution.BlockSizes.default(128) == dilution.BlockSizes()
   # On Hopper with 16-bit inputs: all four passes on Mosaic, two mask pieces, lean elementwise
-  # code without masks below the diagonal, and two key tiles per F2 CTA at D = 64; float32,
-  # other head dims and non-Hopper GPUs keep Triton.
+  # code without masks below the diagonal, and at D = 64 the mask products' pieces in one wgmma
+  # group and two key tiles per F2 CTA; float32, other head dims and non-Hopper GPUs keep Triton.
   hop = functools.partial(dilution.BlockSizes.default, hopper=True)
   both = dict(b1_impl="mosaic", f2_impl="mosaic", f1_impl="mosaic", b2_impl="mosaic",
               b1_mask_pieces=2, f2_mask_pieces=2, mosaic_lean=True, mosaic_skip_masks=True)
-  assert hop(64, jnp.bfloat16) == dataclasses.replace(d64, **both, f2_key_tiles=2)
+  assert hop(64, jnp.bfloat16) == dataclasses.replace(d64, **both, f2_key_tiles=2,
+                                                      mosaic_chain_pieces=True)
   assert hop(128, jnp.float16) == dilution.BlockSizes(**both)
   assert hop(64, jnp.float32) == d64 and hop(32, jnp.bfloat16) == dilution.BlockSizes.default(32)
   assert hop(128, jnp.float32) == dilution.BlockSizes()
