@@ -103,13 +103,11 @@ B1_VARIANTS = {"default": dict(), "plain": B1_PLAIN,
                "lean_off": dict(mosaic_lean=False, mosaic_skip_masks=False,
                                 mosaic_chain_pieces=False),
                # the mask products' bf16 pieces in one wgmma group (BlockSizes.mosaic_chain_pieces,
-               # the Hopper default since the thirty-fifth session), and awaited one by one
+               # the Hopper default at D = 64 since the thirty-fifth session), and one by one
                "chain": dict(mosaic_chain_pieces=True),
-               "chain_off": dict(mosaic_chain_pieces=False),
-               # ĝ and S by wgmma against an e₀ tile (BlockSizes.mosaic_colsum_mma)
-               "colsum": dict(mosaic_colsum_mma=True)}
+               "chain_off": dict(mosaic_chain_pieces=False)}
 # BlockSizes fields the Mosaic F2 reads as well as B1: --passes times F2 too for variants that set one.
-F2_SHARED = ("mosaic_lean", "mosaic_skip_masks", "mosaic_chain_pieces", "mosaic_colsum_mma")
+F2_SHARED = ("mosaic_lean", "mosaic_skip_masks", "mosaic_chain_pieces")
 SMOKE_BLOCKS = dilution.BlockSizes(block_q_stats=16, block_k_stats=16, block_q=16, block_k=32,
                                    block_k_fwd=32, ckpt_rows=32, block_k_decode=16, split_k_decode=64)
 

@@ -179,27 +179,6 @@ for spec in "$@"; do
                --patterns "dilution:none;softmax:rope" --variants ";bench.dilution_blocks=chain" \
                --steps 6 --out "$OUT/chain_step.json" 2>&1 | grep --line-buffered -v -i autotun \
                | tee "$OUT/chain_step.log" | tail -6 ;;
-    dilution_colsum)  # issue 4: BlockSizes.mosaic_colsum_mma (B1's ĝ and F2's S by wgmma from
-             # the float32 tile's hi + lo pieces against an e₀ tile, no cross-warp reduction) over
-             # the default (chain on since the thirty-fifth session): compiled tests through the op
-             # and against the kernels without it, forward+backward at (2,12,16K,64) between two
-             # defaults, both passes alone, the other shapes, then the 209M step
-             $RUN python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/test_dilution_kernel.py \
-               tests/test_dilution_mgpu.py -k "(Compiled and machine_colsum) or (lean_matches_compiled and True)" \
-               2>&1 | tee "$OUT/colsum_tests.log" | tail -3
-             $RUN python3 bench/dilution.py --impls dilution,cudnn --skip prefill,decode \
-               --train-shapes 2x12x16384x64 --train-variants default,colsum,default \
-               --out "$OUT/colsum.json" 2>&1 | tee "$OUT/colsum.log" | tail -8
-             $RUN python3 bench/dilution.py --passes --b1-variants default,colsum \
-               --out "$OUT/colsum_passes.json" > "$OUT/colsum_passes.log" 2>&1
-             grep "TFLOP" "$OUT/colsum_passes.log" | grep "F2\|B1" | tail -6
-             $RUN python3 bench/train_step.py --sizes 209m --seq_len 16384 --batch 1 --impls pallas \
-               --patterns "dilution:none;softmax:rope" --variants ";bench.dilution_blocks=colsum" \
-               --steps 6 --out "$OUT/colsum_step.json" 2>&1 | grep --line-buffered -v -i autotun \
-               | tee "$OUT/colsum_step.log" | tail -6
-             $RUN python3 bench/dilution.py --impls dilution,cudnn --skip prefill,decode \
-               --train-shapes 1x16x8192x128,8x8x4096x64 --train-variants default,colsum \
-               --out "$OUT/colsum_2.json" 2>&1 | tee "$OUT/colsum_2.log" | tail -8 ;;
     step_1p3b)  # issue 3: the 1.3B step (batch 24 x 2048, packed) with the defaults, STEP_RUNS
              # times in one process (55% MFU needs <= 748.4 ms; machines differ by 2-10%)
              $RUN python3 bench/train_step.py --sizes 1.3b --batch 24 --impls pallas --steps 8 \

@@ -164,14 +164,6 @@ class BlockSizes:
   # 37.5 ms, the 209M step 506.5 → 488.2 ms; the Hopper default at D = 64 since. At D = 128 the
   # forward+backward at (1,16,8K,128) went the other way, 13.7 → 14.3 ms, so it stays off there.
   mosaic_chain_pieces: bool = False
-  # The cross-warp column sums (B1's ĝ = colsum W, F2's S = colsum σ) by wgmma instead of the
-  # lowering's warpgroup reduction (SASS: 8 of B1's 17 barriers per tile and 36 shuffles): the
-  # float32 tile's two bf16 pieces (hi + lo, ~16 significant bits) stored beside the hi piece the
-  # next product reads anyway, times an e₀ tile (column 0 ones), issued with that product.
-  # Compiled-tested on the H200 and slower there (thirty-fifth session, (2,12,16K,64)): B1 alone
-  # 109 → 106 TFLOP/s, F2 82 → 73, forward+backward 37.5 → 39.1 ms, the step 490.0 → 511.5 ms
-  # (the extra SMEM stores and wgmmas cost more than the barriers they remove). Off.
-  mosaic_colsum_mma: bool = False
 
   @classmethod
   def default(cls, head_dim: int, dtype=None, *, hopper: bool = False) -> "BlockSizes":
@@ -235,7 +227,7 @@ class BlockSizes:
     if self.f2_key_tiles not in dilution_mgpu_fwd.key_tiles_for(D):
       raise ValueError(f"BlockSizes.f2_key_tiles={self.f2_key_tiles!r} must be one of "
                        f"{dilution_mgpu_fwd.key_tiles_for(D)} at head dim {D}")
-    for field in ("mosaic_lean", "mosaic_skip_masks", "mosaic_chain_pieces", "mosaic_colsum_mma"):
+    for field in ("mosaic_lean", "mosaic_skip_masks", "mosaic_chain_pieces"):
       if not isinstance(getattr(self, field), bool):
         raise ValueError(f"BlockSizes.{field}={getattr(self, field)!r} must be True or False")
     if self.mosaic_registers not in range(232, 257, 8):
@@ -329,8 +321,7 @@ def f2_key_sweep(q, k, v, seg, lse, *, scale, eps, bs, with_ckpt, interpret):
                                        key_tiles=bs.f2_key_tiles,
                                        registers=bs.mosaic_registers, lean=bs.mosaic_lean,
                                        skip_masks=bs.mosaic_skip_masks,
-                                       chain=bs.mosaic_chain_pieces,
-                                       colsum_mma=bs.mosaic_colsum_mma, interpret=interpret)
+                                       chain=bs.mosaic_chain_pieces, interpret=interpret)
   return dilution_fwd.key_sweep(q, k, v, seg, lse, scale=scale, eps=eps, bs=bs,
                                 with_ckpt=with_ckpt, interpret=interpret)
 
@@ -343,8 +334,7 @@ def b1_reverse_sweep(q, k, v, seg, lse, ssum, dbar, do, ckpt, *, scale, eps, bs,
                                        mask_pieces=bs.b1_mask_pieces,
                                        registers=bs.mosaic_registers, lean=bs.mosaic_lean,
                                        skip_masks=bs.mosaic_skip_masks,
-                                       chain=bs.mosaic_chain_pieces,
-                                       colsum_mma=bs.mosaic_colsum_mma, interpret=interpret)
+                                       chain=bs.mosaic_chain_pieces, interpret=interpret)
   return dilution_bwd.reverse_sweep(q, k, v, seg, lse, ssum, dbar, do, ckpt, scale=scale, eps=eps,
                                     bs=bs, interpret=interpret)
 

@@ -54,8 +54,9 @@ it is faster (18.3 against 25.2 ms with the Mosaic F2 either way, twenty-ninth s
 and `skip_masks` (`visible_all`) took B1 from 28.6 to 24.1 ms there (thirty-fourth session;
 reverse-tile SASS 2178 → 1869 instructions); both are the Hopper default. `chain`
 (BlockSizes.mosaic_chain_pieces, `mask_dot`) took it to 22.9 ms (108 TFLOP/s; thirty-fifth
-session), the default at D = 64. `colsum_mma` (ĝ by wgmma against `e0_tile` instead of the
-cross-warp reduction) was compiled-tested and slower there (106 against 109 TFLOP/s): off.
+session), the default at D = 64. ĝ by wgmma (W's hi + lo pieces against an e₀ tile, instead of
+the cross-warp reduction) was compiled-tested and slower there (106 against 109 TFLOP/s; F2's S
+the same way 73 against 82): commit a95b24c, reverted.
 """
 
 from __future__ import annotations
@@ -124,12 +125,6 @@ def tile_probs_kq(k_s, q_tile, lse_tile, segq_tile, segk_K, key_KQ, qry_KQ, i, *
   return lax.cond(unmasked, jnp.exp2, masked, x_KQ)
 
 
-def e0_tile(dtype):
-  """[64, 64] 0/1 with column 0 ones: Xᵀ·e₀ puts X's column sums in column 0 (colsum by wgmma,
-  BlockSizes.mosaic_colsum_mma)."""
-  return (lax.broadcasted_iota(jnp.int32, (BKV, BQ), 1) == 0).astype(dtype)
-
-
 def block_codes(seg):
   """[B, T] segment ids → int32 [B, T/64, 2]: each 64-block's (min, max) id, for `visible_all`."""
   B, T = seg.shape
@@ -187,11 +182,11 @@ def _bounds(t, *, n_super, ckpt_tiles, i_lo, n_q):
 
 
 def _kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, ssum_ref, dbar_ref, do_ref, ckpt_ref, up_ref,
-            lo_ref, codes_ref, e0_ref, dq_acc, gh_acc, dk_ref, dv_ref,
-            k_s, v_s, up_s, lo_s, e0_s, segk_s, ck0_s, ck_s, q_s, do_s, lse_s, ssum_s, dbar_s,
-            segq_s, w_s, wlo_s, dq_s, gh_s, out_s, res_bar, ck_bar, q_bar, q_free,
+            lo_ref, codes_ref, dq_acc, gh_acc, dk_ref, dv_ref,
+            k_s, v_s, up_s, lo_s, segk_s, ck0_s, ck_s, q_s, do_s, lse_s, ssum_s, dbar_s, segq_s,
+            w_s, dq_s, gh_s, out_s, res_bar, ck_bar, q_bar, q_free,
             *, scale, eps, n_q, n_super, ckpt_tiles, group, steps, mask_pieces, registers,
-            lean, skip_masks, chain, colsum_mma, interpret):
+            lean, skip_masks, chain, interpret):
   n, jk, b = lax.axis_index("heads"), lax.axis_index("kv_seq"), lax.axis_index("batch")
   wg = lax.axis_index("wg")
   k0 = jk * BKV
@@ -205,9 +200,8 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, ssum_ref, dbar_ref, do_ref, c
   def _compute():
     plgpu.set_max_registers(registers, action="increase")
     rows_k = (b, pl.ds(k0, BKV), lax.div(n, jnp.int32(group)))
-    resident = ((k_ref.at[rows_k], k_s), (v_ref.at[rows_k], v_s), (up_ref, up_s),
-                (lo_ref, lo_s), (seg_ref.at[b, pl.ds(k0, BKV)], segk_s))
-    for src, dst in resident + (((e0_ref, e0_s),) if colsum_mma else ()):
+    for src, dst in ((k_ref.at[rows_k], k_s), (v_ref.at[rows_k], v_s), (up_ref, up_s),
+                     (lo_ref, lo_s), (seg_ref.at[b, pl.ds(k0, BKV)], segk_s)):
       plgpu.copy_gmem_to_smem(src, dst, res_bar)
     plgpu.barrier_wait(res_bar)
     segk_K = mc.load(segk_s, layout=row_layout, interpret=interpret)
@@ -255,28 +249,16 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, ssum_ref, dbar_ref, do_ref, c
         w_KQ = w_KQ + p_KQ * (_bcast(sufk_K, shape_KQ, 0) + mask_dot(
             g_KQ, lo_s, pieces=mask_pieces, interpret=interpret))
       sufk_K = sufk_K + g_KQ.sum(axis=1)
+      gh_Q = w_KQ.sum(axis=0)
       w16_KQ = w_KQ.astype(q_s.dtype)
-      if colsum_mma:   # ĝ below, from W's hi + lo pieces (~16 significant bits) by wgmma
-        wlo16_KQ = (w_KQ - w16_KQ.astype(jnp.float32)).astype(q_s.dtype)
-      else:            # a reduction across the warpgroup's four warps (keys are the rows)
-        gh_Q = w_KQ.sum(axis=0)
 
       def store_w():   # overlapped with the dk wgmma; the last step's Wᵀ·k was awaited
         w_s[...] = w16_KQ
-        if colsum_mma:
-          wlo_s[...] = wlo16_KQ
         plgpu.commit_smem()
 
       dk_KD = mc.mma(w16_KQ, q_s.at[slot], acc=dk_KD, during=store_w, interpret=interpret)
       plgpu.barrier_arrive(q_free.at[slot])   # q, dO and the rows of this slot are read
-      if colsum_mma:
-        # Wᵀ·e₀ has ĝ in column 0 and zeros elsewhere, so the row sum (within a warp's quads)
-        # is exact; issued with Wᵀ·k, one wait for both.
-        dq_QD, gh_QE = mc.mma_t_sums([[(w_s, k_s)], [(w_s, e0_s), (wlo_s, e0_s)]],
-                                     interpret=interpret)
-        gh_Q = gh_QE.sum(axis=1)
-      else:
-        dq_QD = mc.mma_t(w_s, k_s, interpret=interpret)
+      dq_QD = mc.mma_t(w_s, k_s, interpret=interpret)
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last reduces have read dq_s, gh_s
       dq_s[...] = dq_QD * scale
       gh_s[...] = gh_Q
@@ -369,10 +351,10 @@ def supported(q, ckpt_rows: int) -> str | None:
 
 @functools.partial(jax.jit, static_argnames=("scale", "eps", "ckpt_rows", "steps",
                                              "mask_pieces", "registers", "lean", "skip_masks",
-                                             "chain", "colsum_mma", "interpret"))
+                                             "chain", "interpret"))
 def reverse_sweep(q, k, v, seg, lse, ssum, dbar, do, ckpt, *, scale, eps, ckpt_rows, steps=2,
                   mask_pieces=3, registers=256, lean=False, skip_masks=False, chain=False,
-                  colsum_mma=False, interpret=False):
+                  interpret=False):
   """B1 as `dilution_bwd.reverse_sweep`: (dq_main [B,T,Hq,D], ĝ [B,Hq,T], dk_main, dv
   [B,T,Hq,D] per query head), all float32. seg int32 [B, T]; lse, ssum, dbar float32 [B,Hq,T];
   do in q.dtype; ckpt float32 [B, Hq, ceil(T / ckpt_rows), T] from F2 with the same ckpt_rows.
@@ -381,8 +363,7 @@ def reverse_sweep(q, k, v, seg, lse, ssum, dbar, do, ckpt, *, scale, eps, ckpt_r
   lean: BlockSizes.mosaic_lean (approx_math, `recip`, `positions` as vectors, and the rows
   1/(S + ε) and dbar/(S + ε) computed here once instead of per key block).
   skip_masks: BlockSizes.mosaic_skip_masks (no mask on tiles below the diagonal within one
-  segment: `visible_all`). chain: BlockSizes.mosaic_chain_pieces (`mask_dot`).
-  colsum_mma: BlockSizes.mosaic_colsum_mma (ĝ by wgmma against `e0_tile`)."""
+  segment: `visible_all`). chain: BlockSizes.mosaic_chain_pieces (`mask_dot`)."""
   why = supported(q, ckpt_rows)
   if why:
     raise ValueError(f"dilution_mgpu.reverse_sweep: {why}")
@@ -405,23 +386,20 @@ def reverse_sweep(q, k, v, seg, lse, ssum, dbar, do, ckpt, *, scale, eps, ckpt_r
       functools.partial(_kernel, scale=float(scale), eps=float(eps), n_q=n_q,
                         n_super=ckpt.shape[2], ckpt_tiles=ckpt_tiles, group=N // k.shape[2],
                         steps=steps, mask_pieces=mask_pieces, registers=registers, lean=lean,
-                        skip_masks=skip_masks, chain=chain, colsum_mma=colsum_mma,
-                        interpret=flag),
+                        skip_masks=skip_masks, chain=chain, interpret=flag),
       out_type=[jax.ShapeDtypeStruct(q.shape, jnp.float32)] * 2,
       scratch_types=[
           _tile_smem((BKV, D), k.dtype), _tile_smem((BKV, D), k.dtype),        # k, v
           _tile_smem((BQ, BQ), jnp.bfloat16), _tile_smem((BQ, BQ), jnp.bfloat16),  # U, L
-          _tile_smem((BKV, BQ) if colsum_mma else (8, BQ), q.dtype),         # e₀
           plgpu.SMEM((BKV,), jnp.int32), plgpu.SMEM((BKV,), jnp.float32),     # key ids, ckpt
           plgpu.SMEM((ckpt_tiles, BKV), jnp.float32),                         # tile carries
           _tile_smem((steps, BQ, D), q.dtype), _tile_smem((steps, BQ, D), q.dtype),  # q, dO
           vec(jnp.float32), vec(jnp.float32), vec(jnp.float32), vec(jnp.int32),  # rows, ids
           _tile_smem((BKV, BQ), q.dtype),                                     # W, 16-bit
-          _tile_smem((BKV, BQ) if colsum_mma else (8, BQ), q.dtype),         # W's lo piece
           plgpu.SMEM((BQ, D), jnp.float32, transforms=_F32_TILE),             # dq tile
           plgpu.SMEM((BQ,), jnp.float32),                                     # ĝ tile
           plgpu.SMEM((BKV, D), jnp.float32, transforms=_F32_TILE),            # dk, dv out
-          plgpu.Barrier(num_arrivals=5 + colsum_mma),     # k, v, U, L, key ids (e₀) landed
+          plgpu.Barrier(num_arrivals=5),                  # k, v, U, L, key ids landed
           plgpu.Barrier(num_arrivals=1),                  # the super-block's checkpoint landed
           plgpu.Barrier(num_arrivals=6, num_barriers=steps),   # q, dO, rows, ids of a slot
           plgpu.Barrier(num_arrivals=1, num_barriers=steps),   # slot released
@@ -430,8 +408,7 @@ def reverse_sweep(q, k, v, seg, lse, ssum, dbar, do, ckpt, *, scale, eps, ckpt_r
       num_threads=2, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=lean),
       interpret=params, name="dilution_mgpu_b1")(
-          q, k, v, seg, lse, ssum, dbar, do, ckpt, upper, lower, block_codes(seg),
-          e0_tile(q.dtype), dq_acc, gh_acc)
+          q, k, v, seg, lse, ssum, dbar, do, ckpt, upper, lower, block_codes(seg), dq_acc, gh_acc)
   dq, gh = dq_acc[...], gh_acc[...]
   if flag:
     dq, gh = dq.sum(axis=0), gh.sum(axis=0)

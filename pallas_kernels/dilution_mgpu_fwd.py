@@ -33,9 +33,7 @@ at D = 128 needs 239 KiB and is refused (`key_tiles_for`).
 
 On CPU pass interpret=True: N and S then get one slab per CTA (TMA reductions are not
 interpreted), summed by XLA. Written in the thirteenth session with dilution_mgpu's B1;
-interpret-tested on CPU, compiled and tested on the H200 (jax 0.11.2). With
-BlockSizes.mosaic_colsum_mma S comes from σᵀ·e₀ wgmmas of σ's hi + lo pieces instead of the
-cross-warp colsum: compiled-tested, and slower (73 against 82 TFLOP/s, thirty-fifth session). Timed there: 15.3 ms against
+interpret-tested on CPU, compiled and tested on the H200 (jax 0.11.2). Timed there: 15.3 ms against
 the Triton F2's 14.5 at (2,12,16K,64) bf16, but faster at D = 128 (forward 3.94 against 5.76 ms at
 (1,16,8K,128)). `BlockSizes.default` picks it on sm_90 at D 64 (two pieces, G = 2) and 128.
 """
@@ -64,11 +62,11 @@ def key_tiles_for(D: int) -> tuple[int, ...]:
   return tuple(g for g in KEY_TILES if g * D <= 256)
 
 
-def _kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, incl_ref, codes_ref, e0_ref, n_acc, s_acc,
-            ckpt_ref, total_ref,
-            k_s, v_s, incl_s, e0_s, segk_s, q_s, lse_s, segq_s, sig_s, siglo_s, n_s, s_s, vec_s,
+def _kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, incl_ref, codes_ref, n_acc, s_acc, ckpt_ref,
+            total_ref,
+            k_s, v_s, incl_s, segk_s, q_s, lse_s, segq_s, sig_s, n_s, s_s, vec_s,
             res_bar, q_bar, q_free, *, scale, eps, n_q, ckpt_tiles, group, steps, with_ckpt,
-            mask_pieces, key_tiles, registers, lean, skip_masks, chain, colsum_mma, interpret):
+            mask_pieces, key_tiles, registers, lean, skip_masks, chain, interpret):
   n, jk, b = lax.axis_index("heads"), lax.axis_index("kv_seq"), lax.axis_index("batch")
   wg = lax.axis_index("wg")
   G = key_tiles
@@ -90,8 +88,6 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, incl_ref, codes_ref, e0_ref, 
                        (seg_ref.at[b, pl.ds(k0 + g * BKV, BKV)], at(segk_s, g))):
         plgpu.copy_gmem_to_smem(src, dst, res_bar)
     plgpu.copy_gmem_to_smem(incl_ref, incl_s, res_bar)
-    if colsum_mma:
-      plgpu.copy_gmem_to_smem(e0_ref, e0_s, res_bar)
     plgpu.barrier_wait(res_bar)
     segk_K = [mc.load(at(segk_s, g), layout=row_layout, interpret=interpret) for g in range(G)]
     n_out = n_acc.at[jk] if interpret else n_acc   # interpreted: this CTA's own slab
@@ -130,29 +126,17 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, incl_ref, codes_ref, e0_ref, 
         incl_KQ = dm._bcast(carries[g], shape_KQ, 0) + dm.mask_dot(
             p_KQ, incl_s, pieces=mask_pieces, chain=chain, interpret=interpret)
         sig_KQ = p_KQ * dm.recip(incl_KQ + eps, lean=True) if lean else p_KQ / (incl_KQ + eps)
-        sig16_KQ = sig_KQ.astype(sig_s.dtype)
-        if not colsum_mma:   # S by a reduction across the warpgroup's warps (keys are rows)
-          sig_sum_KQ = sig_KQ if sig_sum_KQ is None else sig_sum_KQ + sig_KQ
-          if g == G - 1:
-            s_Q = sig_sum_KQ.sum(axis=0)
+        sig_sum_KQ = sig_KQ if sig_sum_KQ is None else sig_sum_KQ + sig_KQ
+        if g == G - 1:
+          s_Q = sig_sum_KQ.sum(axis=0)
         if g == 0:
           # The last reduces have read n_s and s_s. (They do not read σ, so this wait could
           # move below the σᵀ·V wgmma; it stays where the compiled, timed kernel has it.)
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        at(sig_s, g)[...] = sig16_KQ
-        if colsum_mma:   # S below from σ's hi + lo pieces by wgmma (~16 significant bits)
-          at(siglo_s, g)[...] = (sig_KQ - sig16_KQ.astype(jnp.float32)).astype(sig_s.dtype)
+        at(sig_s, g)[...] = sig_KQ.astype(sig_s.dtype)
         new_carries.append(carries[g] + p_KQ.sum(axis=1))
       plgpu.commit_smem()
-      if colsum_mma:
-        # σᵀ·e₀ has S in column 0 and zeros elsewhere (exact row sum within quads); issued with
-        # σᵀ·V, one wait for both.
-        n_QD, s_QE = mc.mma_t_sums(
-            [[(at(sig_s, g), at(v_s, g)) for g in range(G)],
-             [(at(x_s, g), e0_s) for g in range(G) for x_s in (sig_s, siglo_s)]],
-            interpret=interpret)
-        s_Q = s_QE.sum(axis=1)
-      elif G == 1:
+      if G == 1:
         n_QD = mc.mma_t(sig_s, v_s, interpret=interpret)
       else:
         # One accumulator over the CTA's key tiles, so N gets one reduce-add per row tile
@@ -187,10 +171,10 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, incl_ref, codes_ref, e0_ref, 
 
 @functools.partial(jax.jit, static_argnames=("scale", "eps", "ckpt_rows", "with_ckpt", "steps",
                                              "mask_pieces", "key_tiles", "registers", "lean",
-                                             "skip_masks", "chain", "colsum_mma", "interpret"))
+                                             "skip_masks", "chain", "interpret"))
 def key_sweep(q, k, v, seg, lse, *, scale, eps, ckpt_rows, with_ckpt, steps=2, mask_pieces=3,
               key_tiles=1, registers=256, lean=False, skip_masks=False, chain=False,
-              colsum_mma=False, interpret=False):
+              interpret=False):
   """F2 as `dilution_fwd.key_sweep`: (N float32 [B,T,Hq,D], S, total float32 [B,Hq,T], ckpt
   float32 [B, Hq, ceil(T / ckpt_rows), T] or None). seg int32 [B, T]; lse float32 [B, Hq, T].
   mask_pieces: bf16 pieces of p in the in-tile prefix (3 exact, 2 ~16 bits; dm.mask_dot).
@@ -199,8 +183,7 @@ def key_sweep(q, k, v, seg, lse, *, scale, eps, ckpt_rows, with_ckpt, steps=2, m
   registers: the compute warpgroup's setmaxnreg (232..256, BlockSizes.mosaic_registers).
   lean: BlockSizes.mosaic_lean (approx_math, dm.recip, dm.positions as vectors).
   skip_masks: BlockSizes.mosaic_skip_masks (dm.visible_all).
-  chain: BlockSizes.mosaic_chain_pieces (dm.mask_dot).
-  colsum_mma: BlockSizes.mosaic_colsum_mma (S by wgmma against dm.e0_tile)."""
+  chain: BlockSizes.mosaic_chain_pieces (dm.mask_dot)."""
   why = dm.supported(q, ckpt_rows)
   B, T, N, D = q.shape
   if not why and (key_tiles not in key_tiles_for(D) or T % (key_tiles * BKV)):
@@ -226,27 +209,25 @@ def key_sweep(q, k, v, seg, lse, *, scale, eps, ckpt_rows, with_ckpt, steps=2, m
                         ckpt_tiles=ckpt_rows // BQ, group=N // k.shape[2], steps=steps,
                         with_ckpt=with_ckpt, mask_pieces=mask_pieces, key_tiles=key_tiles,
                         registers=registers, lean=lean, skip_masks=skip_masks, chain=chain,
-                        colsum_mma=colsum_mma, interpret=flag),
+                        interpret=flag),
       out_type=jax.ShapeDtypeStruct((B, N, T), jnp.float32),   # every key block writes its keys
       scratch_types=[
           dm._tile_smem(tiles + (BKV, D), k.dtype), dm._tile_smem(tiles + (BKV, D), k.dtype),
           dm._tile_smem((BQ, BQ), jnp.bfloat16),                                # U≤
-          dm._tile_smem((BKV, BQ) if colsum_mma else (8, BQ), q.dtype),         # e₀
           plgpu.SMEM(tiles + (BKV,), jnp.int32),                                # key ids
           dm._tile_smem((steps, BQ, D), q.dtype), vec(jnp.float32), vec(jnp.int32),  # q, lse, ids
           dm._tile_smem(tiles + (BKV, BQ), q.dtype),                            # σ, 16-bit
-          dm._tile_smem(tiles + (BKV, BQ) if colsum_mma else (8, BQ), q.dtype),  # σ's lo piece
           plgpu.SMEM((BQ, D), jnp.float32, transforms=dm._F32_TILE),            # N tile
           plgpu.SMEM((BQ,), jnp.float32), plgpu.SMEM(tiles + (BKV,), jnp.float32),  # S, carries
-          plgpu.Barrier(num_arrivals=3 * G + 1 + colsum_mma),   # k, v, ids per tile; U≤ (e₀)
+          plgpu.Barrier(num_arrivals=3 * G + 1),           # k, v, key ids per tile; U≤ landed
           plgpu.Barrier(num_arrivals=3, num_barriers=steps),   # q, lse, ids of a slot landed
           plgpu.Barrier(num_arrivals=1, num_barriers=steps),   # slot released
       ],
       grid=(N, T // (G * BKV), B), grid_names=("heads", "kv_seq", "batch"),
       num_threads=2, thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=lean),
       interpret=params, name="dilution_mgpu_f2")(
-          q, k, v, seg, lse, (r_QQ <= i_QQ).astype(jnp.bfloat16), dm.block_codes(seg),
-          dm.e0_tile(q.dtype), n_acc, s_acc, ckpt)
+          q, k, v, seg, lse, (r_QQ <= i_QQ).astype(jnp.bfloat16), dm.block_codes(seg), n_acc,
+          s_acc, ckpt)
   n_out, s_out = n_acc[...], s_acc[...]
   if flag:
     n_out, s_out = n_out.sum(axis=0), s_out.sum(axis=0)

@@ -341,21 +341,3 @@ def with_segments(kernel, *, n_in: int, n_seg_scratch: int, segments: bool):
     cut = len(rest) - n_seg_scratch
     return kernel(*refs[:n_in - 1], *rest[:cut], seg=(refs[n_in - 1], *rest[cut:]))
   return body
-
-
-def mma_t_sums(groups, *, interpret: bool):
-  """One `mma_t_sum` per group of (a_ref, b_ref) pairs, each into its own scoped accumulator,
-  every wgmma issued before any is awaited (one wait for them all). Returns a tuple. (The
-  one-group `mma_t_sum` keeps its own body: the focal kernels compiled and timed with it.)"""
-  if interpret:
-    return tuple(sum(_dot(a_ref[...].T, b_ref[...]) for a_ref, b_ref in pairs)
-                 for pairs in groups)
-  shapes = [(pairs[0][0].shape[1], pairs[0][1].shape[1]) for pairs in groups]
-
-  def scoped(*acc_refs):
-    for acc_ref, pairs in zip(acc_refs, groups, strict=True):
-      for a_ref, b_ref in pairs:
-        plgpu.wgmma(acc_ref, a_ref.transpose((1, 0)), b_ref)
-    return tuple(acc_ref[...] for acc_ref in acc_refs)
-
-  return pl.run_scoped(scoped, *(plgpu.ACC(shape, jnp.float32) for shape in shapes))

@@ -58,15 +58,14 @@ B1_VARIANTS_LONG = {"default": {}, **B1_VARIANTS,
 # (the default before the thirty-fourth session); machine_masked: lean, but every tile masked;
 # machine_chain / machine_chain_off: the mask products' bf16 pieces in one wgmma group or awaited
 # one by one (BlockSizes.mosaic_chain_pieces: the default at D = 64 since the thirty-fifth
-# session, off at 128); machine_colsum: ĝ and S by wgmma (BlockSizes.mosaic_colsum_mma).
+# session, off at 128).
 HOPPER_PLUS = {"machine_f1": dict(b2_impl="triton"), "machine_b2": dict(f1_impl="triton"),
                "machine_ckpt64": dict(ckpt_rows=64),
                "machine_lean_off": dict(mosaic_lean=False, mosaic_skip_masks=False,
                                         mosaic_chain_pieces=False),
                "machine_masked": dict(mosaic_skip_masks=False),
                "machine_chain": dict(mosaic_chain_pieces=True),
-               "machine_chain_off": dict(mosaic_chain_pieces=False),
-               "machine_colsum": dict(mosaic_colsum_mma=True)}
+               "machine_chain_off": dict(mosaic_chain_pieces=False)}
 # B1's key block unlike B2's (on SMALL, T = 96): B1 wider (3 blocks of 32 vs B2's 6 of 16, as
 # b1_block_k=128 over block_k=64 on the GPU) and narrower (6 of 16 vs 3 of 32); warps only matter
 # compiled.

@@ -55,7 +55,7 @@ CASES = [(256, False, 64, jnp.bfloat16, 1, 2, 1), (384, True, 64, jnp.bfloat16, 
 def _b1_both(T, N, K, *, segments, D=64, dtype=jnp.bfloat16, B=1, mask_pieces=3, ckpt_rows=R,
              **fields):
   """(Mosaic B1, Triton B1) outputs on the inputs of a real forward; asserts no interpreter
-  races. fields: reverse_sweep's lean, skip_masks, chain, colsum_mma."""
+  races. fields: reverse_sweep's lean, skip_masks, chain."""
   q, k, v, seg, do = _qkv(T, N, K, segments=segments, D=D, dtype=dtype, B=B)
   scale, eps = 0.125, 1e-9
   bs = dataclasses.replace(BS, ckpt_rows=ckpt_rows)
@@ -95,14 +95,13 @@ def test_b1_with_a_checkpoint_per_row_tile_interpret():
 # vectors, the reordered products, XLA's per-query rows; its approx_math does not apply when
 # interpreted, see test_lean_matches_compiled) and mosaic_skip_masks (no mask below the diagonal
 # within one segment; B = 2: the second row's cuts leave such tiles, and without segments every
-# tile below the diagonal is one), mosaic_chain_pieces (the mask products' pieces in one wgmma
-# group), and mosaic_colsum_mma (ĝ by wgmma from W's hi + lo pieces: within the same bounds).
+# tile below the diagonal is one), and mosaic_chain_pieces (the mask products' pieces in one wgmma
+# group).
 LEAN = {"plain": {}, "lean": dict(lean=True),
-        "lean_skip": dict(lean=True, skip_masks=True, chain=True, B=2),
-        "colsum": dict(lean=True, skip_masks=True, chain=True, colsum_mma=True, B=2)}
+        "lean_skip": dict(lean=True, skip_masks=True, chain=True, B=2)}
 
 
-@pytest.mark.parametrize("fields", ["lean_skip", "colsum", pytest.param("lean", marks=SLOW),
+@pytest.mark.parametrize("fields", ["lean_skip", pytest.param("lean", marks=SLOW),
                                     pytest.param("plain", marks=SLOW)])
 def test_two_mask_pieces_stay_close(fields):
   """BlockSizes.b1_mask_pieces=2: the in-tile prefix/suffix products from two bf16 pieces (~16
@@ -134,8 +133,8 @@ def test_f2_matches_the_triton_f2_interpret(T, segments, D, dtype, B, N, K, piec
                                             ckpt_rows, **fields):
   """pieces: BlockSizes.f2_mask_pieces (2: the in-tile prefix from two bf16 pieces, ~16 bits);
   tiles: BlockSizes.f2_key_tiles (64-key tiles per CTA, N and S summed over them); ckpt_rows 64:
-  a checkpoint per row tile; fields: key_sweep's lean, skip_masks, chain, colsum_mma
-  (BlockSizes.mosaic_lean, mosaic_skip_masks, mosaic_chain_pieces, mosaic_colsum_mma)."""
+  a checkpoint per row tile; fields: key_sweep's lean, skip_masks, chain (BlockSizes.mosaic_lean,
+  mosaic_skip_masks, mosaic_chain_pieces)."""
   q, k, v, seg, _ = _qkv(T, N, K, segments=segments, D=D, dtype=dtype, B=B)
   bs = dataclasses.replace(BS, ckpt_rows=ckpt_rows)
   lse, _ = dilution_fwd.row_stats(q, k, seg, scale=0.125, bs=bs, with_pk=False, interpret=True)
@@ -210,14 +209,12 @@ def test_the_op_runs_both_when_asked():
 @pytest.mark.parametrize("D, mask_pieces, registers, tiles, ckpt_rows, lean", [
     (64, 3, 232, 1, 1024, False), (128, 3, 232, 1, 1024, False), (64, 2, 232, 2, 1024, False),
     (128, 2, 232, 2, 1024, False), (64, 2, 256, 4, 1024, False), (64, 2, 256, 2, 64, False),
-    (128, 2, 256, 1, 64, False), (64, 2, 256, 2, 1024, True), (128, 2, 256, 1, 1024, True),
-    (64, 2, 256, 4, 1024, True), (128, 2, 256, 2, 1024, True)])
+    (128, 2, 256, 1, 64, False), (64, 2, 256, 2, 1024, True), (128, 2, 256, 1, 1024, True)])
 def test_lowers_to_mosaic_gpu(D, mask_pieces, registers, tiles, ckpt_rows, lean):
   """B1 and F2 lower for CUDA (Mosaic rejects overflowing shared memory here, so this checks that
   every key_tiles the F2 accepts fits), also with a checkpoint per row tile (B1 rebuilds none)
   and lean (BlockSizes.mosaic_lean: [64] position vectors, approx_math's rsqrt; with
-  mosaic_skip_masks, mosaic_chain_pieces and mosaic_colsum_mma, whose hi + lo tiles must fit
-  beside every key_tiles too)."""
+  mosaic_skip_masks and mosaic_chain_pieces)."""
   S = jax.ShapeDtypeStruct
   q, kv = S((2, 2048, 4, D), jnp.bfloat16), S((2, 2048, 2, D), jnp.bfloat16)
   rows = S((2, 4, 2048), jnp.float32)
@@ -225,7 +222,6 @@ def test_lowers_to_mosaic_gpu(D, mask_pieces, registers, tiles, ckpt_rows, lean)
                                                       ckpt_rows=ckpt_rows, mask_pieces=mask_pieces,
                                                       registers=registers, lean=lean,
                                                       skip_masks=lean, chain=lean,
-                                                      colsum_mma=lean,
                                                       interpret=False))
   text = fn.trace(q, kv, kv, S((2, 2048), jnp.int32), rows, rows, rows, q,
                   S((2, 4, 2048 // ckpt_rows, 2048), jnp.float32)).lower(
@@ -235,23 +231,19 @@ def test_lowers_to_mosaic_gpu(D, mask_pieces, registers, tiles, ckpt_rows, lean)
                                                       ckpt_rows=ckpt_rows, with_ckpt=True,
                                                       mask_pieces=mask_pieces,
                                                       key_tiles=tiles, registers=registers,
-                                                      lean=lean, skip_masks=lean, chain=lean,
-                                                      colsum_mma=lean))
+                                                      lean=lean, skip_masks=lean, chain=lean))
   text = f2.trace(q, kv, kv, S((2, 2048), jnp.int32), rows).lower(
       lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
 
 
-@pytest.mark.parametrize("segments, colsum_mma", [(True, False), (True, True),
-                                                 pytest.param(False, False, marks=SLOW)])
-def test_f2_lean_interpret(segments, colsum_mma):
+@pytest.mark.parametrize("segments", [True, pytest.param(False, marks=SLOW)])
+def test_f2_lean_interpret(segments):
   """BlockSizes.mosaic_lean and mosaic_skip_masks in F2 (position vectors; approx_math is not
   interpreted) with the Hopper default's other fields at D = 64: two pieces, two key tiles. Two
-  key tiles check visible_all's key block index (2·jk + g); colsum_mma: S by wgmma from σ's hi +
-  lo pieces over both key tiles."""
+  key tiles check visible_all's key block index (2·jk + g)."""
   test_f2_matches_the_triton_f2_interpret(256, segments, 64, jnp.bfloat16, 2, 4, 2, 2, 2, R,
-                                          lean=True, skip_masks=True, chain=True,
-                                          colsum_mma=colsum_mma)
+                                          lean=True, skip_masks=True, chain=True)
 
 
 @pytest.mark.skipif(not focal_flash.hopper(), reason="compiled Mosaic GPU: an sm_90 GPU")
@@ -259,8 +251,8 @@ def test_f2_lean_interpret(segments, colsum_mma):
 @pytest.mark.parametrize("skip_masks", [False, True])
 def test_lean_matches_compiled(D, skip_masks):
   """BlockSizes.mosaic_lean compiled (ex2.approx, rsqrt.approx² reciprocals, which interpret mode
-  does not run), alone and with mosaic_skip_masks, mosaic_chain_pieces and mosaic_colsum_mma: B1
-  and F2 within the interpret tests' bounds of the same kernels without them."""
+  does not run), alone and with mosaic_skip_masks and mosaic_chain_pieces: B1 and F2 within the
+  interpret tests' bounds of the same kernels without them."""
   q, k, v, seg, do = _qkv(2048, 4, 2, segments=True, D=D, B=2)
   scale, eps, rows = D**-0.5, 1e-9, 1024
   bs = dataclasses.replace(dilution.BlockSizes.default(D, jnp.bfloat16, hopper=True),
@@ -271,14 +263,14 @@ def test_lean_matches_compiled(D, skip_masks):
   args = (q, k, v, seg, lse, ssum, dbar, do, ckpt)
   b1 = [dilution_mgpu.reverse_sweep(*args, scale=scale, eps=eps, ckpt_rows=rows, mask_pieces=2,
                                     lean=lean, skip_masks=skip_masks and lean,
-                                    chain=skip_masks and lean, colsum_mma=skip_masks and lean)
+                                    chain=skip_masks and lean)
         for lean in (True, False)]
   for name, a, b, tol in zip(("dq", "ghat", "dk", "dv"), *b1, (2e-3, 1e-5, 2e-3, 2e-3)):
     assert _rel(a, b) < tol, (name, _rel(a, b))
   f2 = [dilution_mgpu_fwd.key_sweep(q, k, v, seg, lse, scale=scale, eps=eps, ckpt_rows=rows,
                                     with_ckpt=True, mask_pieces=2, key_tiles=bs.f2_key_tiles,
                                     lean=lean, skip_masks=skip_masks and lean,
-                                    chain=skip_masks and lean, colsum_mma=skip_masks and lean)
+                                    chain=skip_masks and lean)
         for lean in (True, False)]
   for name, a, b, tol in zip(("N", "S", "total", "ckpt"), *f2, (3e-3, 1e-5, 1e-5, 1e-5)):
     assert _rel(a, b) < tol, (name, _rel(a, b))
