@@ -79,12 +79,16 @@ def _assert_b1_close(got, want):
     assert _rel(a, b) < tol, (name, _rel(a, b))
 
 
+# The B = 2 GQA case runs slow (CI time): test_two_mask_pieces_stay_close[lean_skip] covers two
+# rows and GQA on the Hopper default's path, and TestCompiledGPU every default compiled.
 @pytest.mark.parametrize("T, segments, D, dtype, B, N, K",
-                         [pytest.param(*c, marks=SLOW) for c in CASES[:2]] + CASES[2:])
+                         [pytest.param(*c, marks=SLOW) for c in CASES[:2] + CASES[3:]]
+                         + CASES[2:3])
 def test_matches_the_triton_b1_interpret(T, segments, D, dtype, B, N, K):
   _assert_b1_close(*_b1_both(T, N, K, segments=segments, D=D, dtype=dtype, B=B))
 
 
+@SLOW   # not a default (the issue's memory bound); compiled-tested as machine_ckpt64
 def test_b1_with_a_checkpoint_per_row_tile_interpret():
   """ckpt_rows = 64 (one row tile per super-block): the Mosaic B1 skips its carry rebuild and
   streams each row tile once; the Triton B1 still rebuilds. Both must agree."""
