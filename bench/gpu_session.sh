@@ -158,25 +158,26 @@ for spec in "$@"; do
                --out "$OUT/lean_step.json" 2>&1 | grep --line-buffered -v -i autotun \
                | tee "$OUT/lean_step.log" | tail -6 ;;
     dilution_chain)  # issue 4: BlockSizes.mosaic_chain_pieces (the mask products' bf16 pieces in
-             # one wgmma group) over the lean default: compiled tests through the op,
+             # one wgmma group; the default at D = 64 since the thirty-fifth session, which ran
+             # this stage as default-vs-chain before the switch): compiled tests through the op,
              # forward+backward at (2,12,16K,64), B1 and F2 alone (PTX kept), then the two other
              # shapes and the 209M step beside the softmax model's, as far as the limit allows
              $RUN python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/test_dilution_kernel.py \
                -k "Compiled and machine_chain and not chain_off" 2>&1 | tee "$OUT/chain_tests.log" | tail -3
              $RUN python3 bench/dilution.py --impls dilution --skip prefill,decode \
-               --train-shapes 2x12x16384x64 --train-variants default,chain,default \
+               --train-shapes 2x12x16384x64 --train-variants chain_off,default,chain_off \
                --out "$OUT/chain.json" 2>&1 | tee "$OUT/chain.log" | tail -8
              mkdir -p "$OUT/ptx"
              MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO="$OUT/ptx" $RUN \
-               python3 bench/dilution.py --passes --b1-variants default,chain \
+               python3 bench/dilution.py --passes --b1-variants default,chain_off \
                --out "$OUT/chain_passes.json" > "$OUT/chain_passes.log" 2>&1
              find "$OUT/ptx" -type f ! -name "dilution_mgpu_b1*" ! -name "dilution_mgpu_f2*" -delete
              grep "TFLOP" "$OUT/chain_passes.log" | grep "F2\|B1" | tail -6
              $RUN python3 bench/dilution.py --impls dilution,cudnn --skip prefill,decode \
-               --train-shapes 1x16x8192x128,8x8x4096x64 --train-variants default,chain \
+               --train-shapes 1x16x8192x128,8x8x4096x64 --train-variants chain_off,chain \
                --out "$OUT/chain_2.json" 2>&1 | tee "$OUT/chain_2.log" | tail -8
              $RUN python3 bench/train_step.py --sizes 209m --seq_len 16384 --batch 1 --impls pallas \
-               --patterns "dilution:none;softmax:rope" --variants ";bench.dilution_blocks=chain" \
+               --patterns "dilution:none;softmax:rope" --variants ";bench.dilution_blocks=chain_off" \
                --steps 6 --out "$OUT/chain_step.json" 2>&1 | grep --line-buffered -v -i autotun \
                | tee "$OUT/chain_step.log" | tail -6 ;;
     step_1p3b)  # issue 3: the 1.3B step (batch 24 x 2048, packed) with the defaults, STEP_RUNS

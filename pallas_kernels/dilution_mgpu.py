@@ -87,11 +87,11 @@ def mask_dot(x_KQ, mask_s, *, pieces: int = 3, chain: bool = False, interpret):
   accuracy; two (hi + mid, ~16 significant bits, relative error ≲ 2⁻¹⁶) save a third of these
   products, a sixth of B1's wgmmas (BlockSizes.b1_mask_pieces). chain: the pieces' wgmmas in one
   group, awaited once (BlockSizes.mosaic_chain_pieces; the SASS shows a wait after each)."""
+  small_first = list(reversed(dilution_bwd.bf16_pieces(x_KQ, pieces)))
   if chain:
-    return mc.mma_sum(list(reversed(dilution_bwd.bf16_pieces(x_KQ, pieces))), mask_s,
-                      interpret=interpret)
+    return mc.mma_sum(small_first, mask_s, interpret=interpret)
   acc = None
-  for piece in reversed(dilution_bwd.bf16_pieces(x_KQ, pieces)):
+  for piece in small_first:
     acc = mc.mma(piece, mask_s, acc=acc, interpret=interpret)
   return acc
 
