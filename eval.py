@@ -12,7 +12,7 @@ Suites: val, longdoc, passkey, keyword, copy, attention, sample (default: all). 
 to ../shared/data/corpus/longeval.jsonl.xz next to the repository when it exists, else the
 validation split's documents concatenated (the output says which).
 
-FocusLLM suites (focaljax/focus_eval.py, focus_passkey.py): focus_passkey, focus_longdoc, on the
+FocusLLM suites (focaljax/focus/evaluate.py, focus_passkey.py): focus_passkey, focus_longdoc, on the
 base --workdir with the adapter --focus_adapter (a focus run workdir: its latest adapter/<step>;
 or one adapter directory); the default suites with --focus_adapter are these two. Their JSON goes
 under the focus run's eval/ (eval/adapter_<step> for an explicit step). --max_multiplier (default
@@ -25,9 +25,9 @@ from absl import app
 from absl import flags
 from absl import logging
 
-from focaljax import evaluate
-from focaljax import focus
-from focaljax import focus_eval
+from focaljax.evaluation import suites as evaluate
+from focaljax.focus import model as focus
+from focaljax.focus import evaluate as focus_eval
 
 _REPO = os.path.dirname(os.path.abspath(__file__))
 _DEFAULT_BOOKS = os.path.join(_REPO, "..", "shared", "data", "corpus", "longeval.jsonl.xz")

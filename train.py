@@ -16,7 +16,8 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from focaljax import config as config_lib
-from focaljax import focus_train, trainer
+from focaljax.focus import train as focus_train
+from focaljax.train import loop as trainer
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _CONFIG = config_flags.DEFINE_config_file(

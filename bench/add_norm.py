@@ -23,7 +23,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import norm_rope as timing  # noqa: E402
-from pallas_kernels import add_norm as an  # noqa: E402
+from pallas_kernels.glue import add_norm as an  # noqa: E402
 
 # (forward block_rows, num_warps, backward block_rows, num_warps, rows per program)
 TILES = [(2, 4, 2, 4, 64), (2, 8, 2, 4, 128), (1, 4, 1, 4, 64), (2, 4, 2, 4, 32),

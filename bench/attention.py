@@ -30,7 +30,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from bench import tokamax_shim  # noqa: E402
-from pallas_kernels import focal_flash, focal_mgpu, reference  # noqa: E402
+from pallas_kernels.focal import reference
+from pallas_kernels.focal import triton as focal_flash
+from pallas_kernels.focal import mosaic as focal_mgpu  # noqa: E402
 
 SHAPES = [(4, 16, 2048, 128), (2, 16, 4096, 128), (1, 16, 8192, 128), (1, 8, 16384, 128),
           (2, 12, 16384, 64)]  # (B, H, T, D)

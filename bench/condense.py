@@ -1,4 +1,4 @@
-"""Benchmark: FocusLLM condensing kernels (pallas_kernels/condense.py) vs their einsum references.
+"""Benchmark: FocusLLM condensing kernels (pallas_kernels/condense/api.py) vs their einsum references.
 
   python bench/condense.py --out condense_bench.json            # GPU: the full table
   python bench/condense.py --sweep --out condense_sweep.json    # GPU: tile variants (pallas only)
@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from pallas_kernels import condense  # pylint: disable=wrong-import-position
+from pallas_kernels.condense import api as condense  # pylint: disable=wrong-import-position
 
 CAND = dict(R=64, S=2048, N=16, K=4, D=64)
 CAND_Q = (1, 16)

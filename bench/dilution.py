@@ -34,7 +34,11 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # pylint: disable-next=wrong-import-position
-from pallas_kernels import dilution, dilution_mgpu_b2, dilution_mgpu_fwd, reference
+from pallas_kernels.focal import reference
+from pallas_kernels.dilution import reference as dilution_reference
+from pallas_kernels.dilution import api as dilution
+from pallas_kernels.dilution import mosaic_b2 as dilution_mgpu_b2
+from pallas_kernels.dilution import mosaic_fwd as dilution_mgpu_fwd
 
 TRAIN_SHAPES = [(8, 8, 4096, 64), (2, 12, 16384, 64), (1, 16, 8192, 128)]
 PREFILL_T = [32768, 65536, 131072]
@@ -146,7 +150,7 @@ def _attn_fns(impl, scale, interpret, bs):
     return lambda q, k, v: dilution.dilution_attention(q, k, v, scale=scale, block_sizes=bs,
                                                        interpret=interpret)
   if impl == "xla":
-    return lambda q, k, v: reference.dilution_attention(q, k, v, scale=scale)[0]
+    return lambda q, k, v: dilution_reference.dilution_attention(q, k, v, scale=scale)[0]
   if impl == "cudnn":
     return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True,
                                                         implementation="cudnn")
@@ -188,7 +192,8 @@ def _passes(shape, dtype, reps, interpret, bs, b1_variants=("default",)):
   """Each training pass alone, on inputs from a real forward (so B1 sees true carries): where the
   forward+backward's time goes. Rows kind="pass", impl = the pass name; B1 once per variant name
   in `b1_variants` (B1_VARIANTS fields replaced in `bs`), row["variant"] = the name."""
-  from pallas_kernels import dilution_bwd, dilution_fwd  # pylint: disable=import-outside-toplevel
+  from pallas_kernels.dilution import triton_bwd as dilution_bwd
+  from pallas_kernels.dilution import triton_fwd as dilution_fwd  # pylint: disable=import-outside-toplevel
   B, H, T, D = shape
   q, k, v = _qkv(B, H, T, D, dtype)
   seg = jnp.zeros((B, T), jnp.int32)
@@ -321,7 +326,7 @@ def main(argv=None):
   rows = []
 
   if args.sweep:
-    from pallas_kernels import dilution_fwd  # pylint: disable=import-outside-toplevel
+    from pallas_kernels.dilution import triton_fwd as dilution_fwd  # pylint: disable=import-outside-toplevel
     shape = (1, 2, 128, 64) if args.smoke else (2, 12, 16384, 64)
     q, k, v = _qkv(*shape, dtype)
     seg = jnp.zeros(shape[:1] + shape[2:3], jnp.int32)
@@ -383,7 +388,7 @@ def main(argv=None):
           fn = lambda q, kc, vc, d, n: dilution.dilution_decode_step(
               q, kc, vc, d, n, scale=0.125, block_sizes=bs, interpret=interpret)
         else:
-          fn = lambda q, kc, vc, d, n: reference.dilution_decode_step(q, kc, vc, d, n, scale=0.125)
+          fn = lambda q, kc, vc, d, n: dilution_reference.dilution_decode_step(q, kc, vc, d, n, scale=0.125)
         _entry(rows, "decode", impl, (B, H, S, D),
                lambda fn=fn: _time(fn, (q, kc, vc, demand, length), reps))
 

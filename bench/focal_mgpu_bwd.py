@@ -35,9 +35,9 @@ import jax  # noqa: E402
 from jax import lax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from pallas_kernels import focal_mgpu_bwd as fb  # noqa: E402
-from pallas_kernels import focal_mgpu_dkv  # noqa: E402
-from pallas_kernels import focal_mgpu_bwd_fused as ff  # noqa: E402
+from pallas_kernels.focal import mosaic_bwd as fb  # noqa: E402
+from pallas_kernels.focal import mosaic_dkv as focal_mgpu_dkv  # noqa: E402
+from pallas_kernels.focal import mosaic_bwd_fused as ff  # noqa: E402
 
 SHAPES = [(2, 16, 4096, 128), (1, 16, 8192, 128), (1, 8, 16384, 128), (2, 12, 16384, 64)]
 SMOKE = [(1, 2, 256, 64)]
@@ -104,7 +104,7 @@ def _xla_residuals(q, k, v, s_BNT, chunk: int = 1024):
 
 def _residuals(q, k, v, s_BNT, *, blocks, interpret):
   try:
-    from pallas_kernels import focal_mgpu  # pylint: disable=import-outside-toplevel
+    from pallas_kernels.focal import mosaic as focal_mgpu  # pylint: disable=import-outside-toplevel
     fwd_blocks = focal_mgpu.BlockSizes.default(q.shape[-1], q.dtype)
     known = {f.name for f in dataclasses.fields(focal_mgpu.BlockSizes)}
     fields = {k: v for k, v in dataclasses.asdict(blocks).items() if k in known}

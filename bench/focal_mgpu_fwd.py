@@ -25,7 +25,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from pallas_kernels import focal_mgpu  # noqa: E402
+from pallas_kernels.focal import mosaic as focal_mgpu  # noqa: E402
 
 SHAPES = [(2, 16, 4096, 128), (1, 16, 8192, 128), (1, 8, 16384, 128), (2, 12, 16384, 64)]
 QUICK = [(1, 16, 8192, 128)]

@@ -42,10 +42,10 @@ from flax import nnx
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from configs import base as base_config  # pylint: disable=wrong-import-position
 from focaljax import config as config_lib  # pylint: disable=wrong-import-position
-from focaljax import focus  # pylint: disable=wrong-import-position
-from focaljax import focus_eval  # pylint: disable=wrong-import-position
-from focaljax import focus_generate  # pylint: disable=wrong-import-position
-from focaljax import model as model_lib  # pylint: disable=wrong-import-position
+from focaljax.focus import model as focus  # pylint: disable=wrong-import-position
+from focaljax.focus import evaluate as focus_eval  # pylint: disable=wrong-import-position
+from focaljax.focus import generate as focus_generate  # pylint: disable=wrong-import-position
+from focaljax.model import decoder as model_lib  # pylint: disable=wrong-import-position
 
 MODES = ("batched", "sequential", "base")
 GPU = dict(size="400m", chunk_size=1024, prompt_len=512, local_len=1024, new_tokens=32,

@@ -34,24 +34,24 @@ for spec in "$@"; do
   deadline=$((SECONDS + limit)); RUN=left
   echo "=== $stage $(date +%T)"
   case $stage in
-    tests) $RUN python3 -m pytest -q -x -p no:cacheprovider tests/test_focal_kernel.py \
-             tests/test_dilution_kernel.py -k "Compiled" 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
-    bwd_tests) $RUN python3 -m pytest -q -p no:cacheprovider tests/test_focal_mgpu_bwd.py \
-             tests/test_condense.py -k "Compiled" 2>&1 | tee "$OUT/bwd_tests.log" | tail -40 ;;
-    fused_bwd) $RUN python3 -m pytest -q -p no:cacheprovider tests/test_focal_mgpu_bwd_fused.py \
+    tests) $RUN python3 -m pytest -q -x -p no:cacheprovider tests/kernels/focal/test_focal_triton.py \
+             tests/kernels/dilution/test_dilution_triton.py -k "Compiled" 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
+    bwd_tests) $RUN python3 -m pytest -q -p no:cacheprovider tests/kernels/focal/test_focal_mosaic_bwd.py \
+             tests/kernels/condense/test_condense.py -k "Compiled" 2>&1 | tee "$OUT/bwd_tests.log" | tail -40 ;;
+    fused_bwd) $RUN python3 -m pytest -q -p no:cacheprovider tests/kernels/focal/test_focal_mosaic_bwd_fused.py \
              -k Compiled 2>&1 | tee "$OUT/fused_bwd_tests.log" | tail -20
              $RUN python3 bench/focal_mgpu_bwd.py --fused --joint 2>&1 | tee "$OUT/fused_bwd.log" | tail -20 ;;
     glue_kernels)  # issue 3: the Pallas QK-norm + RoPE backward and SwiGLU passes, compiled
              # tests, then the step A/B (the presets' "auto" = both kernels, then the XLA pair,
              # then each XLA one alone) in one process per size
-             $RUN python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/test_norm_rope.py \
-               tests/test_swiglu_kernel.py -k Compiled 2>&1 | tee "$OUT/glue_tests.log" | tail -3
+             $RUN python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/kernels/glue/test_norm_rope.py \
+               tests/kernels/glue/test_swiglu.py -k Compiled 2>&1 | tee "$OUT/glue_tests.log" | tail -3
              $RUN python3 bench/train_step.py --sizes "${GLUE_SIZES:-400m,1.3b}" --impls cudnn \
                --steps 8 --variants "${GLUE_VARIANTS:-;model.qk_rope_backward=separate,model.mlp_backward=autodiff;model.qk_rope_backward=separate;model.mlp_backward=autodiff}" \
                --out "$OUT/glue_step.json" 2>&1 | grep --line-buffered -v -i autotun \
                | tee "$OUT/glue_step.log" | tail -10 ;;
     dilution_2p)  # issue 4: the Mosaic B1 with two bf16 mask pieces, compiled test then timed
-             $RUN python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/test_dilution_kernel.py \
+             $RUN python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/kernels/dilution/test_dilution_triton.py \
                -k "Compiled and mosaic_2p" 2>&1 | tee "$OUT/dilution_2p_tests.log" | tail -3
              $RUN python3 bench/dilution.py --passes --b1-variants b1_mosaic,b1_mosaic_2p \
                --out "$OUT/dilution_2p_passes.json" 2>&1 | tee "$OUT/dilution_2p_passes.log" | tail -8
@@ -69,7 +69,7 @@ for spec in "$@"; do
     dilution_regs)  # issue 4: the Mosaic B1 (and F2) at 232 registers per compute thread against
              # the default 256 (BlockSizes.mosaic_registers; twenty-eighth session: 256 spills
              # less in B1, 2% faster): compiled test, ptxas, the passes, then forward+backward
-             $RUN python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/test_dilution_kernel.py \
+             $RUN python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/kernels/dilution/test_dilution_triton.py \
                -k "Compiled and r232" 2>&1 | tee "$OUT/dilution_regs_tests.log" | tail -3
              MOSAIC_GPU_DUMP_PTXAS=1 $RUN python3 bench/dilution.py --passes \
                --b1-variants b1_mosaic_2p,b1_mosaic_2p_r232 --out "$OUT/dilution_regs_passes.json" \
@@ -82,7 +82,7 @@ for spec in "$@"; do
              # with 2 or 4 key tiles per CTA (f2_key_tiles: a quarter of the float32 reduce-adds);
              # timed in the twenty-ninth session (~200 s): compiled tests, the passes (F2 Triton
              # and every Mosaic arm), then forward+backward
-             $RUN python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/test_dilution_kernel.py \
+             $RUN python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/kernels/dilution/test_dilution_triton.py \
                -k "Compiled and (f2_2p or f2_k4)" 2>&1 | tee "$OUT/f2_tests.log" | tail -3
              $RUN python3 bench/dilution.py --passes --b1-variants b1_mosaic_2p \
                --out "$OUT/f2_passes.json" 2>&1 | grep "TFLOP" | tee "$OUT/f2_passes.log"
@@ -93,7 +93,7 @@ for spec in "$@"; do
     dilution_defaults)  # issue 4: both Mosaic passes with two pieces (and two F2 key tiles at
              # D = 64), the Hopper default since the twenty-ninth session: compiled tests, then the
              # issue's shapes and prefill against the old defaults, the default timed first and last
-             $RUN python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/test_dilution_kernel.py \
+             $RUN python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/kernels/dilution/test_dilution_triton.py \
                -k "Compiled and (machine or triton_b1 or prefill or head_dim)" 2>&1 \
                | tee "$OUT/defaults_tests.log" | tail -3
              $RUN python3 bench/dilution.py --impls dilution,cudnn --skip decode \
@@ -105,7 +105,7 @@ for spec in "$@"; do
              # (alone at (2,12,16K,64): F1 307, B2 278 TFLOP/s against the Triton passes' ~170):
              # compiled tests, each pass alone (F1 and B2 both ways), then two of the issue's
              # shapes and prefill with each pass alone, both, and neither (the old default)
-             $RUN python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/test_dilution_kernel.py \
+             $RUN python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/kernels/dilution/test_dilution_triton.py \
                -k "Compiled and (machine_f1 or machine_b2)" 2>&1 | tee "$OUT/f1b2_tests.log" | tail -3
              $RUN python3 bench/dilution.py --passes --b1-variants default \
                --out "$OUT/f1b2_passes.json" 2>&1 | grep "TFLOP" | tee "$OUT/f1b2_passes.log"
@@ -119,7 +119,7 @@ for spec in "$@"; do
              # forward+backward at two shapes against the default, then the 209M step both ways
              # (model.attention.checkpoint_rows) beside the softmax model's step, the ratio's anchor
              # (its checkpoint_rows arm is the same program: dilution-only field)
-             $RUN python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/test_dilution_kernel.py \
+             $RUN python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/kernels/dilution/test_dilution_triton.py \
                -k "Compiled and machine and not machine_f1 and not machine_b2" 2>&1 \
                | tee "$OUT/ckpt64_tests.log" | tail -3
              $RUN python3 bench/dilution.py --passes --b1-variants default,ckpt64 \
@@ -136,8 +136,8 @@ for spec in "$@"; do
              # reference through the op; B1 and F2 against themselves without it), each pass alone
              # with the PTX and ptxas reports kept (for bench/sass_loops.py on the CPU machine),
              # then forward+backward at the issue's shapes and prefill, between two defaults
-             $RUN python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/test_dilution_kernel.py \
-               tests/test_dilution_mgpu.py -k "(Compiled and machine_lean_skip) or lean_matches_compiled" \
+             $RUN python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/kernels/dilution/test_dilution_triton.py \
+               tests/kernels/dilution/test_dilution_mosaic.py -k "(Compiled and machine_lean_skip) or lean_matches_compiled" \
                2>&1 | tee "$OUT/lean_tests.log" | tail -3
              mkdir -p "$OUT/ptx"
              MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO="$OUT/ptx" $RUN \
@@ -162,7 +162,7 @@ for spec in "$@"; do
              # this stage as default-vs-chain before the switch): compiled tests through the op,
              # forward+backward at (2,12,16K,64), B1 and F2 alone (PTX kept), then the two other
              # shapes and the 209M step beside the softmax model's, as far as the limit allows
-             $RUN python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/test_dilution_kernel.py \
+             $RUN python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/kernels/dilution/test_dilution_triton.py \
                -k "Compiled and machine_chain and not chain_off" 2>&1 | tee "$OUT/chain_tests.log" | tail -3
              $RUN python3 bench/dilution.py --impls dilution --skip prefill,decode \
                --train-shapes 2x12x16384x64 --train-variants chain_off,default,chain_off \
@@ -204,8 +204,8 @@ for spec in "$@"; do
                  2>&1 | grep --line-buffered -v -i autotun | tee "$OUT/crossover_$t.log" | tail -3
              done ;;
     mgpu_tests)  # MGPU_TESTS / MGPU_K narrow it, e.g. to the backward files or one variant
-             $RUN python3 -m pytest -q -o addopts="" -p no:cacheprovider ${MGPU_TESTS:-tests/test_focal_mgpu.py \
-             tests/test_focal_mgpu_bwd.py tests/test_condense.py} -k "${MGPU_K:-Compiled}" 2>&1 \
+             $RUN python3 -m pytest -q -o addopts="" -p no:cacheprovider ${MGPU_TESTS:-tests/kernels/focal/test_focal_mosaic.py \
+             tests/kernels/focal/test_focal_mosaic_bwd.py tests/kernels/condense/test_condense.py} -k "${MGPU_K:-Compiled}" 2>&1 \
              | tee "$OUT/mgpu_tests.log" | tail -40 ;;
     dilution_passes) $RUN python3 bench/dilution.py --passes --out "$OUT/dilution_passes.json" 2>&1 \
              | tee "$OUT/dilution_passes.log" | tail -8 ;;
@@ -218,9 +218,9 @@ for spec in "$@"; do
                $RUN python3 bench/focal_mgpu_bwd.py $args 2>&1 | grep -v -i autotun \
                  | tee -a "$OUT/mgpu_bwd.log" | tail -30
              done ;;
-    glue_tests) $RUN python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/test_norm_rope.py \
-               tests/test_swiglu_kernel.py -k Compiled 2>&1 | tee "$OUT/glue_tests.log" | tail -3 ;;
-    add_norm) $RUN python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/test_add_norm.py \
+    glue_tests) $RUN python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/kernels/glue/test_norm_rope.py \
+               tests/kernels/glue/test_swiglu.py -k Compiled 2>&1 | tee "$OUT/glue_tests.log" | tail -3 ;;
+    add_norm) $RUN python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/kernels/glue/test_add_norm.py \
                -k Compiled 2>&1 | tee "$OUT/add_norm_tests.log" | tail -3
              $RUN python3 bench/add_norm.py --out "$OUT/add_norm.json" 2>&1 | tee "$OUT/add_norm.log" | tail -12 ;;
     norm_rope) $RUN python3 bench/norm_rope.py --out "$OUT/norm_rope.json" 2>&1 | tee "$OUT/norm_rope.log" | tail -16 ;;
@@ -235,8 +235,8 @@ for spec in "$@"; do
              # in the twenty-seventh session, never compiled): the backward's compiled tests (the
              # defaults too: their scratch gained the schedule barrier), then each arm timed
              # beside the defaults at D = 128 and 64, then the 1.3B step with it (~500 s)
-             $RUN python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/test_focal_mgpu_bwd.py \
-               tests/test_focal_mgpu_bwd_fused.py -k "Compiled and not joint and not halves" 2>&1 \
+             $RUN python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/kernels/focal/test_focal_mosaic_bwd.py \
+               tests/kernels/focal/test_focal_mosaic_bwd_fused.py -k "Compiled and not joint and not halves" 2>&1 \
                | tee "$OUT/pingpong_tests.log" | tail -3
              $RUN python3 bench/focal_mgpu_bwd.py --fused --arms pingpong lean_pingpong --shapes \
                24,16,2048,128 2,16,4096,128 1,16,8192,128 1,8,16384,128 --out "$OUT/pingpong128.json" \
@@ -251,7 +251,7 @@ for spec in "$@"; do
     pingpong_dkv)  # issue 3: the dk/dv kernel's ping-pong with its lean step, the dq kernel
              # plain (twenty-eighth session: that pair ran fastest at 2K): compiled tests, the
              # kernels at D = 128, then the 1.3B step twice each, interleaved (~420 s)
-             $RUN python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/test_focal_mgpu_bwd.py \
+             $RUN python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/kernels/focal/test_focal_mosaic_bwd.py \
                -k "Compiled and dkv_step_modes" 2>&1 | tee "$OUT/pingpong_dkv_tests.log" | tail -3
              $RUN python3 bench/focal_mgpu_bwd.py --arms lean_pingpong_dkv --shapes 24,16,2048,128 \
                1,16,8192,128 --out "$OUT/pingpong_dkv.json" 2>&1 | grep -v -i autotun \
@@ -264,7 +264,7 @@ for spec in "$@"; do
              # compiled tests, then every variant timed with the dq stages left out (--ablate),
              # ptxas's registers and spills per kernel, then ncu's view if it runs here
              $RUN python3 -m pytest -q -o addopts="" -p no:cacheprovider \
-               tests/test_focal_mgpu_bwd_fused.py -k "Compiled and halves" 2>&1 | tail -3
+               tests/kernels/focal/test_focal_mosaic_bwd_fused.py -k "Compiled and halves" 2>&1 | tail -3
              MOSAIC_GPU_DUMP_PTXAS=1 $RUN python3 bench/focal_mgpu_bwd.py --ablate --joint --halves \
                --shapes ${DIAG_SHAPES:-1,16,8192,128 2,12,16384,64} --out "$OUT/fused_diag.json" \
                > "$OUT/fused_diag.log" 2>&1
@@ -293,7 +293,7 @@ for spec in "$@"; do
              find "$OUT/ptx" -type f ! -name "*.ptxas" -delete
              grep -H -i "spill stores\|serializ" "$OUT"/ptx/*.ptxas | head -40
              if grep -q -i serializ "$OUT"/ptx/*.ptxas; then echo "overlap: serialized, not timed"; continue; fi
-             $RUN python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/test_focal_mgpu.py \
+             $RUN python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/kernels/focal/test_focal_mosaic.py \
                -k "Compiled and overlap" 2>&1 | tee "$OUT/overlap_tests.log" | tail -3
              $RUN python3 bench/attention.py --impls ${ATTN_IMPLS:-cudnn,mosaic,mosaic_overlap,cudnn_temp,mosaic_temp,mosaic_overlap_temp} \
                --out "$OUT/overlap_attention.json" 2>&1 | tee "$OUT/overlap_attention.log" | tail -40 ;;

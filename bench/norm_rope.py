@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from pallas_kernels import norm_rope as nr  # noqa: E402
+from pallas_kernels.glue import norm_rope as nr  # noqa: E402
 
 TILES = [(32, 4), (16, 4), (64, 4), (32, 8), (64, 8), (16, 2)]
 

@@ -60,7 +60,7 @@ def parse_args(argv=None):
   add("--vocab", type=int, default=16384, help="BPE vocabulary size")
   add("--digits", default="", choices=("", "digits", "llama_digits"),
       help="how the BPE spells numbers (data.tokenizer train:<vocab>:<digits>; "
-           "focaljax.tokenizer.DIGIT_STYLES)")
+           "focaljax.data.tokenizer.DIGIT_STYLES)")
   for name, file in (("train", "train"), ("valid", "valid"), ("books", "longeval")):
     add(f"--{name}", default=os.path.join(CORPUS, f"{file}.jsonl.xz"))
   add("--suites", help="eval.py --suites (default: all)")
@@ -153,7 +153,7 @@ def train_tokenizer(args) -> str:
   if os.path.isfile(path):
     print(f"tokenizer: reusing {path}", flush=True)
     return path
-  from focaljax import data  # pylint: disable=import-outside-toplevel
+  from focaljax.data import pipeline as data  # pylint: disable=import-outside-toplevel
   spec = f"train:{args.vocab}" + (f":{args.digits}" if args.digits else "")
   cfg = data.DataConfig(source=f"text:{args.train}", valid_source=f"text:{args.valid}",
                         tokenizer=spec, seq_len=1, global_batch=1)
@@ -223,8 +223,10 @@ def collect_run(args, arm: str, seed: int) -> dict | None:
   if config is None:
     return None
   # Lazy: --print and the tokenizer stage need no jax.
-  from focaljax import checkpoint, model  # pylint: disable=import-outside-toplevel
-  from focaljax import config as config_lib, tokenizer  # pylint: disable=import-outside-toplevel
+  from focaljax.train import checkpoint
+  from focaljax.model import decoder as model  # pylint: disable=import-outside-toplevel
+  from focaljax import config as config_lib
+  from focaljax.data import tokenizer  # pylint: disable=import-outside-toplevel
   vocab = tokenizer.Tokenizer.load(wd).vocab_size
   path = pathlib.Path(wd, "metrics.jsonl")
   log = [json.loads(l) for l in path.read_text().splitlines() if l.strip()] if path.exists() else []

@@ -34,11 +34,15 @@ from flax import nnx  # noqa: E402
 
 from configs import base  # noqa: E402
 from focaljax import config as config_lib  # noqa: E402
-from focaljax import metrics, optim, sharding, trainer  # noqa: E402
-from focaljax import model as model_lib  # noqa: E402
+from focaljax import sharding
+from focaljax.train import metrics
+from focaljax.train import optim
+from focaljax.train import loop as trainer  # noqa: E402
+from focaljax.model import decoder as model_lib  # noqa: E402
 from bench import dilution as dilution_bench  # noqa: E402
 from bench import tokamax_shim  # noqa: E402
-from pallas_kernels import dilution, focal_mgpu  # noqa: E402
+from pallas_kernels.dilution import api as dilution
+from pallas_kernels.focal import mosaic as focal_mgpu  # noqa: E402
 
 BATCH = {"400m": 16, "1.3b": 8, "small": 8, "tiny": 8}
 PROFILED_STEPS = 3
@@ -60,7 +64,7 @@ MGPU_BACKWARD = {
     "overlap_fwd": {"overlap_softmax": True}}
 
 
-# `bench.dilution_blocks=<choice>` likewise: pallas_kernels.dilution.BlockSizes.default with the
+# `bench.dilution_blocks=<choice>` likewise: pallas_kernels.dilution.api.BlockSizes.default with the
 # fields of bench/dilution.py's B1_VARIANTS[choice] for that arm (the dilution kernels' settings
 # before one becomes the default).
 DILUTION_BLOCKS = dilution_bench.B1_VARIANTS

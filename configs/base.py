@@ -55,7 +55,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       norm_backward="explicit",
       # QK-norm + RoPE backward: separate (two custom VJPs) | fused (qk_norm_rope: the cotangent
       # un-rotated once, then the norm's reductions) | pallas (qk_norm_rope's backward as one
-      # Pallas pass, pallas_kernels/norm_rope.py) | auto (pallas on GPUs, else separate). Only
+      # Pallas pass, pallas_kernels/glue/norm_rope.py) | auto (pallas on GPUs, else separate). Only
       # with qk_norm, RoPE layers, explicit norms.
       qk_rope_backward="separate",
       # SwiGLU backward: autodiff | explicit (mlp.swiglu: float32, both cotangents in one pass) |
@@ -63,7 +63,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       # auto (pallas on GPUs, else autodiff).
       mlp_backward="autodiff",
       # Residual add + the RMSNorm after it: separate (XLA add, then the norm) | pallas (one
-      # Pallas pass each way, pallas_kernels/add_norm.py) | auto (pallas on GPUs, else separate).
+      # Pallas pass each way, pallas_kernels/glue/add_norm.py) | auto (pallas on GPUs, else separate).
       add_norm="separate",
   ))
   c.model.attention = ml_collections.ConfigDict(dict(
@@ -77,7 +77,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       tau_min=5.0,
       tau_max=10.0,
       tau_init=7.5,              # starts τ inside the clip range, so w_τ gets gradient at init
-      tau_mean="causal",         # causal | token | sequence (see focaljax.attention.TauMean)
+      tau_mean="causal",         # causal | token | sequence (see focaljax.model.attention.TauMean)
       eps=1e-9,                  # dilution ε
       # dilution, Pallas: rows between the demand checkpoints the backward keeps (power of two
       # >= 64; ceil(T/R)·T·4 bytes per row and head). 64: no carry rebuild on Hopper (H200: the

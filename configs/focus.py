@@ -29,17 +29,17 @@ def get_config(arg=None):
       p_reconstruction=0.5,     # share of samples whose local window repeats a span of the memory
       doc_min_tokens=3000,      # shorter documents are skipped; the default memory length (below)
       memory_tokens="",         # memory lengths, one drawn per step ("" = doc_min_tokens -
-                                # local_len - 1; focaljax/focus_samples.py)
+                                # local_len - 1; focaljax/focus/samples.py)
       doc_max_tokens=8000,      # longer documents are cropped to their first doc_max_tokens
       local_len=512,            # local-window tokens the frozen decoder reads (<= base context)
       num_targets=16,           # supervised query points per sample: the window's last tokens
       retrieval_mix=0.0,        # share of continuation samples turned into passkey drills
       drill_in_window=0.0,      # share of drills with the needle in the local window, not the
-                                # memory (focaljax/focus_samples.py)
+                                # memory (focaljax/focus/samples.py)
       answer_weight=1.0,        # how many times a drill answer's targets count in the loss
                                 # (focus_train.weighted_loss; 1.0: the plain mean)
       implementation="xla",     # candidate/local attention: "xla" (einsum spec) | "pallas"
-                                # (pallas_kernels/condense.py; compiled on GPU, interpreted on CPU)
+                                # (pallas_kernels/condense/api.py; compiled on GPU, interpreted on CPU)
       candidate_positions="sequential",   # local-decoder RoPE layout: "sequential" (official:
                                           # candidates 0..C-1, window after) | "shared" (all at 0)
                                           # (focus.py; only "sequential" learned to read, FOCUSLLM.md)

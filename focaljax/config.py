@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import ml_collections
 
-from focaljax import add_norm as add_norm_lib
-from focaljax import attention as attn_lib
-from focaljax import loss as loss_lib
-from focaljax import mlp as mlp_lib
-from focaljax import model as model_lib
+from focaljax.model import add_norm as add_norm_lib
+from focaljax.model import attention as attn_lib
+from focaljax.train import loss as loss_lib
+from focaljax.model import mlp as mlp_lib
+from focaljax.model import decoder as model_lib
 from focaljax import ops
 
 _CHOICES = {
@@ -139,7 +139,7 @@ def model_config(c: ml_collections.ConfigDict, vocab_size: int) -> model_lib.Mod
 
 
 def optim_config(c: ml_collections.ConfigDict):
-  from focaljax import optim  # pylint: disable=import-outside-toplevel
+  from focaljax.train import optim  # pylint: disable=import-outside-toplevel
   o = c.optim
   return optim.OptimConfig(
       peak_lr=o.peak_lr, warmup_steps=o.warmup_steps,
@@ -150,7 +150,7 @@ def optim_config(c: ml_collections.ConfigDict):
 
 
 def data_config(c: ml_collections.ConfigDict):
-  from focaljax import data  # pylint: disable=import-outside-toplevel
+  from focaljax.data import pipeline as data  # pylint: disable=import-outside-toplevel
   d = c.data
   return data.DataConfig(source=d.source, valid_source=d.valid_source or None,
                          tokenizer=d.tokenizer, seq_len=d.seq_len, global_batch=d.global_batch,

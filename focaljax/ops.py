@@ -2,7 +2,7 @@
 
 Shapes: q [B, T, Hq, D]; k, v [B, S, Hkv, D] (Hq % Hkv == 0); outputs [B, T, Hq, D] in q.dtype.
 `implementation` is chosen from `IMPLEMENTATIONS[op]`; "xla" is the pure-JAX reference in
-`pallas_kernels.reference` (the spec), "pallas" the fused kernels (compiled on GPU/TPU, interpret
+`pallas_kernels.focal.reference` (the spec), "pallas" the fused kernels (compiled on GPU/TPU, interpret
 mode on CPU); for focal also "cudnn" (`jax.nn.dot_product_attention`, NVIDIA GPUs) and "tokamax"
 (`tokamax.dot_product_attention`, an optional GPU/TPU extra), both with an array temperature
 folded into q.
@@ -20,7 +20,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from focaljax import sharding
-from pallas_kernels import reference
+from pallas_kernels.focal import reference
+from pallas_kernels.dilution import reference as dilution_reference
 
 
 def _interpret() -> bool:
@@ -73,7 +74,7 @@ def _focal_xla(q, k, v, *, scale, causal, segment_ids):
 
 @_per_device
 def _focal_pallas(q, k, v, *, scale, causal, segment_ids):
-  from pallas_kernels import focal_flash  # pylint: disable=import-outside-toplevel
+  from pallas_kernels.focal import triton as focal_flash  # pylint: disable=import-outside-toplevel
   return focal_flash.focal_attention(q, k, v, scale=scale, causal=causal,
                                      segment_ids=segment_ids, interpret=_interpret())
 
@@ -122,12 +123,12 @@ def _focal_tokamax(q, k, v, *, scale, causal, segment_ids):
 
 def _dilution_xla(q, k, v, *, scale, eps, segment_ids, checkpoint_rows):
   del checkpoint_rows   # the reference keeps its [T, T] intermediates; nothing to checkpoint
-  return reference.dilution_attention(q, k, v, scale=scale, eps=eps, segment_ids_BT=segment_ids)[0]
+  return dilution_reference.dilution_attention(q, k, v, scale=scale, eps=eps, segment_ids_BT=segment_ids)[0]
 
 
 @_per_device
 def _dilution_pallas(q, k, v, *, scale, eps, segment_ids, checkpoint_rows):
-  from pallas_kernels import dilution  # pylint: disable=import-outside-toplevel
+  from pallas_kernels.dilution import api as dilution  # pylint: disable=import-outside-toplevel
   bs = None   # the kernels' defaults (BlockSizes.ckpt_rows: 1024)
   if checkpoint_rows is not None:
     bs = dataclasses.replace(dilution.default_block_sizes(q.shape[-1], q.dtype, _interpret()),
@@ -137,20 +138,20 @@ def _dilution_pallas(q, k, v, *, scale, eps, segment_ids, checkpoint_rows):
 
 
 def _prefill_xla(q, k, v, *, scale, eps):
-  return reference.dilution_attention(q, k, v, scale=scale, eps=eps)
+  return dilution_reference.dilution_attention(q, k, v, scale=scale, eps=eps)
 
 
 def _prefill_pallas(q, k, v, *, scale, eps):
-  from pallas_kernels import dilution  # pylint: disable=import-outside-toplevel
+  from pallas_kernels.dilution import api as dilution  # pylint: disable=import-outside-toplevel
   return dilution.dilution_prefill(q, k, v, scale=scale, eps=eps, interpret=_interpret())
 
 
 def _decode_xla(q, k_cache, v_cache, demand, length, *, scale, eps):
-  return reference.dilution_decode_step(q, k_cache, v_cache, demand, length, scale=scale, eps=eps)
+  return dilution_reference.dilution_decode_step(q, k_cache, v_cache, demand, length, scale=scale, eps=eps)
 
 
 def _decode_pallas(q, k_cache, v_cache, demand, length, *, scale, eps):
-  from pallas_kernels import dilution  # pylint: disable=import-outside-toplevel
+  from pallas_kernels.dilution import api as dilution  # pylint: disable=import-outside-toplevel
   return dilution.dilution_decode_step(q, k_cache, v_cache, demand, length, scale=scale, eps=eps,
                                        interpret=_interpret())
 

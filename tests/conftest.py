@@ -28,7 +28,7 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                       os.path.join(tempfile.gettempdir(), "focaljax-tests-jax-cache"))
 # On a CPU-only machine the suite's time is mostly XLA:CPU compiling small programs, which run
 # for milliseconds: LLVM at -O0 compiles them 15-30% faster from a cold cache (measured on 2
-# cores: tests/test_model.py 136 -> 103 s, an interpreted Mosaic kernel 30 -> 26 s) at no
+# cores: tests/model/test_model.py 136 -> 103 s, an interpreted Mosaic kernel 30 -> 26 s) at no
 # visible cost to the run. Kept off where a GPU is present (its compiled tests).
 if shutil.which("nvidia-smi") is None and "xla_backend_optimization_level" not in os.environ.get(
     "XLA_FLAGS", ""):

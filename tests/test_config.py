@@ -13,7 +13,7 @@ from ml_collections import config_flags  # noqa: F401  (the loader train.py uses
 
 from configs import base, sizes
 from focaljax import config as config_lib
-from focaljax import model as model_lib
+from focaljax.model import decoder as model_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_FILES = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "configs", "*.py"))
@@ -79,7 +79,7 @@ def test_invalid_values_name_the_field(field, value, match):
 
 
 def test_schedule_steps_sets_the_cosine_length():
-  from focaljax import optim
+  from focaljax.train import optim
   c = base.get_config()
   assert config_lib.optim_config(c).total_steps == c.train.steps   # 0: train.steps
   c.optim.schedule_steps = 2 * c.train.steps
@@ -132,7 +132,7 @@ def test_a_workdir_config_from_before_the_data_fields_still_loads():
 
 
 def test_a_workdir_config_from_before_qk_rope_backward_still_loads():
-  # focaljax.loaded / convert build the model from the workdir's config.json as written.
+  # focaljax.evaluation.loading / convert build the model from the workdir's config.json as written.
   c = base.get_config()
   with c.unlocked():
     del c.model["qk_rope_backward"]
@@ -149,7 +149,7 @@ def test_a_workdir_config_from_before_mlp_backward_still_loads():
 @pytest.mark.parametrize("stage", ["1", "2", "3"])
 def test_focus_drills_stages_validate(stage):
   # Every stage fits a 1K-context base: 63 candidates + the 512-token window at stage 3.
-  from focaljax import focus_train
+  from focaljax.focus import train as focus_train
   c = _load("focus_drills", f"stage={stage}")
   c.lock()
   config_lib.validate(c)
@@ -158,7 +158,7 @@ def test_focus_drills_stages_validate(stage):
 
 
 def test_focus_eval_prompt_len_is_validated():
-  from focaljax import focus_train
+  from focaljax.focus import train as focus_train
   c = _load("focus_drills", "stage=3")
   c.focus.eval_prompt_len = 506   # 512 + 506 + 7 = 1025 positions
   with pytest.raises(config_lib.ConfigError, match="focus.eval_prompt_len.*use <= 505"):

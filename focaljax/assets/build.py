@@ -11,7 +11,8 @@ import lzma
 import pathlib
 import sys
 
-from focaljax import data, tokenizer
+from focaljax.data import pipeline as data
+from focaljax.data import tokenizer
 
 HERE = pathlib.Path(__file__).parent
 VOCAB_SIZE = 4096

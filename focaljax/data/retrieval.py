@@ -1,0 +1,257 @@
+"""Long-context retrieval probes: passkey (generation) and secret keyword (likelihood ranking).
+
+Prompts are assembled from separately encoded pieces (head, filler, needle, question) so that
+every prompt is exactly the requested number of tokens and the needle sits at a fixed filler
+token. The pieces start with a space or newline, which byte-level BPE splits on anyway, so the
+concatenation is the same token sequence the whole string encodes to (up to the one place where
+the filler is cut).
+
+passkey (FocusLLM / Landmark Attention, notes/focus_focal.md §1.8): "The pass key is K. Remember
+  it. K is the pass key." in repeated grass/sky/sun filler; greedy decoding; a trial is correct
+  when the leading number of the continuation is exactly K (5 digits).
+keyword (DilutionAttention NIAH v4, notes/dilution.md §4): needle "The secret keyword is{a}." in a
+  fixed procedural-notes filler, question "\\n\\n### IMPORTANT DATA: The secret keyword is"; 8
+  candidates scored by log-likelihood. A needle-free control of the same length disqualifies the
+  candidate the model prefers a priori, leaving 7 (chance 1/7); each of the 7 is the needle in
+  turn, and a row passes when the needle has the highest log-likelihood of the 7 (gap >= 0).
+"""
+
+from __future__ import annotations
+
+import re
+
+import grain
+import numpy as np
+
+from focaljax.evaluation import generate as gen_lib
+
+PASSKEY_HEAD = ("There is an important info hidden inside a lot of irrelevant text. Find it and "
+                "memorize it. I will quiz you about the important information there.\n")
+PASSKEY_FILLER = (" The grass is green. The sky is blue. The sun is yellow. Here we go. There and "
+                  "back again.")
+PASSKEY_NEEDLE = "\nThe pass key is {key}. Remember it. {key} is the pass key.\n"
+PASSKEY_QUESTION = "\nWhat is the pass key? The pass key is"
+
+KEYWORD_FILLER = (" This document contains procedural notes about scheduling, budgeting, and "
+                  "system maintenance. It references tasks, owners, and brief status updates. The "
+                  "content includes repeated mentions of priorities, milestones, risk items, and "
+                  "follow-ups. Some sections contain numbered lists and short headings.")
+KEYWORD_NEEDLE = " The secret keyword is{answer}."
+KEYWORD_QUESTION = "\n\n### IMPORTANT DATA: The secret keyword is"
+CANDIDATES = (" gold", " life", " time", " love", " work", " play", " game", " rain")
+DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
+
+
+def build_prompt(tokenizer, length: int, depth: float, *, head: str, filler: str, needle: str,
+                 question: str, filler_ids=None) -> list[int]:
+  """head + filler[:i] + needle + filler[i:] + question, exactly `length` tokens; i = depth·filler.
+
+  needle="" gives the needle-free control of the same length. `filler_ids` (token ids, e.g. a
+  book's) replace the encoded `filler`, repeated as needed like it.
+  """
+  if not 0.0 <= depth <= 1.0:
+    raise ValueError(f"depth must be in [0, 1], got {depth}")
+  head_t, needle_t, question_t = (tokenizer.encode(s) if s else []
+                                  for s in (head, needle, question))
+  n = length - len(head_t) - len(needle_t) - len(question_t)
+  if n < 0:
+    raise ValueError(f"length {length} is shorter than the prompt without filler "
+                     f"({length - n} tokens)")
+  unit = list(filler_ids) if filler_ids is not None else tokenizer.encode(filler)
+  filler_t = (unit * (n // len(unit) + 1))[:n]
+  at = int(depth * n)
+  return head_t + filler_t[:at] + needle_t + filler_t[at:] + question_t
+
+
+def passkey_prompt(tokenizer, length: int, depth: float, key: int, filler_ids=None) -> list[int]:
+  return build_prompt(tokenizer, length, depth, head=PASSKEY_HEAD, filler=PASSKEY_FILLER,
+                      needle=PASSKEY_NEEDLE.format(key=key), question=PASSKEY_QUESTION,
+                      filler_ids=filler_ids)
+
+
+def drill_pieces(tokenizer, rng: np.random.Generator) -> tuple[list[int], list[int]]:
+  """A random 5-digit key K's needle, and the drill's tail: question + " K." (K is the target)."""
+  key = int(rng.integers(10_000, 100_000))
+  return (tokenizer.encode(PASSKEY_NEEDLE.format(key=key)),
+          tokenizer.encode(PASSKEY_QUESTION) + tokenizer.encode(f" {key}."))
+
+
+def passkey_drill(tokenizer, text_ids: np.ndarray, rng: np.random.Generator,
+                  max_len: int) -> np.ndarray:
+  """A passkey training document of at most `max_len` tokens (ids + <|endoftext|>).
+
+  [head (half the time)] + text[:i] + needle + text[i:n] + question + " K." with a random 5-digit
+  K, n uniform in [room/2, room] (room: what max_len leaves for filler), i uniform in [0, n]. The
+  filler is a random crop of `text_ids`, real text (the row it replaces), not the evaluation's
+  grass/sky/sun sentences: the drill teaches reading the needle back out of a context, not the
+  evaluation's filler. A small base never learns that from 65M tokens of text alone
+  (docs/RESULTS.md, claim 4); FocusLLM can only carry to 32x what the base already does inside its
+  own context.
+  """
+  needle, tail = drill_pieces(tokenizer, rng)
+  head = tokenizer.encode(PASSKEY_HEAD) if rng.random() < 0.5 else []
+  room = max_len - 1 - len(head) - len(needle) - len(tail)
+  if room < 0:
+    raise ValueError(f"passkey_drill: max_len={max_len} is shorter than the drill without "
+                     f"filler ({max_len - room} tokens)")
+  most = min(room, len(text_ids))
+  n = int(rng.integers(most // 2, most + 1))
+  start = int(rng.integers(0, len(text_ids) - n + 1))
+  filler, at = text_ids[start:start + n].tolist(), int(rng.integers(0, n + 1))
+  ids = head + filler[:at] + needle + filler[at:] + tail + [tokenizer.eos_id]
+  return np.asarray(ids, np.int32)
+
+
+class PasskeyDrills(grain.transforms.RandomMap):
+  """A packed row -> with probability `share`, one passkey drill cut from the row's own text.
+
+  The drill's filler is the row's longest document piece (so it never spans an <|endoftext|>);
+  the drill is segment 1 from position 0 and the rest of the row is padding (segment 0, weight 0).
+  Rows, not documents, are drawn: corpora of long books would otherwise see almost no drills. The
+  rng is grain's, per row index, and part of the iterator state: resuming replays the same drills.
+  """
+
+  def __init__(self, tok, share: float):
+    self._tok, self._share = tok, share
+
+  def random_map(self, row: dict[str, np.ndarray], rng: np.random.Generator):
+    if rng.random() >= self._share:
+      return row
+    tokens, seg = row["tokens"], row["tokens_segment_ids"]
+    ids, counts = np.unique(seg[seg > 0], return_counts=True)
+    text = tokens[seg == ids[np.argmax(counts)]] if len(ids) else tokens[:0]
+    text = text[text != self._tok.eos_id]
+    drill = passkey_drill(self._tok, text, rng, len(tokens))
+    n, pad = len(drill), len(tokens) - len(drill)
+    out = lambda x: np.concatenate([x, np.zeros(pad, np.int32)]).astype(tokens.dtype)
+    return {"tokens": out(drill), "tokens_segment_ids": out(np.ones(n, np.int32)),
+            "tokens_positions": out(np.arange(n, dtype=np.int32))}
+
+
+def keyword_prompt(tokenizer, length: int, depth: float, answer: str | None) -> list[int]:
+  """answer=None: the needle-free control prompt."""
+  needle = "" if answer is None else KEYWORD_NEEDLE.format(answer=answer)
+  return build_prompt(tokenizer, length, depth, head="", filler=KEYWORD_FILLER, needle=needle,
+                      question=KEYWORD_QUESTION)
+
+
+def _batches(rows: np.ndarray, batch_size: int):
+  """Yields (batch, n_real); the last batch is padded with copies of row 0 so that one compiled
+  shape serves every batch of a length."""
+  for i in range(0, len(rows), batch_size):
+    batch = rows[i:i + batch_size]
+    n = len(batch)
+    if n < batch_size:
+      batch = np.concatenate([batch, np.repeat(rows[:1], batch_size - n, 0)])
+    yield batch, n
+
+
+def passkey(model, tokenizer, lengths, depths=DEFAULT_DEPTHS, seeds=range(5), *,
+            batch_size: int = 32, dtype=None) -> dict:
+  """Passkey accuracy per (length, depth) over `seeds` (one random 5-digit key per seed)."""
+  module = getattr(model, "model", model)
+  depths, seeds = [float(d) for d in depths], list(seeds)
+  keys = [int(np.random.default_rng(s).integers(10_000, 100_000)) for s in seeds]
+  max_new = max(len(tokenizer.encode(f" {k}")) for k in keys) + 1
+  kw = {} if dtype is None else {"dtype": dtype}
+  accuracy, examples = [], []
+  overhead = max(len(tokenizer.encode(PASSKEY_HEAD + PASSKEY_NEEDLE.format(key=k) +
+                                      PASSKEY_QUESTION)) for k in keys) + 8
+  for length in lengths:
+    if length < overhead:
+      # Too short for the task text, needle and question: reported as None, not as failures.
+      accuracy.append([None] * len(depths))
+      continue
+    trials = [(d, k) for d in depths for k in keys]
+    rows = np.array([passkey_prompt(tokenizer, length, d, k) for d, k in trials], np.int32)
+    texts = []
+    for batch, n in _batches(rows, min(batch_size, len(rows))):
+      out = np.asarray(gen_lib.generate(module, batch, max_new_tokens=max_new, **kw))
+      texts += [tokenizer.decode(row[length:].tolist()) for row in out[:n]]
+    correct = []
+    for (_, key), text in zip(trials, texts):
+      match = re.match(r"\s*(\d+)", text)
+      correct.append(bool(match) and match.group(1) == str(key))
+    accuracy.append(np.asarray(correct, float).reshape(len(depths), len(keys)).mean(1).tolist())
+    examples.append({"length": length, "key": trials[0][1], "output": texts[0]})
+  acc = np.asarray(accuracy, float)  # None -> nan
+  by_length = [None if np.isnan(a) else float(a) for a in acc.mean(1)]
+  return {"lengths": list(lengths), "depths": depths, "trials_per_cell": len(keys),
+          "accuracy": accuracy, "accuracy_by_length": by_length,
+          "overall": float(np.nanmean(acc)) if not np.isnan(acc).all() else None,
+          "min_length": overhead, "examples": examples}
+
+
+def candidate_loglik(model, prompts_BP: np.ndarray, candidates: list[list[int]], *,
+                     batch_size: int = 8, dtype=None) -> np.ndarray:
+  """log p(candidate tokens | prompt), float [B, C].
+
+  A multi-token candidate is teacher-forced after the prompt. The model is causal, so the first
+  such pass also yields every single-token candidate at the prompt's last position: a vocabulary
+  where one candidate splits into two tokens costs one forward, not two. All passes use the
+  prompt's length as the RoPE NTK length, so every candidate sees the same rotary base.
+  """
+  module = getattr(model, "model", model)
+  kw = {} if dtype is None else {"dtype": dtype}
+  B, P = prompts_BP.shape
+  out = np.zeros((B, len(candidates)))
+  multi = [i for i, c in enumerate(candidates) if len(c) > 1] or [None]
+  for start, (batch, n) in zip(range(0, B, batch_size), _batches(prompts_BP, batch_size)):
+    for first, i in enumerate(multi):
+      cont = [] if i is None else candidates[i]
+      inputs = np.concatenate([batch, np.broadcast_to(np.asarray(cont[:-1], np.int32),
+                                                      (len(batch), max(len(cont) - 1, 0)))], 1)
+      logp = np.asarray(gen_lib.tail_logprobs(module, inputs, max(len(cont), 1), rope_length=P,
+                                              **kw))[:n]
+      if first == 0:
+        for j, c in enumerate(candidates):
+          if len(c) == 1:
+            out[start:start + n, j] = logp[:, 0, c[0]]
+      if i is not None:
+        out[start:start + n, i] = logp[:, np.arange(len(cont)), cont].sum(1)
+  return out
+
+
+def keyword_retrieval(model, tokenizer, lengths, depths=DEFAULT_DEPTHS, *,
+                      candidates=CANDIDATES, disqualify: int = 1, batch_size: int = 14,
+                      dtype=None) -> dict:
+  """Secret-keyword accuracy per (length, depth), with the control-prior disqualification."""
+  depths = [float(d) for d in depths]
+  cand_tokens = [tokenizer.encode(c) for c in candidates]
+  kw = dict(batch_size=batch_size, dtype=dtype)
+  accuracy, gaps, disqualified, scored_names = [], [], [], []
+  for length in lengths:
+    # The control and every candidate as needle share the batches (one compiled shape per
+    # length); rows of the disqualified candidate are scored but not counted.
+    rows = [(i, d) for i in range(len(candidates)) for d in depths]
+    prompts = np.array([keyword_prompt(tokenizer, length, 0.0, None)] +
+                       [keyword_prompt(tokenizer, length, d, candidates[i]) for i, d in rows],
+                       np.int32)
+    ll_all = candidate_loglik(model, prompts, cand_tokens, **kw)
+    dropped = set(np.argsort(-ll_all[0])[:disqualify].tolist())
+    scored = [i for i in range(len(candidates)) if i not in dropped]
+    keep = np.array([i not in dropped for i, _ in rows])
+    rows = [r for r, k in zip(rows, keep) if k]
+    ll = ll_all[1:][keep][:, scored]
+    true_col = np.array([scored.index(i) for i, _ in rows])
+    true_ll = ll[np.arange(len(rows)), true_col]
+    others = np.where(np.arange(len(scored))[None] == true_col[:, None], -np.inf, ll)
+    gap = true_ll - others.max(1)
+    passed = (gap >= 0).reshape(len(scored), len(depths))
+    accuracy.append(passed.mean(0).tolist())
+    gaps.append(float(gap.mean()))
+    disqualified.append([candidates[i] for i in sorted(dropped)])
+    scored_names.append([candidates[i] for i in scored])
+  acc = np.asarray(accuracy)
+  depth_arr = np.asarray(depths)
+  bands = {"early": depth_arr < 0.34, "mid": (depth_arr >= 0.34) & (depth_arr < 0.67),
+           "late": depth_arr >= 0.67}
+  return {
+      "lengths": list(lengths), "depths": depths, "candidates": list(candidates),
+      "candidate_tokens": cand_tokens, "disqualified": disqualified, "scored": scored_names,
+      "rows_per_cell": len(candidates) - disqualify, "chance": 1 / (len(candidates) - disqualify),
+      "accuracy": accuracy, "accuracy_by_length": acc.mean(1).tolist(),
+      "overall": float(acc.mean()), "mean_gap": gaps,
+      "by_band": {name: (acc[:, m].mean(1).tolist() if m.any() else None)
+                  for name, m in bands.items()},
+  }

@@ -1,0 +1,145 @@
+"""Where documents come from: DataConfig's source specs ("bundled", local .txt/.jsonl files,
+TFDS) and the deterministic train/valid split of a source (data.py's docstring), as grain
+MapDatasets of str. `data` re-exports `documents`, `read_text_files`, `BUNDLED_TEXT`, `SPLITS`.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import gzip
+import json
+import lzma
+import os
+import pathlib
+from typing import TYPE_CHECKING, Any
+
+import grain
+import numpy as np
+
+if TYPE_CHECKING:
+  from focaljax.data import pipeline as data
+
+BUNDLED_TEXT = pathlib.Path(__file__).parents[1] / "assets" / "bundled.jsonl.xz"
+SPLITS = ("train", "valid")
+_TEXT_SUFFIXES = (".txt", ".txt.xz", ".txt.gz")
+_JSONL_SUFFIXES = (".jsonl", ".jsonl.xz", ".jsonl.gz")
+
+
+def parse_source(spec: str, field: str) -> tuple[str, str]:
+  """Splits "kind:arg" and checks it; returns (kind, arg)."""
+  kind, _, arg = spec.partition(":")
+  if spec == "bundled":
+    return "bundled", ""
+  if kind in ("text", "tfds") and arg:
+    return kind, arg
+  raise ValueError(
+      f"DataConfig.{field}={spec!r}: expected 'bundled', 'text:<glob>[,<glob>...]' or "
+      "'tfds:<name>[:split]'")
+
+
+def _open_text(path: str):
+  if path.endswith(".xz"):
+    return lzma.open(path, "rt", encoding="utf-8")
+  if path.endswith(".gz"):
+    return gzip.open(path, "rt", encoding="utf-8")
+  return open(path, encoding="utf-8")
+
+
+def read_text_files(paths: list[str], jsonl_field: str = "text") -> list[str]:
+  """Documents of local files, in the given order.
+
+  .jsonl: one document per line, from `jsonl_field`. .txt: the whole file is one document (the
+  packer splits long documents over rows anyway, so a book needs no pre-chunking).
+  """
+  docs = []
+  for path in paths:
+    with _open_text(path) as f:
+      if path.endswith(_TEXT_SUFFIXES):
+        docs.append(f.read())
+        continue
+      if not path.endswith(_JSONL_SUFFIXES):
+        raise ValueError(f"{path}: unsupported file type; expected one of "
+                         f"{_TEXT_SUFFIXES + _JSONL_SUFFIXES}")
+      for lineno, line in enumerate(f, 1):
+        if not line.strip():
+          continue
+        record = json.loads(line)
+        if jsonl_field not in record:
+          raise ValueError(f"{path}:{lineno}: no field {jsonl_field!r} (DataConfig.jsonl_field); "
+                           f"have {sorted(record)}")
+        docs.append(record[jsonl_field])
+  return docs
+
+
+def _glob_files(pattern: str, field: str) -> list[str]:
+  paths = []
+  for part in pattern.split(","):
+    matches = sorted(glob.glob(os.path.expanduser(part)))
+    if not matches:
+      raise ValueError(f"DataConfig.{field}: glob {part!r} matches no files")
+    paths.extend(matches)
+  return paths
+
+
+class _Indexed:
+  """A random-access view of `docs` restricted to `indices` (picklable, unlike a lambda)."""
+
+  def __init__(self, docs: Any, indices: np.ndarray):
+    self._docs, self._indices = docs, indices
+
+  def __len__(self) -> int:
+    return len(self._indices)
+
+  def __getitem__(self, i: int) -> Any:
+    return self._docs[int(self._indices[i])]
+
+
+def _decode_text(record: dict[str, Any]) -> str:
+  text = record["text"]
+  return text.decode("utf-8") if isinstance(text, bytes) else str(text)
+
+
+@functools.lru_cache(maxsize=8)
+def _file_documents(paths: tuple[str, ...], jsonl_field: str) -> list[str]:
+  # Cached: the trainer asks for train and valid (and the tokenizer trainer for train again).
+  return read_text_files(list(paths), jsonl_field)
+
+
+def _source_documents(spec: str, field: str, cfg: "data.DataConfig",
+                      tfds_split: str) -> grain.MapDataset:
+  kind, arg = parse_source(spec, field)
+  if kind == "tfds":
+    from focaljax.data import tfds_text  # Lazy: TFDS import is slow and optional.
+    name, _, split = arg.partition(":")
+    source = tfds_text.data_source(name, split or tfds_split, data_dir=cfg.tfds_data_dir)
+    return grain.MapDataset.source(source).map(_decode_text)
+  if kind == "bundled":
+    paths = (str(BUNDLED_TEXT),)
+  else:
+    paths = tuple(_glob_files(arg, field))
+  return grain.MapDataset.source(_file_documents(paths, cfg.jsonl_field))
+
+
+def documents(cfg: "data.DataConfig", split: str) -> grain.MapDataset:
+  """All documents (str) of `split` ("train" | "valid"), in a fixed order, as a MapDataset."""
+  if split not in SPLITS:
+    raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+  if cfg.valid_source is not None:
+    spec, field = (cfg.source, "source") if split == "train" else (cfg.valid_source, "valid_source")
+    return _source_documents(spec, field, cfg, "train" if split == "train" else "validation")
+  if cfg.source.startswith("tfds:"):
+    # A TFDS dataset brings its own splits; a ":split" in the spec names the train split only.
+    if split == "valid":
+      name = cfg.source.split(":")[1]
+      return _source_documents(f"tfds:{name}:validation", "source", cfg, "validation")
+    return _source_documents(cfg.source, "source", cfg, "train")
+  docs = _source_documents(cfg.source, "source", cfg, "train")
+  i = np.arange(len(docs))
+  held_out = np.floor((i + 1) * cfg.valid_fraction) > np.floor(i * cfg.valid_fraction)
+  indices = i[held_out] if split == "valid" else i[~held_out]
+  if len(indices) == 0:
+    raise ValueError(f"{split} split of {cfg.source!r} is empty ({len(docs)} documents, "
+                     f"valid_fraction={cfg.valid_fraction}); set DataConfig.valid_source or "
+                     "valid_fraction")
+  return grain.MapDataset.source(_Indexed(docs, indices))

@@ -1,0 +1,398 @@
+"""Hugging Face LLaMA-family checkpoints <-> focaljax workdirs.
+
+  python -m focaljax.interop.hf hf-to-focaljax HF_DIR OUT_DIR
+  python -m focaljax.interop.hf focaljax-to-hf CKPT OUT_DIR [--dtype bfloat16] [--max_shard_gb 5]
+
+hf-to-focaljax reads config.json and model.safetensors (or the shards of
+model.safetensors.index.json) of a LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM without
+biases or Qwen3ForCausalLM (its per-head q/k RMSNorm is our qk_norm), and writes a workdir for
+`focaljax.load`: config.json (configs/base.py's layout; data.seq_len = max_position_embeddings),
+tokenizer.json, tokenizer_config.json (the eos) and an Orbax `params` item at checkpoints/0 in
+the source dtype (bf16 stays bf16; `load` restores into float32).
+
+focaljax-to-hf writes config.json (LlamaConfig fields, Qwen3's for qk_norm, plus a "focaljax"
+entry with the pattern and focal/dilution settings), model.safetensors (sharded past
+--max_shard_gb), the tokenizer files, and a README.md flagging layers plain `transformers` would
+run as softmax + RoPE. Our NTK scaling past the trained context is HF's rope "dynamic", factor 1.
+
+Layout: HF stores a linear layer [out, in]; ours is [in, out] with heads split out (q_proj
+[N·D, E] -> wq [E, N, D], o_proj [E, N·D] -> wo [N, D, E]). Both sides apply rotate-half RoPE per
+head, so q/k rows need no permutation (tests/interop/test_convert.py checks logits against transformers).
+
+Memory (neither direction needs torch): hf-to-focaljax maps each source tensor separately and
+releases it once transposed, and Orbax writes without its deep copy, so the peak is one converted
+copy plus one tensor. focaljax-to-hf reads and writes one tensor at a time. Measured on a 620 MB
+bf16 model: peak RSS 877 MB in, 402 MB out, of which ~230 MB is the interpreter and JAX.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import warnings
+
+import ml_dtypes
+import numpy as np
+import orbax.checkpoint as ocp
+import tokenizers
+from etils import epath
+from flax import nnx
+
+from focaljax.model import attention as attn_lib
+from focaljax.train import checkpoint
+from focaljax import config as config_lib
+from focaljax.evaluation import loading as loaded_lib
+from focaljax.interop import safetensors_file
+from focaljax.data import tokenizer as tokenizer_lib
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+          "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+_EXPORT_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+
+# (HF name under model.layers.<i>., our path under blocks.<i>., leading "in" dims of ours).
+# n_in = None: copied as is; otherwise ours = hf.T reshaped, hf = ours reshaped to [in, out].T.
+_LAYER = (
+    ("input_layernorm.weight", "attn_norm.scale", None),
+    ("self_attn.q_proj.weight", "attn.wq", 1),
+    ("self_attn.k_proj.weight", "attn.wk", 1),
+    ("self_attn.v_proj.weight", "attn.wv", 1),
+    ("self_attn.o_proj.weight", "attn.wo", 2),
+    ("self_attn.q_norm.weight", "attn.q_norm.scale", None),
+    ("self_attn.k_norm.weight", "attn.k_norm.scale", None),
+    ("self_attn.w_tau", "attn.w_tau", None),          # focaljax's learned focal temperature
+    ("post_attention_layernorm.weight", "mlp_norm.scale", None),
+    ("mlp.gate_proj.weight", "mlp.w_gate", 1),
+    ("mlp.up_proj.weight", "mlp.w_up", 1),
+    ("mlp.down_proj.weight", "mlp.w_down", 1),
+)
+_TOP = (("model.embed_tokens.weight", "embed", None),
+        ("model.norm.weight", "final_norm.scale", None), ("lm_head.weight", "lm_head", 1))
+
+
+def _name_map(num_layers: int):
+  """(hf name, our path tuple, n_in) for every tensor either side may hold."""
+  out = [(hf, tuple(ours.split(".")), n_in) for hf, ours, n_in in _TOP]
+  for i in range(num_layers):
+    out += [(f"model.layers.{i}.{hf}", ("blocks", i, *ours.split(".")), n_in)
+            for hf, ours, n_in in _LAYER]
+  return out
+
+
+def _rope(hf: dict) -> float:
+  """rope_theta, accepting transformers 4 (rope_theta/rope_scaling) and 5 (rope_parameters)."""
+  params = hf.get("rope_parameters") or {}
+  theta = hf.get("rope_theta", params.get("rope_theta", 10000.0))
+  scaling = hf.get("rope_scaling") or params
+  kind = scaling.get("rope_type", scaling.get("type", "default"))
+  field = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+  if kind == "dynamic":
+    # Ours: θ·(L/T)^(D/(D-2)) past T; HF's dynamic NTK is the same formula when factor == 1.
+    if scaling.get("factor", 1.0) != 1.0:
+      warnings.warn(f"config.json {field}.factor={scaling['factor']}: focaljax's dynamic NTK "
+                    "uses factor 1; logits past max_position_embeddings will differ")
+  elif kind not in (None, "default"):
+    raise ValueError(f"config.json {field}.rope_type={kind!r}: only 'default' and 'dynamic' "
+                     "map onto focaljax's RoPE")
+  if hf.get("partial_rotary_factor", 1.0) != 1.0:
+    raise ValueError(f"config.json partial_rotary_factor={hf['partial_rotary_factor']}: "
+                     "focaljax rotates the whole head dimension")
+  return float(theta)
+
+
+def _check_hf(hf: dict) -> None:
+  arch = (hf.get("architectures") or ["LlamaForCausalLM"])[0]
+  if arch not in _ARCHS:
+    raise ValueError(f"config.json architectures={arch!r} is not one of {list(_ARCHS)}")
+  for field in ("attention_bias", "mlp_bias"):
+    if hf.get(field):
+      raise ValueError(f"config.json {field}=true: focaljax layers have no biases")
+  if hf.get("hidden_act", "silu") != "silu":
+    raise ValueError(f"config.json hidden_act={hf['hidden_act']!r}: our MLP is SwiGLU (silu)")
+  window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
+  if window and window < hf["max_position_embeddings"]:
+    warnings.warn(f"config.json sliding_window={window}: focaljax attends to the full prefix, so "
+                  f"logits agree only for sequences of up to {window} tokens")
+
+
+def _base_config():
+  """configs/base.py's full layout: the file train.py reads (configs/ is not a package import
+  of focaljax, so it is loaded by path, as config files are)."""
+  path = os.path.join(_ROOT, "configs", "base.py")
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"{path} not found: run from a focaljax checkout")
+  if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)   # base.py imports configs.sizes
+  spec = importlib.util.spec_from_file_location("focaljax_base_config", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
+
+
+def hf_config_to_focaljax(hf: dict, tensors=()):
+  """A full run ConfigDict (configs/base.py layout) for the HF model config `hf`."""
+  _check_hf(hf)
+  c = _base_config()
+  heads = hf["num_attention_heads"]
+  tied = hf.get("tie_word_embeddings", "lm_head.weight" not in tensors)
+  if not tied and tensors and "lm_head.weight" not in tensors:
+    raise ValueError("config.json tie_word_embeddings=false but there is no lm_head.weight")
+  c.model.update(dict(
+      vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
+      num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
+      head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, d_ff=hf["intermediate_size"],
+      tie_embeddings=bool(tied), qk_norm="model.layers.0.self_attn.q_norm.weight" in tensors,
+      rope_theta=_rope(hf), norm_eps=float(hf.get("rms_norm_eps", 1e-6))))
+  c.model.attention.pattern = "softmax:rope"
+  c.data.seq_len = hf["max_position_embeddings"]
+  config_lib.validate(c)
+  return c
+
+
+def _get(tree, path):
+  for p in path:
+    if p not in tree:
+      return None
+    tree = tree[p]
+  return tree
+
+
+def _set(tree, path, value):
+  for p in path[:-1]:
+    tree = tree[p]
+  tree[path[-1]] = value
+
+
+def _tokenizer_file(workdir: str, run_config) -> str:
+  path = os.path.join(workdir, checkpoint.TOKENIZER_FILE)
+  if not os.path.isfile(path) and run_config.data.get("tokenizer", "bundled") == "bundled":
+    path = os.path.join(_ROOT, "focaljax", "assets", checkpoint.TOKENIZER_FILE)
+  return path
+
+
+def _eos(src_dir: str) -> str:
+  """The eos named by HF's tokenizer_config.json (LLaMA's "</s>"), else focaljax's."""
+  path = os.path.join(src_dir, "tokenizer_config.json")
+  eos = None
+  if os.path.isfile(path):
+    with open(path) as f:
+      eos = json.load(f).get("eos_token")
+  return (eos.get("content") if isinstance(eos, dict) else eos) or tokenizer_lib.EOS_TOKEN
+
+
+def _copy_tokenizer(src: str, out_dir: str, eos: str):
+  if not os.path.isfile(src):
+    raise FileNotFoundError(f"{src} not found: a fast tokenizer (tokenizer.json) is required")
+  shutil.copyfile(src, os.path.join(out_dir, checkpoint.TOKENIZER_FILE))
+  # HF's own file for naming the eos; a LLaMA tokenizer's is "</s>", not <|endoftext|>.
+  with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+    json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos}, f, indent=2)
+
+
+def hf_to_focaljax(hf_dir: str, out_dir: str) -> str:
+  """Converts an HF checkpoint directory into a focaljax workdir; returns out_dir."""
+  with open(os.path.join(hf_dir, "config.json")) as f:
+    hf = json.load(f)
+  tensors = safetensors_file.read_dir(hf_dir)
+  biases = [n for n in tensors if n.endswith(".bias")]
+  if biases:
+    raise ValueError(f"tensor {biases[0]} (and {len(biases) - 1} more): focaljax layers have no "
+                     "biases")
+  run_config = hf_config_to_focaljax(hf, tensors)
+  run_config.data.tokenizer = os.path.abspath(os.path.join(out_dir, checkpoint.TOKENIZER_FILE))
+  cfg = config_lib.model_config(run_config, hf["vocab_size"])
+  # The exact tree load() restores into, as ShapeDtypeStructs: its keys and shapes are the spec.
+  params = nnx.to_pure_dict(loaded_lib.abstract_model(cfg)[1])
+  used = set()
+  for hf_name, path, n_in in _name_map(cfg.num_layers):
+    want = _get(params, path)
+    if want is None:
+      continue
+    if hf_name not in tensors:
+      raise ValueError(f"{hf_dir}: tensor {hf_name} is missing")
+    # pop: the tensor's mapping is released as soon as its converted copy exists.
+    src = tensors.pop(hf_name)
+    _set(params, path, np.ascontiguousarray(src if n_in is None else src.T).reshape(want.shape))
+    del src
+    used.add(hf_name)
+  if cfg.tie_embeddings:
+    used.add("lm_head.weight")   # tie_word_embeddings=true: HF ignores a stored lm_head too
+  unused = sorted(n for n in set(tensors) - used if not n.endswith("rotary_emb.inv_freq"))
+  if unused:
+    raise ValueError(f"{hf_dir}: tensor {unused[0]} (and {len(unused) - 1} more) has no focaljax "
+                     "counterpart")
+  del tensors
+  os.makedirs(out_dir, exist_ok=True)
+  checkpoint.write_config(out_dir, run_config)
+  _copy_tokenizer(tok_file := os.path.join(hf_dir, checkpoint.TOKENIZER_FILE), out_dir,
+                  eos := _eos(hf_dir))
+  if tokenizers.Tokenizer.from_file(tok_file).token_to_id(tokenizer_lib.EOS_TOKEN) is None:
+    warnings.warn(f"the tokenizer's eos is {eos!r}, and focaljax.load's Tokenizer still requires "
+                  f"{tokenizer_lib.EOS_TOKEN} (it should read tokenizer_config.json's eos_token)")
+  _save_params(out_dir, checkpoint.to_str_keys(params), {
+      "step": 0, "tokens": 0, "converted_from": os.path.abspath(hf_dir),
+      "architectures": hf.get("architectures"),
+      "dtypes": sorted({str(_get(params, p).dtype) for p in _leaf_paths(params)})})
+  return out_dir
+
+
+def _save_params(out_dir: str, params: dict, meta: dict):
+  """checkpoints/0 with the params and meta items, in the layout checkpoint.restore_params reads.
+
+  Orbax's default numpy handler deep-copies every array before writing and its compression holds
+  encoded chunks in memory: each a second copy of the model. A one-shot write of arrays nobody
+  mutates needs neither, and weights barely compress, so the peak stays at one copy.
+  """
+  registry = ocp.type_handlers.create_type_handler_registry(
+      (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False)))
+  manager = ocp.CheckpointManager(
+      epath.Path(out_dir).absolute() / "checkpoints",
+      item_handlers={"params": ocp.PyTreeCheckpointHandler(type_handler_registry=registry,
+                                                           use_compression=False),
+                     "meta": ocp.JsonCheckpointHandler()},
+      options=ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False))
+  manager.save(0, args=ocp.args.Composite(
+      params=ocp.args.PyTreeSave(params),
+      meta=ocp.args.JsonSave(meta)))
+  manager.wait_until_finished()
+  manager.close()
+
+
+def _param_reader(workdir: str, step: int | None):
+  """(step, metadata tree, read(keys) -> np.ndarray): one stored tensor per read, in its stored
+  dtype (no device copy, no float32 cast), so an export holds one tensor at a time."""
+  manager = ocp.CheckpointManager(epath.Path(workdir) / "checkpoints",
+                                  item_names=checkpoint.ITEMS)
+  step = manager.latest_step() if step is None else step
+  manager.close()
+  if step is None:
+    raise FileNotFoundError(f"no checkpoint under {workdir}/checkpoints")
+  path = epath.Path(workdir) / "checkpoints" / str(step) / "params"
+  ckpt = ocp.PyTreeCheckpointer()
+  tree = ckpt.metadata(path).item_metadata.tree
+
+  def read(keys):
+    item, args = _get(tree, keys), ocp.RestoreArgs(restore_type=np.ndarray)
+    for k in reversed(keys):
+      item, args = {k: item}, {k: args}
+    out = ckpt.restore(path, args=ocp.args.PyTreeRestore(item=item, restore_args=args,
+                                                         partial_restore=True))
+    return _get(out, keys)
+  return step, tree, read
+
+
+def _leaf_paths(tree, prefix=()):
+  if not isinstance(tree, dict):
+    return [prefix]
+  return [p for k, v in tree.items() for p in _leaf_paths(v, prefix + (k,))]
+
+
+def _non_hf_layers(run_config) -> list[str]:
+  """Layers plain `transformers` would compute differently (it only knows softmax + RoPE)."""
+  layers = attn_lib.parse_pattern(run_config.model.attention.pattern, run_config.model.num_layers)
+  plain = attn_lib.LayerSpec(attn_lib.Variant.SOFTMAX, attn_lib.Position.ROPE)
+  return [f"layer {i}: {s.variant.value}:{s.position.value}"
+          for i, s in enumerate(layers) if s != plain]
+
+
+def focaljax_hf_config(run_config, cfg, eos_id: int | None, dtype: str) -> dict:
+  """LlamaConfig fields (Qwen3's for qk_norm: its per-head q/k RMSNorm is ours)."""
+  arch = "Qwen3ForCausalLM" if cfg.qk_norm else "LlamaForCausalLM"
+  a = run_config.model.attention
+  return {
+      "architectures": [arch], "model_type": _ARCHS[arch], "vocab_size": cfg.vocab_size,
+      "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff,
+      "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+      "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
+      "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
+      "rope_theta": cfg.rope_theta,
+      # focaljax NTK-scales θ past the trained context: HF's "dynamic" with factor 1 is the same.
+      "rope_scaling": {"rope_type": "dynamic", "factor": 1.0},
+      "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, "mlp_bias": False,
+      "bos_token_id": None, "eos_token_id": eos_id, "torch_dtype": dtype, "dtype": dtype,
+      "focaljax": {"pattern": a.pattern, "temperature": a.temperature, "learned": a.learned,
+                   "tau_min": a.tau_min, "tau_max": a.tau_max, "tau_init": a.tau_init,
+                   "tau_mean": a.tau_mean, "eps": a.eps,
+                   "non_hf_layers": _non_hf_layers(run_config)},
+  }
+
+
+def _readme(hf_config: dict, source: str) -> str:
+  fj = hf_config["focaljax"]
+  text = f"# Exported from focaljax ({source})\n\nAttention pattern `{fj['pattern']}`.\n\n"
+  if not fj["non_hf_layers"]:
+    return text + "Every layer is softmax attention with RoPE, as in `transformers`.\n"
+  return text + ("**Warning:** these layers are not softmax attention with RoPE. Plain "
+                 "`transformers` runs them as softmax + RoPE, so its outputs differ from "
+                 "focaljax's; their settings are in config.json's `focaljax` entry.\n\n" +
+                 "".join(f"- {x}\n" for x in fj["non_hf_layers"]))
+
+
+def focaljax_to_hf(path: str, out_dir: str, *, dtype: str | None = None,
+                   max_shard_gb: float = 5.0) -> str:
+  """Exports a focaljax workdir (latest step) or checkpoints/<step> dir as an HF directory."""
+  workdir, step = checkpoint.resolve(path)
+  run_config = checkpoint.read_config(workdir)
+  tok_file, eos = _tokenizer_file(workdir, run_config), _eos(workdir)
+  # The raw HF tokenizer: its eos may be "</s>", which focaljax's Tokenizer does not require here.
+  hf_tok = tokenizers.Tokenizer.from_file(tok_file)
+  cfg = config_lib.model_config(run_config, hf_tok.get_vocab_size(with_added_tokens=True))
+  step, tree, read = _param_reader(workdir, step)
+  stored = {str(_get(tree, p).dtype) for p in _leaf_paths(tree)}
+  dtype = dtype or (stored.pop() if len(stored) == 1 else "float32")
+  if dtype not in _EXPORT_DTYPES:
+    raise ValueError(f"--dtype {dtype!r} is not one of {list(_EXPORT_DTYPES)}")
+  out_dtype = np.dtype(_EXPORT_DTYPES[dtype])
+  specs, exported = [], set()
+  for hf_name, our_path, n_in in _name_map(cfg.num_layers):
+    keys = tuple(map(str, our_path))
+    meta = _get(tree, keys)
+    if meta is None:
+      continue
+    shape = tuple(meta.shape)
+    hf_shape = shape if n_in is None else (int(np.prod(shape[n_in:])), int(np.prod(shape[:n_in])))
+    # Read when written (default arguments bind this tensor's keys); HF's [out, in] is a transpose.
+    make = ((lambda k=keys: read(k)) if n_in is None else
+            (lambda k=keys, s=hf_shape: read(k).reshape(s[::-1]).T))
+    specs.append((hf_name, hf_shape, out_dtype, make))
+    exported.add(keys)
+  missed = sorted(set(_leaf_paths(tree)) - exported)
+  if missed:
+    raise ValueError(f"checkpoint param {'.'.join(missed[0])} has no Hugging Face counterpart")
+  os.makedirs(out_dir, exist_ok=True)
+  safetensors_file.write_dir(out_dir, specs, int(max_shard_gb * 2**30))
+  hf_config = focaljax_hf_config(run_config, cfg, hf_tok.token_to_id(eos), str(out_dtype))
+  with open(os.path.join(out_dir, "config.json"), "w") as f:
+    json.dump(hf_config, f, indent=2)
+  _copy_tokenizer(tok_file, out_dir, eos)
+  with open(os.path.join(out_dir, "README.md"), "w") as f:
+    f.write(_readme(hf_config, f"{workdir} step {step}"))
+  return out_dir
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  sub = p.add_subparsers(dest="command", required=True)
+  a = sub.add_parser("hf-to-focaljax", help="HF LLaMA-family dir -> focaljax workdir")
+  a.add_argument("hf_dir")
+  a.add_argument("out_dir")
+  b = sub.add_parser("focaljax-to-hf", help="focaljax workdir or checkpoints/<step> -> HF dir")
+  b.add_argument("ckpt")
+  b.add_argument("out_dir")
+  b.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: stored)")
+  b.add_argument("--max_shard_gb", type=float, default=5.0, help="shard past this size")
+  args = p.parse_args(argv)
+  if args.command == "hf-to-focaljax":
+    print(hf_to_focaljax(args.hf_dir, args.out_dir))
+  else:
+    print(focaljax_to_hf(args.ckpt, args.out_dir, dtype=args.dtype,
+                         max_shard_gb=args.max_shard_gb))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,65 @@
+"""TPU route of focal attention: jax's Pallas TPU flash attention with the temperature folded in.
+
+`jax.experimental.pallas.ops.tpu.flash_attention` takes a Python-float `sm_scale`, layout
+[B, H, T, D], equal q/kv head counts and `SegmentIds`. So:
+  * an array `scale` (broadcastable to [B, Hq, T]) is multiplied into q in float32 and cast back to
+    q.dtype; its gradient then flows through plain JAX (d_scale_t = Σ_d dq'_td · q_td, by autodiff
+    of the multiply). The cost: q·scale is rounded to q.dtype (bf16) before the matmul, unlike the
+    GPU kernel which scales the f32 logits. A Python-float `scale` is passed as `sm_scale` instead
+    (exact, no cotangent).
+  * GQA: k/v are repeated over the G query heads of a group (`jnp.repeat`, whose transpose sums
+    dk/dv over the group); this costs G× k/v memory traffic.
+  * Block sizes are jax's defaults (128) clipped to the sequence lengths; jax's kernel needs the kv
+    block to be a multiple of 128, so S must be a multiple of 128 (it raises NotImplementedError
+    otherwise).
+`focal_flash.focal_attention` calls this when `jax.default_backend() == "tpu"` and it is not
+interpreting. It is not exercised on TPU hardware in this repository's CI; tests/kernels/focal/test_focal_triton.py
+runs it on CPU under `pltpu.force_tpu_interpret_mode()` (TPU semantics simulated), which checks the
+glue (layout, scale folding, GQA, segments) but not Mosaic TPU compilation.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu import flash_attention as tpu_flash
+
+from pallas_kernels.focal import reference
+
+
+def _blocks(T: int, S: int) -> tpu_flash.BlockSizes:
+  bq, bk = min(128, T), min(128, S)
+  return tpu_flash.BlockSizes(
+      block_q=bq, block_k_major=bk, block_k=bk, block_b=1,
+      block_q_major_dkv=bq, block_k_major_dkv=bk, block_k_dkv=bk, block_q_dkv=bq,
+      block_k_major_dq=bk, block_k_dq=bk, block_q_dq=bq)
+
+
+def focal_attention(q, k, v, *, scale, causal: bool = True, segment_ids=None):
+  """Same contract as `focal_flash.focal_attention` (q [B,T,Hq,D], k/v [B,S,Hkv,D])."""
+  if isinstance(scale, (int, float)):
+    return _tpu_attention(q, k, v, None, segment_ids, sm_scale=float(scale), causal=causal)
+  return _tpu_attention(q, k, v, scale, segment_ids, sm_scale=1.0, causal=causal)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "causal"))
+def _tpu_attention(q, k, v, scale, segment_ids, *, sm_scale: float, causal: bool):
+  B, T, S, N, K, _ = reference.check_qkv(q, k, v)
+  q_BNTD = q.transpose(0, 2, 1, 3)
+  if scale is not None:
+    s_BNT = reference.scale_BNT(scale, B, N, T)
+    # Multiply in f32, round once to q.dtype (the kernel's matmul input type).
+    q_BNTD = (q_BNTD.astype(jnp.float32) * s_BNT[..., None]).astype(q.dtype)
+  k_BNSD = jnp.repeat(k, N // K, axis=2).transpose(0, 2, 1, 3)
+  v_BNSD = jnp.repeat(v, N // K, axis=2).transpose(0, 2, 1, 3)
+  seg = None
+  if segment_ids is not None:
+    if T != S:
+      raise ValueError(f"segment_ids need T == S; got T={T}, S={S}")
+    seg_BT = jnp.asarray(segment_ids, jnp.int32)
+    seg = tpu_flash.SegmentIds(q=seg_BT, kv=seg_BT)
+  out_BNTD = tpu_flash.flash_attention(q_BNTD, k_BNSD, v_BNSD, segment_ids=seg, causal=causal,
+                                       sm_scale=sm_scale, block_sizes=_blocks(T, S))
+  return out_BNTD.transpose(0, 2, 1, 3).astype(q.dtype)

@@ -1,0 +1,120 @@
+"""bench/study.py: the issue 7 study end to end at toy scale (two arms, a few steps, a tiny BPE),
+and its --print launch lines."""
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+from focaljax.data import pipeline as data
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_spec = importlib.util.spec_from_file_location("study", os.path.join(ROOT, "bench", "study.py"))
+study = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(study)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+  """Train / valid / books JSONL cut from the bundled text: small enough to tokenize in seconds."""
+  d = tmp_path_factory.mktemp("corpus")
+  docs = data.read_text_files([str(data.BUNDLED_TEXT)])
+  splits = {"train": [t[:3000] for t in docs[:30]], "valid": [t[:3000] for t in docs[30:34]],
+            "books": docs[34:36]}
+  for name, texts in splits.items():
+    with open(d / f"{name}.jsonl", "w") as f:
+      f.writelines(json.dumps({"text": t}) + "\n" for t in texts)
+  return {k: str(d / f"{k}.jsonl") for k in splits}
+
+
+def _args(corpus, root, *more):
+  return ["--root", str(root), "--arms", "softmax_rope,dilution_nope", "--size", "small",
+          "--steps", "2", "--vocab", "300", "--train", corpus["train"], "--valid",
+          corpus["valid"], "--books", corpus["books"], "--suites", "val,longdoc",
+          "--max_multiplier", "2", "--val_batches", "2", "--no_plots", *more]
+
+
+def test_print_lists_one_train_and_one_eval_command_per_arm(corpus, tmp_path, capsys):
+  assert study.main(_args(corpus, tmp_path, "--seeds", "0,1", "--print")) == 0
+  lines = capsys.readouterr().out.strip().splitlines()
+  train = [l for l in lines if "train.py" in l]
+  evals = [l for l in lines if "eval.py" in l]
+  assert len(train) == len(evals) == 4  # 2 arms x 2 seeds
+  assert "--stage tokenizer" in lines[0] and "--stage collect" in lines[-1]
+  # Arms differ only in the attention; every arm reads the one shared tokenizer.
+  strip = lambda l: " ".join(w for w in l.split() if "attention.pattern" not in w
+                             and "workdir" not in w)
+  assert strip(train[0]) == strip(train[1])
+  assert all(study.tokenizer_file(study.parse_args(_args(corpus, tmp_path))) in l for l in train)
+  assert not (tmp_path / "tokenizer").exists()  # --print runs nothing
+
+
+def test_tokenizer_stage_split_digits(corpus, tmp_path):
+  from focaljax.data import tokenizer as tokenizer_lib
+  for style in tokenizer_lib.DIGIT_STYLES:  # --digits spells the table's keys again
+    assert study.parse_args(_args(corpus, tmp_path, "--digits", style)).digits == style
+  assert study.main(_args(corpus, tmp_path, "--stage", "tokenizer", "--digits", "digits")) == 0
+  tok = tokenizer_lib.Tokenizer.load(str(tmp_path / "tokenizer"))
+  pieces = [tok.decode([i]).strip() for i in tok.encode(" 50054")]
+  assert [p for p in pieces if p] == list("50054")  # " 5" may stay two tokens in a 300-token BPE
+
+
+def test_study_end_to_end(corpus, tmp_path, capsys):
+  out = tmp_path / "study.json"
+  assert study.main(_args(corpus, tmp_path, "--out", str(out))) == 0
+  result = json.loads(out.read_text())
+  runs = {r["arm"]: r for r in result["runs"]}
+  assert set(runs) == {"softmax_rope", "dilution_nope"}
+  for r in runs.values():
+    assert r["trained"] and r["steps"] == 2 and r["tokens"] == 2 * 8 * 64
+    assert r["val_loss"] > 0 and r["tokens_per_s"] > 0 and r["train_s"] > 0
+    assert r["longdoc_beyond"] is not None and len(r["longdoc"]["mean"]) == 5
+  assert {c["verdict"] for c in result["claims"]} >= {"n/a (arm or result missing)"}
+  gap = next(c for c in result["claims"] if "in-domain cost" in c["claim"])
+  assert set(gap["deltas"]) == {"0"}
+  table = capsys.readouterr().out
+  assert "| softmax_rope |" in table and "| dilution_nope |" in table and "| claim |" in table
+  # Re-running skips every finished stage (resumable) and reproduces the same results.
+  assert study.main(_args(corpus, tmp_path, "--out", str(out))) == 0
+  assert "train done, skipped" in capsys.readouterr().out
+  assert json.loads(out.read_text())["runs"][0]["val_loss"] == runs["softmax_rope"]["val_loss"]
+
+
+def test_time_limit_stops_and_the_same_command_resumes(corpus, tmp_path, capsys):
+  argv = _args(corpus, tmp_path, "--arms", "softmax_rope", "--steps", "300", "--suites", "val")
+  # Past the limit train.py gets SIGTERM (it saves and exits); the study says it is unfinished.
+  assert study.main(argv + ["--time_limit", "6"]) == 3
+  wd = study.workdir(study.parse_args(argv), "softmax_rope", 0)
+  assert not study.trained(wd)
+  assert study.main(argv) == 0 and study.trained(wd) and study.evaluated(study.parse_args(argv), wd)
+
+
+def test_claims_pair_seeds_and_give_verdicts():
+  run = lambda **kw: {"val_loss": 3.0, **kw}
+  runs = {("softmax_rope", 0): run(), ("softmax_rope", 1): run(),
+          ("focal", 0): run(val_loss=2.9), ("focal", 1): run(val_loss=3.1),
+          ("focal_learned", 0): run(val_loss=2.8), ("focal_learned", 1): run(val_loss=2.95),
+          ("dilution_nope", 0): run(val_loss=3.05, longdoc_beyond=3.2, longdoc_drift=0.01),
+          ("softmax_nope", 0): run(val_loss=3.2, longdoc_beyond=5.0, longdoc_drift=0.02),
+          ("hybrid", 0): run(val_loss=2.7)}
+  claims = study.report.claims(runs)
+  # focal, focal learned, dilution flat, softmax-NoPE degrades, long-book NLL, keyword, passkey
+  # (no results), dilution gap, hybrid.
+  assert [c["verdict"] for c in claims] == [
+      "mixed (1/2 seeds)", "held", "held", "did not hold", "held", "n/a (arm or result missing)",
+      "n/a (arm or result missing)", "held", "held"]
+  assert claims[2]["deltas"] == {"0": pytest.approx(0.01)}  # no reference: the arm's own value
+  assert claims[4]["deltas"] == {"0": pytest.approx(-1.8)}  # seed 1 has no NoPE arms: unpaired
+  assert claims[-1]["deltas"] == {"0": pytest.approx(2.7 - 2.8)}  # vs focal_learned, the best
+
+
+def test_figures_draw_validation_curves_and_loss_by_position(tmp_path):
+  pytest.importorskip("matplotlib")
+  run = lambda arm, shift: {"arm": arm, "seed": 0, "seq_len": 64,
+                            "val_curve": [[1, 5.0 + shift], [2, 4.0 + shift]],
+                            "longdoc": {"ranges": [[0, 64], [64, 128]], "mean": [4.0, 4.1 + shift]}}
+  written = study.report.figures({"runs": [run("softmax_rope", 0.0), run("focal", 0.2)]},
+                                 str(tmp_path), log=lambda _: None)
+  assert [os.path.basename(p) for p in written] == ["study_val_loss.png", "study_longdoc.png"]
+  assert all(os.path.getsize(p) > 1000 for p in written)

@@ -1,0 +1,113 @@
+"""lm-eval model "focaljax": scores equal the model's own log-probs; local tasks run offline."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+lm_eval = pytest.importorskip("lm_eval")
+
+from lm_eval.api.instance import Instance  # pylint: disable=wrong-import-position
+from lm_eval.tasks import TaskManager  # pylint: disable=wrong-import-position
+
+from focaljax.interop import hf as convert  # pylint: disable=wrong-import-position
+from focaljax.evaluation import generate as gen_lib  # pylint: disable=wrong-import-position
+from focaljax.interop import lm_eval as lm_eval_adapter  # pylint: disable=wrong-import-position
+from focaljax.interop import safetensors_file  # pylint: disable=wrong-import-position
+from focaljax.data import tokenizer as tokenizer_lib  # pylint: disable=wrong-import-position
+
+ASSET = os.path.join(os.path.dirname(tokenizer_lib.__file__), "assets", "tokenizer.json")
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+  """A random 2-layer model, written as an HF checkpoint (no torch needed) and converted."""
+  root = tmp_path_factory.mktemp("lm_eval")
+  hf_dir = root / "hf"
+  hf_dir.mkdir()
+  V, E, F, L = tokenizer_lib.bundled().vocab_size, 32, 64, 2
+  shapes = {"model.embed_tokens.weight": (V, E), "model.norm.weight": (E,),
+            "lm_head.weight": (V, E)}
+  for i in range(L):
+    p = f"model.layers.{i}."
+    shapes.update({p + "input_layernorm.weight": (E,), p + "post_attention_layernorm.weight": (E,),
+                   p + "self_attn.q_proj.weight": (E, E), p + "self_attn.k_proj.weight": (16, E),
+                   p + "self_attn.v_proj.weight": (16, E), p + "self_attn.o_proj.weight": (E, E),
+                   p + "mlp.gate_proj.weight": (F, E), p + "mlp.up_proj.weight": (F, E),
+                   p + "mlp.down_proj.weight": (E, F)})
+  rng = np.random.default_rng(0)
+  specs = [(n, s, np.float32, lambda s=s: rng.normal(0, 0.3, s)) for n, s in shapes.items()]
+  safetensors_file.write_dir(str(hf_dir), specs, 2**30)
+  (hf_dir / "config.json").write_text(json.dumps(dict(
+      architectures=["LlamaForCausalLM"], vocab_size=V, hidden_size=E, intermediate_size=F,
+      num_hidden_layers=L, num_attention_heads=4, num_key_value_heads=2,
+      max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False)))
+  (hf_dir / "tokenizer.json").write_text(open(ASSET).read())
+  return convert.hf_to_focaljax(str(hf_dir), str(root / "work"))
+
+
+def test_adapter_scores_match_the_model(workdir):
+  lm = lm_eval_adapter.FocaljaxLM(path=workdir, batch_size=2, max_length=16)
+  tok = lm.tokenizer
+  reqs = [("The cat sat on", " the mat"), ("A", " b c"),
+          ("one two three four five six seven eight nine ten eleven twelve", " thirteen")]
+  got = lm.loglikelihood([Instance("loglikelihood", {}, r, i) for i, r in enumerate(reqs)])
+  for (ctx, cont), (ll, greedy) in zip(reqs, got):
+    c, n = lm._encode_pair(ctx, cont)  # pylint: disable=protected-access
+    whole = (c + n)[-17:]   # left-truncated to max_length = 16 inputs
+    nll = np.asarray(gen_lib.token_nll(lm.loaded.model, [whole[:-1]], [whole[1:]]))[0]
+    np.testing.assert_allclose(ll, -nll[-len(n):].sum(), rtol=1e-5)
+    assert isinstance(greedy, bool)
+  # One window (eos + the text fits in max_length): the exact sum; a long text takes several.
+  short, long = "the word and the word", "the word and the word " * 8
+  ids = tok.encode(short)
+  assert len(ids) < 16 and len(tok.encode(long)) > 32
+  rolling = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (t,), i)
+                                      for i, t in enumerate((short, long))])
+  nll = np.asarray(gen_lib.token_nll(lm.loaded.model, [[tok.eos_id] + ids[:-1]], [ids]))
+  np.testing.assert_allclose(rolling[0], -nll.sum(), rtol=1e-5)
+  assert np.isfinite(rolling[1]) and rolling[1] < rolling[0]
+
+  gen = [("Once upon a time", {"until": ["e"], "max_gen_toks": 6}),
+         ("Hello", {"until": ["\n"], "max_gen_toks": 6, "do_sample": False})]
+  outs = lm.generate_until([Instance("generate_until", {}, g, i) for i, g in enumerate(gen)])
+  full = lm.loaded.generate("Once upon a time", max_new_tokens=6)
+  assert outs[0] == full.split("e")[0] and "e" not in outs[0]
+
+
+TASKS = {
+    "fj_mc": dict(output_type="multiple_choice", doc_to_text="{{question}}",
+                  doc_to_choice="{{choices}}", doc_to_target="{{label}}",
+                  metric_list=[{"metric": "acc"}]),
+    "fj_gen": dict(output_type="generate_until", doc_to_text="{{prompt}}",
+                   doc_to_target="{{answer}}",
+                   generation_kwargs={"until": ["\n"], "max_gen_toks": 5, "do_sample": False},
+                   metric_list=[{"metric": "exact_match"}]),
+}
+DOCS = {
+    "fj_mc": [{"question": f"Question {i}: the sky is", "choices": [" blue", " green", " loud"],
+               "label": i % 3} for i in range(4)],
+    "fj_gen": [{"prompt": f"Count: {i}, {i + 1},", "answer": f" {i + 2}"} for i in range(3)],
+}
+
+
+def test_simple_evaluate_runs_local_tasks(workdir, tmp_path):
+  for name, spec in TASKS.items():
+    data = tmp_path / f"{name}.jsonl"
+    data.write_text("".join(json.dumps(d) + "\n" for d in DOCS[name]))
+    # JSON is a subset of YAML: the task files need no yaml writer.
+    (tmp_path / f"{name}.yaml").write_text(json.dumps(dict(
+        task=name, dataset_path="json", test_split="test",
+        dataset_kwargs={"data_files": {"test": str(data)}, "cache_dir": str(tmp_path / "hf")},
+        **spec)))
+  out = lm_eval.simple_evaluate(
+      model="focaljax", model_args=f"path={workdir},batch_size=4", tasks=list(TASKS),
+      task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False),
+      bootstrap_iters=0, log_samples=False)
+  print(json.dumps(out["results"], default=str))
+  acc = out["results"]["fj_mc"]["acc,none"]
+  assert 0 <= acc <= 1
+  assert 0 <= out["results"]["fj_gen"]["exact_match,none"] <= 1
