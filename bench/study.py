@@ -1,8 +1,11 @@
-"""Issue 7: the seeds' headline claims at small scale on the real corpus, with one command.
+"""The attention variants' claims tested at small scale on a real corpus, with one command.
 
   python bench/study.py --root runs/study --steps 900 --seeds 0,1 --out docs/results/study.json
   python bench/study.py --root runs/study --arms softmax_rope,dilution_nope --time_limit 540
   python bench/study.py --root runs/study --print             # the commands, for a cluster
+  bash bench/device.sh study:560                              # on a GPU machine, arms per GPU
+
+The corpus defaults to .data/corpus/{train,valid,longeval}.jsonl.xz (JSON lines with "text").
 
 Stages, each skipped once its output exists (re-running the same command resumes):
   tokenizer  one byte-level BPE (--vocab) trained on the train split: ROOT/tokenizer/, read by
@@ -36,12 +39,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/: study_
 import study_report as report  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CORPUS = os.path.normpath(os.path.join(REPO, "..", "shared", "data", "corpus"))
+CORPUS = os.path.join(REPO, ".data", "corpus")
 # arm: (model.attention.pattern, model.attention.learned). Focal's t=0.4 is base.py's default.
 ARMS = {"softmax_rope": ("softmax:rope", False), "focal": ("focal:rope", False),
         "focal_learned": ("focal:rope", True), "softmax_nope": ("softmax:none", False),
         "dilution_nope": ("dilution:none", False),
         "hybrid": ("softmax:rope,dilution:none", False)}
+
+
 class OutOfTime(Exception):
   """--time_limit ran out."""
 
@@ -103,9 +108,9 @@ def train_argv(args, arm: str, seed: int) -> list[str]:
           f"--config.data.source=text:{args.train}",
           f"--config.data.valid_source=text:{args.valid}",
           f"--config.data.tokenizer={tokenizer_file(args)}",
-          # Streaming tokenization (~250K tokens/s) starved the H200 at 100M (10-20% MFU).
+          # Streaming tokenization cannot feed a GPU training a 100M model.
           "--config.data.tokenize=ahead",
-          # Tokenized once per root: later arms load it (the train split: ~60 s -> ~7 s on 2 cores).
+          # Tokenized once per root: later arms load it instead of tokenizing again.
           f"--config.data.token_cache={os.path.join(args.root, 'tokens')}",
           f"--config.model.attention.pattern={pattern}",
           f"--config.model.attention.learned={learned}",
@@ -223,10 +228,11 @@ def collect_run(args, arm: str, seed: int) -> dict | None:
   if config is None:
     return None
   # Lazy: --print and the tokenizer stage need no jax.
-  from focaljax.train import checkpoint
-  from focaljax.model import decoder as model  # pylint: disable=import-outside-toplevel
+  # pylint: disable=import-outside-toplevel
   from focaljax import config as config_lib
-  from focaljax.data import tokenizer  # pylint: disable=import-outside-toplevel
+  from focaljax.data import tokenizer
+  from focaljax.model import decoder as model
+  from focaljax.train import checkpoint
   vocab = tokenizer.Tokenizer.load(wd).vocab_size
   path = pathlib.Path(wd, "metrics.jsonl")
   log = [json.loads(l) for l in path.read_text().splitlines() if l.strip()] if path.exists() else []

@@ -1,15 +1,17 @@
-"""What tokamax 0.0.12 needs to run under jax 0.11 in this repo's benchmarks (never in focaljax).
+"""What tokamax 0.0.12 needs to run under current jax in this repo's benchmarks (never in focaljax).
 
-tokamax 0.0.12 is the newest release on the GPU machine's index (0.0.17, which the issue's anchors
-used, is not there; 0.1.0 is an empty placeholder). Two things stop it there:
+tokamax is an optional anchor of bench/attention.py and bench/train_step.py, pinned to 0.0.12
+(bench/device.sh lists its wheels). Two things stop that release under current jax:
 - it reads absl flags, which parse sys.argv on first use and reject a benchmark's own flags
-  (`--impls ...`: UnrecognizedFlagError, twenty-eighth session);
+  (`--impls ...`: UnrecognizedFlagError);
 - it calls `plgpu.kernel` with `out_shape=` / `scratch_shapes=`, aliases jax 0.10 deprecated and
-  0.11 removed (0.11.2 passes them on to Mesh: "Mesh.__init__() got an unexpected keyword argument
-  'out_shape'"). `prepare` maps them to `out_type=` / `scratch_types=`; a no-op where they exist.
+  0.11 removed. `prepare` maps them to `out_type=` / `scratch_types=`; a no-op where they exist.
+
+  python bench/tokamax_shim.py    # applies the shim and imports tokamax: is it usable here?
 """
 from __future__ import annotations
 
+import argparse
 import inspect
 import sys
 
@@ -33,3 +35,14 @@ def prepare() -> None:
 
   aliased._aliased = True
   plgpu.kernel = aliased
+
+
+if __name__ == "__main__":
+  argparse.ArgumentParser(description=__doc__,
+                          formatter_class=argparse.RawTextHelpFormatter).parse_args()
+  try:
+    prepare()
+    import tokamax  # pylint: disable=import-outside-toplevel
+  except ImportError as e:
+    sys.exit(f"tokamax is not usable here: {e}")
+  print("tokamax", getattr(tokamax, "__version__", "?"), "imports with the shim")

@@ -1,6 +1,6 @@
-"""Rebuilds the bundled text and its tokenizer from the shared corpus (see README.md here).
+"""Rebuilds the bundled text and its tokenizer from a corpus JSONL (see README.md here).
 
-  python -m focaljax.assets.build /work/shared/data/corpus/train.jsonl.xz
+  python -m focaljax.assets.build CORPUS/train.jsonl.xz
 
 Writes bundled.jsonl.xz (one public-domain document per line) and tokenizer.json (byte-level
 BPE, vocab 4096, trained on the bundled train split, i.e. without the held-out valid docs).
@@ -11,7 +11,7 @@ import lzma
 import pathlib
 import sys
 
-from focaljax.data import pipeline as data
+from focaljax.data import sources
 from focaljax.data import tokenizer
 
 HERE = pathlib.Path(__file__).parent
@@ -37,8 +37,7 @@ def main(corpus: str) -> None:
   with lzma.open(HERE / "bundled.jsonl.xz", "wt", encoding="utf-8", preset=xz_preset) as f:
     for d in docs:
       f.write(json.dumps({k: d[k] for k in keep}, ensure_ascii=False) + "\n")
-  cfg = data.DataConfig(source="bundled", tokenizer="bundled", seq_len=1, global_batch=1)
-  tok = tokenizer.train_bpe(data.documents(cfg, "train"), VOCAB_SIZE)
+  tok = tokenizer.train_bpe(sources.documents("train", "bundled"), VOCAB_SIZE)
   tok.save(HERE)
   n_chars = sum(len(d["text"]) for d in docs)
   print(f"{len(docs)} documents, {n_chars} characters; tokenizer vocab {tok.vocab_size}")

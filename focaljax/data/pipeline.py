@@ -36,8 +36,8 @@ Checkpointing: `make_iterator` returns a grain DatasetIterator; `get_state()` / 
 resume exactly (the next batches are identical). Save it with Orbax through
 `grain.checkpoint.CheckpointSave(it)` / `CheckpointRestore(it)` (see focaljax/train/checkpoint.py).
 
-Throughput streaming is about 250-500K tokens/s on 2 CPU cores; `tokenize="ahead"` removes that
-limit for corpora that fit in memory. Otherwise wrap `make_dataset(...)` in
+Streaming tokenization feeds a few hundred thousand tokens/s per 2 CPU cores; `tokenize="ahead"`
+removes that limit for corpora that fit in memory. Otherwise wrap `make_dataset(...)` in
 `.mp_prefetch(grain.MultiprocessingOptions(num_workers=N))` (absl flags must be parsed; restore
 with the same N: workers take interleaved document slices).
 
@@ -45,10 +45,8 @@ With a finite `num_epochs`, hosts hold different token counts and may run out of
 different steps; multi-host loops should use num_epochs=None (as training does) or a fixed
 batch count.
 
-Validation split: with `valid_source` set, "valid" reads all of it; otherwise a deterministic,
-evenly spaced `valid_fraction` of the source's documents (document i is held out iff
-floor((i+1)f) > floor(i f), e.g. every 20th for f=0.05) and "train" reads the rest. TFDS
-sources use their own splits instead ("valid" reads the "validation" split).
+The train/valid split of a source is `sources.documents`'s: `valid_source` if set, else an evenly
+spaced `valid_fraction` of the source's documents (TFDS sources: their own splits).
 """
 
 from __future__ import annotations
@@ -65,8 +63,8 @@ import numpy as np
 from focaljax.data import retrieval
 from focaljax.data import sources
 from focaljax.data import tokenizer as tokenizer_lib
-# Re-exported: callers read documents through data.
-from focaljax.data.sources import BUNDLED_TEXT, SPLITS, documents, read_text_files  # noqa: F401
+from focaljax.data.sources import read_text_files  # noqa: F401  (re-exported for evaluation)
+
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
@@ -112,6 +110,13 @@ class DataConfig:
       raise ValueError(f"DataConfig.retrieval_mix must be in [0, 1), got {self.retrieval_mix!r}")
     if not 0.0 <= self.valid_fraction < 1.0:
       raise ValueError(f"DataConfig.valid_fraction must be in [0, 1), got {self.valid_fraction!r}")
+
+
+def documents(cfg: DataConfig, split: str) -> grain.MapDataset:
+  """All documents (str) of `split` ("train" | "valid") of cfg's sources, in a fixed order."""
+  return sources.documents(split, cfg.source, valid_source=cfg.valid_source,
+                           valid_fraction=cfg.valid_fraction, jsonl_field=cfg.jsonl_field,
+                           tfds_data_dir=cfg.tfds_data_dir)
 
 
 def _train_spec(spec: str) -> tuple[int, str] | None:
@@ -181,7 +186,7 @@ def _tokenize_ahead(ds: grain.MapDataset, tok: tokenizer_lib.Tokenizer,
   path = None
   if cfg.token_cache:
     # Keyed by content, not by file names: the same documents and tokenizer hit the cache from
-    # any path, and an edited corpus or tokenizer misses it (hashing 100 MB of text: ~0.2 s).
+    # any path, and an edited corpus or tokenizer misses it (hashing text is cheap next to BPE).
     h = hashlib.sha256(tok.fingerprint().encode())
     for t in texts:
       h.update(t.encode("utf-8", "surrogatepass") + b"\0")
@@ -206,12 +211,12 @@ def _tokenize_ahead(ds: grain.MapDataset, tok: tokenizer_lib.Tokenizer,
 
 
 # How documents become tokens (DataConfig.tokenize). The batches are the same either way.
-#   stream  one document at a time in the pipeline's reader threads: nothing up front, but about
-#           250-500K tokens/s (2 cores), which starves a GPU training a 100M model.
-#   ahead   this host's whole split once, in parallel, when the iterator is built (the shared
-#           corpus's train split: 57 s on 2 cores, 4 bytes a token in memory); then free.
-#           With DataConfig.token_cache, later runs on the same documents and tokenizer load the
-#           result instead (a study's arms, a resumed run, every validation pass).
+#   stream  one document at a time in the pipeline's reader threads: nothing up front and no
+#           memory, but too slow to feed a fast GPU training a small model.
+#   ahead   this host's whole split once, in parallel, when the iterator is built (4 bytes a
+#           token in memory); then free. With DataConfig.token_cache, later runs on the same
+#           documents and tokenizer load the result instead (a study's arms, a resumed run,
+#           every validation pass).
 TOKENIZE = {"stream": _tokenize_stream, "ahead": _tokenize_ahead}
 
 
@@ -234,8 +239,8 @@ class _JsonStateIterator(grain.DatasetIterator):
   """Passes batches through; makes `set_state` accept the state after a JSON roundtrip.
 
   Grain's Orbax handler stores `get_state()` as JSON, which turns ConcatThenSplit's slice tuples
-  into lists. Grain 0.2.18 compares them against the tuple (-1, -1), so a restored list
-  [-1, -1] reads as a remainder and silently drops the next document. Re-tupling fixes it.
+  into lists. Grain compares them against the tuple (-1, -1), so a restored list [-1, -1] reads
+  as a remainder and silently drops the next document. Re-tupling fixes it.
   """
 
   def __next__(self) -> dict[str, np.ndarray]:
@@ -278,7 +283,7 @@ def make_dataset(cfg: DataConfig, tok: tokenizer_lib.Tokenizer, *, split: str = 
   if cfg.shuffle:
     ds = ds.shuffle(seed=cfg.seed)
   ds = ds.repeat(cfg.num_epochs)
-  # Few threads and a short buffer: documents can be large, and 2-core hosts are common here.
+  # Few threads and a short buffer: documents can be large, and 2-core hosts are common.
   it = ds.to_iter_dataset(grain.ReadOptions(num_threads=2, prefetch_buffer_size=16))
   it = grain.experimental.ConcatThenSplitIterDataset(it, length_struct={"tokens": cfg.seq_len + 1})
   if split == "train" and cfg.retrieval_mix > 0:

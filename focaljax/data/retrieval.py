@@ -6,11 +6,11 @@ token. The pieces start with a space or newline, which byte-level BPE splits on 
 concatenation is the same token sequence the whole string encodes to (up to the one place where
 the filler is cut).
 
-passkey (FocusLLM / Landmark Attention, notes/focus_focal.md §1.8): "The pass key is K. Remember
-  it. K is the pass key." in repeated grass/sky/sun filler; greedy decoding; a trial is correct
-  when the leading number of the continuation is exactly K (5 digits).
-keyword (DilutionAttention NIAH v4, notes/dilution.md §4): needle "The secret keyword is{a}." in a
-  fixed procedural-notes filler, question "\\n\\n### IMPORTANT DATA: The secret keyword is"; 8
+passkey (FocusLLM, Landmark Attention): "The pass key is K. Remember it. K is the pass key." in
+  repeated grass/sky/sun filler; greedy decoding; a trial is correct when the leading number of
+  the continuation is exactly K (5 digits).
+keyword (DilutionAttention's needle in a haystack): needle "The secret keyword is{a}." in a fixed
+  procedural-notes filler, question "\\n\\n### IMPORTANT DATA: The secret keyword is"; 8
   candidates scored by log-likelihood. A needle-free control of the same length disqualifies the
   candidate the model prefers a priori, leaving 7 (chance 1/7); each of the 7 is the needle in
   turn, and a row passes when the needle has the highest log-likelihood of the 7 (gap >= 0).
@@ -84,9 +84,8 @@ def passkey_drill(tokenizer, text_ids: np.ndarray, rng: np.random.Generator,
   K, n uniform in [room/2, room] (room: what max_len leaves for filler), i uniform in [0, n]. The
   filler is a random crop of `text_ids`, real text (the row it replaces), not the evaluation's
   grass/sky/sun sentences: the drill teaches reading the needle back out of a context, not the
-  evaluation's filler. A small base never learns that from 65M tokens of text alone
-  (docs/RESULTS.md, claim 4); FocusLLM can only carry to 32x what the base already does inside its
-  own context.
+  evaluation's filler. A small base does not learn retrieval from plain text alone, and FocusLLM
+  can only carry past the context what the base already does inside it.
   """
   needle, tail = drill_pieces(tokenizer, rng)
   head = tokenizer.encode(PASSKEY_HEAD) if rng.random() < 0.5 else []

@@ -1,6 +1,8 @@
-"""Where documents come from: DataConfig's source specs ("bundled", local .txt/.jsonl files,
-TFDS) and the deterministic train/valid split of a source (data.py's docstring), as grain
-MapDatasets of str. `data` re-exports `documents`, `read_text_files`, `BUNDLED_TEXT`, `SPLITS`.
+"""Where documents come from: source specs ("bundled", local .txt/.jsonl files, TFDS) and the
+deterministic train/valid split of a source, as grain MapDatasets of str.
+
+Plain arguments, no DataConfig: `pipeline` (which owns DataConfig) and `tfds_text` (which writes
+a source's split into a TFDS dataset) both read documents through `documents`.
 """
 
 from __future__ import annotations
@@ -12,13 +14,10 @@ import json
 import lzma
 import os
 import pathlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grain
 import numpy as np
-
-if TYPE_CHECKING:
-  from focaljax.data import pipeline as data
 
 BUNDLED_TEXT = pathlib.Path(__file__).parents[1] / "assets" / "bundled.jsonl.xz"
 SPLITS = ("train", "valid")
@@ -27,7 +26,7 @@ _JSONL_SUFFIXES = (".jsonl", ".jsonl.xz", ".jsonl.gz")
 
 
 def parse_source(spec: str, field: str) -> tuple[str, str]:
-  """Splits "kind:arg" and checks it; returns (kind, arg)."""
+  """Splits "kind:arg" and checks it; returns (kind, arg). `field` names it in the error."""
   kind, _, arg = spec.partition(":")
   if spec == "bundled":
     return "bundled", ""
@@ -106,40 +105,49 @@ def _file_documents(paths: tuple[str, ...], jsonl_field: str) -> list[str]:
   return read_text_files(list(paths), jsonl_field)
 
 
-def _source_documents(spec: str, field: str, cfg: "data.DataConfig",
-                      tfds_split: str) -> grain.MapDataset:
+def _source_documents(spec: str, field: str, tfds_split: str, jsonl_field: str,
+                      tfds_data_dir: str | None) -> grain.MapDataset:
   kind, arg = parse_source(spec, field)
   if kind == "tfds":
-    from focaljax.data import tfds_text  # Lazy: TFDS import is slow and optional.
+    # Lazy: TFDS is slow to import and optional. ArrayRecord random access, no TensorFlow;
+    # download=False, since only focaljax.data.tfds_text.build can prepare our datasets.
+    import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
     name, _, split = arg.partition(":")
-    source = tfds_text.data_source(name, split or tfds_split, data_dir=cfg.tfds_data_dir)
+    source = tfds.data_source(name, split=split or tfds_split, data_dir=tfds_data_dir,
+                              download=False)
     return grain.MapDataset.source(source).map(_decode_text)
-  if kind == "bundled":
-    paths = (str(BUNDLED_TEXT),)
-  else:
-    paths = tuple(_glob_files(arg, field))
-  return grain.MapDataset.source(_file_documents(paths, cfg.jsonl_field))
+  paths = (str(BUNDLED_TEXT),) if kind == "bundled" else tuple(_glob_files(arg, field))
+  return grain.MapDataset.source(_file_documents(paths, jsonl_field))
 
 
-def documents(cfg: "data.DataConfig", split: str) -> grain.MapDataset:
-  """All documents (str) of `split` ("train" | "valid"), in a fixed order, as a MapDataset."""
+def documents(split: str, source: str, *, valid_source: str | None = None,
+              valid_fraction: float = 0.05, jsonl_field: str = "text",
+              tfds_data_dir: str | None = None) -> grain.MapDataset:
+  """All documents (str) of `split` ("train" | "valid"), in a fixed order, as a MapDataset.
+
+  With `valid_source`, "valid" reads all of it. A "tfds:" source brings its own splits ("valid"
+  reads "validation"; a ":split" in the spec names the train split only). Otherwise document i
+  is held out iff floor((i+1)f) > floor(i f) for f = valid_fraction: evenly spaced, e.g. every
+  20th for f = 0.05, and "train" reads the rest.
+  """
   if split not in SPLITS:
     raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-  if cfg.valid_source is not None:
-    spec, field = (cfg.source, "source") if split == "train" else (cfg.valid_source, "valid_source")
-    return _source_documents(spec, field, cfg, "train" if split == "train" else "validation")
-  if cfg.source.startswith("tfds:"):
-    # A TFDS dataset brings its own splits; a ":split" in the spec names the train split only.
+  read = functools.partial(_source_documents, jsonl_field=jsonl_field,
+                           tfds_data_dir=tfds_data_dir)
+  if valid_source is not None:
+    if split == "train":
+      return read(source, "source", "train")
+    return read(valid_source, "valid_source", "validation")
+  if source.startswith("tfds:"):
     if split == "valid":
-      name = cfg.source.split(":")[1]
-      return _source_documents(f"tfds:{name}:validation", "source", cfg, "validation")
-    return _source_documents(cfg.source, "source", cfg, "train")
-  docs = _source_documents(cfg.source, "source", cfg, "train")
+      return read(f"tfds:{source.split(':')[1]}:validation", "source", "validation")
+    return read(source, "source", "train")
+  docs = read(source, "source", "train")
   i = np.arange(len(docs))
-  held_out = np.floor((i + 1) * cfg.valid_fraction) > np.floor(i * cfg.valid_fraction)
+  held_out = np.floor((i + 1) * valid_fraction) > np.floor(i * valid_fraction)
   indices = i[held_out] if split == "valid" else i[~held_out]
   if len(indices) == 0:
-    raise ValueError(f"{split} split of {cfg.source!r} is empty ({len(docs)} documents, "
-                     f"valid_fraction={cfg.valid_fraction}); set DataConfig.valid_source or "
+    raise ValueError(f"{split} split of {source!r} is empty ({len(docs)} documents, "
+                     f"valid_fraction={valid_fraction}); set DataConfig.valid_source or "
                      "valid_fraction")
   return grain.MapDataset.source(_Indexed(docs, indices))

@@ -1,30 +1,28 @@
 """Local .txt/.jsonl(.xz|.gz) files as a TFDS dataset in ArrayRecord format, without TensorFlow.
 
-  from focaljax import tfds_text
+  from focaljax.data import tfds_text
   tfds_text.build("/data/books/*.jsonl.xz", "/data/tfds", name="books")
   # then train with DataConfig(source="tfds:books", tfds_data_dir="/data/tfds", ...)
 
 The dataset has one feature, `text` (a string), and two splits, `train` and `validation`.
-Reading goes through `tfds.data_source(name, split, data_dir)`: ArrayRecord random access that
-Grain can shuffle and shard by index.
+Reading goes through `tfds.data_source(name, split, data_dir)` (focaljax.data.sources):
+ArrayRecord random access that Grain can shuffle and shard by index.
 
-TensorFlow is not needed (and not installed here). The TF-free path: `file_format=array_record`
-(TFRecord writing/reading would import TF); `tfds.features.Text` encodes with plain Python and
-`data_source` decodes with numpy (`decode_example_np`); `download=False` when reading, so TFDS
-never tries to prepare (our builder needs its file list, which only `build` has). A dataset
-built under any name is read back from its files alone (TFDS's read-only builder), so readers
-need neither this module's classes nor the original text files.
+The TF-free path: `file_format=array_record` (TFRecord writing/reading would import TF);
+`tfds.features.Text` encodes with plain Python and `data_source` decodes with numpy; readers pass
+`download=False`, so TFDS never tries to prepare (our builder needs its documents, which only
+`build` has). A dataset built under any name is read back from its files alone (TFDS's read-only
+builder), so readers need neither this module's classes nor the original text files.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-import dataclasses
 import functools
 
 import tensorflow_datasets as tfds
 
-from focaljax.data import pipeline as data
+from focaljax.data import sources
 
 _VERSION = "1.0.0"
 
@@ -35,12 +33,12 @@ class LocalText(tfds.core.GeneratorBasedBuilder):
   VERSION = tfds.core.Version(_VERSION)
   RELEASE_NOTES = {_VERSION: "Documents of local .txt/.jsonl(.xz|.gz) files."}
   # TFDS locates a builder's source file only to find download checksums, which we don't have;
-  # its lookup needs the `importlib_resources` backport (absent here), so skip it.
+  # its lookup needs the `importlib_resources` backport, so skip it.
   code_path = None
 
   def __init__(self, *, train_docs: Sequence[str] = (), valid_docs: Sequence[str] = (), **kwargs):
     # Documents come in memory rather than as paths so that the split rule lives in one place
-    # (focaljax.data.pipeline) and TFDS's download manager is never involved.
+    # (focaljax.data.sources) and TFDS's download manager is never involved.
     self._split_docs = {"train": train_docs, "validation": valid_docs}
     super().__init__(**kwargs)
 
@@ -78,20 +76,18 @@ def build(files: str | Sequence[str], data_dir: str, *, name: str = "local_text"
   """Prepares TFDS dataset `name` (splits train/validation) under `data_dir`; returns its dir.
 
   `files` / `valid_files` are paths or comma-separated globs. Without `valid_files`, validation
-  holds out `valid_fraction` of the documents by the same evenly spaced rule as focaljax.data.pipeline.
+  holds out `valid_fraction` of the documents by the evenly spaced rule of sources.documents.
   Document order follows the (sorted) files; TFDS keeps it (no shuffling at write time).
   An already prepared dataset of this name and version is kept as is: delete its dir to rebuild.
   """
-  globs = files if isinstance(files, str) else ",".join(files)
-  cfg = data.DataConfig(source=f"text:{globs}", tokenizer="bundled", seq_len=1, global_batch=1,
-                        jsonl_field=jsonl_field, valid_fraction=valid_fraction)
-  if valid_files is not None:
-    valid_globs = valid_files if isinstance(valid_files, str) else ",".join(valid_files)
-    cfg = dataclasses.replace(cfg, valid_source=f"text:{valid_globs}")
-  split_docs = {s: data.documents(cfg, s) for s in data.SPLITS}
+  join = lambda f: f if isinstance(f, str) else ",".join(f)
+  valid_source = None if valid_files is None else f"text:{join(valid_files)}"
+  split_docs = [sources.documents(s, f"text:{join(files)}", valid_source=valid_source,
+                                  valid_fraction=valid_fraction, jsonl_field=jsonl_field)
+                for s in sources.SPLITS]
   builder = _builder_class(name)(
-      train_docs=[split_docs["train"][i] for i in range(len(split_docs["train"]))],
-      valid_docs=[split_docs["valid"][i] for i in range(len(split_docs["valid"]))],
+      train_docs=[split_docs[0][i] for i in range(len(split_docs[0]))],
+      valid_docs=[split_docs[1][i] for i in range(len(split_docs[1]))],
       data_dir=data_dir,
       file_format="array_record",
   )
@@ -99,9 +95,3 @@ def build(files: str | Sequence[str], data_dir: str, *, name: str = "local_text"
       download_config=tfds.download.DownloadConfig(
           compute_stats=tfds.download.ComputeStatsMode.SKIP))
   return str(builder.data_dir)
-
-
-def data_source(name: str, split: str, *, data_dir: str | None = None):
-  """Random-access source of {"text": bytes | str} records of a prepared dataset."""
-  return tfds.data_source(name, split=split, data_dir=data_dir, download=False)
-

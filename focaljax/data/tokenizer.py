@@ -3,7 +3,7 @@
 Byte-level pre-tokenization maps every byte to a symbol before merging, so any
 string (any unicode, any whitespace) encodes and `decode(encode(s)) == s`
 exactly; there is no unknown token and no normalization. One special token,
-`<|endoftext|>`, separates documents when they are packed into rows (data.py).
+`<|endoftext|>`, separates documents when they are packed into rows (pipeline.py).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 EOS_TOKEN = "<|endoftext|>"
 FILENAME = "tokenizer.json"
 CONFIG_FILENAME = "tokenizer_config.json"
-_ASSETS = pathlib.Path(__file__).parents[1] / "assets"
+BUNDLED_FILE = pathlib.Path(__file__).parents[1] / "assets" / FILENAME  # see bundled()
 
 
 class Tokenizer:
@@ -91,15 +91,14 @@ class Tokenizer:
     return f"Tokenizer(vocab_size={self.vocab_size}, eos_id={self.eos_id})"
 
 
-# How train_bpe spells numbers (data.tokenizer "train:<vocab>[:<style>]"): a lossless split
-# applied before GPT-2's, or None for plain merges (which spell 5-digit passkeys with rare tokens:
-# "037", " 500"; two such keys were 6 of a FocusLLM adapter's 8 misses at 2-32x, twentieth session).
+# How train_bpe spells numbers (DataConfig.tokenizer "train:<vocab>[:<style>]"): a lossless split
+# applied before GPT-2's, or None for plain merges (which spell 5-digit passkeys with rare tokens
+# such as "037" or " 500", that a small model reads back poorly).
 #   digits        every digit a token, the first keeping its leading space: " 7", "0", "3", ...
 #   llama_digits  every digit a token, the space before a number a token of its own (" ", "7",
-#                 "0", ...), as LLaMA's tokenizer spells it. With "digits" an adapter got the
-#                 answer's first digit wrong in 24 of 30 passkeys at 2-32x, each later place in
-#                 6-11 (twenty-first session): " 8" is predicted at " is", which the filler
-#                 repeats, "8" at a lone space, which the memory holds only at the needle.
+#                 "0", ...), as LLaMA's tokenizer spells it. With "digits" a passkey answer's
+#                 first token " 8" is predicted after " is", which the filler repeats; here "8"
+#                 follows a lone space, which the context holds only at the needle.
 DIGIT_STYLES = {"": None, "digits": r" ?\p{N}", "llama_digits": r"\p{N}"}
 
 
@@ -139,4 +138,4 @@ def train_bpe(texts: Iterable[str], vocab_size: int, *, digits: str = "") -> Tok
 
 def bundled() -> Tokenizer:
   """The BPE (vocab 4096) shipped for the bundled text (focaljax/assets/)."""
-  return Tokenizer.load(_ASSETS / FILENAME)
+  return Tokenizer.load(BUNDLED_FILE)

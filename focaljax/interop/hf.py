@@ -1,7 +1,7 @@
 """Hugging Face LLaMA-family checkpoints <-> focaljax workdirs.
 
-  python -m focaljax.interop.hf hf-to-focaljax HF_DIR OUT_DIR
-  python -m focaljax.interop.hf focaljax-to-hf CKPT OUT_DIR [--dtype bfloat16] [--max_shard_gb 5]
+  python -m focaljax.convert hf-to-focaljax HF_DIR OUT_DIR
+  python -m focaljax.convert focaljax-to-hf CKPT OUT_DIR [--dtype bfloat16] [--max_shard_gb 5]
 
 hf-to-focaljax reads config.json and model.safetensors (or the shards of
 model.safetensors.index.json) of a LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM without
@@ -21,8 +21,7 @@ head, so q/k rows need no permutation (tests/interop/test_convert.py checks logi
 
 Memory (neither direction needs torch): hf-to-focaljax maps each source tensor separately and
 releases it once transposed, and Orbax writes without its deep copy, so the peak is one converted
-copy plus one tensor. focaljax-to-hf reads and writes one tensor at a time. Measured on a 620 MB
-bf16 model: peak RSS 877 MB in, 402 MB out, of which ~230 MB is the interpreter and JAX.
+copy plus one tensor. focaljax-to-hf reads and writes one tensor at a time.
 """
 
 from __future__ import annotations
@@ -41,11 +40,12 @@ import orbax.checkpoint as ocp
 import tokenizers
 from etils import epath
 from flax import nnx
+from flax import traverse_util
 
 from focaljax.model import attention as attn_lib
 from focaljax.train import checkpoint
 from focaljax import config as config_lib
-from focaljax.evaluation import loading as loaded_lib
+from focaljax.evaluation import loading
 from focaljax.interop import safetensors_file
 from focaljax.data import tokenizer as tokenizer_lib
 
@@ -149,28 +149,13 @@ def hf_config_to_focaljax(hf: dict, tensors=()):
       rope_theta=_rope(hf), norm_eps=float(hf.get("rms_norm_eps", 1e-6))))
   c.model.attention.pattern = "softmax:rope"
   c.data.seq_len = hf["max_position_embeddings"]
-  config_lib.validate(c)
   return c
 
 
-def _get(tree, path):
-  for p in path:
-    if p not in tree:
-      return None
-    tree = tree[p]
-  return tree
-
-
-def _set(tree, path, value):
-  for p in path[:-1]:
-    tree = tree[p]
-  tree[path[-1]] = value
-
-
-def _tokenizer_file(workdir: str, run_config) -> str:
+def _tokenizer_file(workdir: str, run: config_lib.Config) -> str:
   path = os.path.join(workdir, checkpoint.TOKENIZER_FILE)
-  if not os.path.isfile(path) and run_config.data.get("tokenizer", "bundled") == "bundled":
-    path = os.path.join(_ROOT, "focaljax", "assets", checkpoint.TOKENIZER_FILE)
+  if not os.path.isfile(path) and run.data.tokenizer == "bundled":
+    return str(tokenizer_lib.BUNDLED_FILE)
   return path
 
 
@@ -204,19 +189,18 @@ def hf_to_focaljax(hf_dir: str, out_dir: str) -> str:
                      "biases")
   run_config = hf_config_to_focaljax(hf, tensors)
   run_config.data.tokenizer = os.path.abspath(os.path.join(out_dir, checkpoint.TOKENIZER_FILE))
-  cfg = config_lib.model_config(run_config, hf["vocab_size"])
+  cfg = config_lib.parse(run_config).with_vocab(hf["vocab_size"]).model
   # The exact tree load() restores into, as ShapeDtypeStructs: its keys and shapes are the spec.
-  params = nnx.to_pure_dict(loaded_lib.abstract_model(cfg)[1])
-  used = set()
+  want = traverse_util.flatten_dict(nnx.to_pure_dict(loading.abstract_model(cfg)[1]))
+  params, used = {}, set()
   for hf_name, path, n_in in _name_map(cfg.num_layers):
-    want = _get(params, path)
-    if want is None:
+    if path not in want:
       continue
     if hf_name not in tensors:
       raise ValueError(f"{hf_dir}: tensor {hf_name} is missing")
     # pop: the tensor's mapping is released as soon as its converted copy exists.
     src = tensors.pop(hf_name)
-    _set(params, path, np.ascontiguousarray(src if n_in is None else src.T).reshape(want.shape))
+    params[path] = np.ascontiguousarray(src if n_in is None else src.T).reshape(want[path].shape)
     del src
     used.add(hf_name)
   if cfg.tie_embeddings:
@@ -228,15 +212,12 @@ def hf_to_focaljax(hf_dir: str, out_dir: str) -> str:
   del tensors
   os.makedirs(out_dir, exist_ok=True)
   checkpoint.write_config(out_dir, run_config)
-  _copy_tokenizer(tok_file := os.path.join(hf_dir, checkpoint.TOKENIZER_FILE), out_dir,
-                  eos := _eos(hf_dir))
-  if tokenizers.Tokenizer.from_file(tok_file).token_to_id(tokenizer_lib.EOS_TOKEN) is None:
-    warnings.warn(f"the tokenizer's eos is {eos!r}, and focaljax.load's Tokenizer still requires "
-                  f"{tokenizer_lib.EOS_TOKEN} (it should read tokenizer_config.json's eos_token)")
-  _save_params(out_dir, checkpoint.to_str_keys(params), {
+  # tokenizer_config.json names the eos (LLaMA's "</s>"); focaljax.load's Tokenizer reads it.
+  _copy_tokenizer(os.path.join(hf_dir, checkpoint.TOKENIZER_FILE), out_dir, _eos(hf_dir))
+  _save_params(out_dir, checkpoint.to_str_keys(traverse_util.unflatten_dict(params)), {
       "step": 0, "tokens": 0, "converted_from": os.path.abspath(hf_dir),
       "architectures": hf.get("architectures"),
-      "dtypes": sorted({str(_get(params, p).dtype) for p in _leaf_paths(params)})})
+      "dtypes": sorted({str(v.dtype) for v in params.values()})})
   return out_dir
 
 
@@ -263,8 +244,8 @@ def _save_params(out_dir: str, params: dict, meta: dict):
 
 
 def _param_reader(workdir: str, step: int | None):
-  """(step, metadata tree, read(keys) -> np.ndarray): one stored tensor per read, in its stored
-  dtype (no device copy, no float32 cast), so an export holds one tensor at a time."""
+  """(step, {key path: metadata}, read(keys) -> np.ndarray): one stored tensor per read, in its
+  stored dtype (no device copy, no float32 cast), so an export holds one tensor at a time."""
   manager = ocp.CheckpointManager(epath.Path(workdir) / "checkpoints",
                                   item_names=checkpoint.ITEMS)
   step = manager.latest_step() if step is None else step
@@ -273,36 +254,34 @@ def _param_reader(workdir: str, step: int | None):
     raise FileNotFoundError(f"no checkpoint under {workdir}/checkpoints")
   path = epath.Path(workdir) / "checkpoints" / str(step) / "params"
   ckpt = ocp.PyTreeCheckpointer()
-  tree = ckpt.metadata(path).item_metadata.tree
+  flat = traverse_util.flatten_dict(ckpt.metadata(path).item_metadata.tree)
 
   def read(keys):
-    item, args = _get(tree, keys), ocp.RestoreArgs(restore_type=np.ndarray)
+    item, args = flat[keys], ocp.RestoreArgs(restore_type=np.ndarray)
     for k in reversed(keys):
       item, args = {k: item}, {k: args}
     out = ckpt.restore(path, args=ocp.args.PyTreeRestore(item=item, restore_args=args,
                                                          partial_restore=True))
-    return _get(out, keys)
-  return step, tree, read
+    return traverse_util.flatten_dict(out)[keys]
+  return step, flat, read
 
 
-def _leaf_paths(tree, prefix=()):
-  if not isinstance(tree, dict):
-    return [prefix]
-  return [p for k, v in tree.items() for p in _leaf_paths(v, prefix + (k,))]
+def _focaljax_entry(a: attn_lib.AttentionConfig) -> dict:
+  """The attention settings, and the layers plain `transformers` would compute differently (it
+  only knows softmax + RoPE). `pattern` is the shortest one attention.parse_pattern cycles into
+  the layers."""
+  names = [f"{s.variant.value}:{s.position.value}" for s in a.layers]
+  period = next(p for p in range(1, len(names) + 1)
+                if all(n == names[i % p] for i, n in enumerate(names)))
+  return {"pattern": ",".join(names[:period]), "temperature": a.temperature,
+          "learned": a.learned, "tau_min": a.tau_min, "tau_max": a.tau_max,
+          "tau_init": a.tau_init, "tau_mean": a.tau_mean.value, "eps": a.eps,
+          "non_hf_layers": [f"layer {i}: {n}" for i, n in enumerate(names) if n != "softmax:rope"]}
 
 
-def _non_hf_layers(run_config) -> list[str]:
-  """Layers plain `transformers` would compute differently (it only knows softmax + RoPE)."""
-  layers = attn_lib.parse_pattern(run_config.model.attention.pattern, run_config.model.num_layers)
-  plain = attn_lib.LayerSpec(attn_lib.Variant.SOFTMAX, attn_lib.Position.ROPE)
-  return [f"layer {i}: {s.variant.value}:{s.position.value}"
-          for i, s in enumerate(layers) if s != plain]
-
-
-def focaljax_hf_config(run_config, cfg, eos_id: int | None, dtype: str) -> dict:
+def focaljax_hf_config(cfg, eos_id: int | None, dtype: str) -> dict:
   """LlamaConfig fields (Qwen3's for qk_norm: its per-head q/k RMSNorm is ours)."""
   arch = "Qwen3ForCausalLM" if cfg.qk_norm else "LlamaForCausalLM"
-  a = run_config.model.attention
   return {
       "architectures": [arch], "model_type": _ARCHS[arch], "vocab_size": cfg.vocab_size,
       "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff,
@@ -314,10 +293,7 @@ def focaljax_hf_config(run_config, cfg, eos_id: int | None, dtype: str) -> dict:
       "rope_scaling": {"rope_type": "dynamic", "factor": 1.0},
       "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, "mlp_bias": False,
       "bos_token_id": None, "eos_token_id": eos_id, "torch_dtype": dtype, "dtype": dtype,
-      "focaljax": {"pattern": a.pattern, "temperature": a.temperature, "learned": a.learned,
-                   "tau_min": a.tau_min, "tau_max": a.tau_max, "tau_init": a.tau_init,
-                   "tau_mean": a.tau_mean, "eps": a.eps,
-                   "non_hf_layers": _non_hf_layers(run_config)},
+      "focaljax": _focaljax_entry(cfg.attention),
   }
 
 
@@ -336,13 +312,13 @@ def focaljax_to_hf(path: str, out_dir: str, *, dtype: str | None = None,
                    max_shard_gb: float = 5.0) -> str:
   """Exports a focaljax workdir (latest step) or checkpoints/<step> dir as an HF directory."""
   workdir, step = checkpoint.resolve(path)
-  run_config = checkpoint.read_config(workdir)
-  tok_file, eos = _tokenizer_file(workdir, run_config), _eos(workdir)
+  run = config_lib.parse(checkpoint.read_config(workdir))
+  tok_file, eos = _tokenizer_file(workdir, run), _eos(workdir)
   # The raw HF tokenizer: its eos may be "</s>", which focaljax's Tokenizer does not require here.
   hf_tok = tokenizers.Tokenizer.from_file(tok_file)
-  cfg = config_lib.model_config(run_config, hf_tok.get_vocab_size(with_added_tokens=True))
+  cfg = run.with_vocab(hf_tok.get_vocab_size(with_added_tokens=True)).model
   step, tree, read = _param_reader(workdir, step)
-  stored = {str(_get(tree, p).dtype) for p in _leaf_paths(tree)}
+  stored = {str(meta.dtype) for meta in tree.values()}
   dtype = dtype or (stored.pop() if len(stored) == 1 else "float32")
   if dtype not in _EXPORT_DTYPES:
     raise ValueError(f"--dtype {dtype!r} is not one of {list(_EXPORT_DTYPES)}")
@@ -350,22 +326,21 @@ def focaljax_to_hf(path: str, out_dir: str, *, dtype: str | None = None,
   specs, exported = [], set()
   for hf_name, our_path, n_in in _name_map(cfg.num_layers):
     keys = tuple(map(str, our_path))
-    meta = _get(tree, keys)
-    if meta is None:
+    if keys not in tree:
       continue
-    shape = tuple(meta.shape)
+    shape = tuple(tree[keys].shape)
     hf_shape = shape if n_in is None else (int(np.prod(shape[n_in:])), int(np.prod(shape[:n_in])))
     # Read when written (default arguments bind this tensor's keys); HF's [out, in] is a transpose.
     make = ((lambda k=keys: read(k)) if n_in is None else
             (lambda k=keys, s=hf_shape: read(k).reshape(s[::-1]).T))
     specs.append((hf_name, hf_shape, out_dtype, make))
     exported.add(keys)
-  missed = sorted(set(_leaf_paths(tree)) - exported)
+  missed = sorted(set(tree) - exported)
   if missed:
     raise ValueError(f"checkpoint param {'.'.join(missed[0])} has no Hugging Face counterpart")
   os.makedirs(out_dir, exist_ok=True)
   safetensors_file.write_dir(out_dir, specs, int(max_shard_gb * 2**30))
-  hf_config = focaljax_hf_config(run_config, cfg, hf_tok.token_to_id(eos), str(out_dtype))
+  hf_config = focaljax_hf_config(cfg, hf_tok.token_to_id(eos), str(out_dtype))
   with open(os.path.join(out_dir, "config.json"), "w") as f:
     json.dump(hf_config, f, indent=2)
   _copy_tokenizer(tok_file, out_dir, eos)
@@ -392,7 +367,3 @@ def main(argv=None) -> int:
     print(focaljax_to_hf(args.ckpt, args.out_dir, dtype=args.dtype,
                          max_shard_gb=args.max_shard_gb))
   return 0
-
-
-if __name__ == "__main__":
-  sys.exit(main())

@@ -35,7 +35,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
 from focaljax.evaluation import generate as gen_lib
-from focaljax.evaluation import loading as loaded_lib
+from focaljax.evaluation import loading
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
@@ -62,7 +62,7 @@ class FocaljaxLM(TemplateLM):
     if unused:
       raise ValueError(f"model_args {sorted(unused)} are not known; have: path, batch_size, "
                        "max_length")
-    self.loaded = loaded_lib.load(path)
+    self.loaded = loading.load(path)
     self.tokenizer = self.loaded.tokenizer
     self.batch_size = int(str(batch_size).split(":")[0].replace("auto", "8"))
     self.max_length = int(max_length or self.loaded.trained_len)

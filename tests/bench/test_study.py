@@ -1,5 +1,5 @@
-"""bench/study.py: the issue 7 study end to end at toy scale (two arms, a few steps, a tiny BPE),
-and its --print launch lines."""
+"""bench/study.py: the study end to end at toy scale (two arms, a few steps, a tiny BPE), and its
+--print launch lines."""
 
 import importlib.util
 import json
@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from focaljax.data import pipeline as data
+from focaljax.data import sources
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _spec = importlib.util.spec_from_file_location("study", os.path.join(ROOT, "bench", "study.py"))
@@ -19,7 +19,7 @@ _spec.loader.exec_module(study)
 def corpus(tmp_path_factory):
   """Train / valid / books JSONL cut from the bundled text: small enough to tokenize in seconds."""
   d = tmp_path_factory.mktemp("corpus")
-  docs = data.read_text_files([str(data.BUNDLED_TEXT)])
+  docs = sources.read_text_files([str(sources.BUNDLED_TEXT)])
   splits = {"train": [t[:3000] for t in docs[:30]], "valid": [t[:3000] for t in docs[30:34]],
             "books": docs[34:36]}
   for name, texts in splits.items():

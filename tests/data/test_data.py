@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 
 from focaljax.data import pipeline as data
+from focaljax.data import retrieval
+from focaljax.data import sources
 from focaljax.data import tfds_text
 
 EOS = 1  # the fake tokenizer's <|endoftext|>; padding is 0 and document tokens are >= 10_000
@@ -237,7 +239,7 @@ def test_text_sources_and_valid_split(tmp_path):
       f.write(json.dumps({"body": f"doc {i}", "text": "unused"}) + "\n")
   cfg = data.DataConfig(source=f"text:{tmp_path}/*.txt*,{tmp_path}/*.jsonl.xz", tokenizer="bundled",
                         seq_len=8, global_batch=1, jsonl_field="body")
-  train, valid = (list(data.documents(cfg, s)) for s in data.SPLITS)
+  train, valid = (list(data.documents(cfg, s)) for s in sources.SPLITS)
   everything = ["first file\n\nis one document", "second"] + [f"doc {i}" for i in range(18)]
   assert len(valid) == 1 and sorted(train + valid) == sorted(everything)
   assert valid == [everything[19]]  # evenly spaced hold-out: every 20th document
@@ -262,7 +264,6 @@ def test_bundled_default_run():
 
 
 def test_passkey_drill_shape():
-  from focaljax.data import retrieval
   tok = data.load_tokenizer(data.DataConfig(source="bundled", tokenizer="bundled", seq_len=8,
                                             global_batch=1), None)
   text = np.asarray(tok.encode("It was the best of times, it was the worst of times. " * 40))

@@ -12,11 +12,11 @@ transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 from focaljax.interop import hf as convert  # pylint: disable=wrong-import-position
-from focaljax.evaluation import loading as loaded_lib  # pylint: disable=wrong-import-position
+from focaljax.evaluation import loading  # pylint: disable=wrong-import-position
 from focaljax.data import tokenizer as tokenizer_lib  # pylint: disable=wrong-import-position
 
 VOCAB = tokenizer_lib.bundled().vocab_size
-ASSET = os.path.join(os.path.dirname(tokenizer_lib.__file__), "assets", "tokenizer.json")
+ASSET = str(tokenizer_lib.BUNDLED_FILE)
 
 
 def tiny_hf(path, *, tied=False, qk_norm=False, shard=None, dtype=None, seed=0):
@@ -64,7 +64,7 @@ def test_logits_match_transformers_and_round_trip_is_bitwise(tmp_path, case):
   tokens = np.random.default_rng(0).integers(0, VOCAB, (2, 24)).astype(np.int32)
 
   convert.main(["hf-to-focaljax", str(hf_dir), str(work)])
-  m = loaded_lib.load(str(work))
+  m = loading.load(str(work))
   assert m.config.vocab_size == VOCAB and m.config.max_seq_len == 32
   ours = np.asarray(m.logits(tokens))
   with torch.no_grad():
@@ -127,9 +127,9 @@ def test_llama_style_eos_travels_both_ways(tmp_path):
   tok = (hf_dir / "tokenizer.json").read_text().replace(tokenizer_lib.EOS_TOKEN, "</s>")
   (hf_dir / "tokenizer.json").write_text(tok)
   (hf_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
-  with pytest.warns(UserWarning, match="eos is '</s>'"):
-    convert.hf_to_focaljax(str(hf_dir), str(work))
+  convert.hf_to_focaljax(str(hf_dir), str(work))
   assert json.loads((work / "tokenizer_config.json").read_text())["eos_token"] == "</s>"
+  assert tokenizer_lib.Tokenizer.load(work).eos_token == "</s>"  # what focaljax.load reads
   convert.focaljax_to_hf(str(work), str(back))
   hf_tok = transformers.PreTrainedTokenizerFast.from_pretrained(back)
   assert hf_tok.eos_token == "</s>"

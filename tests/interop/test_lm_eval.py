@@ -19,7 +19,7 @@ from focaljax.interop import lm_eval as lm_eval_adapter  # pylint: disable=wrong
 from focaljax.interop import safetensors_file  # pylint: disable=wrong-import-position
 from focaljax.data import tokenizer as tokenizer_lib  # pylint: disable=wrong-import-position
 
-ASSET = os.path.join(os.path.dirname(tokenizer_lib.__file__), "assets", "tokenizer.json")
+ASSET = str(tokenizer_lib.BUNDLED_FILE)
 
 
 @pytest.fixture(scope="module")
