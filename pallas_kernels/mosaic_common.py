@@ -1,6 +1,6 @@
 """Mosaic GPU helpers shared by the Hopper kernels: jax-version shims and GPU-interpret fallbacks.
 
-Two jax versions must run the same kernel source: 0.10.2 (CI, CPU) and 0.11.2 (the H200).
+Two jax versions must run the same kernel source: 0.10.2 (CI, CPU) and 0.11.2 (GPU).
 What differs for the APIs we call, checked against both sources:
   * `plgpu.load(ref, idx, layout=...)`: 0.10.2 requires `idx`; 0.11.2 deprecates it (the ref is
     indexed with `.at` first). `load` below picks the spelling the installed version wants.
@@ -16,11 +16,12 @@ loops, masks, softmax) is interpreted as written. The matmul fallbacks read thei
 when the wgmma is issued, the earliest point the hardware may read them, so a missing barrier
 wait still shows up as a race or a wrong answer.
 
+Kernel helpers: `tile_smem` (the wgmma operand layout), `bcast`, `drain` (the producer's last
+waits) and `launch_params` (interpret flag and parameters).
 Test helpers: `cached_interpreter_threads` (compile each simulated thread once, ~5x faster
 interpret tests) and `interpret_races_found` (the race detector's flag).
 
-Only ADD functions here: both the forward (focal_mgpu) and backward (focal_mgpu_bwd) kernels
-import this module.
+The focal and dilution Mosaic kernels both import this module: keep every name they use.
 """
 
 from __future__ import annotations
@@ -34,11 +35,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-# Register split of the focal kernels' CTAs (2 compute warpgroups + 1 TMA producer, 384 threads,
-# launched at 168 registers each): `set_max_registers` hands the producer's to the consumers,
-# 2·256·240 + 128·24 = 384·168 (FlashAttention-3's split). ptxas allocates the compute branch
-# within that budget: the dk/dv kernel's PTX at D=128 (H200, jax 0.11.2, ptxas 13.0) spills
-# 160 bytes at 232 / 40 and 100 at 240 / 24, and the producers do not spill at 24.
+# Register split of CTAs with 2 compute warpgroups + 1 TMA producer (384 threads, launched at 168
+# registers each): `set_max_registers` hands the producer's to the consumers,
+# 2·256·240 + 128·24 = 384·168 (FlashAttention-3's split). 240 / 24 spills less than 232 / 40 in
+# the focal dk/dv kernel at D = 128; the producers do not spill at 24.
 COMPUTE_REGISTERS = 240
 PRODUCER_REGISTERS = 24
 
@@ -51,11 +51,45 @@ def interpret_params(detect_races: bool = True):
   """GPU-interpret parameters: NaN-filled fresh buffers (an unwritten output shows up as NaN)
   and the happens-before race detector on. 0.11 exports the class from plgpu; 0.10.2 only has
   the private module (imported lazily, so compiled use never depends on it)."""
+  return _interpret_params_class()(detect_races=detect_races, uninitialized_memory="nan")
+
+
+def _interpret_params_class():
   cls = getattr(plgpu, "InterpretGPUParams", None)
   if cls is None:
     from jax._src.pallas.mosaic_gpu.interpret import params  # lazy: private module
     cls = params.InterpretGPUParams
-  return cls(detect_races=detect_races, uninitialized_memory="nan")
+  return cls
+
+
+def launch_params(interpret):
+  """(interpret flag for the kernel bodies, what plgpu.kernel gets as `interpret`): a bool, or
+  an InterpretGPUParams passed through."""
+  if interpret and not isinstance(interpret, bool) and isinstance(interpret,
+                                                                 _interpret_params_class()):
+    return True, interpret
+  return bool(interpret), (interpret_params() if interpret else None)
+
+
+def tile_smem(shape, dtype):
+  """SMEM for a 16-bit wgmma operand: (8, 64) tiles with a 128-byte swizzle over 64-element
+  rows, the layout wgmma reads without bank conflicts."""
+  return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, 64)),
+                                              plgpu.SwizzleTransform(128)))
+
+
+def bcast(x, shape, dim: int):
+  """A vector along dimension `dim` of `shape` (e.g. a per-key row vector over a tile)."""
+  return lax.broadcast_in_dim(x, shape, [dim])
+
+
+def drain(free_bar, total, steps: int):
+  """The producer awaits the consumers' last releases of its `steps`-slot ring, so that it has
+  observed every phase of every slot barrier when the kernel ends (the interpreter checks this;
+  on hardware it costs one wait per slot at the very end)."""
+  @pl.loop(jnp.maximum(total - steps, 0), total)
+  def _(st):
+    plgpu.barrier_wait(free_bar.at[lax.rem(st, steps)])
 
 
 def load(ref, *, layout, interpret: bool):
@@ -153,47 +187,6 @@ def mma_pair(first, second, *, during=None, interpret: bool):
   return tuple(pl.run_state(body)(tuple(inits)))
 
 
-def mma_then(first, second, *, after_first, state, during=None, interpret: bool):
-  """FlashAttention-3's intra-warpgroup overlap: issue `first` then `second`, and once `first`
-  has finished (`second` may still be running) run `after_first(first's result)`.
-
-  first: (a, b_ref, transpose_b), accumulated from zeros; second: (a, b_ref, acc, transpose_b)
-  as in `mma`. `after_first` returns arrays with the shapes, dtypes and layouts of `state` (whose
-  values are only placeholders: the body writes its results into them; they ride in the same
-  run_state as the accumulators because a run_state body returns nothing else). `during()` runs
-  after both are issued, before the first is awaited. Returns (second's result, after_first's
-  arrays); the second is awaited on return. The wgmmas complete in issue order, so waiting
-  until at most one is in flight (`wgmma_accumulator_load(wait_n=1)`) means the first is done.
-  """
-  if interpret:
-    first_out = mma(first[0], first[1], transpose_b=first[2], interpret=True)
-    a2, b2, acc2, tb2 = second
-    second_out = mma(a2, b2, acc=acc2, transpose_b=tb2, interpret=True)
-    if during is not None:
-      during()
-    return second_out, tuple(after_first(first_out))
-  a1, b1_ref, tb1 = first
-  a2, b2_ref, acc2, tb2 = second
-  b1 = b1_ref.transpose((1, 0)) if tb1 else b1_ref
-  b2 = b2_ref.transpose((1, 0)) if tb2 else b2_ref
-  zeros = layout_cast(jnp.zeros((a1.shape[0], b1.shape[1]), jnp.float32), plgpu.Layout.WGMMA,
-                      interpret=False)
-
-  def body(refs):
-    first_ref, second_ref, *state_refs = refs
-    plgpu.wgmma(first_ref, a1, b1)
-    plgpu.wgmma(second_ref, a2, b2)
-    if during is not None:
-      during()
-    outs = after_first(plgpu.wgmma_accumulator_load(first_ref, wait_n=1))
-    for ref, value in zip(state_refs, outs, strict=True):
-      ref[...] = value
-
-  _, second_out, *outs = pl.run_state(body)(
-      (plgpu.ACC.init(zeros), plgpu.ACC.init(acc2), *state))
-  return second_out, tuple(outs)
-
-
 def interpret_races_found() -> bool:
   """Whether the last GPU-interpreted kernel tripped the race detector (it prints the racing
   accesses; this is the flag tests assert on). Private jax state, 0.10.2 layout."""
@@ -256,8 +249,8 @@ def mma_t_sum(pairs, *, interpret: bool):
 
   Why not `mma_t(..., acc=...)` in a loop: its `pl.run_state` returns its closed-over values,
   and 0.11.2's lowering rejects a static index of a ref view (`ds_s.at[buf, 1]`) coming back as
-  a literal ("Shaped arrays must be represented by ir.Values, got: TypedInt(1)", H200,
-  twenty-fifth session). `pl.run_scoped` returns only what its body returns.
+  a literal ("Shaped arrays must be represented by ir.Values, got: TypedInt(1)").
+  `pl.run_scoped` returns only what its body returns.
   """
   if interpret:
     return sum(_dot(a_ref[...].T, b_ref[...]) for a_ref, b_ref in pairs)
@@ -279,7 +272,7 @@ def _wgmma_sum(operands, shape):
 def mma_sum(a_list, b_ref, *, interpret: bool):
   """Σ a @ b_ref over register operands a (Layout.WGMMA, 16-bit) in that order, the wgmmas
   issued into one scoped accumulator and awaited once, where a loop of `mma(..., acc=)` waits
-  after each (the in-tile mask products over bf16 pieces: dilution_mgpu.mask_dot)."""
+  after each (the in-tile mask products over bf16 pieces: dilution's mosaic_b1.mask_dot)."""
   if interpret:
     return sum(_dot(a, b_ref[...]) for a in a_list)
   return _wgmma_sum([(a, b_ref) for a in a_list], (a_list[0].shape[0], b_ref.shape[1]))

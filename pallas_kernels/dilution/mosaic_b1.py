@@ -1,62 +1,32 @@
 """Dilution attention's B1 reverse sweep on Hopper (Pallas Mosaic GPU: wgmma, TMA, warpgroups).
 
-The same math and outputs as `dilution_bwd.reverse_sweep` (its docstring has the formulas): for a
+The same math and outputs as `triton_bwd.reverse_sweep` (its docstring has the formulas): for a
 key block J, the super-blocks of `ckpt_rows` rows are visited last first; in each, a forward
 mini-sweep rebuilds the per-key carry at every row tile from F2's checkpoint, then a reverse pass
-walks the same tiles bottom-up and accumulates dv_J += Aᵀ dO, dk_J += Wᵀ Q (registers), and adds
-ĝ_I = rowsum(W) and dq_I = s·W K_J into float32 global accumulators.
+walks the same tiles bottom-up, accumulates dv_J += Aᵀ dO, dk_J += Wᵀ Q (registers) and adds
+ĝ_I = rowsum(W) and dq_I = s·W K_J into float32 global accumulators (TMA reduce-adds).
 
-Grid (Hq, T / bkv, B): one CTA per (query head, key block of bkv = 64 keys, batch), two Pallas
-threads: warpgroup 0 computes, warpgroup 1 is the TMA producer (40 registers). One compute
-warpgroup, because ĝ is a cross-warp reduction (W summed over keys) and the lowering's reduction
-scratch is one region per CTA. These 256-thread CTAs run one per SM (at 232 registers per
-thread, the default until the twenty-eighth session, one already fills an SM's 65536): a single
-compute warpgroup per SM, nothing beside it to hide its latency; so the compute warpgroup takes
-up to 256 (BlockSizes.mosaic_registers; B1 still spills 368 bytes there, 488 at 232). A
-two-warpgroup B1 (commit 0ee1bfd: ĝ by wgmmas of W's hi + lo pieces; reverted) ran no faster on
-the H200, 29.4 against this kernel's 29.1 ms at (2,12,16K,64): both spill ~600 bytes
-(twenty-seventh session). Tiles are [keys, queries] ("KQ",
-64 × bq, bq = 64) so that every product is a wgmma with the keys as M:
-  r = k·qᵀ (SMEM × SMEM);  p = exp2(log2e·(s·r − lse)), masked causal and by segment;
-  mini-sweep: carry_K stored per tile (SMEM [ckpt_rows/bq, 64]), carry_K += rowsum(p);
-  reverse:    c = carry + p·U (U strictly upper 0/1: the in-tile exclusive prefix over queries),
-              inv = 1/(c + p + ε), A = p·inv/(S + ε);  dv += A·dO and dP = v·dOᵀ (issued together);
-              dσ = (dP − dbar)/(S + ε), g = −dσ·p·inv², suffix = sufk + g·L (L strictly lower),
-              W = p·(dσ·(c + ε)·inv² + suffix);  sufk += rowsum(g);  dk += W·q (register lhs);
-              W → SMEM (16-bit) → Wᵀ·k (transposed SMEM lhs) → float32 SMEM → TMA reduce-add
-              into dq;  ĝ = colsum(W) → SMEM → TMA reduce-add into ĝ.
-The products with U and L keep float32 accuracy: x is split into three bf16 pieces that sum back
-to x exactly and a 0/1 mask times a bf16 value is exact (`dilution_bwd.exact_mask_dot`), three
-register-lhs wgmmas each. Per tile pair: 2 k·qᵀ, dP, A·dO, W·q, Wᵀ·k and 6 mask products.
-`BlockSizes.b1_mask_pieces=2` uses two pieces (~16 significant bits; 4 mask products, 10 wgmmas
-per tile pair; CPU interpret: dv within 9e-4 of the Triton B1, against 2e-4 with three). H200,
-(2,12,16K,64): B1 29.1 against 33.8 ms with three; the D = 64 Hopper default since then.
+Grid (Hq, T / 64, B), two Pallas threads: warpgroup 0 computes (REGISTERS per thread: a
+256-thread CTA fills an SM anyway), warpgroup 1 TMA-streams each super-block's row tiles twice
+(top-down, then bottom-up: q, dO [64, D] and the rows lse, S, dbar, segment ids) through a ring
+of `steps` slots. One compute warpgroup, because ĝ is a cross-warp reduction and the lowering's
+reduction scratch is one region per CTA. Tiles are [keys, queries] (64 × 64), keys as wgmma M:
+  r = k·qᵀ;  p = exp2(log2e·(s·r − lse)), masked causal and by segment except on tiles below
+      the diagonal within one segment (`visible_all`);
+  mini-sweep: carry_K stored per tile (SMEM [ckpt_rows/64, 64]), carry_K += rowsum(p);
+  reverse:    c = carry + p·U (U strictly upper 0/1), inv = 1/(c + p + ε), A = p·inv/(S + ε);
+              dv += A·dO and dP = v·dOᵀ (issued together); t = (dP − dbar)/(S + ε)·inv,
+              g = −t·p·inv, W = p·(t·(c + ε)·inv + sufk + g·L) (L strictly lower);
+              sufk += rowsum(g);  dk += W·q;  dq += Wᵀ·k (W through SMEM, 16-bit);  ĝ += colsum(W).
+The products with U and L split their operand into two bf16 pieces (`mask_dot`, ~16 significant
+bits): 10 wgmmas per tile pair. approx_math, reciprocals as rsqrt² (`recip`), positions as [64]
+vectors (`positions`); XLA computes the per-query 1/(S + ε) and dbar/(S + ε) once.
+With ckpt_rows = 64 each super-block is one tile whose carry is F2's checkpoint: no mini-sweep.
+SMEM (D = 64, 16-bit, steps = 2): ~110 KB (k, v, U, L, the ring, W, the dq and dk/dv tiles,
+4·ckpt_rows bytes of carries). Registers: dk, dv plus the [64, 64] float32 tiles.
 
-The producer streams each super-block's row tiles twice (top-down, then bottom-up): q, dO
-[bq, D] and the rows lse, S, dbar, segment ids through a ring of `steps` slots. With
-ckpt_rows = 64 each super-block is one tile whose carry is F2's checkpoint: no mini-sweep, one
-stream, one k·qᵀ and exp per tile pair fewer (memory ceil(T/64)·T·4 bytes per (batch, head);
-compiled-tested; H200, (2,12,16K,64): B1 alone 28.6 -> 26.8 ms, the op no faster).
-SMEM (D = 64, 16-bit, steps = 2): k, v 16 KB; U, L 16 KB; ring 33 KB; W 8 KB; dq tile 16 KB;
-dk/dv out tile 16 KB; carries 4·ckpt_rows/bq·64 bytes; ~110 KB. Registers: dk, dv (64 each at
-D = 64) plus the [64, 64] float32 tiles (32 each).
-
-On CPU pass interpret=True (GPU interpret mode): TMA reductions are not interpreted there, so dq
-and ĝ get one slab per key block (every slab row written at most once) and XLA sums them.
-`dilution.dilution_attention` runs it with `BlockSizes(b1_impl="mosaic")`, which
-`BlockSizes.default` picks on sm_90 for 16-bit inputs at D 64 and 128. Interpret-tested against the
-Triton B1 on CPU (tests/kernels/dilution/test_dilution_mosaic.py); compiled and tested on the H200 (jax 0.11.2,
-outputs and gradients against the reference). Timed there at (2,12,16K,64) bf16: 34.0 ms against
-the Triton B1's 52.1 (73 against 47 TFLOP/s). At (1,16,8K,128) it was slower than Triton end to
-end (43.3 against 26.9 ms, three pieces, thirteenth session); with two pieces and 256 registers
-it is faster (18.3 against 25.2 ms with the Mosaic F2 either way, twenty-ninth session).
-`lean` (BlockSizes.mosaic_lean: approx_math, `recip`, `positions` as vectors, the rows from XLA)
-and `skip_masks` (`visible_all`) took B1 from 28.6 to 24.1 ms there (thirty-fourth session;
-reverse-tile SASS 2178 → 1869 instructions); both are the Hopper default. `chain`
-(BlockSizes.mosaic_chain_pieces, `mask_dot`) took it to 22.9 ms (108 TFLOP/s; thirty-fifth
-session), the default at D = 64. ĝ by wgmma (W's hi + lo pieces against an e₀ tile, instead of
-the cross-warp reduction) was compiled-tested and slower there (106 against 109 TFLOP/s; F2's S
-the same way 73 against 82): commit a95b24c, reverted.
+On CPU pass interpret=True (GPU interpret mode; approx_math does not apply): TMA reductions are
+not interpreted, so dq and ĝ get one slab per key block and XLA sums them.
 """
 
 from __future__ import annotations
@@ -70,24 +40,22 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_kernels.dilution import triton_bwd as dilution_bwd
-from pallas_kernels.focal import mosaic_bwd as fb
 from pallas_kernels import mosaic_common as mc
+from pallas_kernels.dilution import blocks
+from pallas_kernels.dilution import triton_bwd
 
-BQ = BKV = 64
+BQ = BKV = blocks.MOSAIC_TILE
 LOG2E = math.log2(math.e)
-# pylint: disable=protected-access
-_tile_smem, _bcast, _drain, _launch_params = (fb._tile_smem, fb._bcast, fb._drain,
-                                               fb._launch_params)
-_F32_TILE = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
+REGISTERS = 256     # per thread of B1's and F2's compute warpgroup (setmaxnreg)
+MASK_PIECES = 2     # bf16 pieces per in-tile mask product
+F32_TILE = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
 
 
-def mask_dot(x_KQ, mask_s, *, pieces: int = 3, chain: bool = False, interpret):
-  """x·mask with x split into bf16 pieces, small ones first (exact_mask_dot): three give float32
-  accuracy; two (hi + mid, ~16 significant bits, relative error ≲ 2⁻¹⁶) save a third of these
-  products, a sixth of B1's wgmmas (BlockSizes.b1_mask_pieces). chain: the pieces' wgmmas in one
-  group, awaited once (BlockSizes.mosaic_chain_pieces; the SASS shows a wait after each)."""
-  small_first = list(reversed(dilution_bwd.bf16_pieces(x_KQ, pieces)))
+def mask_dot(x_KQ, mask_s, *, chain: bool, interpret):
+  """x·mask with x split into two bf16 pieces (hi + mid, ~16 significant bits, relative error
+  ≲ 2⁻¹⁶), the small one first. chain: the pieces' wgmmas in one group, awaited once
+  (BlockSizes.chain_pieces), instead of a wait after each."""
+  small_first = list(reversed(triton_bwd.bf16_pieces(x_KQ, MASK_PIECES)))
   if chain:
     return mc.mma_sum(small_first, mask_s, interpret=interpret)
   acc = None
@@ -101,8 +69,8 @@ def tile_probs_kq(k_s, q_tile, lse_tile, segq_tile, segk_K, key_KQ, qry_KQ, i, *
   """Causal softmax probabilities of one [keys, queries] tile, float32, exactly 0 where masked:
   p = exp2(log2e·(s·k·qᵀ − lse)) for keys ≤ queries of one segment. key_KQ: the tile's key
   positions; qry_KQ: 0..bq-1 along the queries (row tile i); the rest are SMEM refs. Given as
-  [keys] and [queries] vectors (`positions`, lean) they are broadcast into the comparison
-  instead: two full int32 tiles (64 registers a thread) need not stay live across the loop.
+  [keys] and [queries] vectors (`positions`: B1, F2) they are broadcast into the comparison, so
+  two full int32 tiles need not stay live across the loop; B2 passes full tiles.
   unmasked: None, or a scalar bool, True where every pair of the tile is visible (`visible_all`):
   then the mask's compares and select are skipped (a branch per tile)."""
   r_KQ = mc.mma(k_s, q_tile, transpose_b=True, interpret=interpret)
@@ -110,14 +78,14 @@ def tile_probs_kq(k_s, q_tile, lse_tile, segq_tile, segk_K, key_KQ, qry_KQ, i, *
   col_layout = plgpu.Layout.WGMMA.reduce(0)
   lse_Q = mc.load(lse_tile, layout=col_layout, interpret=interpret)
   segq_Q = mc.load(segq_tile, layout=col_layout, interpret=interpret)
-  x_KQ = r_KQ * (scale * LOG2E) - _bcast(lse_Q * LOG2E, shape_KQ, 1)
+  x_KQ = r_KQ * (scale * LOG2E) - mc.bcast(lse_Q * LOG2E, shape_KQ, 1)
 
   def masked(x_KQ):
     if key_KQ.ndim == 1:
-      causal = _bcast(key_KQ, shape_KQ, 0) <= _bcast(qry_KQ + i * shape_KQ[1], shape_KQ, 1)
+      causal = mc.bcast(key_KQ, shape_KQ, 0) <= mc.bcast(qry_KQ + i * shape_KQ[1], shape_KQ, 1)
     else:
       causal = key_KQ <= qry_KQ + i * shape_KQ[1]
-    vis = causal & (_bcast(segk_K, shape_KQ, 0) == _bcast(segq_Q, shape_KQ, 1))
+    vis = causal & (mc.bcast(segk_K, shape_KQ, 0) == mc.bcast(segq_Q, shape_KQ, 1))
     return jnp.exp2(jnp.where(vis, x_KQ, -jnp.inf))
 
   if unmasked is None:
@@ -141,26 +109,19 @@ def visible_all(codes_ref, b, kb, i):
   return (i > kb) & (kmin == kmax) & (qmin == qmax) & (kmin == qmin)
 
 
-def positions(k0, *, lean: bool, interpret):
+def positions(k0, *, interpret):
   """The key positions (from k0) and the in-tile query offsets 0..63 that `tile_probs_kq`
-  compares: [64] vectors in the WGMMA row / column layouts when lean, else full [64, 64] tiles
-  (the layout every kernel was compiled and timed with until `BlockSizes.mosaic_lean`)."""
+  compares, as [64] vectors in the WGMMA row / column layouts."""
   wgmma = plgpu.Layout.WGMMA
-  if lean:
-    return (mc.iota(jnp.int32, (BKV,), 0, wgmma.reduce(1), interpret=interpret) + k0,
-            mc.iota(jnp.int32, (BQ,), 0, wgmma.reduce(0), interpret=interpret))
-  return (mc.iota(jnp.int32, (BKV, BQ), 0, wgmma, interpret=interpret) + k0,
-          mc.iota(jnp.int32, (BKV, BQ), 1, wgmma, interpret=interpret))
+  return (mc.iota(jnp.int32, (BKV,), 0, wgmma.reduce(1), interpret=interpret) + k0,
+          mc.iota(jnp.int32, (BQ,), 0, wgmma.reduce(0), interpret=interpret))
 
 
-def recip(x, *, lean: bool):
-  """1/x for x > 0 (here always ≥ ε). lean: rsqrt(x)², under approx_math one rsqrt.approx.f32
-  (MUFU.RSQ with a denormal check) and a multiply, ~2⁻²² relative. (`1/x` lowers to
-  rcp.approx.f32 here too, the PTX shows; what lean saves is elsewhere, see BlockSizes.)"""
-  if lean:
-    r = lax.rsqrt(x)
-    return r * r
-  return 1.0 / x
+def recip(x):
+  """1/x for x > 0 (here always ≥ ε): rsqrt(x)², under approx_math one rsqrt.approx.f32 and a
+  multiply, ~2⁻²² relative."""
+  r = lax.rsqrt(x)
+  return r * r
 
 
 def ring_slot(st, steps: int, q_free):
@@ -185,8 +146,7 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, ssum_ref, dbar_ref, do_ref, c
             lo_ref, codes_ref, dq_acc, gh_acc, dk_ref, dv_ref,
             k_s, v_s, up_s, lo_s, segk_s, ck0_s, ck_s, q_s, do_s, lse_s, ssum_s, dbar_s, segq_s,
             w_s, dq_s, gh_s, out_s, res_bar, ck_bar, q_bar, q_free,
-            *, scale, eps, n_q, n_super, ckpt_tiles, group, steps, mask_pieces, registers,
-            lean, skip_masks, chain, interpret):
+            *, scale, eps, n_q, n_super, ckpt_tiles, group, steps, chain, interpret):
   n, jk, b = lax.axis_index("heads"), lax.axis_index("kv_seq"), lax.axis_index("batch")
   wg = lax.axis_index("wg")
   k0 = jk * BKV
@@ -198,7 +158,7 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, ssum_ref, dbar_ref, do_ref, c
 
   @pl.when(wg == 0)
   def _compute():
-    plgpu.set_max_registers(registers, action="increase")
+    plgpu.set_max_registers(REGISTERS, action="increase")
     rows_k = (b, pl.ds(k0, BKV), lax.div(n, jnp.int32(group)))
     for src, dst in ((k_ref.at[rows_k], k_s), (v_ref.at[rows_k], v_s), (up_ref, up_s),
                      (lo_ref, lo_s), (seg_ref.at[b, pl.ds(k0, BKV)], segk_s)):
@@ -209,45 +169,33 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, ssum_ref, dbar_ref, do_ref, c
     dq_out = dq_acc.at[jk] if interpret else dq_acc
     gh_out = gh_acc.at[jk] if interpret else gh_acc
     shape_KQ = (BKV, BQ)
-    key_KQ, qry_KQ = positions(k0, lean=lean, interpret=interpret)
+    key_KQ, qry_KQ = positions(k0, interpret=interpret)
 
     def probs(slot, i):
       return tile_probs_kq(k_s, q_s.at[slot], lse_s.at[slot], segq_s.at[slot], segk_K, key_KQ,
                            qry_KQ, i, scale=scale, interpret=interpret,
-                           unmasked=visible_all(codes_ref, b, jk, i) if skip_masks else None)
+                           unmasked=visible_all(codes_ref, b, jk, i))
 
     def reverse_tile(i, slot, carry_K, acc):
       dk_KD, dv_KD, sufk_K = acc
       p_KQ = probs(slot, i)
-      c_KQ = _bcast(carry_K, shape_KQ, 0) + mask_dot(p_KQ, up_s, pieces=mask_pieces,
-                                                     chain=chain, interpret=interpret)
+      c_KQ = mc.bcast(carry_K, shape_KQ, 0) + mask_dot(p_KQ, up_s, chain=chain,
+                                                       interpret=interpret)
+      # The rows arrive as 1/(S + ε) and dbar/(S + ε) (reverse_sweep).
       rows_Q = mc.load(ssum_s.at[slot], layout=col_layout, interpret=interpret)
-      if lean:   # the rows arrive as 1/(S + ε) and dbar/(S + ε) (reverse_sweep)
-        ce_KQ = c_KQ + eps
-        inv_KQ = recip(ce_KQ + p_KQ, lean=True)
-        rn_Q = _bcast(rows_Q, shape_KQ, 1)
-        pi_KQ = p_KQ * inv_KQ
-        a_KQ = pi_KQ * rn_Q
-      else:
-        inv_KQ = 1.0 / (c_KQ + p_KQ + eps)
-        rn_Q = _bcast(1.0 / (rows_Q + eps), shape_KQ, 1)
-        a_KQ = p_KQ * inv_KQ * rn_Q
+      ce_KQ = c_KQ + eps
+      inv_KQ = recip(ce_KQ + p_KQ)
+      rn_Q = mc.bcast(rows_Q, shape_KQ, 1)
+      pi_KQ = p_KQ * inv_KQ
+      a_KQ = pi_KQ * rn_Q
       dv_KD, dp_KQ = mc.mma_pair((a_KQ.astype(q_s.dtype), do_s.at[slot], dv_KD, False),
                                  (v_s, do_s.at[slot], None, True), interpret=interpret)
       dbar_Q = mc.load(dbar_s.at[slot], layout=col_layout, interpret=interpret)
-      if lean:
-        # The same terms as below: ds·(c + ε)·inv² = t·(ce·inv) and ds·p·inv² = t·pi.
-        t_KQ = (dp_KQ * rn_Q - _bcast(dbar_Q, shape_KQ, 1)) * inv_KQ
-        g_KQ = -(t_KQ * pi_KQ)
-        w_KQ = p_KQ * (t_KQ * (ce_KQ * inv_KQ) + _bcast(sufk_K, shape_KQ, 0) + mask_dot(
-            g_KQ, lo_s, pieces=mask_pieces, chain=chain, interpret=interpret))
-      else:
-        ds_KQ = (dp_KQ - _bcast(dbar_Q, shape_KQ, 1)) * rn_Q
-        inv2_KQ = inv_KQ * inv_KQ
-        g_KQ = -(ds_KQ * p_KQ * inv2_KQ)
-        w_KQ = p_KQ * ds_KQ * (c_KQ + eps) * inv2_KQ
-        w_KQ = w_KQ + p_KQ * (_bcast(sufk_K, shape_KQ, 0) + mask_dot(
-            g_KQ, lo_s, pieces=mask_pieces, interpret=interpret))
+      # t = dσ·inv, so dσ·(c + ε)·inv² = t·(ce·inv) and g = −dσ·p·inv² = −t·pi.
+      t_KQ = (dp_KQ * rn_Q - mc.bcast(dbar_Q, shape_KQ, 1)) * inv_KQ
+      g_KQ = -(t_KQ * pi_KQ)
+      w_KQ = p_KQ * (t_KQ * (ce_KQ * inv_KQ) + mc.bcast(sufk_K, shape_KQ, 0) + mask_dot(
+          g_KQ, lo_s, chain=chain, interpret=interpret))
       sufk_K = sufk_K + g_KQ.sum(axis=1)
       gh_Q = w_KQ.sum(axis=0)
       w16_KQ = w_KQ.astype(q_s.dtype)
@@ -334,41 +282,30 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, ssum_ref, dbar_ref, do_ref, c
         st = lax.fori_loop(lo, hi, visit, st)        # the mini-sweep's tiles, top-down
       return lax.fori_loop(0, hi - lo, lambda u, st: visit(hi - 1 - u, st), st)   # bottom-up
 
-    _drain(q_free, lax.fori_loop(0, n_visit, super_block, jnp.int32(0)), steps)
+    mc.drain(q_free, lax.fori_loop(0, n_visit, super_block, jnp.int32(0)), steps)
 
 
-def supported(q, ckpt_rows: int) -> str | None:
-  """None if this kernel takes these inputs, else why not."""
+def check_inputs(q, name: str, multiple: int = BQ):
+  """Raises ValueError unless the Mosaic passes take q: 16-bit, D 64 or 128, T a multiple of
+  `multiple` (api.py routes other calls to Triton and pads T)."""
   B, T, N, D = q.shape
-  if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-    return f"16-bit q/k/v only (wgmma operands), got {q.dtype}"
-  if D not in (64, 128):
-    return f"head dim 64 or 128, got {D}"
-  if T % BQ or ckpt_rows % BQ:
-    return f"T={T} and ckpt_rows={ckpt_rows} must be multiples of {BQ}"
-  return None
+  if not blocks.runs_mosaic("mosaic", D, q.dtype):
+    raise ValueError(f"{name}: 16-bit q/k/v at head dim 64 or 128 only; got {q.dtype}, D={D}")
+  if T % multiple:
+    raise ValueError(f"{name}: T={T} must be a multiple of {multiple}")
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "eps", "ckpt_rows", "steps",
-                                             "mask_pieces", "registers", "lean", "skip_masks",
-                                             "chain", "interpret"))
-def reverse_sweep(q, k, v, seg, lse, ssum, dbar, do, ckpt, *, scale, eps, ckpt_rows, steps=2,
-                  mask_pieces=3, registers=256, lean=False, skip_masks=False, chain=False,
-                  interpret=False):
-  """B1 as `dilution_bwd.reverse_sweep`: (dq_main [B,T,Hq,D], ĝ [B,Hq,T], dk_main, dv
+@functools.partial(jax.jit, static_argnames=("scale", "eps", "ckpt_rows", "chain", "steps",
+                                             "interpret"))
+def reverse_sweep(q, k, v, seg, lse, ssum, dbar, do, ckpt, *, scale, eps, ckpt_rows, chain,
+                  steps=2, interpret=False):
+  """B1 as `triton_bwd.reverse_sweep`: (dq_main [B,T,Hq,D], ĝ [B,Hq,T], dk_main, dv
   [B,T,Hq,D] per query head), all float32. seg int32 [B, T]; lse, ssum, dbar float32 [B,Hq,T];
-  do in q.dtype; ckpt float32 [B, Hq, ceil(T / ckpt_rows), T] from F2 with the same ckpt_rows.
-  mask_pieces: bf16 pieces per in-tile prefix/suffix product (3 exact, 2; `mask_dot`).
-  registers: the compute warpgroup's setmaxnreg (232..256, BlockSizes.mosaic_registers).
-  lean: BlockSizes.mosaic_lean (approx_math, `recip`, `positions` as vectors, and the rows
-  1/(S + ε) and dbar/(S + ε) computed here once instead of per key block).
-  skip_masks: BlockSizes.mosaic_skip_masks (no mask on tiles below the diagonal within one
-  segment: `visible_all`). chain: BlockSizes.mosaic_chain_pieces (`mask_dot`)."""
-  why = supported(q, ckpt_rows)
-  if why:
-    raise ValueError(f"dilution_mgpu.reverse_sweep: {why}")
+  do in q.dtype; ckpt float32 [B, Hq, ceil(T / ckpt_rows), T] from F2 with the same ckpt_rows
+  (a multiple of 64). chain: BlockSizes.chain_pieces (`mask_dot`)."""
+  check_inputs(q, "mosaic_b1.reverse_sweep")
   B, T, N, D = q.shape
-  flag, params = _launch_params(interpret)
+  flag, params = mc.launch_params(interpret)
   n_q, n_kb = T // BQ, T // BKV
   slab = (n_kb,) if flag else ()   # interpreted: one slab per key block
   dq_acc = jax.new_ref(jnp.zeros(slab + q.shape, jnp.float32), memory_space=plgpu.GMEM)
@@ -379,26 +316,25 @@ def reverse_sweep(q, k, v, seg, lse, ssum, dbar, do, ckpt, *, scale, eps, ckpt_r
   steps = max(1, min(steps, n_q))
   ckpt_tiles = ckpt_rows // BQ
   vec = lambda dtype: plgpu.SMEM((steps, BQ), dtype)
-  if lean:
-    ssum = 1.0 / (ssum + eps)
-    dbar = dbar * ssum
+  # The per-query rows once here rather than per key block in the kernel.
+  ssum = 1.0 / (ssum + eps)
+  dbar = dbar * ssum
   dk, dv = mc.ref_kernel(
       functools.partial(_kernel, scale=float(scale), eps=float(eps), n_q=n_q,
                         n_super=ckpt.shape[2], ckpt_tiles=ckpt_tiles, group=N // k.shape[2],
-                        steps=steps, mask_pieces=mask_pieces, registers=registers, lean=lean,
-                        skip_masks=skip_masks, chain=chain, interpret=flag),
+                        steps=steps, chain=chain, interpret=flag),
       out_type=[jax.ShapeDtypeStruct(q.shape, jnp.float32)] * 2,
       scratch_types=[
-          _tile_smem((BKV, D), k.dtype), _tile_smem((BKV, D), k.dtype),        # k, v
-          _tile_smem((BQ, BQ), jnp.bfloat16), _tile_smem((BQ, BQ), jnp.bfloat16),  # U, L
+          mc.tile_smem((BKV, D), k.dtype), mc.tile_smem((BKV, D), k.dtype),        # k, v
+          mc.tile_smem((BQ, BQ), jnp.bfloat16), mc.tile_smem((BQ, BQ), jnp.bfloat16),  # U, L
           plgpu.SMEM((BKV,), jnp.int32), plgpu.SMEM((BKV,), jnp.float32),     # key ids, ckpt
           plgpu.SMEM((ckpt_tiles, BKV), jnp.float32),                         # tile carries
-          _tile_smem((steps, BQ, D), q.dtype), _tile_smem((steps, BQ, D), q.dtype),  # q, dO
+          mc.tile_smem((steps, BQ, D), q.dtype), mc.tile_smem((steps, BQ, D), q.dtype),  # q, dO
           vec(jnp.float32), vec(jnp.float32), vec(jnp.float32), vec(jnp.int32),  # rows, ids
-          _tile_smem((BKV, BQ), q.dtype),                                     # W, 16-bit
-          plgpu.SMEM((BQ, D), jnp.float32, transforms=_F32_TILE),             # dq tile
+          mc.tile_smem((BKV, BQ), q.dtype),                                   # W, 16-bit
+          plgpu.SMEM((BQ, D), jnp.float32, transforms=F32_TILE),              # dq tile
           plgpu.SMEM((BQ,), jnp.float32),                                     # ĝ tile
-          plgpu.SMEM((BKV, D), jnp.float32, transforms=_F32_TILE),            # dk, dv out
+          plgpu.SMEM((BKV, D), jnp.float32, transforms=F32_TILE),             # dk, dv out
           plgpu.Barrier(num_arrivals=5),                  # k, v, U, L, key ids landed
           plgpu.Barrier(num_arrivals=1),                  # the super-block's checkpoint landed
           plgpu.Barrier(num_arrivals=6, num_barriers=steps),   # q, dO, rows, ids of a slot
@@ -406,7 +342,7 @@ def reverse_sweep(q, k, v, seg, lse, ssum, dbar, do, ckpt, *, scale, eps, ckpt_r
       ],
       grid=(N, n_kb, B), grid_names=("heads", "kv_seq", "batch"),
       num_threads=2, thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=lean),
+      compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=params, name="dilution_mgpu_b1")(
           q, k, v, seg, lse, ssum, dbar, do, ckpt, upper, lower, block_codes(seg), dq_acc, gh_acc)
   dq, gh = dq_acc[...], gh_acc[...]

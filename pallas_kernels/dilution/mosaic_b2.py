@@ -1,6 +1,6 @@
 """Dilution attention's B2 (the dk correction) on Hopper (Pallas Mosaic GPU).
 
-The same math and output as `dilution_bwd.dk_correction`: per key j and query head,
+The same math and output as `triton_bwd.dk_correction`: per key j and query head,
     corr_j = Σ_i p_ij ĝ_i q_i        (float32 [B, T, Hq, D], unscaled; dk = s·(dk_main − corr))
 over the rows i that see key j, with p the causal softmax rebuilt from lse (exactly 0 where
 masked) and ĝ B1's row sums. It is a dv-shaped pass (ĝ-scaled P in place of P, Q in place of dO).
@@ -9,23 +9,18 @@ Grid (Hq, T / 128, B), three Pallas threads:
   wg 0, 1  compute: each owns one 64-key block of the CTA's 128 keys (its k tile in SMEM, corr
            [64, D] float32 in registers) and walks the CTA's row tiles top-down:
              r = k·qᵀ (wgmma, SMEM × SMEM);  p = exp2(log2e·(s·r − lse)), masked
-             (dilution_mgpu.tile_probs_kq);  x = p·ĝ → 16-bit;  corr += x·q (register lhs).
+             (mosaic_b1.tile_probs_kq);  x = p·ĝ → 16-bit;  corr += x·q (register lhs).
            Warpgroup 1's first row tile lies wholly above its keys: p = 0 there (one wasted tile
            of the up to T/64 it walks). Each warpgroup's code is traced for its own static index,
            so no SMEM address depends on the warpgroup id.
   wg 2     producer (24 registers): TMA-streams each row tile's q [64, D], lse, ĝ and segment ids
            through a ring of `steps` slots that both compute warpgroups release.
 Two compute warpgroups, because one tile's chain (wgmma wait, exp2, wgmma) leaves a lone
-warpgroup waiting most of the time: the other one's tile fills it (B1, with one compute
-warpgroup, runs at ~87 TFLOP/s against F1's ~170 on Triton).
+warpgroup waiting most of the time: the other one's tile fills it.
 Per tile pair 2 wgmmas (k·qᵀ, x·q) and one exp2; no reduce-adds (corr stays in registers).
 SMEM (D = 64, 16-bit, steps = 2): k 2 × 8 KB, q ring 2 × 8 KB, rows and ids 2 KB, corr out tiles
 2 × 16 KB (float32): ~66 KB; D = 128: ~130 KB.
-
-On CPU pass interpret=True (GPU interpret mode): interpret-tested against the Triton B2. Compiled
-and tested on the H200 (jax 0.11.2, through the op against the reference), and timed there at
-(2,12,16K,64) bf16: 278 against the Triton B2's 169 TFLOP/s (3.0 against 4.9 ms), so
-`BlockSizes.default` picks it (`b2_impl="mosaic"`) on sm_90 since the thirty-second session.
+On CPU pass interpret=True (GPU interpret mode).
 """
 
 from __future__ import annotations
@@ -38,13 +33,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_kernels.dilution import mosaic_b1 as dm
 from pallas_kernels import mosaic_common as mc
+from pallas_kernels.dilution import blocks
+from pallas_kernels.dilution import mosaic_b1
 
-BQ = BKV = dm.BQ
-_tile_smem, _drain, _F32_TILE = dm._tile_smem, dm._drain, dm._F32_TILE  # pylint: disable=protected-access
+BQ = BKV = mosaic_b1.BQ
 _COMPUTE_WGS = 2
-ROWS_PER_CTA = _COMPUTE_WGS * BKV   # T must be a multiple of this (keys per CTA)
+ROWS_PER_CTA = blocks.MOSAIC_CTA_ROWS   # keys per CTA, _COMPUTE_WGS·BKV; T must be a multiple
 
 
 def _kernel(q_ref, k_ref, seg_ref, lse_ref, gh_ref, corr_ref,
@@ -72,7 +67,8 @@ def _kernel(q_ref, k_ref, seg_ref, lse_ref, gh_ref, corr_ref,
     def tile(u, corr_KD):
       slot = lax.rem(u, steps)
       plgpu.barrier_wait(q_bar.at[slot])
-      p_KQ = dm.tile_probs_kq(k_s.at[w], q_s.at[slot], lse_s.at[slot], segq_s.at[slot], segk_K,
+      p_KQ = mosaic_b1.tile_probs_kq(k_s.at[w], q_s.at[slot], lse_s.at[slot], segq_s.at[slot],
+                                     segk_K,
                               key_KQ, qry_KQ, i_lo + u, scale=scale, interpret=interpret)
       gh_Q = mc.load(gh_s.at[slot], layout=col_layout, interpret=interpret)
       x_KQ = (p_KQ * lax.broadcast_in_dim(gh_Q, shape_KQ, [1])).astype(q_s.dtype)
@@ -97,7 +93,7 @@ def _kernel(q_ref, k_ref, seg_ref, lse_ref, gh_ref, corr_ref,
 
     def visit(u, carry):
       i = i_lo + u
-      slot = dm.ring_slot(u, steps, q_free)
+      slot = mosaic_b1.ring_slot(u, steps, q_free)
       bar, vec = q_bar.at[slot], (b, n, pl.ds(i * BQ, BQ))
       plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(i * BQ, BQ), n], q_s.at[slot], bar)
       plgpu.copy_gmem_to_smem(lse_ref.at[vec], lse_s.at[slot], bar)
@@ -106,28 +102,15 @@ def _kernel(q_ref, k_ref, seg_ref, lse_ref, gh_ref, corr_ref,
       return carry
 
     lax.fori_loop(0, n_tiles, visit, jnp.int32(0))
-    _drain(q_free, n_tiles, steps)
-
-
-def supported(q) -> str | None:
-  """None if this kernel takes these (padded) inputs, else why not."""
-  why = dm.supported(q, ckpt_rows=BQ)   # B1's dtype and head-dim rules (no checkpoints here)
-  if why:
-    return why
-  T = q.shape[1]
-  if T % ROWS_PER_CTA:
-    return f"T={T} must be a multiple of {ROWS_PER_CTA} (two 64-key blocks a CTA)"
-  return None
+    mc.drain(q_free, n_tiles, steps)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "steps", "interpret"))
 def dk_correction(q, k, seg, lse, ghat, *, scale, steps=2, interpret=False):
-  """B2 as `dilution_bwd.dk_correction`: Σ_i p_ij ĝ_i q_i, float32 [B, T, Hq, D] (unscaled).
+  """B2 as `triton_bwd.dk_correction`: Σ_i p_ij ĝ_i q_i, float32 [B, T, Hq, D] (unscaled).
   q [B, T, Hq, D], k [B, T, Hkv, D] 16-bit; seg int32 [B, T]; lse (natural log) and ĝ float32
   [B, Hq, T]."""
-  why = supported(q)
-  if why:
-    raise ValueError(f"dilution_mgpu_b2.dk_correction: {why}")
+  mosaic_b1.check_inputs(q, "mosaic_b2.dk_correction", ROWS_PER_CTA)
   B, T, N, D = q.shape
   n_q = T // BQ
   steps = max(1, min(steps, n_q))
@@ -137,11 +120,12 @@ def dk_correction(q, k, seg, lse, ghat, *, scale, steps=2, interpret=False):
                         interpret=bool(interpret)),
       out_type=jax.ShapeDtypeStruct(q.shape, jnp.float32),
       scratch_types=[
-          _tile_smem((_COMPUTE_WGS, BKV, D), k.dtype),                      # k
+          mc.tile_smem((_COMPUTE_WGS, BKV, D), k.dtype),                    # k
           plgpu.SMEM((_COMPUTE_WGS, BKV), jnp.int32),                       # key ids
-          _tile_smem((steps, BQ, D), q.dtype),                              # q ring
+          mc.tile_smem((steps, BQ, D), q.dtype),                            # q ring
           vec(jnp.float32), vec(jnp.float32), vec(jnp.int32),               # lse, ĝ, query ids
-          plgpu.SMEM((_COMPUTE_WGS, BKV, D), jnp.float32, transforms=_F32_TILE),   # corr out
+          plgpu.SMEM((_COMPUTE_WGS, BKV, D), jnp.float32,
+                     transforms=mosaic_b1.F32_TILE),                        # corr out
           plgpu.Barrier(num_arrivals=2, num_barriers=_COMPUTE_WGS),   # k, key ids landed
           plgpu.Barrier(num_arrivals=4, num_barriers=steps),   # q, lse, ĝ, ids of a slot
           plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=steps),   # slot released

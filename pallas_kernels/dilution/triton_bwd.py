@@ -1,47 +1,38 @@
-"""Dilution attention exact backward kernels (Pallas, Triton backend): B1 reverse sweep, B2 dk fix.
+"""Dilution attention's exact backward on Triton: B1 reverse sweep, B2 dk correction.
 
-Notation per head (notes/dilution.md §3): p softmax probabilities, c_ij = Σ_{r<i} p_rj the
-committed demand, inv = 1/(c + p + eps), σ = p·inv, S_i = Σ_j σ_ij, A = σ/(S+eps), dbar_i = dO_i·O_i.
+Notation per head: p softmax probabilities, c_ij = Σ_{r<i} p_rj the committed demand,
+inv = 1/(c + p + eps), σ = p·inv, S_i = Σ_j σ_ij, A = σ/(S+eps), dbar_i = dO_i·O_i.
     dσ_ij = (dO_i·v_j − dbar_i)/(S_i + eps)
     g_ij  = −dσ_ij p_ij inv_ij²                     (what σ_ij pushes into every earlier row's p_rj)
     W_ij  = p_ij (dσ_ij (c_ij + eps) inv_ij² + Σ_{r>i} g_rj)     (= p ⊙ dL/dp)
     ĝ_i   = Σ_j W_ij;   dz = W − p ĝ   (softmax Jacobian)
-    dq_i  = s Σ_j W_ij k_j − ĝ_i pk_i;   dk_j = s Σ_i W_ij q_i − s Σ_i p_ij ĝ_i q_i;   dv_j = Σ_i A_ij dO_i
+    dq_i  = s Σ_j W_ij k_j − ĝ_i pk_i;  dk_j = s Σ_i W_ij q_i − s Σ_i p_ij ĝ_i q_i;
+    dv_j  = Σ_i A_ij dO_i
 
-B1 `reverse_sweep` (grid T/Kb1 × B × Hq, key-parallel; Kb1 = BlockSizes.keys_b1(): b1_block_k,
-else block_k; BlockSizes.warps_b1(D) warps): a program owns key block J (Kb1 keys) and walks
-its row tiles BOTTOM-UP, because the suffix Σ_{r>i} g_rj is a per-key running sum `sufk_J` of the
-rows already visited. The forward's carry c is needed in the opposite (top-down) direction, so rows
-are processed in super-blocks of `ckpt_rows` rows, last super-block first (notes §9.3):
-  1. forward mini-sweep: from checkpoint s (stored by F2) rebuild the carry at every row tile of the
-     super-block and keep them (exact, bit for bit) either
-       b1_carries="registers" (the field's default; BlockSizes.default picks scratch at D <= 64):
-         in a [ckpt_rows/block_q, block_k] register array, one-hot select writes/reads (no
-         dynamic register indexing): per tile 2 selects over the whole array (2·32·64 at
-         R=1024, 32×64 tiles) and an axis-0 reduction (across warps in the blocked layout),
-         and the array holds 16 fp32 registers per thread (4 warps) throughout; or
-       b1_carries="scratch": in the program's own [ckpt_rows/block_q, block_k] slice of an HBM
-         output used as scratch (8 KiB, expected to stay in L1/L2): one block_k-row store and
-         load per tile at a dynamic row, a CTA barrier after the mini-sweep and after the
-         reverse pass (other warps read what one stored); memory B·Hq·T·(ckpt_rows/block_q)
-         fp32, transient (R=1024, block_q=32: 32·T per head, 48 MiB at B2 Hq12 T16K). It frees
-         the array's registers, which double with block_k: block_k=128 (half the dq atomics,
-         T²·D/block_k per head) slowed B1 before, register pressure the suspect;
-         bench/dilution.py --b1-variants times both. (Here block_k means Kb1.)
+B1 `reverse_sweep` (grid T/b1_block_k × B × Hq, key-parallel, B1_WARPS warps): a program owns key
+block J and walks its row tiles BOTTOM-UP, because the suffix Σ_{r>i} g_rj is a per-key running
+sum `sufk_J` of the rows already visited. The forward's carry c is needed in the opposite
+(top-down) direction, so rows are processed in super-blocks of `ckpt_rows` rows, last first:
+  1. forward mini-sweep: from F2's checkpoint rebuild the carry at every row tile of the
+     super-block and keep them (exact, bit for bit) per BlockSizes.b1_carries either
+       "registers": in a [ckpt_rows/block_q, b1_block_k] array, one-hot select writes and reads
+         (no dynamic register indexing): per tile 2 selects over the array and a cross-warp
+         reduction; or
+       "scratch": in the program's own [ckpt_rows/block_q, b1_block_k] slice of an HBM output
+         used as scratch (8 KiB, stays in L1/L2): one row store and load per tile, a CTA barrier
+         after the mini-sweep and after the reverse pass (other warps read what one stored);
+         B·Hq·T·(ckpt_rows/block_q) float32, transient. It frees the array's registers, which
+         double with the key block.
   2. reverse pass over the same tiles: dv_J += Aᵀ dO_I, dk_J += Wᵀ Q_I (registers, stored once),
-     ĝ_I += rowsum(W) and dq_I += s W K_J (fp32 atomics, shared by all key blocks).
-No subtraction ever reconstructs a carry or a suffix, so there is no cancellation (§9.2's fp32
-hazard); the in-tile suffix is a [block_q, block_q] strictly-triangular product kept at fp32
-accuracy on tensor cores (`exact_mask_dot`).
-Cost: one extra QKᵀ per tile for the mini-sweep, three small bf16 tensor-core products (g split
-into bf16 pieces) for the suffix instead of one IEEE fp32 product on CUDA cores.
+     ĝ_I += rowsum(W) and dq_I += s W K_J (float32 atomics, shared by all key blocks).
+No subtraction ever reconstructs a carry or a suffix, so there is no cancellation; the in-tile
+suffix is a [block_q, block_q] strictly-triangular product kept at float32 accuracy on tensor
+cores (`exact_mask_dot`: three bf16 pieces instead of one IEEE product on CUDA cores).
 
-B2 `dk_correction` (grid T/block_k × B × Hq, top-down; warps(D) warps): needs the finished ĝ, so
-it is its own pass: corr_J = Σ_I (P_IJ ⊙ ĝ_I)ᵀ Q_I, a [block_k, D] fp32 accumulator per program.
-dilution.py forms dk = s (dk_main − corr) and dq = dq_main − ĝ ⊙ pk.
-B1 and B2 tile the keys independently: they share only whole buffers (ĝ [T] per head, read by B2
-after B1 finished; dk_main, dv, corr [T, D] combined in XLA; F2's checkpoints are per key), so a
-wide B1 block (128 keys: half the dq atomics) needs no wide B2 block. T % Kb1 == T % block_k == 0.
+B2 `dk_correction` (grid T/block_k × B × Hq, top-down): needs the finished ĝ, so it is its own
+pass: corr_J = Σ_I (P_IJ ⊙ ĝ_I)ᵀ Q_I, a [block_k, D] float32 accumulator per program.
+api.py forms dk = s (dk_main − corr) and dq = dq_main − ĝ ⊙ pk. B1 and B2 share only whole
+buffers (ĝ, dk_main, dv, corr; F2's checkpoints are per key), so each tiles the keys its own way.
 """
 
 from __future__ import annotations
@@ -54,7 +45,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.dilution.triton_fwd import idiv, dot, tile_probs
+from pallas_kernels.dilution.triton_fwd import dot, idiv, tile_probs, warps
+
+B1_WARPS = 8    # B1 keeps dk, dv [b1_block_k, D] float32 live
+NUM_STAGES_BWD = 1
 
 
 def bf16_pieces(x, n: int = 3):
@@ -86,7 +80,7 @@ def exact_mask_dot(mask_TT, x_TS):
 
 
 def _check_tiles(T, block_k, field):
-  """The grid is T/block_k programs; dilution.py pads T to BlockSizes.pad_multiple()."""
+  """The grid is T/block_k programs; api.py pads T to BlockSizes.pad_multiple."""
   if T % block_k:
     raise ValueError(f"T={T} must be a multiple of BlockSizes.{field}={block_k} (pad T, or pick "
                      f"a power of two >= 16 dividing T)")
@@ -117,8 +111,8 @@ def _reverse_sweep_kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, ssum_ref, dbar_
     hi = jnp.minimum((s + 1) * ckpt_tiles, n_tiles)
 
     if carry_ref:
-      # b1_carries="scratch": this program's own [ckpt_tiles, block_k] slice of an HBM buffer
-      # (8 KiB, written and re-read by this program only): one row store / load per tile.
+      # b1_carries="scratch": this program's own [ckpt_tiles, block_k] slice of an HBM buffer,
+      # written and re-read by this program only.
       def mini_forward(i, carry_S):
         carry_ref[0][i - s * ckpt_tiles, :] = carry_S
         return carry_S + probs(i * block_q).sum(axis=0)
@@ -160,7 +154,7 @@ def _reverse_sweep_kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, ssum_ref, dbar_
       # Σ over later rows: later tiles (sufk) + later rows of this tile. The in-tile part is a
       # strictly-upper-triangular product at fp32 accuracy, NOT column total − cumsum: g is
       # ~ −dσ/p at a key's first visible row (c = 0, tiny p), and subtracting it back out of a
-      # total costs an ulp of it (1e-3 relative errors in dq/dk at T=96 in testing).
+      # total costs an ulp of it (1e-3 relative errors in dq/dk at T=96).
       suffix_TS = sufk_S[None, :] + exact_mask_dot(later_TT, g_TS)
       w_TS = p_TS * (ds_TS * (c_TS + eps) * inv_TS * inv_TS + suffix_TS)
       pltriton.atomic_add(ghat_ref, (rows,), w_TS.sum(axis=1))
@@ -190,8 +184,8 @@ def reverse_sweep(q, k, v, seg, lse, ssum, dbar, do, ckpt, *, scale, eps, bs, in
   """
   B, T, N, D = q.shape
   G = N // k.shape[2]
-  bq, bk = bs.block_q, bs.keys_b1()
-  _check_tiles(T, bk, "b1_block_k" if bs.b1_block_k else "block_k")
+  bq, bk = bs.block_q, bs.b1_block_k
+  _check_tiles(T, bk, "b1_block_k")
   n_super = ckpt.shape[2]
   row_spec = pl.BlockSpec((None, None, T), lambda j, b, h: (b, h, 0))
   full_spec = pl.BlockSpec((None, T, None, D), lambda j, b, h: (b, 0, h, 0))
@@ -222,8 +216,7 @@ def reverse_sweep(q, k, v, seg, lse, ssum, dbar, do, ckpt, *, scale, eps, bs, in
       out_specs=out_specs,
       out_shape=out_shape,
       input_output_aliases={9: 0, 10: 1},
-      compiler_params=pltriton.CompilerParams(num_warps=bs.warps_b1(D),
-                                              num_stages=bs.num_stages_bwd),
+      compiler_params=pltriton.CompilerParams(num_warps=B1_WARPS, num_stages=NUM_STAGES_BWD),
       interpret=interpret,
       name="dilution_reverse_sweep",
   )(q, k, v, seg, lse, ssum, dbar, do, ckpt, dq0, ghat0)
@@ -266,8 +259,7 @@ def dk_correction(q, k, seg, lse, ghat, *, scale, bs, interpret):
                 pl.BlockSpec((None, T), lambda j, b, h: (b, 0)), row_spec, row_spec],
       out_specs=pl.BlockSpec((None, bk, None, D), lambda j, b, h: (b, j, h, 0)),
       out_shape=jax.ShapeDtypeStruct((B, T, N, D), jnp.float32),
-      compiler_params=pltriton.CompilerParams(num_warps=bs.warps(D),
-                                              num_stages=bs.num_stages_bwd),
+      compiler_params=pltriton.CompilerParams(num_warps=warps(D), num_stages=NUM_STAGES_BWD),
       interpret=interpret,
       name="dilution_dk_correction",
   )(q, k, seg, lse, ghat)

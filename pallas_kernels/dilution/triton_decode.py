@@ -1,7 +1,6 @@
-"""Cached dilution decode (Pallas, Triton backend), flash-decoding over key splits.
+"""Cached dilution decode on Triton, flash-decoding over key splits.
 
-One query per (batch, query head) against the KV cache and the fp32 running demand c_j
-(notes/dilution.md §2.4, §9.4):
+One query per (batch, query head) against the KV cache and the float32 running demand c_j:
     p_j = softmax_j(scale·q·k_j) over j < length;  σ_j = p_j / (c_j + p_j + eps);
     out = Σ σ_j v_j / (Σ σ_j + eps);  c_j ← c_j + p_j.
 The softmax needs the global max/sum before any share, so two launches, each on
@@ -25,7 +24,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.dilution.triton_fwd import idiv, MASK_VALUE
+from pallas_kernels.dilution.triton_fwd import MASK_VALUE, NUM_STAGES_FWD, idiv, warps
 
 
 def _n_chunks(c, length, split, block):
@@ -100,7 +99,7 @@ def decode_step(q, k_cache, v_cache, demand, length, *, scale, eps, bs, interpre
   Sp = S + pad
   n_split = Sp // split
   length_B = jnp.broadcast_to(jnp.asarray(length, jnp.int32), (B,))
-  params = pltriton.CompilerParams(num_warps=bs.warps(D), num_stages=bs.num_stages_fwd)
+  params = pltriton.CompilerParams(num_warps=warps(D), num_stages=NUM_STAGES_FWD)
   grid = (n_split, B, N)
   kv_spec = pl.BlockSpec((None, split, None, D), lambda c, b, h: (b, c, idiv(h, G), 0))
   len_spec = pl.BlockSpec((None,), lambda c, b, h: (b,))

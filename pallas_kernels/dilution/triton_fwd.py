@@ -1,4 +1,4 @@
-"""Dilution attention forward kernels (Pallas, Triton backend): F1 row statistics, F2 demand sweep.
+"""Dilution attention's forward passes on Triton: F1 row statistics, F2 demand sweep.
 
 F1 `row_stats` (grid T/block_q_stats × B × Hq, row-parallel, flash-style): online causal softmax
 over the visible keys of a row block → lse_i = m_i + log l_i, and optionally
@@ -9,15 +9,15 @@ and the per-key committed demand `carry_J` stay in registers) and walks the row 
 see it, top to bottom:
     P = exp(scale·Q_I K_Jᵀ − lse_I)  (causal, same segment)
     inclusive = carry_J + cumsum_rows(P);  σ = P / (inclusive + eps)
-    S_I += rowsum(σ),  N_I += σ V_J      (fp32 atomics: every key block adds into the same rows)
+    S_I += rowsum(σ),  N_I += σ V_J      (float32 atomics: every key block adds into the same rows)
     carry_J += colsum(P)
 Every `ckpt_rows` rows the incoming carry is stored (checkpoint s = Σ_{r < s·ckpt_rows} p_rJ), so
 the backward can rebuild any carry by a short forward mini-sweep instead of a T×T buffer. At the
-end carry_J is the column total Σ_i p_iJ (the decode demand). The row normaliser
-out = N / (S + eps) is a cheap XLA elementwise op in dilution.py.
+end carry_J is the column total Σ_i p_iJ (the decode demand). api.py forms out = N / (S + eps).
 
 `tile_probs` is shared with the backward: the same code and tile shape rebuild P there, so the
 backward's carries agree with the forward's to rounding (no cancellation is ever involved).
+Launches: `warps(D)` warps (4 at D <= 64, else 8), NUM_STAGES_FWD pipeline stages.
 """
 
 from __future__ import annotations
@@ -33,6 +33,12 @@ from jax.experimental.pallas import triton as pltriton
 # Large finite negative for masked logits in the online max: exp() underflows to exactly 0 and a
 # row block whose first key blocks are all masked (other segment) never computes inf - inf.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+NUM_STAGES_FWD = 2
+
+
+def warps(D: int) -> int:
+  """Warps per program of F1, F2, B2 and decode."""
+  return 4 if D <= 64 else 8
 
 
 def idiv(a, b):
@@ -119,8 +125,7 @@ def row_stats(q, k, seg, *, scale, bs, with_pk, interpret):
       ],
       out_specs=out_specs,
       out_shape=out_shape,
-      compiler_params=pltriton.CompilerParams(num_warps=bs.warps(D),
-                                              num_stages=bs.num_stages_fwd),
+      compiler_params=pltriton.CompilerParams(num_warps=warps(D), num_stages=NUM_STAGES_FWD),
       interpret=interpret,
       name="dilution_row_stats",
   )(q, k, seg)
@@ -186,8 +191,8 @@ def key_sweep(q, k, v, seg, lse, *, scale, eps, bs, with_ckpt, interpret):
   if with_ckpt:
     out_shape.append(jax.ShapeDtypeStruct((B, N, n_super, T), jnp.float32))
     out_specs.append(pl.BlockSpec((None, None, n_super, T), lambda j, b, h: (b, h, 0, 0)))
-  kernel = functools.partial(_key_sweep_kernel, scale=scale, eps=eps, block_q=bq,
-                                 block_k=bk, ckpt_tiles=ckpt_tiles)
+  kernel = functools.partial(_key_sweep_kernel, scale=scale, eps=eps, block_q=bq, block_k=bk,
+                             ckpt_tiles=ckpt_tiles)
   outs = pl.pallas_call(
       kernel,
       grid=(T // bk, B, N),
@@ -196,8 +201,7 @@ def key_sweep(q, k, v, seg, lse, *, scale, eps, bs, with_ckpt, interpret):
       out_specs=out_specs,
       out_shape=[jax.ShapeDtypeStruct(o.shape, o.dtype) for o in out_shape],
       input_output_aliases={5: 0, 6: 1},
-      compiler_params=pltriton.CompilerParams(num_warps=bs.warps(D),
-                                              num_stages=bs.num_stages_fwd),
+      compiler_params=pltriton.CompilerParams(num_warps=warps(D), num_stages=NUM_STAGES_FWD),
       interpret=interpret,
       name="dilution_key_sweep",
   )(q, k, v, seg, lse, n0, s0)
