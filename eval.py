@@ -5,39 +5,33 @@
   python eval.py --workdir runs/default --books path/to/books.jsonl.xz --max_books 16
 
   python eval.py --workdir runs/default --focus_adapter runs/focus          # FocusLLM suites
-  python eval.py --workdir runs/default --focus_adapter runs/focus/adapter/2000 \
+  python eval.py --workdir runs/default --focus_adapter runs/focus/checkpoints/2000 \
       --suites focus_passkey --focus_multipliers 2,8 --passkey_seeds 10
 
-Suites: val, longdoc, passkey, keyword, copy, attention, sample (default: all). Long documents default
-to ../shared/data/corpus/longeval.jsonl.xz next to the repository when it exists, else the
-validation split's documents concatenated (the output says which).
+Suites: val, longdoc, passkey, keyword, copy, attention, sample (default: all). Long documents:
+--books, else the validation split's documents concatenated (the output says which).
 
-FocusLLM suites (focaljax/focus/evaluate.py, focus_passkey.py): focus_passkey, focus_longdoc, on the
-base --workdir with the adapter --focus_adapter (a focus run workdir: its latest adapter/<step>;
-or one adapter directory); the default suites with --focus_adapter are these two. Their JSON goes
-under the focus run's eval/ (eval/adapter_<step> for an explicit step). --max_multiplier (default
-32 for them), --passkey_seeds (default 10 for them), --max_books and --books apply to them too.
+FocusLLM suites (focaljax/focus/evaluate.py, passkey.py): focus_passkey, focus_longdoc, on the
+base --workdir with the adapter --focus_adapter (a FocusLLM run workdir: its latest checkpoint;
+or one of its checkpoints/<step>); the default suites with --focus_adapter are these two. Their
+JSON goes under the run's eval/ (eval/adapter_<step> for an explicit step). --max_multiplier
+(default 32 for them), --passkey_seeds (default 10 for them), --max_books and --books apply to
+them too. Runs from before Orbax adapter checkpoints: python -m focaljax.focus.adapter RUN.
 """
-
-import os
 
 from absl import app
 from absl import flags
 from absl import logging
 
 from focaljax.evaluation import suites as evaluate
-from focaljax.focus import model as focus
 from focaljax.focus import evaluate as focus_eval
-
-_REPO = os.path.dirname(os.path.abspath(__file__))
-_DEFAULT_BOOKS = os.path.join(_REPO, "..", "shared", "data", "corpus", "longeval.jsonl.xz")
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "training workdir or its checkpoints/<step>",
                                required=True)
 _SUITES = flags.DEFINE_list("suites", list(evaluate.SUITES),
                             "suites to run; also focus_passkey, focus_longdoc (--focus_adapter)")
 _BOOKS = flags.DEFINE_string("books", None, "long documents (.jsonl[.xz] with `text`, or .txt); "
-                             "default: shared longeval corpus if present, else validation docs")
+                             "default: the validation documents")
 _MAX_MULTIPLIER = flags.DEFINE_integer("max_multiplier", 8, "longest length / trained context")
 _MAX_BOOKS = flags.DEFINE_integer("max_books", 8, "documents for the loss-by-position suite")
 _DEPTHS = flags.DEFINE_list("depths", ["0", "0.25", "0.5", "0.75", "1"], "needle depths")
@@ -46,30 +40,23 @@ _VAL_BATCHES = flags.DEFINE_integer("val_batches", None, "default: config train.
 _OUT_DIR = flags.DEFINE_string("out_dir", None, "default: WORKDIR/eval")
 _PLOTS = flags.DEFINE_bool("plots", True, "write PNG plots (needs matplotlib)")
 _FOCUS_ADAPTER = flags.DEFINE_string("focus_adapter", None, "FocusLLM adapter of the --workdir "
-                                     "base: a focus run workdir or one adapter/<step> directory")
+                                     "base: a FocusLLM run workdir or its checkpoints/<step>")
 _FOCUS_MULTIPLIERS = flags.DEFINE_list("focus_multipliers",
                                        [str(m) for m in focus_eval.DEFAULT_MULTIPLIERS],
                                        "focus_passkey lengths / the base's trained context")
 _FOCUS_LOCAL_LEN = flags.DEFINE_integer("focus_local_len", None,
-                                        "local window tokens; default: the adapter run's "
-                                        "focus.local_len, else trained context // 2")
+                                        "local window tokens; default: the window the "
+                                        "adapter trained on")
 _FOCUS_CHUNK_SIZE = flags.DEFINE_integer("focus_chunk_size", None,
-                                         "memory chunk size; default: the adapter's focus.json")
+                                         "memory chunk size; default: the adapter's largest")
 _FOCUS_PROMPT_LEN = flags.DEFINE_integer(
     "focus_prompt_len", None, "dynamic prompt: the last min(this, chunk size) window tokens "
-    "appended to every chunk; default: the run's focus.eval_prompt_len, else the adapter's "
-    "focus.json")
+    "appended to every chunk; default: the run's focus.eval_prompt_len, else the trained one")
 _FOCUS_IMPLEMENTATION = flags.DEFINE_enum("focus_implementation", None, ["xla", "pallas"],
                                           "candidate/local attention; default: the adapter's")
-_FOCUS_CANDIDATE_BIAS = flags.DEFINE_enum(
-    "focus_candidate_bias", None, sorted(focus.CANDIDATE_BIASES),
-    "candidates' logit bias in the local decoder (focus.CANDIDATE_BIASES); default: the adapter's")
-_FOCUS_SINK = flags.DEFINE_enum(
-    "focus_sink", None, list(focus.SINKS),
-    "attention sink before the candidates (focus.SINKS); default: the adapter's")
 _FOCUS_PASSKEY_BATCH = flags.DEFINE_integer(
     "focus_passkey_batch", 1, "focus_passkey trials per generate call (each holds its own chunk "
-    "caches: at 100x a 1K context, ~5.7 GB in bfloat16 for a 97.5M base)")
+    "caches: at 100x a 1K context, several GB in bfloat16 for a 100M base)")
 _FOCUS_PASSKEY_FILLER = flags.DEFINE_enum(
     "focus_passkey_filler", "grass", ["grass", "books"], "focus_passkey filler: the official "
     "grass/sky/sun sentences, or the first of --books (a diagnostic: varied filler chunks)")
@@ -82,8 +69,6 @@ def main(argv):
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # Orbax logs every restore at INFO
   books = _BOOKS.value
-  if books is None and os.path.isfile(_DEFAULT_BOOKS):
-    books = os.path.normpath(_DEFAULT_BOOKS)
   suites = _SUITES.value
   if _FOCUS_ADAPTER.value and not flags.FLAGS["suites"].present:
     suites = list(focus_eval.FOCUS_SUITES)
@@ -105,9 +90,8 @@ def main(argv):
         max_books=_MAX_BOOKS.value, multipliers=[int(m) for m in _FOCUS_MULTIPLIERS.value],
         seeds=_SEEDS.value if present("passkey_seeds") else 10,
         local_len=_FOCUS_LOCAL_LEN.value, chunk_size=_FOCUS_CHUNK_SIZE.value,
-        prompt_len=_FOCUS_PROMPT_LEN.value,
-        candidate_bias=_FOCUS_CANDIDATE_BIAS.value, sink=_FOCUS_SINK.value,
-        implementation=_FOCUS_IMPLEMENTATION.value, dtype=_FOCUS_DTYPE.value,
+        prompt_len=_FOCUS_PROMPT_LEN.value, implementation=_FOCUS_IMPLEMENTATION.value,
+        dtype=_FOCUS_DTYPE.value,
         passkey_batch=_FOCUS_PASSKEY_BATCH.value, passkey_filler=_FOCUS_PASSKEY_FILLER.value,
         out_dir=_OUT_DIR.value)
 

@@ -12,12 +12,14 @@ checkpoint. Grids of overrides: python -m focaljax.sweep --help.
 import os
 import sys
 
+import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
 from focaljax import config as config_lib
 from focaljax.focus import train as focus_train
-from focaljax.train import loop as trainer
+from focaljax.train import distributed
+from focaljax.train import lm
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _CONFIG = config_flags.DEFINE_config_file(
@@ -32,11 +34,12 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # Orbax and Grain log every save at INFO
-  # A FocusLLM config (configs/focus.py) trains a candidate adapter over a frozen base.
-  run = focus_train.train if "focus" in _CONFIG.value else trainer.train
+  distributed.initialize()
   try:
-    run(_CONFIG.value, _WORKDIR.value, dry_run=_DRY_RUN.value)
-  except config_lib.ConfigError as e:
+    cfg = config_lib.parse(_CONFIG.value, process_count=jax.process_count())
+    # A FocusLLM config (configs/focus.py) trains a candidate adapter over a frozen base.
+    (focus_train.train if cfg.focus else lm.train)(cfg, _WORKDIR.value, dry_run=_DRY_RUN.value)
+  except (config_lib.ConfigError, FileNotFoundError) as e:   # bad input: one line, no traceback
     sys.exit(f"error: {e}")
 
 

@@ -9,10 +9,10 @@ memory of L - local_len tokens (chunks of --chunk_size) and a local window of lo
 Modes:
   batched     focus_generate: every chunk in one batch (rows = batch x chunks); each step extends
               every chunk's cache by one token and condenses all new candidates in one call.
-  sequential  the same focus.py functions on one chunk at a time (C = 1 slices, one compile): the
-              prefill and, each step, the cache extension and the candidate run in a Python loop
-              over chunks, then one local-decoder pass over all candidates (the official code's
-              schedule, notes/focus_focal.md §1.5). batched / sequential is the batching gain.
+  sequential  the same focus/model.py functions on one chunk at a time (C = 1 slices, one
+              compile): the prefill and, each step, the cache extension and the candidate run in
+              a Python loop over chunks, then one local-decoder pass over all candidates (the
+              official code's schedule). batched / sequential is the batching gain.
   base        the base alone over all L tokens: model.init_cache / forward_cached, full causal
               attention, RoPE NTK-scaled to L (as generate.py). Reported as an error where it
               does not fit.
@@ -21,7 +21,7 @@ prefill, which also yields the first new token's logits) and tok_per_s = batch x
 / decode_s, the seconds of the new_tokens - 1 steps after it (block_until_ready at the end).
 peak_GiB is the device's peak_bytes_in_use (None on CPU); with --isolate (default unless --smoke)
 every entry runs in a fresh process so the peak is its own, otherwise it is the process peak so
-far. focus.frozen_prefill allocates the chunk caches in the base's dtype (--dtype); the focus
+far. candidates.frozen_prefill allocates the chunk caches in the base's dtype (--dtype); the focus
 modes' chunk prefill runs the base with --chunk_attention (default xla; cudnn needs 16-bit).
 """
 
@@ -42,6 +42,7 @@ from flax import nnx
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from configs import base as base_config  # pylint: disable=wrong-import-position
 from focaljax import config as config_lib  # pylint: disable=wrong-import-position
+from focaljax.focus import candidates as cand_lib  # pylint: disable=wrong-import-position
 from focaljax.focus import model as focus  # pylint: disable=wrong-import-position
 from focaljax.focus import evaluate as focus_eval  # pylint: disable=wrong-import-position
 from focaljax.focus import generate as focus_generate  # pylint: disable=wrong-import-position
@@ -50,8 +51,8 @@ from focaljax.model import decoder as model_lib  # pylint: disable=wrong-import-
 MODES = ("batched", "sequential", "base")
 GPU = dict(size="400m", chunk_size=1024, prompt_len=512, local_len=1024, new_tokens=32,
            multipliers="8,32")
-# The small preset's 64-token context holds at most 64 - 32 - 2 = 30 candidates in the official
-# ("sequential") layout: 8x and 3 new tokens is the most that fits.
+# The small preset's 64-token context holds at most 64 - 32 - 2 = 30 candidates before the local
+# window: 8x and 3 new tokens is the most that fits.
 SMOKE = dict(size="small", chunk_size=16, prompt_len=8, local_len=32, new_tokens=3,
              multipliers="8")
 
@@ -108,17 +109,16 @@ def _seq_fns(graphdef, cfg, T, new):
   def step_one(base_state, adapter, caches, prev_B, token_B, pos):
     base = nnx.merge(graphdef, base_state)
     theta = base.cfg.rope_theta
-    caches = focus.frozen_step(base, caches, prev_B, pos, theta)
-    _, kv = focus.candidates(adapter, base, caches, token_B[:, None],
-                             jnp.full((token_B.shape[0], 1), pos + 1), theta,
-                             implementation=impl)
+    caches = cand_lib.frozen_step(base, caches, prev_B, pos, theta)
+    _, kv = cand_lib.candidates(adapter, base, caches, token_B[:, None],
+                                jnp.full((token_B.shape[0], 1), pos + 1), theta,
+                                implementation=impl)
     return caches, [(k[:, :1], v[:, :1]) for k, v in kv]
 
   @jax.jit
   def local(base_state, tokens_BL, kv, index):
     base = nnx.merge(graphdef, base_state)
     return focus.local_logits(base, tokens_BL, kv, base.cfg.rope_theta, implementation=impl,
-                              sequential_positions=cfg.sequential_positions,
                               at_B=jnp.full((tokens_BL.shape[0],), index))
 
   return prefill_one, step_one, local
@@ -146,7 +146,7 @@ def sequential(base, adapter, cfg, memory, local, new):
     chunks = [prefill_one(base_state, adapter, memory[:, c * s:(c + 1) * s], local)
               for c in range(memory.shape[1] // s)]
     tokens = jnp.zeros((B, T + new - 1), jnp.int32).at[:, :T].set(local)
-    st = {"tokens": tokens, "length": T, "pos": cfg.prefix + cfg.prompt_tokens(T) - 1,
+    st = {"tokens": tokens, "length": T, "pos": cfg.chunk_size + cfg.prompt_tokens(T) - 1,
           "caches": [c for c, _ in chunks], "kvs": [kv for _, kv in chunks]}
     return st, local_fn(base_state, tokens, _concat_kv(st["kvs"]), T - 1), step
 
@@ -253,7 +253,7 @@ def main(argv=None):
   ap.add_argument("--base_attention", default="auto",
                   help="model.attention.implementation of the base mode")
   ap.add_argument("--chunk_attention", default="xla",
-                  help="the same for the focus modes' frozen chunk prefill (focus."
+                  help="the same for the focus modes' frozen chunk prefill (focus/adapter.py "
                   "with_attention: cudnn needs a 16-bit --dtype)")
   ap.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
                   help="one process per entry (default: on unless --smoke)")

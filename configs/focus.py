@@ -10,7 +10,8 @@
 The model is the base workdir's (model.* and data.seq_len here are ignored); data.source,
 data.global_batch, seed, optim.* and train.* apply. Every chunk size must keep chunk + dynamic
 prompt + num_targets - 1 inside the base's trained context (its data.seq_len): the paper's 2048
-does not fit a 2K base, so the 400m line above drops it (focus_train refuses it, naming the field).
+does not fit a 2K base, so the 400m line above drops it (focaljax.config refuses it, naming the
+field). The staged recipe measured to read a passkey over a small base: configs/focus_drills.py.
 """
 
 import ml_collections
@@ -24,8 +25,10 @@ def get_config(arg=None):
       base_workdir="",                        # trained focaljax workdir (required; stays untouched)
       chunk_sizes="64,128,256,512,1024,2048",  # one drawn per step (paper set + the code's 512)
       prompt_len=512,           # dynamic prompt: the last min(prompt_len, chunk) local tokens
-      eval_prompt_len=0,        # the dynamic prompt eval.py serves the adapter with (0: prompt_len;
-                                # eval.py --focus_prompt_len overrides it)
+      # The dynamic prompt eval.py serves the adapter with (0: prompt_len; its --focus_prompt_len
+      # overrides it). About the whole window, as the official code serves, also reads the
+      # needles in the window that lie before a shorter trained prompt.
+      eval_prompt_len=0,
       p_reconstruction=0.5,     # share of samples whose local window repeats a span of the memory
       doc_min_tokens=3000,      # shorter documents are skipped; the default memory length (below)
       memory_tokens="",         # memory lengths, one drawn per step ("" = doc_min_tokens -
@@ -34,27 +37,17 @@ def get_config(arg=None):
       local_len=512,            # local-window tokens the frozen decoder reads (<= base context)
       num_targets=16,           # supervised query points per sample: the window's last tokens
       retrieval_mix=0.0,        # share of continuation samples turned into passkey drills
-      drill_in_window=0.0,      # share of drills with the needle in the local window, not the
-                                # memory (focaljax/focus/samples.py)
-      answer_weight=1.0,        # how many times a drill answer's targets count in the loss
-                                # (focus_train.weighted_loss; 1.0: the plain mean)
       implementation="xla",     # candidate/local attention: "xla" (einsum spec) | "pallas"
-                                # (pallas_kernels/condense/api.py; compiled on GPU, interpreted on CPU)
-      candidate_positions="sequential",   # local-decoder RoPE layout: "sequential" (official:
-                                          # candidates 0..C-1, window after) | "shared" (all at 0)
-                                          # (focus.py; only "sequential" learned to read, FOCUSLLM.md)
-      candidate_bias="none",    # candidates' logit bias in the local decoder: "none" (the paper)
-                                # | "log_count" (-log C: C identical candidates weigh as one key)
-      sink="none",              # "none" (the paper) | "first_token": the memory's first token's
-                                # frozen k/v as an attention sink before the candidates (focus.SINKS)
-      candidate_path="adapter",  # the candidate's own forward: "adapter" (the paper: its own
-                                 # q/k/v/o) | "frozen" (the base's; the adapter's wk/wv only map it
-                                 # to the local decoder's k/v; focus.CANDIDATE_PATHS)
+                                # (pallas_kernels/condense: faster on GPUs; interpreted on CPU)
+      # The candidate's own forward: "adapter" (the paper's: its own q/k/v/o train) | "frozen"
+      # (the base's; the adapter's wk/wv only map it to the local decoder's keys/values: over
+      # small bases it leaves the answer prior reliably, focaljax/focus/candidates.py).
+      candidate_path="adapter",
       base_attention="xla",     # the frozen base's own attention: "xla" | "pallas", whatever it
-                                # was trained with (focus_adapter.with_attention: cuDNN wants 16-bit q/k/v)
+                                # was trained with (cuDNN wants 16-bit q/k/v; focus/adapter.py)
   ))
   c.data.global_batch = 8       # the paper's; the local decoder runs global_batch·num_targets rows
-  c.train.eval_every = 0        # no FocusLLM validation loop yet
+  c.train.eval_every = 0        # FocusLLM runs have no validation loop (eval.py evaluates them)
   # The paper's adapter recipe: a small learning rate and no weight decay (decay would pull the
   # candidate projections toward zero, not toward the frozen copies they start from).
   c.optim.update(peak_lr=5e-5, weight_decay=0.0)

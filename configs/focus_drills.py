@@ -4,48 +4,34 @@
     python train.py --config configs/focus_drills.py:stage=$s --workdir runs/focus_small \
         --config.focus.base_workdir=runs/base_1k --config.data.source=text:corpus.jsonl.xz
   done
+  python eval.py --workdir runs/base_1k --focus_adapter runs/focus_small --suites focus_passkey
 
 Each stage resumes the same workdir (adapter and optimizer state) with longer memories:
   stage 1  memories of 4 chunks of 512 (documents >= 3000 tokens), steps 0-2000
   stage 2  2048 or 7168 tokens (4 or 14 chunks; documents >= 7700), to step 3200
   stage 3  16384 or 32256 tokens (32 or 63 chunks, 32x a 1K context; documents >= 32769), to
            step 3800 of a 6400-step cosine (optim.schedule_steps: the rate stays ~0.45 peak)
-Measured on one H200 (eighteenth session, docs/FOCUSLLM.md) over a 97.5M base pretrained 2800
-steps with data.retrieval_mix=0.5 (passkey 1x 0.94): the drill answer's NLL (`loss_key`) fell
-from the prior (~12) to ~1 within stage 1 (two seeds of two); the official passkey protocol
-(10 seeds) at 2 / 8 / 32x read 0.8 / 0 / 0 after stage 1, 0.8 / 0.8 / 0 after stage 2 and
-0.8 / 0.8 / 0.7 after stage 3 (stopped at step 3779), all at lr 1e-3. Over the nineteenth and
-twentieth sessions' bases (same command, different networks: GPU runs are not bitwise repeatable)
-stage 1 at 1e-3 stalled near the prior (10.5 at step 1861; 11.5 at step 390). At 2e-3 over the
-twentieth's base it took off (loss_key 7.0 at steps 501-600, 1.2 after stage 2) and read
-0.8 / 0.7 / 0.7 at 2 / 8 / 32x (stage 3 stopped at step 3560): the committed rate is 2e-3, one
-run of one, and not yet run over a base where 1e-3 took off. A stall shows by step 600 (loss_key
->= 10.9 there, against 5.8-7.0 in runs that took off). Over bases whose tokenizer spells numbers
-as LLaMA's does (data.tokenizer="train:16384:llama_digits"), stage 1 left the prior within 300
-steps in two runs of two (twenty-second and twenty-third sessions), and served with the 504-token
-prompt below the twenty-third's adapter read 0.9 / 1.0 / 0.9 / 0.4 at 2 / 8 / 32 / 100x.
-Stage 3 needs documents of 32K+ tokens (~90 in shared/data's train split).
+Over a 97.5M base pretrained with data.retrieval_mix=0.5 and data.tokenizer=
+"train:16384:llama_digits", this read the passkey from memory at 2 / 8 / 32x a 1K context (the
+numbers: docs/focusllm.md). A run that stalls shows it by step 600: the drills' answer NLL
+(`loss_key`) still at the prior (~11), where runs that read fall to 6-7.
 
-Differences from configs/focus.py (the paper's 7B recipe, lr 5e-5, which moved nothing here):
+Differences from configs/focus.py (the paper's 7B recipe, whose lr 5e-5 moved nothing here):
   - candidate_path "frozen": the candidate runs the base's own forward and the adapter only maps
-    its hidden states to the local decoder's keys/values. With the paper's trained q/k/v/o
-    ("adapter"), `loss_key` stayed at the prior in 3 of 3 seeds (seventeenth session) and in
-    about half of the earlier runs: the trained candidates lose their own reading of the key;
-  - 90% of continuation samples are passkey drills: the base copies ordinary text too weakly
-    (copy gain ~0.25 nats) for continuation or reconstruction samples to teach the carry;
+    it to the local decoder's keys/values; with the paper's trained q/k/v/o the answer NLL often
+    stayed at the prior: the trained candidates lose their own reading of the key;
+  - 90% of continuation samples are passkey drills: a small base copies ordinary text too weakly
+    for continuation or reconstruction samples to teach the carry;
   - no reconstruction samples (p_reconstruction 0): their loss stayed at the base's validation
-    level in every run, and they halve the drills' share;
+    level, and they halve the drills' share;
   - 8 targets per sample, not 16: the answer " K." is then ~45% of the supervised targets;
-  - lr 2e-3 (at 1e-3 stage 1 took off over one base of three) with a 50-step warmup; one chunk
-    size, 512, with a 256-token dynamic prompt and a 512-token local window, in the "sequential"
-    candidate layout (focus.py);
+  - lr 2e-3 with a 50-step warmup; one chunk size, 512, with a 256-token dynamic prompt and a
+    512-token local window;
   - served with a 504-token dynamic prompt (eval_prompt_len), about the whole window as in the
-    official code (min(512, chunk)); 504 is what fits the 1K context beside a 512-token chunk and
-    the answer. Trained at 256 (cheaper), the twenty-third session's adapter read 0.8 / 0.9 / 0.8 /
-    0.5 at 2 / 8 / 32 / 100x with 256 and 0.9 / 1.0 / 0.9 / 0.4 with 504: the longer prompt read
-    all 7 needles in the local window, 3 of which lay before the 256-token prompt;
-  - memories grow by stage: trained on 4 chunks only, the adapter read 0 of 8 needles at 8x,
-    its candidates' attention spread over 15 chunks (docs/FOCUSLLM.md § Eighteenth).
+    official code; 504 is what fits the 1K context beside a 512-token chunk and the answer. The
+    trained 256 misses the needles in the window that lie before its last 256 tokens;
+  - memories grow by stage: trained on 4 chunks only, the local decoder's attention spreads over
+    the 63 candidates of a 32x input and misses the needle.
 """
 
 from configs import base, focus

@@ -1,32 +1,29 @@
 """The ConfigDict boundary: validation, and conversion to the frozen dataclasses the library takes.
 
-`validate` runs before anything is built or compiled. Every error names the field and the allowed
-values; nothing is silently corrected. Past this module no code reads a ConfigDict.
+`parse` validates a ConfigDict once, before anything is built or compiled, and returns `Config`
+(ModelConfig, DataConfig, OptimConfig, TrainConfig, MeshConfig, FocusTrainConfig). Every error is
+one line naming the field and what it allows; nothing is silently corrected. Past this module no
+code reads a ConfigDict. A workdir's saved config.json reaches it through `upgrade`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
+
 import ml_collections
 
-from focaljax.model import add_norm as add_norm_lib
+from focaljax import dispatch
 from focaljax.model import attention as attn_lib
-from focaljax.train import loss as loss_lib
-from focaljax.model import mlp as mlp_lib
 from focaljax.model import decoder as model_lib
-from focaljax import ops
 
 _CHOICES = {
-    "model.attention.implementation": attn_lib.IMPLEMENTATIONS,
+    "model.attention.implementation": dispatch.IMPLEMENTATIONS,
     "model.attention.tau_mean": tuple(m.value for m in attn_lib.TauMean),
-    "model.norm_backward": ("explicit", "autodiff"),
-    "model.qk_rope_backward": model_lib.QK_ROPE_BACKWARDS,
-    "model.mlp_backward": mlp_lib.MLP_BACKWARDS,
-    "model.add_norm": add_norm_lib.ADD_NORMS,
     "model.remat_policy": tuple(model_lib.REMAT_POLICIES),
     "optim.mu_dtype": ("float32", "bfloat16"),
     "train.compute_dtype": ("float32", "bfloat16"),
     "train.nonfinite": ("stop", "skip"),
-    "train.cross_entropy": tuple(loss_lib.CROSS_ENTROPIES),
 }
 _NO_DECAY = ("norm", "embed")
 
@@ -46,9 +43,8 @@ def _require(ok: bool, field: str, msg: str):
     raise ConfigError(f"config field {field}: {msg}")
 
 
-def validate(c: ml_collections.ConfigDict, *, vocab_size: int | None = None,
-             process_count: int = 1) -> None:
-  """Raises ConfigError naming the first invalid field."""
+def validate(c: ml_collections.ConfigDict, *, process_count: int = 1) -> None:
+  """Raises ConfigError naming the first invalid field (focus.* apart: `focus_config`)."""
   for field, allowed in _CHOICES.items():
     _require(_get(c, field) in allowed, field, f"{_get(c, field)!r} is not one of {list(allowed)}")
   m, a, d, o, t = c.model, c.model.attention, c.data, c.optim, c.train
@@ -73,18 +69,16 @@ def validate(c: ml_collections.ConfigDict, *, vocab_size: int | None = None,
            f"{a.tau_init} must lie in [tau_min, tau_max] = [{a.tau_min}, {a.tau_max}] or w_τ "
            "starts clipped and never learns")
   _require(a.eps > 0, "model.attention.eps", f"must be > 0, got {a.eps}")
-  if (rows := a.get("checkpoint_rows")) is not None:   # None: the kernels' default
-    try:
-      ops.check_checkpoint_rows(rows, "model.attention.checkpoint_rows")
-    except ValueError as e:
-      raise ConfigError(f"config field {e}") from None
+  rows = a.checkpoint_rows
+  _require(isinstance(rows, int) and rows >= 64 and not rows & (rows - 1),
+           "model.attention.checkpoint_rows",
+           f"must be a power of two >= 64 (the kernels' row tile); got {rows!r}")
   _require(d.seq_len > 0, "data.seq_len", f"must be > 0, got {d.seq_len}")
   if a.implementation == "pallas":
     _require(d.seq_len % 64 == 0, "data.seq_len",
              f"{d.seq_len} must be divisible by the Pallas kernels' 64-token blocks")
   _require(d.global_batch > 0, "data.global_batch", f"must be > 0, got {d.global_batch}")
-  _require(0 <= d.get("retrieval_mix", 0.0) < 1, "data.retrieval_mix",
-           f"must be in [0, 1), got {d.get('retrieval_mix')}")
+  _require(0 <= d.retrieval_mix < 1, "data.retrieval_mix", f"must be in [0, 1), got {d.retrieval_mix}")
   shards = d.shards or process_count
   _require(d.shards >= 0 and shards % process_count == 0 and d.global_batch % shards == 0,
            "data.shards", f"{d.shards} must be 0 or a multiple of the {process_count} processes "
@@ -96,9 +90,9 @@ def validate(c: ml_collections.ConfigDict, *, vocab_size: int | None = None,
   _require(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", f"must be in [0, 1], got {o.min_lr_ratio}")
   _require(0 <= o.warmup_steps <= t.steps, "optim.warmup_steps",
            f"must be in [0, train.steps={t.steps}], got {o.warmup_steps}")
-  _require(o.get("schedule_steps", 0) == 0 or o.schedule_steps > o.warmup_steps,
-           "optim.schedule_steps", f"must be 0 (train.steps) or > optim.warmup_steps="
-           f"{o.warmup_steps}, got {o.get('schedule_steps')}")
+  _require(o.schedule_steps == 0 or o.schedule_steps > o.warmup_steps, "optim.schedule_steps",
+           f"must be 0 (train.steps) or > optim.warmup_steps={o.warmup_steps}, got "
+           f"{o.schedule_steps}")
   _require(o.clip_norm > 0, "optim.clip_norm", f"must be > 0, got {o.clip_norm}")
   for item in filter(None, o.no_decay.split(",")):
     _require(item in _NO_DECAY, "optim.no_decay", f"{item!r} is not one of {list(_NO_DECAY)}")
@@ -112,30 +106,29 @@ def validate(c: ml_collections.ConfigDict, *, vocab_size: int | None = None,
   if c.mesh.tensor > 1:
     _require(m.num_kv_heads % c.mesh.tensor == 0, "mesh.tensor",
              f"{c.mesh.tensor} must divide model.num_kv_heads={m.num_kv_heads}")
-  if vocab_size is not None and m.vocab_size:
-    _require(m.vocab_size >= vocab_size, "model.vocab_size",
-             f"{m.vocab_size} is smaller than the tokenizer's {vocab_size}")
+
+
+def padded_vocab(vocab_size: int) -> int:
+  """The tokenizer's vocabulary rounded up to a multiple of 128: matmul-friendly shapes."""
+  return -(-vocab_size // 128) * 128
 
 
 def model_config(c: ml_collections.ConfigDict, vocab_size: int) -> model_lib.ModelConfig:
   """Frozen ModelConfig; vocab_size is the tokenizer's, padded to a multiple of 128 unless set."""
   m, a = c.model, c.model.attention
-  vocab = m.vocab_size or -(-vocab_size // 128) * 128   # padded: matmul-friendly shapes
+  vocab = m.vocab_size or padded_vocab(vocab_size)
   return model_lib.ModelConfig(
       vocab_size=vocab, d_model=m.d_model, num_layers=m.num_layers, num_heads=m.num_heads,
       num_kv_heads=m.num_kv_heads, head_dim=m.head_dim or m.d_model // m.num_heads,
       d_ff=m.d_ff, max_seq_len=c.data.seq_len, tie_embeddings=m.tie_embeddings,
       qk_norm=m.qk_norm, rope_theta=m.rope_theta, norm_eps=m.norm_eps, remat=m.remat,
-      remat_policy=m.get("remat_policy", "nothing"),
-      fuse_matmuls=m.fuse_matmuls, norm_backward=m.get("norm_backward", "explicit"),
-      qk_rope_backward=m.get("qk_rope_backward", "separate"),
-      mlp_backward=m.get("mlp_backward", "autodiff"), add_norm=m.get("add_norm", "separate"),
+      remat_policy=m.remat_policy,
       attention=attn_lib.AttentionConfig(
           layers=attn_lib.parse_pattern(a.pattern, m.num_layers),
           implementation=a.implementation, temperature=a.temperature, learned=a.learned,
           tau_min=a.tau_min, tau_max=a.tau_max, tau_init=a.tau_init,
           tau_mean=attn_lib.TauMean(a.tau_mean), eps=a.eps,
-          checkpoint_rows=a.get("checkpoint_rows")))
+          checkpoint_rows=a.checkpoint_rows))
 
 
 def optim_config(c: ml_collections.ConfigDict):
@@ -143,19 +136,226 @@ def optim_config(c: ml_collections.ConfigDict):
   o = c.optim
   return optim.OptimConfig(
       peak_lr=o.peak_lr, warmup_steps=o.warmup_steps,
-      total_steps=o.get("schedule_steps", 0) or c.train.steps,
+      total_steps=o.schedule_steps or c.train.steps,
       min_lr_ratio=o.min_lr_ratio, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay,
       no_decay=tuple(filter(None, o.no_decay.split(","))), clip_norm=o.clip_norm,
-      mu_dtype=o.get("mu_dtype", "float32"))
+      mu_dtype=o.mu_dtype)
 
 
 def data_config(c: ml_collections.ConfigDict):
   from focaljax.data import pipeline as data  # pylint: disable=import-outside-toplevel
   d = c.data
-  return data.DataConfig(source=d.source, valid_source=d.valid_source or None,
-                         tokenizer=d.tokenizer, seq_len=d.seq_len, global_batch=d.global_batch,
-                         seed=c.seed, shuffle=d.shuffle,
-                         # Workdirs written before these fields existed still evaluate and resume.
-                         tokenize=d.get("tokenize", "stream"),
-                         token_cache=d.get("token_cache") or None,
-                         retrieval_mix=d.get("retrieval_mix", 0.0))
+  try:
+    return data.DataConfig(source=d.source, valid_source=d.valid_source or None,
+                           tokenizer=d.tokenizer, seq_len=d.seq_len, global_batch=d.global_batch,
+                           seed=c.seed, shuffle=d.shuffle, tokenize=d.tokenize,
+                           token_cache=d.token_cache or None, retrieval_mix=d.retrieval_mix)
+  except ValueError as e:
+    raise ConfigError(f"config field {str(e).replace('DataConfig.', 'data.')}") from None
+
+
+# ------------------------------------------------------------ the frozen config a run is built from
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  steps: int
+  compute_dtype: str      # float32 | bfloat16: the step's dtype; master weights stay float32
+  grad_accum: int         # micro-batches per optimizer step (optim.grad_accum)
+  skip_nonfinite: bool    # train.nonfinite == "skip": a NaN/Inf step leaves the state as it was
+  log_every: int
+  eval_every: int         # validation loss every N steps (0: never)
+  eval_batches: int
+  ckpt_every: int
+  keep_ckpts: int
+  async_ckpt: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  data: int               # one of the three may be -1: the devices left
+  fsdp: int
+  tensor: int
+
+
+@dataclasses.dataclass(frozen=True)
+class FocusTrainConfig:
+  """focus.*: a FocusLLM adapter run (configs/focus.py says what each field does)."""
+  base_workdir: str                 # absolute: a workdir or one of its checkpoints/<step>
+  context: int                      # the base's trained context (its data.seq_len)
+  chunk_sizes: tuple[int, ...]
+  prompt_len: int
+  eval_prompt_len: int              # 0: prompt_len
+  p_reconstruction: float
+  doc_min_tokens: int
+  doc_max_tokens: int
+  memory_tokens: tuple[int, ...]    # memory lengths, before rounding down to whole chunks
+  local_len: int
+  num_targets: int
+  retrieval_mix: float
+  implementation: str
+  candidate_path: str
+  base_attention: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """A run's whole config, validated; `parse` builds it and is the only reader of a ConfigDict."""
+  seed: int
+  model: model_lib.ModelConfig      # vocab_size 0 until `with_vocab`: the tokenizer's
+  data: object                      # focaljax.data.pipeline.DataConfig
+  data_shards: int                  # 0: one per process
+  optim: object                     # focaljax.train.optim.OptimConfig
+  train: TrainConfig
+  mesh: MeshConfig
+  focus: FocusTrainConfig | None    # None: the language model itself trains
+  config_json: str                  # the ConfigDict as WORKDIR/config.json keeps it
+
+  def with_vocab(self, vocab_size: int) -> "Config":
+    """model.vocab_size resolved against the tokenizer's `vocab_size` (0: it, padded)."""
+    m = self.model
+    if m.vocab_size:
+      _require(m.vocab_size >= vocab_size, "model.vocab_size",
+               f"{m.vocab_size} is smaller than the tokenizer's {vocab_size}")
+      return self
+    return dataclasses.replace(
+        self, model=dataclasses.replace(m, vocab_size=padded_vocab(vocab_size)))
+
+
+def parse(c: ml_collections.ConfigDict, *, process_count: int = 1,
+          focus_context: int | None = None) -> Config:
+  """`c` validated once and frozen. focus.* is checked against the base's trained context,
+  read from focus.base_workdir unless `focus_context` gives it."""
+  validate(c, process_count=process_count)
+  t = c.train
+  train = TrainConfig(
+      steps=t.steps, compute_dtype=t.compute_dtype, grad_accum=c.optim.grad_accum,
+      skip_nonfinite=t.nonfinite == "skip", log_every=t.log_every, eval_every=t.eval_every,
+      eval_batches=t.eval_batches, ckpt_every=t.ckpt_every, keep_ckpts=t.keep_ckpts,
+      async_ckpt=t.async_ckpt)
+  return Config(seed=c.seed, model=model_config(c, 0), data=data_config(c),
+                data_shards=c.data.shards, optim=optim_config(c), train=train,
+                mesh=MeshConfig(c.mesh.data, c.mesh.fsdp, c.mesh.tensor),
+                focus=focus_config(c, focus_context) if "focus" in c else None,
+                config_json=c.to_json_best_effort(indent=2))
+
+
+def _int_list(f, name: str) -> tuple[int, ...]:
+  try:
+    values = tuple(int(s) for s in f[name].split(","))
+  except ValueError:
+    values = ()
+  _require(bool(values) and min(values) >= 1, f"focus.{name}",
+           f"{f[name]!r} must be a comma list of positive ints")
+  return values
+
+
+def _base_context(path: str) -> int:
+  """The trained context (data.seq_len) of the base workdir `path`, which must hold a checkpoint."""
+  from focaljax.train import checkpoint  # pylint: disable=import-outside-toplevel
+  _require(bool(path), "focus.base_workdir",
+           "is required: a trained focaljax workdir (python train.py ...)")
+  try:
+    workdir, step = checkpoint.resolve(path)
+  except FileNotFoundError as e:
+    raise ConfigError(f"config field focus.base_workdir: {e}") from None
+  _require(step is not None or checkpoint.latest_step(workdir) is not None, "focus.base_workdir",
+           f"{workdir} has no checkpoint under checkpoints/ (train it first)")
+  return checkpoint.read_config(workdir).data.seq_len
+
+
+def focus_config(c: ml_collections.ConfigDict, context: int | None = None) -> FocusTrainConfig:
+  """focus.*, checked against the base's trained context `context` (default: read from
+  focus.base_workdir). Every position a step uses must stay below it."""
+  from focaljax.focus import attention as focus_attention  # pylint: disable=import-outside-toplevel
+  from focaljax.focus import candidates  # pylint: disable=import-outside-toplevel
+  f = c.focus
+  if context is None:
+    context = _base_context(f.base_workdir)
+  for name, allowed in (("implementation", tuple(focus_attention.IMPLEMENTATIONS)),
+                        ("candidate_path", tuple(candidates.CANDIDATE_PATHS)),
+                        ("base_attention", ("xla", "pallas"))):
+    _require(f[name] in allowed, f"focus.{name}", f"{f[name]!r} is not one of {list(allowed)}")
+  _require(c.train.eval_every == 0, "train.eval_every",
+           f"FocusLLM runs have no validation loop: set 0, got {c.train.eval_every}")
+  for name in ("prompt_len", "doc_min_tokens"):
+    _require(f[name] >= 1, f"focus.{name}", f"must be >= 1, got {f[name]}")
+  _require(0 <= f.retrieval_mix < 1, "focus.retrieval_mix", f"must be in [0, 1), got "
+           f"{f.retrieval_mix}")
+  _require(0 <= f.p_reconstruction <= 1, "focus.p_reconstruction",
+           f"must be in [0, 1], got {f.p_reconstruction}")
+  _require(f.doc_max_tokens >= f.doc_min_tokens, "focus.doc_max_tokens",
+           f"{f.doc_max_tokens} < focus.doc_min_tokens={f.doc_min_tokens}")
+  _require(2 <= f.local_len <= context, "focus.local_len",
+           f"{f.local_len} must be in [2, {context}] (the base's trained context data.seq_len)")
+  Q = f.num_targets
+  _require(1 <= Q <= f.local_len, "focus.num_targets",
+           f"{Q} must be in [1, focus.local_len={f.local_len}]")
+  _require(f.eval_prompt_len >= 0, "focus.eval_prompt_len",
+           f"must be >= 0 (0: focus.prompt_len), got {f.eval_prompt_len}")
+  sizes = _int_list(f, "chunk_sizes")
+  memories = (_int_list(f, "memory_tokens") if f.memory_tokens
+              else (f.doc_min_tokens - f.local_len - 1,))
+  memory_field = "focus.memory_tokens" if f.memory_tokens else "focus.doc_min_tokens"
+  for s in sizes:
+    # Chunk positions: chunk + dynamic prompt + the Q - 1 later query points (served: the answer).
+    served = min(f.eval_prompt_len, s, f.local_len)
+    _require(not served or s + served + Q - 1 <= context, "focus.eval_prompt_len",
+             f"chunk {s} + dynamic prompt {served} + num_targets-1 ({Q - 1}) exceeds the base's "
+             f"trained context data.seq_len={context}; use <= {context - s - Q + 1}")
+    prompt = min(f.prompt_len, s, f.local_len - Q + 1)
+    _require(s + prompt + Q - 1 <= context, "focus.chunk_sizes",
+             f"chunk {s} + dynamic prompt {prompt} + num_targets-1 ({Q - 1}) = "
+             f"{s + prompt + Q - 1} positions exceed the base's trained context "
+             f"data.seq_len={context}; use chunks <= {context - prompt - Q + 1} or lower "
+             "focus.prompt_len")
+    for m in memories:
+      _require(m <= f.doc_min_tokens - f.local_len - 1, "focus.memory_tokens",
+               f"{m} + local_len + 1 ({f.local_len + 1}) exceeds focus.doc_min_tokens="
+               f"{f.doc_min_tokens}, the shortest document drawn")
+      M = s * (m // s)   # whole chunks (focus/samples.py)
+      _require(M >= max(s, f.local_len + 1), memory_field,
+               f"leaves a memory of {M} tokens for chunk {s}; need >= "
+               f"{max(s, f.local_len + 1)} (one chunk, and room for a reconstruction span)")
+      # The local decoder puts the C candidates at positions 0..C-1, the window after them.
+      _require(M // s + f.local_len <= context, memory_field,
+               f"{M // s} candidates (chunk {s}, memory {M}) + focus.local_len={f.local_len} "
+               f"exceed the base's data.seq_len={context}; use larger chunks or shorter memories")
+  return FocusTrainConfig(
+      base_workdir=os.path.abspath(f.base_workdir) if f.base_workdir else "", context=context,
+      chunk_sizes=sizes, prompt_len=f.prompt_len, eval_prompt_len=f.eval_prompt_len,
+      p_reconstruction=f.p_reconstruction, doc_min_tokens=f.doc_min_tokens,
+      doc_max_tokens=f.doc_max_tokens, memory_tokens=memories, local_len=f.local_len,
+      num_targets=Q, retrieval_mix=f.retrieval_mix, implementation=f.implementation,
+      candidate_path=f.candidate_path, base_attention=f.base_attention)
+
+
+# A workdir's config.json is read through `upgrade`, the one place that knows older layouts:
+# fields it may lack (written before they existed), with the value such a run had, and fields
+# removed since (speed variants and FocusLLM arms that lost), ignored.
+_ADDED = {"model.remat_policy": "nothing", "model.attention.checkpoint_rows": 1024,
+          "data.tokenize": "stream", "data.token_cache": "", "data.retrieval_mix": 0.0,
+          "optim.schedule_steps": 0, "optim.mu_dtype": "float32", "focus.retrieval_mix": 0.0,
+          "focus.memory_tokens": "", "focus.eval_prompt_len": 0, "focus.candidate_path": "adapter"}
+_REMOVED = ("model.fuse_matmuls", "model.norm_backward", "model.qk_rope_backward",
+            "model.mlp_backward", "model.add_norm", "train.cross_entropy",
+            "focus.candidate_positions", "focus.candidate_bias", "focus.sink",
+            "focus.drill_in_window", "focus.answer_weight")
+
+
+def upgrade(saved: dict) -> ml_collections.ConfigDict:
+  """A saved config (config.json's dict) in today's fields."""
+  def parent(dotted):
+    *path, name = dotted.split(".")
+    node = saved
+    for part in path:
+      node = node.get(part, {})
+    return node, name
+  for dotted, value in _ADDED.items():
+    node, name = parent(dotted)
+    if node:   # a section the config has (focus.* only in FocusLLM runs)
+      node.setdefault(name, value)
+  for dotted in _REMOVED:
+    node, name = parent(dotted)
+    node.pop(name, None)
+  return ml_collections.ConfigDict(saved)

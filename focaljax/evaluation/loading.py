@@ -11,7 +11,6 @@ import os
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 from flax import nnx
 
@@ -27,7 +26,7 @@ class LoadedModel:
   model: model_lib.Transformer
   tokenizer: tokenizer_lib.Tokenizer
   config: model_lib.ModelConfig
-  run_config: ml_collections.ConfigDict   # the workdir's whole config.json
+  run: config_lib.Config   # the workdir's whole config (config.json), vocabulary resolved
   workdir: str
   step: int
 
@@ -65,13 +64,13 @@ class LoadedModel:
     return self.tokenizer.decode(new)
 
 
-def _tokenizer(workdir: str, run_config) -> tokenizer_lib.Tokenizer:
+def _tokenizer(workdir: str, run: config_lib.Config) -> tokenizer_lib.Tokenizer:
   if os.path.isfile(os.path.join(workdir, checkpoint.TOKENIZER_FILE)):
     return tokenizer_lib.Tokenizer.load(workdir)
-  if run_config.data.get("tokenizer", "bundled") == "bundled":
+  if run.data.tokenizer == "bundled":
     return tokenizer_lib.bundled()
   raise FileNotFoundError(f"{workdir} has no {checkpoint.TOKENIZER_FILE}, and its config's "
-                          f"data.tokenizer={run_config.data.tokenizer!r} is not 'bundled'")
+                          f"data.tokenizer={run.data.tokenizer!r} is not 'bundled'")
 
 
 def abstract_model(cfg: model_lib.ModelConfig):
@@ -82,13 +81,18 @@ def abstract_model(cfg: model_lib.ModelConfig):
 def load(path: str) -> LoadedModel:
   """A workdir (latest step) or workdir/checkpoints/<step> -> LoadedModel."""
   workdir, step = checkpoint.resolve(path)
-  run_config = checkpoint.read_config(workdir)
-  tok = _tokenizer(workdir, run_config)
-  cfg = config_lib.model_config(run_config, tok.vocab_size)
+  saved = checkpoint.read_config(workdir)
+  if "focus" in saved:
+    raise ValueError(f"{workdir} is a FocusLLM adapter run; evaluate it with python eval.py "
+                     f"--workdir BASE --focus_adapter {workdir}")
+  run = config_lib.parse(saved)
+  tok = _tokenizer(workdir, run)
+  run = run.with_vocab(tok.vocab_size)
+  cfg = run.model
   graphdef, abstract_state = abstract_model(cfg)
   abstract_params = checkpoint.abstract_like(nnx.to_pure_dict(abstract_state))
   params, step = checkpoint.restore_params(workdir, step, abstract_params)
   nnx.replace_by_pure_dict(abstract_state, params)
   model = nnx.merge(graphdef, abstract_state)
-  return LoadedModel(model=model, tokenizer=tok, config=cfg, run_config=run_config,
-                     workdir=workdir, step=int(step))
+  return LoadedModel(model=model, tokenizer=tok, config=cfg, run=run, workdir=workdir,
+                     step=int(step))

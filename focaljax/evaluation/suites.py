@@ -1,8 +1,8 @@
 """Evaluation suites of a trained model; each returns a JSON-able dict.
 
   validation        weighted mean loss / perplexity on the validation split
-  loss_by_position  long documents, per-position NLL averaged in doubling position ranges
-                    (notes/dilution.md §5), in and beyond the trained context
+  loss_by_position  long documents, per-position NLL averaged in doubling position ranges,
+                    in and beyond the trained context
   passkey, keyword  long-context retrieval (focaljax/data/retrieval.py)
   attention_probe   one query's attention under softmax vs focal temperature (focal paper Fig. 1)
   samples           greedy and nucleus-sampled continuations
@@ -88,7 +88,7 @@ def loss_by_position(model, token_docs, trained_len: int, max_multiplier: int = 
   Every document with >= L + 1 tokens (L = trained_len · max_multiplier) contributes its first
   L + 1 tokens, one at a time (batch 1). Curves:
     full      one pass at L (RoPE layers NTK-scaled for L): the simple long-context number.
-    doubling  (RoPE models) the §5 protocol: one pass per L_k = trained_len·2^k with NTK for L_k;
+    doubling  (RoPE models) one pass per L_k = trained_len·2^k with NTK for L_k;
               a range is taken from the shortest pass covering it, so positions < trained_len
               come from the unscaled in-context pass.
     unscaled  (RoPE models) one pass at L with the trained rotary base: the no-NTK baseline.
@@ -224,7 +224,7 @@ def copy_score(model, spans) -> dict:
 def _validation_pieces(m, n: int, count: int) -> list[list[int]]:
   """Up to `count` consecutive n-token pieces of the validation documents joined with eos."""
   from focaljax.data import pipeline as data  # pylint: disable=import-outside-toplevel
-  valid = data.documents(_data_config(m), "valid")
+  valid = data.documents(m.run.data, "valid")
   stream = []
   for i in range(len(valid)):
     stream += m.tokenizer.encode(valid[i]) + [m.tokenizer.eos_id]
@@ -241,16 +241,11 @@ def _copy_suite(m, num_spans: int = 16) -> dict:
   return copy_score(m, spans)
 
 
-def _data_config(m, **overrides):
-  from focaljax import config as config_lib  # pylint: disable=import-outside-toplevel
-  # The loaded tokenizer is passed to the pipeline directly; the config's spec is not re-read.
-  return dataclasses.replace(config_lib.data_config(m.run_config), **overrides)
-
-
 def _validation_suite(m, num_batches: int | None) -> dict:
   from focaljax.data import pipeline as data  # pylint: disable=import-outside-toplevel
-  cfg = _data_config(m, shuffle=False, num_epochs=1)
-  num_batches = num_batches or m.run_config.train.get("eval_batches", 4)
+  # The loaded tokenizer is passed to the pipeline directly; the config's spec is not re-read.
+  cfg = dataclasses.replace(m.run.data, shuffle=False, num_epochs=1)
+  num_batches = num_batches or m.run.train.eval_batches
   it = data.make_iterator(cfg, m.tokenizer, split="valid")
   return {**validation(m, it, num_batches), "source": cfg.valid_source or cfg.source}
 

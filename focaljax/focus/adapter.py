@@ -1,70 +1,140 @@
-"""A FocusLLM adapter on disk: the adapter's weights (numpy .npz) and focus.json, which holds its
-`focus.FocusConfig` and the base workdir it was trained on. The base stays in its own workdir;
-`from_workdir` loads the two together, `with_attention` swaps the base's attention."""
+"""A trained FocusLLM adapter on disk, and the base it reads.
+
+A FocusLLM run's workdir (focus/train.py) holds config.json, metrics and checkpoints/<step>/ like
+a language model's: its params item is the adapter ({layer: {wq, wk, wv, wo}}, {wk, wv} on the
+"frozen" candidate path), its meta (`meta`) the adapter's `focus.FocusConfig` as it is served, the
+window it trained on and the base workdir. The base stays in its own workdir; `load` restores the
+adapter over it, `with_attention` swaps the base's attention.
+
+Runs written before kept adapter/<step>/{adapter.npz, focus.json, opt_state.npz}; convert one in
+place (then evaluate or resume it as any other) with
+  python -m focaljax.focus.adapter RUN_WORKDIR
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
+import sys
 
-import jax.numpy as jnp
+import jax
 import numpy as np
 from flax import nnx
 
-from focaljax.model import attention as attn_lib
+from focaljax import config as config_lib
+from focaljax.evaluation import loading
 from focaljax.focus import model as focus
-from focaljax.evaluation import loading as loaded
+from focaljax.train import checkpoint
+from focaljax.train import optim
+
+LEGACY_DIR = "adapter"   # the .npz layout's adapter/<step>/
 
 
-def save_adapter(directory: str, adapter: dict, cfg: focus.FocusConfig,
-                 base_workdir: str = "") -> None:
-  """The adapter alone (numpy .npz) + focus.json; the base stays in its own workdir."""
-  os.makedirs(directory, exist_ok=True)
-  np.savez(os.path.join(directory, "adapter.npz"),
-           **{f"{i}/{n}": np.asarray(w) for i, ws in adapter.items() for n, w in ws.items()})
-  with open(os.path.join(directory, "focus.json"), "w") as f:
-    json.dump({"config": dataclasses.asdict(cfg), "base_workdir": base_workdir}, f, indent=2)
-
-
-def load_adapter(directory: str) -> tuple[dict, focus.FocusConfig, str]:
-  """(adapter, FocusConfig, base_workdir) written by `save_adapter`."""
-  with np.load(os.path.join(directory, "adapter.npz")) as z:
-    adapter = {}
-    for key in z.files:
-      i, n = key.split("/")
-      adapter.setdefault(int(i), {})[n] = jnp.asarray(z[key])
-  with open(os.path.join(directory, "focus.json")) as f:
-    meta = json.load(f)
-  # Adapters saved before the field existed were all trained in the then only layout.
-  meta["config"].setdefault("candidate_positions", "shared")
-  return dict(sorted(adapter.items())), focus.FocusConfig(**meta["config"]), meta["base_workdir"]
+def meta(cfg: focus.FocusConfig, *, trained_prompt_len: int, local_len: int,
+         base_workdir: str) -> dict:
+  """What a FocusLLM checkpoint records beside the adapter. `cfg` is the adapter as it is served:
+  the largest trained chunk, the prompt focus.eval_prompt_len names (else the trained one)."""
+  return {"focus": dataclasses.asdict(cfg), "trained_prompt_len": trained_prompt_len,
+          "local_len": local_len, "base_workdir": base_workdir}
 
 
 def with_attention(model, implementation: str):
   """The same weights with the base's attention implementation replaced (a `how`, not a `what`).
 
-  The chunk caches take the activations' dtype (frozen_prefill); cuDNN accepts only 16-bit q, k,
-  v, and the frozen prefill attends over a cache with room for later tokens, so FocusLLM runs the
-  base's attention as "xla" (focus.base_attention's default, and eval's) or "pallas" whatever the
-  base was trained with: a base trained with cudnn/auto on a GPU is adapted and evaluated as is."""
-  if implementation not in attn_lib.IMPLEMENTATIONS:
-    raise ValueError(f"focus_adapter.with_attention: implementation {implementation!r} must be "
-                     f"one of {attn_lib.IMPLEMENTATIONS}")
+  The chunk caches take the activations' dtype (candidates.frozen_prefill); cuDNN accepts only
+  16-bit q, k, v, and the frozen prefill attends over a cache with room for later tokens, so
+  FocusLLM runs the base's attention as "xla" or "pallas" whatever the base was trained with."""
   cfg = dataclasses.replace(model.cfg, attention=dataclasses.replace(
       model.cfg.attention, implementation=implementation))
-  graphdef, _ = loaded.abstract_model(cfg)
+  graphdef, _ = loading.abstract_model(cfg)
   return nnx.merge(graphdef, nnx.state(model))
 
 
-def from_workdir(path: str, adapter_dir: str | None = None, base_attention: str | None = None,
-                 candidate_path: str = "adapter"):
-  """(LoadedModel of the frozen base, adapter): a fresh copy-initialised adapter for
-  `candidate_path` (focus.CANDIDATE_PATHS) unless `adapter_dir` names one saved by
-  `save_adapter`; `base_attention` swaps the base's attention implementation (with_attention)."""
-  base = loaded.load(path)
-  if base_attention is not None:
-    base = dataclasses.replace(base, model=with_attention(base.model, base_attention))
-  adapter = (focus.init_adapter(base.model, candidate_path) if adapter_dir is None
-             else load_adapter(adapter_dir)[0])
-  return base, adapter
+def check_not_legacy(run: str) -> None:
+  """Raises, naming the conversion command, where `run` keeps the old .npz layout."""
+  if os.path.isdir(os.path.join(run, LEGACY_DIR)):
+    raise FileNotFoundError(f"{run} keeps its adapter in the old .npz layout; convert it with: "
+                            f"python -m focaljax.focus.adapter {run}")
+
+
+def _resolve(path: str) -> tuple[str, int | None]:
+  """(run workdir, step) of a FocusLLM run workdir (latest step) or a checkpoints/<step> in it."""
+  path = os.path.abspath(path)
+  parent = os.path.dirname(path)
+  if os.path.basename(parent) == "checkpoints" and os.path.basename(path).isdigit():
+    return os.path.dirname(parent), int(os.path.basename(path))
+  if checkpoint.latest_step(path) is not None:
+    return path, None
+  check_not_legacy(os.path.dirname(parent) if os.path.basename(parent) == LEGACY_DIR else path)
+  raise FileNotFoundError(f"{path} is neither a FocusLLM run workdir (no checkpoints/<step>) nor "
+                          "a checkpoints/<step> directory inside one")
+
+
+def load(path: str, base) -> tuple[dict, focus.FocusConfig, dict]:
+  """(adapter, FocusConfig, meta + {"workdir", "step"}) of a FocusLLM run workdir (its latest
+  checkpoint) or one of its checkpoints/<step>, restored onto the shapes of `base` (a
+  Transformer)."""
+  workdir, step = _resolve(path)
+  saved, step = checkpoint.read_meta(workdir, step)
+  if "focus" not in saved:
+    raise ValueError(f"{workdir}: its checkpoints hold no FocusLLM adapter (a language model's "
+                     "workdir?)")
+  cfg = focus.FocusConfig(**saved["focus"])
+  like = checkpoint.abstract_like(jax.eval_shape(
+      lambda: focus.init_adapter(base, cfg.candidate_path)))
+  try:
+    adapter, step = checkpoint.restore_params(workdir, step, like)
+  except ValueError as e:
+    raise ValueError(f"{workdir}: the adapter does not fit this base ({e}); is the base the "
+                     f"adapter's, {saved['base_workdir']}?") from None
+  return adapter, cfg, {**saved, "workdir": workdir, "step": step}
+
+
+# focus.json fields of the .npz layout whose arms were removed, with the only value kept.
+_REMOVED_ARMS = {"candidate_positions": "sequential", "candidate_bias": "none", "sink": "none",
+                 "sep_id": None}
+
+
+def convert(run: str) -> list[int]:
+  """Rewrites every adapter/<step>/ of an old FocusLLM run as checkpoints/<step>/ (adapter,
+  optimizer state, meta); returns the steps. The old directories stay."""
+  root = os.path.join(run, LEGACY_DIR)
+  steps = sorted(int(d) for d in os.listdir(root) if d.isdigit()) if os.path.isdir(root) else []
+  if not steps:
+    raise FileNotFoundError(f"{root} holds no adapter/<step>/ to convert")
+  c = checkpoint.read_config(run)
+  for step in steps:
+    d = os.path.join(root, str(step))
+    with open(os.path.join(d, "focus.json")) as f:
+      saved = json.load(f)
+    # Written before candidate_positions existed: the then only layout, "shared".
+    old = {"candidate_positions": "shared", **saved["config"]}
+    for name, kept in _REMOVED_ARMS.items():
+      if old.pop(name, kept) != kept:
+        raise ValueError(f"{d}: trained with {name}={saved['config'].get(name, 'shared')!r}, "
+                         f"an arm this version no longer has ({name}={kept!r} only)")
+    with np.load(os.path.join(d, "adapter.npz")) as z:
+      adapter = {}
+      for key in z.files:
+        layer, name = key.split("/")
+        adapter.setdefault(int(layer), {})[name] = z[key]
+    adapter = dict(sorted(adapter.items()))
+    opt_state = None
+    if os.path.isfile(os.path.join(d, "opt_state.npz")):
+      structure = jax.tree.structure(jax.eval_shape(
+          optim.make(config_lib.optim_config(c), adapter).init, adapter))
+      with np.load(os.path.join(d, "opt_state.npz")) as z:
+        opt_state = jax.tree.unflatten(structure, [z[f"arr_{i}"] for i in range(len(z.files))])
+    served = dataclasses.replace(focus.FocusConfig(**old),
+                                 prompt_len=c.focus.eval_prompt_len or old["prompt_len"])
+    checkpoint.save_params(run, step, adapter, {"step": step, **meta(
+        served, trained_prompt_len=old["prompt_len"], local_len=c.focus.local_len,
+        base_workdir=saved["base_workdir"])}, opt_state)
+  return steps
+
+
+if __name__ == "__main__":
+  if len(sys.argv) != 2:
+    sys.exit("usage: python -m focaljax.focus.adapter RUN_WORKDIR   (converts adapter/<step>/)")
+  print(f"converted steps {convert(sys.argv[1])} of {sys.argv[1]} to checkpoints/<step>/")

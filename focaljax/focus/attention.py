@@ -6,7 +6,8 @@
   "pallas"  pallas_kernels.condense.api: split-K candidate attention and a flash local decoder
             attention with its backward (Triton lowering); compiled on GPU, Pallas interpret
             mode on CPU (slow, for tests); on TPU it raises (no Mosaic-TPU port).
-Both compute the same function (tests/kernels/condense/test_condense.py). Letters as in focus.py.
+Both compute the same function (tests/kernels/condense/test_condense.py). Letters as in
+focus/model.py.
 """
 
 from __future__ import annotations
@@ -15,14 +16,13 @@ import dataclasses
 import functools
 from typing import Callable
 
-import jax
-from jax.sharding import PartitionSpec as P
-
-from focaljax import ops
+from focaljax import dispatch
 from focaljax import sharding
 from pallas_kernels.condense import api as condense
 
-_interpret = ops._interpret  # pylint: disable=protected-access
+
+def _interpret() -> bool:
+  return dispatch.choose("condense", "pallas").interpret
 
 
 def _candidate_xla(q, k, v, visible_len, self_k, self_v, *, scale):
@@ -30,19 +30,13 @@ def _candidate_xla(q, k, v, visible_len, self_k, self_v, *, scale):
 
 
 def _rows_local(kernel):
-  """Under an ambient mesh, runs `kernel` on each device's rows (shard_map over the batch rule's
-  axes): a pallas_call has no partitioning rule, so XLA would otherwise gather every operand onto
-  every device. Every operand is row-major [R, ...]; rows not divisible by the devices that split
-  them (or no mesh) run the kernel as is."""
+  """`kernel` on each device's rows under a mesh (sharding.per_device); every operand and output
+  is row-major [R, ...]."""
   @functools.wraps(kernel)
   def wrapped(*args, **static):
-    mesh = jax.sharding.get_abstract_mesh()
-    axes = None if mesh.empty else sharding.dividing_axes(mesh, "batch", args[0].shape[0])
-    if axes is None:
-      return kernel(*args, **static)
-    specs = tuple(P(axes, *([None] * (a.ndim - 1))) for a in args)
-    return jax.shard_map(functools.partial(kernel, **static), in_specs=specs,
-                         out_specs=P(axes), check_vma=False)(*args)
+    rows = ("batch",)
+    return sharding.per_device(functools.partial(kernel, **static), (rows,) * len(args),
+                               rows)(*args)
   return wrapped
 
 
@@ -52,15 +46,13 @@ def _candidate_pallas(q, k, v, visible_len, self_k, self_v, *, scale):
                                       interpret=_interpret())
 
 
-def _local_xla(q, k, v, cand_k, cand_v, *, scale, cand_bias):
-  return condense.local_attention_reference(q, k, v, cand_k, cand_v, scale=scale,
-                                            cand_bias=cand_bias)
+def _local_xla(q, k, v, cand_k, cand_v, *, scale):
+  return condense.local_attention_reference(q, k, v, cand_k, cand_v, scale=scale)
 
 
 @_rows_local
-def _local_pallas(q, k, v, cand_k, cand_v, *, scale, cand_bias):
-  return condense.local_attention(q, k, v, cand_k, cand_v, scale=scale, cand_bias=cand_bias,
-                                  interpret=_interpret())
+def _local_pallas(q, k, v, cand_k, cand_v, *, scale):
+  return condense.local_attention(q, k, v, cand_k, cand_v, scale=scale, interpret=_interpret())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,16 +93,14 @@ def candidates(implementation: str, attn, q_RQND, cache_k_RSKD, cache_v_RSKD, k_
       positions_RQ, k_RQKD, v_RQKD, scale=_scale(attn))
 
 
-def local(implementation: str, attn, q_RTND, k_RTKD, v_RTKD, cand_k_RCKD, cand_v_RCKD,
-          cand_bias: float = 0.0):
-  """Local token t sees every candidate (its logit + cand_bias) and the local tokens s <= t."""
+def local(implementation: str, attn, q_RTND, k_RTKD, v_RTKD, cand_k_RCKD, cand_v_RCKD):
+  """Local token t sees every candidate and the local tokens s <= t."""
   return IMPLEMENTATIONS[implementation].local(
       q_RTND, k_RTKD, v_RTKD, cand_k_RCKD.astype(k_RTKD.dtype), cand_v_RCKD.astype(v_RTKD.dtype),
-      scale=_scale(attn), cand_bias=cand_bias)
+      scale=_scale(attn))
 
 
-def candidate_mass(attn, q_RND, k_RTKD, cand_k_RCKD, at_R, cand_bias: float = 0.0):
+def candidate_mass(attn, q_RND, k_RTKD, cand_k_RCKD, at_R):
   """float32 [R, N, C]: the local query at position at_R's attention on each candidate (XLA under
   either implementation: a diagnostic of one position per row)."""
-  return condense.candidate_mass_reference(q_RND, k_RTKD, cand_k_RCKD, at_R, scale=_scale(attn),
-                                           cand_bias=cand_bias)
+  return condense.candidate_mass_reference(q_RND, k_RTKD, cand_k_RCKD, at_R, scale=_scale(attn))

@@ -1,11 +1,11 @@
 """FocusLLM's chunk side: the frozen stream over every chunk sequence and the candidates.
 
-Einsum letters as in focus.py (R rows = chunk sequences, Q candidates per row, S cached positions).
-`frozen_prefill` / `frozen_step` build and extend each chunk's frozen K/V cache through the base's
-own blocks; `candidates` runs the candidate tokens (the dynamic prompt's last ones) over those
-caches. Whose projections the candidate's own forward uses, and which the adapter holds, is
+Einsum letters as in focus/model.py (R rows = chunk sequences, Q candidates per row, S cached
+positions). `frozen_prefill` / `frozen_step` build and extend each chunk's frozen K/V cache through
+the base's own blocks; `candidates` runs the candidate tokens (the dynamic prompt's last ones) over
+those caches. Whose projections the candidate's own forward uses, and which the adapter holds, is
 `FocusConfig.candidate_path` (CANDIDATE_PATHS below); the k/v it hands the local decoder are always
-the adapter's. focus.py re-exports these names.
+the adapter's.
 """
 
 from __future__ import annotations
@@ -29,14 +29,14 @@ class CandidatePath:
 
 # FocusConfig.candidate_path. "adapter" (the paper's): the candidate's own forward runs on the
 # adapter's q/k/v/o. "frozen": it is the base's, and the adapter's wk/wv only map it, per layer,
-# to the k/v the local decoder sees; the same function at copy-init. Why: the untrained needle
-# chunk's candidate knows the key; the trained adapters that never read the memory had lost that
-# (FOCUSLLM.md, sixteenth session).
+# to the k/v the local decoder sees; the same function at copy-init. Over small bases the frozen
+# path leaves the answer prior reliably: the untrained candidate already reads the needle, and
+# training the candidate's own projections can unlearn that (docs/focusllm.md).
 CANDIDATE_PATHS = {"adapter": CandidatePath(_PROJ, True),
                    "frozen": CandidatePath(("wk", "wv"), False)}
 
 
-def _rope(attn, x_RTKD, positions_RT, theta):
+def rope(attn, x_RTKD, positions_RT, theta):
   if attn.spec.position is attn_lib.Position.ROPE:
     return model_lib.apply_rope(x_RTKD, positions_RT, theta)
   return x_RTKD
@@ -56,7 +56,7 @@ def _candidate_project(attn, w, x_RQE, positions_RQ, theta):
   if attn.cfg.qk_norm:
     q = attn.q_norm(q)
   k, v = _candidate_kv(attn, w, x_RQE)
-  return _rope(attn, q, positions_RQ, theta), _rope(attn, k, positions_RQ, theta), k, v
+  return rope(attn, q, positions_RQ, theta), rope(attn, k, positions_RQ, theta), k, v
 
 
 def _extend(base, caches, tokens_RT, position, theta: float):

@@ -3,8 +3,8 @@
 Lengths are multiples of the base's trained context (`base.cfg.max_seq_len`, "ctx" below). Every
 input is split into a local window (the last T tokens, the local decoder's input) and the memory
 (everything before it, cut into chunks of `cfg.chunk_size`). T defaults (in `run`) to the
-adapter run's focus.local_len, the window it was trained on, else ctx // 2, the official ratio
-(local_window 2048 on LLaMA-2's 4K). The memory must be whole chunks (focus.chunk_rows):
+window the adapter trained on (focus.local_len), else ctx // 2, the official ratio (local_window
+2048 on LLaMA-2's 4K). The memory must be whole chunks (focus.chunk_sequences):
 
   passkey           keeps the requested total length exactly and takes the largest window
                     T <= local_len with (length - T) % chunk_size == 0, or the smallest above it
@@ -12,12 +12,12 @@ adapter run's focus.local_len, the window it was trained on, else ctx // 2, the 
   loss_by_position  keeps T and drops the oldest (p - T) % chunk_size tokens of the document (its
                     beginning) from the memory of a window ending at p.
 
-passkey: `focus_passkey.passkey` (the official protocol; its module docstring).
+passkey: focus/passkey.py (the official protocol; its module docstring).
 
 loss_by_position: NLL of long documents in doubling position ranges [0, ctx), [ctx, 2ctx),
 [2ctx, 4ctx), ... up to max_multiplier x ctx, through the leak-free `focus.target_nll`. A window
 ending at p scores the Q = num_targets targets at positions p-Q+1 .. p of the document (each
-predicted from its own candidates, module docstring of focus.py): local tokens doc[p-T .. p-1],
+predicted from its own candidates, module docstring of focus/model.py): local tokens doc[p-T .. p-1],
 memory the whole chunks before doc[p-T]. For each range, `windows` ends p are drawn uniformly
 (duplicates dropped) from the ends whose targets all lie in the range (and p >= T) and whose
 memory is the same whole number of chunks, that number drawn first: one memory length, so one
@@ -44,15 +44,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from focaljax.train import checkpoint
-from focaljax.evaluation import suites as evaluate
-from focaljax.focus import model as focus
-from focaljax.focus import adapter as focus_adapter
-from focaljax.focus import train as focus_train
 from focaljax.evaluation import loading as loaded_lib
-# The passkey suite lives in focus_passkey; its names stay importable from here.
-from focaljax.focus.passkey import (DEFAULT_MULTIPLIERS, digit_places, key_digits,  # noqa: F401
-                                    local_len_for, passkey)
+from focaljax.evaluation import suites as evaluate
+from focaljax.focus import adapter as adapter_lib
+from focaljax.focus import model as focus
+from focaljax.focus.passkey import DEFAULT_MULTIPLIERS, passkey
 
 FOCUS_SUITES = ("focus_passkey", "focus_longdoc")
 
@@ -133,38 +129,10 @@ def loss_by_position(adapter, base, cfg: focus.FocusConfig, token_docs, max_mult
 # ------------------------------------------------------------------------ eval.py entry point
 
 
-def resolve_adapter(path: str) -> tuple[str, str, int | None]:
-  """(adapter dir, run dir, step) from a focus run workdir (its latest adapter/<step>), an
-  adapter/<step> directory, or any directory holding adapter.npz (its own run dir, no step)."""
-  path = os.path.abspath(path)
-  if os.path.isfile(os.path.join(path, "adapter.npz")):
-    parent = os.path.dirname(path)
-    if os.path.basename(parent) == focus_train.ADAPTER_DIR and os.path.basename(path).isdigit():
-      return path, os.path.dirname(parent), int(os.path.basename(path))
-    return path, path, None
-  steps = focus_train.saved_steps(path)
-  if not steps:
-    raise FileNotFoundError(f"--focus_adapter {path}: neither a focus run workdir (no "
-                            f"{focus_train.ADAPTER_DIR}/<step>/) nor a directory with adapter.npz")
-  return os.path.join(path, focus_train.ADAPTER_DIR, str(steps[-1])), path, None
-
-
 def cast(tree, dtype):
   """Floating leaves of a pytree (an nnx state, an adapter) cast to `dtype`."""
   return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
                       tree)
-
-
-def _check_shapes(adapter, base, adapter_dir: str) -> None:
-  for i, block in enumerate(base.blocks):
-    for name, w in adapter.get(i, {}).items():
-      want = getattr(block.attn, name).shape
-      if w.shape != want:
-        raise ValueError(f"--focus_adapter {adapter_dir}: layer {i} {name} has shape {w.shape}, "
-                         f"the base's is {want}; is --workdir the adapter's base?")
-  if len(adapter) != len(base.blocks):
-    raise ValueError(f"--focus_adapter {adapter_dir}: {len(adapter)} layers, the base has "
-                     f"{len(base.blocks)}; is --workdir the adapter's base?")
 
 
 def _where(trial: dict) -> str:
@@ -182,15 +150,15 @@ def format_suite(suite: str, r: dict) -> str:
     lines = [head, f"  base context {r['context']}, chunk {r['chunk_size']}, prompt "
              f"{r['prompt_len']}, {len(r['seeds'])} seeds, {r.get('filler', 'grass')} filler",
              "      x   length   memory  chunks  local   acc  in memory  digits"
-             "  candidate reads key  cand mass  needle/cand  sink mass"]
+             "  candidate reads key  cand mass  needle/cand"]
     none = [None] * len(r["rows"])
-    for row, a, am, dm, cr, cm, ns, sm in zip(
+    for row, a, am, dm, cr, cm, ns in zip(
         r["rows"], r["accuracy_by_length"], r["accuracy_needle_in_memory"],
         r.get("digits_in_memory", none), r.get("candidate_readout", none),
-        r.get("candidate_mass", none), r.get("needle_share", none), r.get("sink_mass", none)):
+        r.get("candidate_mass", none), r.get("needle_share", none)):
       lines.append(f"  {row['multiplier']:>5} {row['length']:>8} {row['memory_len']:>8} "
                    f"{row['num_chunks']:>7} {row['local_len']:>6} {fmt(a)}     {fmt(am)} "
-                   f"{fmt(dm)}   {fmt(cr)}             {fmt(cm)}       {fmt(ns)}     {fmt(sm)}")
+                   f"{fmt(dm)}   {fmt(cr)}             {fmt(cm)}       {fmt(ns)}")
     lines += [f"  {row['multiplier']}x skipped: {row['skipped']}" for row in r["rows"]
               if "skipped" in row]
     for row, inside, before in zip(r["rows"], r.get("window_in_prompt", none),
@@ -227,47 +195,35 @@ def format_suite(suite: str, r: dict) -> str:
   return head
 
 
-def serving_config(cfg: focus.FocusConfig, run_dir: str, *, chunk_size=None, prompt_len=None,
-                   implementation=None, candidate_bias=None, sink=None, local_len=None):
-  """(FocusConfig, local_len) to evaluate an adapter with: the given values, else the focus run's
-  config (focus.eval_prompt_len, the prompt it is served with, and focus.local_len, the window it
-  was trained on; absent or 0: the adapter's own prompt, and None), else the adapter's `cfg`."""
-  has_config = os.path.isfile(os.path.join(run_dir, checkpoint.CONFIG_FILE))
-  trained = checkpoint.read_config(run_dir).get("focus", {}) if has_config else {}
+def serving_config(cfg: focus.FocusConfig, meta: dict, *, chunk_size=None, prompt_len=None,
+                   implementation=None, local_len=None):
+  """(FocusConfig, local_len) to evaluate an adapter with: the given values, else the adapter's
+  as its run serves it (`cfg`: focus.eval_prompt_len's prompt; the window it trained on)."""
   keep = lambda given, own: own if given is None else given   # 0 reaches FocusConfig's check
   cfg = dataclasses.replace(cfg, chunk_size=keep(chunk_size, cfg.chunk_size),
-                            prompt_len=keep(prompt_len,
-                                            trained.get("eval_prompt_len") or cfg.prompt_len),
-                            implementation=implementation or cfg.implementation,
-                            candidate_bias=candidate_bias or cfg.candidate_bias,
-                            sink=sink or cfg.sink)
-  return cfg, keep(local_len, trained.get("local_len"))
+                            prompt_len=keep(prompt_len, cfg.prompt_len),
+                            implementation=implementation or cfg.implementation)
+  return cfg, keep(local_len, meta.get("local_len"))
 
 
 def run(base_path: str, adapter_path: str, *, suites=FOCUS_SUITES, books: str | None = None,
         max_multiplier: int = 32, max_books: int = 8, multipliers=DEFAULT_MULTIPLIERS,
         seeds: int = 10, local_len: int | None = None, chunk_size: int | None = None,
-        prompt_len: int | None = None,
-        implementation: str | None = None, candidate_bias: str | None = None,
-        sink: str | None = None,
-        dtype: str = "float32", base_attention: str = "xla",
-        passkey_batch: int = 1, passkey_filler: str = "grass", out_dir: str | None = None,
-        log=print) -> dict:
+        prompt_len: int | None = None, implementation: str | None = None,
+        dtype: str = "float32", base_attention: str = "xla", passkey_batch: int = 1,
+        passkey_filler: str = "grass", out_dir: str | None = None, log=print) -> dict:
   """eval.py's FocusLLM suites: loads the base (`base_path`, a workdir or checkpoints/<step>) and
-  the adapter (resolve_adapter), writes <suite>.json and focus_results.json under out_dir
-  (default: the focus run's eval/, or eval/adapter_<step> for an explicit adapter/<step>).
-  `local_len` defaults to the focus run's config focus.local_len, else context // 2. `dtype`
-  casts base and adapter once (bfloat16: faster on GPU; the chunk caches follow it).
-  `base_attention` replaces the base's attention implementation (focus_adapter.with_attention
-  says why).
-  `chunk_size`, `prompt_len`, `candidate_bias` and `sink` override the adapter's (FocusConfig);
-  `prompt_len` defaults to the run's focus.eval_prompt_len, else the trained one.
-  A longer `prompt_len` than trained lets every candidate read more of the window: the
-  twentieth and twenty-second sessions missed in-window needles exactly when they lay before
-  the trained prompt's 256 tokens (0 of 6, against 8 of 8 within it); the twenty-third read
-  all 7 at 504 (FOCUSLLM.md).
-  `passkey_batch` trials share one generate call (passkey's batch_size). `passkey_filler`
-  "books" fills the passkey prompts with the first of `books` instead of the official filler."""
+  the adapter (`adapter_path`: a FocusLLM run workdir, its latest checkpoint, or one of its
+  checkpoints/<step>), writes <suite>.json and focus_results.json under out_dir (default: the
+  run's eval/, or eval/adapter_<step> for an explicit step). `local_len` defaults to the window
+  the adapter trained on; `chunk_size` and `prompt_len` to the adapter's as its run serves it
+  (focus.eval_prompt_len, else the trained prompt). A longer prompt than trained lets every
+  candidate read more of the window: needles in the window but before the trained prompt are
+  missed otherwise. `dtype` casts base and adapter once (bfloat16: faster on GPU; the chunk
+  caches follow it). `base_attention` replaces the base's attention implementation
+  (adapter.with_attention says why). `passkey_batch` trials share one generate call;
+  `passkey_filler` "books" fills the passkey prompts with the first of `books` instead of the
+  official filler."""
   unknown = set(suites) - set(FOCUS_SUITES)
   if unknown:
     raise ValueError(f"unknown focus suites {sorted(unknown)}; allowed: {list(FOCUS_SUITES)}")
@@ -275,29 +231,29 @@ def run(base_path: str, adapter_path: str, *, suites=FOCUS_SUITES, books: str | 
     raise ValueError(f"focus passkey filler {passkey_filler!r}: must be 'grass' or 'books' (books "
                      "needs --books)")
   m = loaded_lib.load(base_path)
-  adapter_dir, run_dir, step = resolve_adapter(adapter_path)
-  adapter, cfg, recorded_base = focus_adapter.load_adapter(adapter_dir)
-  _check_shapes(adapter, m.model, adapter_dir)
-  graphdef, state = nnx.split(focus_adapter.with_attention(m.model, base_attention))
+  adapter, cfg, meta = adapter_lib.load(adapter_path, m.model)
+  graphdef, state = nnx.split(adapter_lib.with_attention(m.model, base_attention))
   base, adapter = nnx.merge(graphdef, cast(state, dtype)), cast(adapter, dtype)
-  cfg, local_len = serving_config(cfg, run_dir, chunk_size=chunk_size, prompt_len=prompt_len,
-                                  implementation=implementation, candidate_bias=candidate_bias,
-                                  sink=sink, local_len=local_len)
-  out_dir = out_dir or os.path.join(run_dir, "eval", "" if step is None else f"adapter_{step}")
+  cfg, local_len = serving_config(cfg, meta, chunk_size=chunk_size, prompt_len=prompt_len,
+                                  implementation=implementation, local_len=local_len)
+  explicit = os.path.basename(os.path.dirname(os.path.abspath(adapter_path))) == "checkpoints"
+  out_dir = out_dir or os.path.join(meta["workdir"], "eval",
+                                    f"adapter_{meta['step']}" if explicit else "")
   os.makedirs(out_dir, exist_ok=True)
   ctx = m.trained_len
   log(f"focaljax focus eval: base {m.workdir} step {m.step} (context {ctx}; the adapter was "
-      f"trained on {recorded_base or '?'}), adapter {adapter_dir}, {cfg}, local window "
+      f"trained on {meta['base_workdir']}), adapter {meta['workdir']} step {meta['step']}, {cfg}, "
+      f"local window "
       f"{local_len or ctx // 2}, {dtype}, base attention {base_attention}")
-  results = {"meta": {"base": m.workdir, "base_step": m.step, "adapter": adapter_dir,
+  results = {"meta": {"base": m.workdir, "base_step": m.step, "adapter": meta["workdir"],
+                      "adapter_step": meta["step"],
                       "focus": dataclasses.asdict(cfg), "local_len": local_len or ctx // 2,
                       "dtype": dtype, "context": ctx,
                       "suites": list(suites)}}
 
   def longdoc():
     if not books:
-      raise ValueError("focus_longdoc needs long documents (--books, or the shared longeval "
-                       "corpus)")
+      raise ValueError("focus_longdoc needs long documents (--books)")
     L = ctx * max_multiplier
     docs = evaluate.load_books(books, m.tokenizer, max_books, min_tokens=L, max_tokens=L)
     return {**loss_by_position(adapter, base, cfg, docs, max_multiplier, local_len=local_len),

@@ -1,24 +1,23 @@
 """Greedy FocusLLM generation: chunk caches built once at prefill, extended by one token per step.
 
-Prefill: every chunk sequence [chunk | sep? | last P prompt tokens] except its last token runs
-through the frozen base into a per-chunk KV cache with room for the new tokens; the last prompt
-token is condensed as the candidate (adapter path) against that cache. Each step:
+Prefill: every chunk sequence [chunk | last P prompt tokens] except its last token runs through the
+frozen base into a per-chunk KV cache with room for the new tokens; the last prompt token is
+condensed as the candidate against that cache. Each step:
   1. the local decoder (frozen) over the local window + generated tokens, with the current
      candidates prepended at every layer, gives the next token. It is recomputed every step:
      every local token attends to the candidates, and those change every step;
   2. every chunk cache is extended by the previous newest token (now an ordinary frozen token,
-     `focus.frozen_step`), and the new token is condensed as the next candidate against it.
+     `candidates.frozen_step`), and the new token is condensed as the next candidate against it.
 So the dynamic prompt grows by one token per step (its start stays fixed: shifting it would
 invalidate every cached key), and step t equals `focus.logits` with prompt_len = P + t on the
-tokens so far (tests/focus/test_focus.py checks this against recomputation from scratch). All positions
-stay inside the base's trained context; `focus.check_positions` raises before generating if not.
+tokens so far (tests/focus/test_focus.py checks this against recomputation from scratch). All
+positions stay inside the base's trained context; `focus.check_positions` raises before
+generating if not.
 
 Shapes are fixed for the whole generation (a token buffer [B, T + new - 1] whose unwritten tail
 is causally invisible), so prefill and step each compile once; the graphdef is a static argument
-as in generate.py. `cfg.implementation` ("xla" | "pallas", focus_attention.py) and the local
-decoder's layout (`cfg.candidate_positions`; with "sequential" the local tokens, generated ones
-included, sit after the C candidates) are chosen at prefill and ride in `state` as static values
-(outside the jitted arrays), so every step uses the same attention code and positions.
+as in evaluation/generate.py. `cfg.implementation` and `cfg.candidate_path` ride in `state` as
+static values (outside the jitted arrays), so every step runs the prefill's code.
 """
 
 from __future__ import annotations
@@ -29,23 +28,20 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from focaljax.focus import candidates as cand_lib
 from focaljax.focus import model as focus
 
-
-_STATIC = ("implementation", "sequential_positions", "candidate_bias", "sink",
-           "candidate_path")   # not arrays
-_READOUT = ("candidate_top", "candidate_mass", "sink_mass")   # diagnostics, not generation's state
+_STATIC = ("implementation", "candidate_path")   # not arrays
+_READOUT = ("candidate_top", "candidate_mass")   # diagnostics, not generation's state
 
 
-def _local_at(base, state, index, implementation, sequential_positions, candidate_bias,
-              candidate_mass=False):
+def _local_at(base, state, index, implementation, candidate_mass=False):
   """Next-token logits float32 [B, V] read at buffer position `index` (a traced scalar); with
   `candidate_mass`, also that position's attention on each candidate, [L, B, C]."""
   return focus.local_logits(base, state["tokens"], state["kv"], base.cfg.rope_theta,
                             implementation=implementation,
-                            sequential_positions=sequential_positions,
                             at_B=jnp.full((state["tokens"].shape[0],), index),
-                            candidate_mass=candidate_mass, candidate_bias=candidate_bias)
+                            candidate_mass=candidate_mass)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "max_new_tokens", "readout"))
@@ -59,25 +55,18 @@ def _prefill(graphdef, base_state, adapter, memory_BM, prompt_BT, cfg, max_new_t
   else:
     h_BCQE, kv, caches = focus.condense(adapter, base, memory_BM, prompt_BT[:, T - P:], 1, cfg,
                                         extra=max_new_tokens - 1)
-    n = cfg.prefix + P                      # chunk sequence length; the candidate sits at n - 1
+    n = cfg.chunk_size + P                  # chunk sequence length; the candidate sits at n - 1
     # Each chunk's own guess at the next token (its candidate through the LM head).
     if readout:
       top_BC = _tops(base, h_BCQE[:, :, 0])
   tokens_BL = jnp.zeros((B, T + max_new_tokens - 1), jnp.int32).at[:, :T].set(prompt_BT)
   state = {"tokens": tokens_BL, "length": jnp.int32(T), "caches": caches,
-           "kv": [(k[:, :, 0], v[:, :, 0]) for k, v in focus.with_sink(kv, caches, cfg.sink)],
-           "candidate_pos": jnp.int32(n - 1)}
+           "kv": [(k[:, :, 0], v[:, :, 0]) for k, v in kv], "candidate_pos": jnp.int32(n - 1)}
   if not readout:
-    return state, _local_at(base, state, T - 1, cfg.implementation, cfg.sequential_positions,
-                            cfg.candidate_bias), {}
+    return state, _local_at(base, state, T - 1, cfg.implementation), {}
   # The first answer token's attention on the candidates: [L, B, C] beside a [B, T] local pass.
-  logits_BV, mass_LBC = _local_at(base, state, T - 1, cfg.implementation,
-                                  cfg.sequential_positions, cfg.candidate_bias,
-                                  candidate_mass=True)
-  sink = int(cfg.sink != "none" and caches is not None)   # the sink is key 0 of the block
-  sink_LB = mass_LBC[..., 0] if sink else jnp.zeros(mass_LBC.shape[:2])
-  return state, logits_BV, {"candidate_top": top_BC, "candidate_mass": mass_LBC[..., sink:],
-                            "sink_mass": sink_LB}
+  logits_BV, mass_LBC = _local_at(base, state, T - 1, cfg.implementation, candidate_mass=True)
+  return state, logits_BV, {"candidate_top": top_BC, "candidate_mass": mass_LBC}
 
 
 def _tops(base, h_BCE):
@@ -87,8 +76,8 @@ def _tops(base, h_BCE):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "readout") + _STATIC)
-def _step(graphdef, base_state, adapter, state, token_B, implementation, sequential_positions,
-          candidate_bias, sink, candidate_path, readout):
+def _step(graphdef, base_state, adapter, state, token_B, implementation, candidate_path,
+          readout):
   base = nnx.merge(graphdef, base_state)
   theta = base.cfg.rope_theta
   length, pos, caches = state["length"], state["candidate_pos"], state["caches"]
@@ -99,21 +88,20 @@ def _step(graphdef, base_state, adapter, state, token_B, implementation, sequent
   if caches is not None:
     B, C = kv[0][0].shape[0], caches[0]["k"].shape[0] // kv[0][0].shape[0]
     # The old candidate token becomes an ordinary frozen token of every chunk's dynamic prompt.
-    caches = focus.frozen_step(base, caches, jnp.repeat(prev_B, C), pos, theta)
+    caches = cand_lib.frozen_step(base, caches, jnp.repeat(prev_B, C), pos, theta)
     pos = pos + 1
-    h_R1E, kv_R = focus.candidates(adapter, base, caches, jnp.repeat(token_B, C)[:, None],
-                                   jnp.full((B * C, 1), pos), theta,
-                                   implementation=implementation, path=candidate_path)
+    h_R1E, kv_R = cand_lib.candidates(adapter, base, caches, jnp.repeat(token_B, C)[:, None],
+                                      jnp.full((B * C, 1), pos), theta,
+                                      implementation=implementation, path=candidate_path)
     split = lambda x: x[:, 0].reshape(B, C, *x.shape[2:])  # noqa: E731
-    kv = focus.with_sink([(split(k), split(v)) for k, v in kv_R], caches, sink)
+    kv = [(split(k), split(v)) for k, v in kv_R]
     if readout:
       top_BC = _tops(base, split(h_R1E))
   state = {"tokens": tokens_BL, "length": length + 1, "caches": caches, "kv": kv,
            "candidate_pos": pos}
   if readout:
     state["candidate_top"] = top_BC
-  return state, _local_at(base, state, length, implementation, sequential_positions,
-                          candidate_bias)
+  return state, _local_at(base, state, length, implementation)
 
 
 def prefill(adapter, base, memory_BM, prompt_BT, cfg: focus.FocusConfig, max_new_tokens: int,
@@ -123,8 +111,7 @@ def prefill(adapter, base, memory_BM, prompt_BT, cfg: focus.FocusConfig, max_new
   are not generation's work): `state["candidate_top"]` int32 [B, C], each chunk's candidate's
   own top next token (`step(readout=True)` renews it), and
   `state["candidate_mass"]` float32 [L, B, C], the attention the last prompt token (the one that
-  predicts the first new token) puts on each candidate per layer, averaged over heads, and
-  `state["sink_mass"]` [L, B], its attention on the sink (FocusConfig.sink; zeros without one)."""
+  predicts the first new token) puts on each candidate per layer, averaged over heads."""
   if max_new_tokens < 1:
     raise ValueError(f"focus generate: max_new_tokens must be >= 1; got {max_new_tokens}")
   focus.check_base(base)
@@ -135,10 +122,8 @@ def prefill(adapter, base, memory_BM, prompt_BT, cfg: focus.FocusConfig, max_new
   graphdef, base_state = nnx.split(base)
   state, logits_BV, diagnostics = _prefill(graphdef, base_state, adapter, memory_BM, prompt_BT,
                                            cfg, max_new_tokens, readout)
-  return {**state, "implementation": cfg.implementation,
-          "sequential_positions": cfg.sequential_positions,
-          "candidate_bias": cfg.candidate_bias, "sink": cfg.sink,
-          "candidate_path": cfg.candidate_path, **diagnostics}, logits_BV
+  return {**state, "implementation": cfg.implementation, "candidate_path": cfg.candidate_path,
+          **diagnostics}, logits_BV
 
 
 def step(adapter, base, state, token_B, *, readout: bool = False):
@@ -159,10 +144,10 @@ def step(adapter, base, state, token_B, *, readout: bool = False):
 def generate(adapter, base, memory_BM, prompt_BT, cfg: focus.FocusConfig, max_new_tokens: int,
              *, readout: bool = False):
   """Greedy decoding: int32 [B, T + max_new_tokens]; with `readout`, also prefill's diagnostics
-  {"candidate_top": [B, C], "candidate_mass": [L, B, C], "sink_mass": [L, B]} (see `prefill`)
-  and "candidate_top_steps" int32 [B, max_new_tokens, C]: at s, each chunk's candidate's own
-  guess at new token s (s = 0: prefill's "candidate_top"). A key spelled " ", "8", ... is read
-  at its first digit, s = 1 (focus_passkey)."""
+  {"candidate_top": [B, C], "candidate_mass": [L, B, C]} (see `prefill`) and
+  "candidate_top_steps" int32 [B, max_new_tokens, C]: at s, each chunk's candidate's own guess at
+  new token s (s = 0: prefill's "candidate_top"). A key spelled " ", "8", ... is read at its
+  first digit, s = 1 (focus/passkey.py)."""
   state, logits_BV = prefill(adapter, base, memory_BM, prompt_BT, cfg, max_new_tokens,
                              readout=readout)
   diagnostics = {k: state[k] for k in _READOUT if k in state}

@@ -4,11 +4,11 @@ The input of `length` tokens keeps that length exactly: the local window is the 
 T <= local_len with (length - T) % chunk_size == 0, or the smallest above it when that one would
 not hold the question (`local_len_for`; rows record T), and the memory before it is whole chunks.
 
-passkey (notes/focus_focal.md §1.8, the official eval_passkey.py): the grass/sky/sun filler with
+passkey (the official eval_passkey.py's protocol): the grass/sky/sun filler with
 "The pass key is K. Remember it. K is the pass key." split at a random point, the task text in
-front and "What is the pass key? The pass key is" at the end (focaljax/data/retrieval.py builds it to
-exactly the requested number of tokens), 10 trials per length with seeds 0-9, greedy decoding
-(focus_generate.generate). Seed s draws the key then the depth from default_rng(s): the key is
+front and "What is the pass key? The pass key is" at the end (focaljax/data/retrieval.py builds it
+to exactly the requested number of tokens), 10 trials per length with seeds 0-9, greedy decoding
+(focus/generate.py). Seed s draws the key then the depth from default_rng(s): the key is
 5 digits (10000-99999, the same keys as retrieval.passkey; the official code draws 1-50000), the
 depth uniform in [0, 1) like the official random split point. A trial is correct when the leading
 number of the continuation is exactly K. As in the official code the needle can land in the local
@@ -105,8 +105,8 @@ def key_digits(output: str, key: int) -> float:
 
 
 def digit_places(output: str, key: int) -> list[bool]:
-  """Per place of the key, from its first digit: does the answer's leading number have it? The
-  first place alone showed what a digit-per-token tokenizer got wrong (twenty-first session)."""
+  """Per place of the key, from its first digit: does the answer's leading number have it? (A
+  digit-per-token tokenizer tends to miss the first place alone.)"""
   got, want = _leading_number(output), str(key)
   return [i < len(got) and got[i] == c for i, c in enumerate(want)]
 
@@ -146,7 +146,7 @@ def passkey(adapter, base, cfg: focus.FocusConfig, tokenizer, multipliers=DEFAUL
     rows.append(row)
     if L < overhead:
       continue   # too short for the task text: reported as None, not as failures
-    try:   # "sequential" candidate positions refuse long memories: this length only
+    try:   # the candidates' positions bound the memory: this length only
       focus.check_positions(base.cfg, cfg, T, cfg.prompt_tokens(T), max_new - 1, L - T)
     except ValueError as e:
       row["skipped"] = str(e)
@@ -169,17 +169,11 @@ def passkey(adapter, base, cfg: focus.FocusConfig, tokenizer, multipliers=DEFAUL
       out, readout = focus_generate.generate(adapter, base, batch[:, :L - T], batch[:, L - T:],
                                              cfg, max_new_tokens=max_new, readout=True)
       mass_BLC = np.asarray(readout["candidate_mass"]).transpose(1, 0, 2)
-      # The sink's mass only where there is one (FocusConfig.sink).
-      sink_BL = (np.asarray(readout["sink_mass"]).T if cfg.sink != "none"
-                 else np.zeros(mass_BLC.shape[:2]))
-      for trial, new, top_SC, mass_LC, sink_L in zip(row["trials"][i:i + batch_size],
-                                                     np.asarray(out)[:, T:],
-                                                     np.asarray(readout["candidate_top_steps"]),
-                                                     mass_BLC, sink_BL):
-        # Where the first answer token looks, per layer: all candidates, the needle's, the sink.
+      for trial, new, top_SC, mass_LC in zip(row["trials"][i:i + batch_size],
+                                             np.asarray(out)[:, T:],
+                                             np.asarray(readout["candidate_top_steps"]), mass_BLC):
+        # Where the first answer token looks, per layer: all candidates, and the needle's.
         trial["candidate_mass"] = [round(float(x), 5) for x in mass_LC.sum(-1)]
-        if cfg.sink != "none":
-          trial["sink_mass"] = [round(float(x), 5) for x in sink_L]
         if trial["needle_in_memory"]:
           needle_L = mass_LC[:, trial["needle_end"] // cfg.chunk_size]
           trial["needle_mass"] = [round(float(x), 5) for x in needle_L]
@@ -200,17 +194,14 @@ def passkey(adapter, base, cfg: focus.FocusConfig, tokenizer, multipliers=DEFAUL
                                               == key_ids[at])
     row["seconds"] = round(time.time() - t0, 1)
     if log:
-      # The whole row as it finishes: a run cut short by its wall limit still reports it
-      # (fifteenth session: the copy-initialised adapter's table was lost that way).
+      # The whole row as it finishes: a run cut short by its wall limit still reports it.
       mem = [t for t in row["trials"] if t["needle_in_memory"]]
       shares = [t["needle_share"] for t in mem]
-      sinks = [np.mean(t["sink_mass"]) for t in row["trials"] if "sink_mass" in t]
       log(f"  focus passkey {m}x ({L} tokens): {sum(t['correct'] for t in row['trials'])}"
           f"/{len(seeds)} in {row['seconds']} s; needle in memory "
           f"{sum(t['correct'] for t in mem)}/{len(mem)}, cand mass "
           f"{np.mean([np.mean(t['candidate_mass']) for t in row['trials']]):.3f}, needle/cand "
-          + (f"{np.mean(shares):.3f}" if shares else "-")
-          + (f", sink mass {np.mean(sinks):.3f}" if sinks else ""))
+          + (f"{np.mean(shares):.3f}" if shares else "-"))
 
   def acc(trials):
     return _share([t["correct"] for t in trials])
@@ -244,7 +235,4 @@ def passkey(adapter, base, cfg: focus.FocusConfig, tokenizer, multipliers=DEFAUL
                                      if "candidate_mass" in t]) for r in rows],
           "needle_share": [_share([t["needle_share"] for t in r["trials"] if "needle_share" in t])
                            for r in rows],
-          # FocusConfig.sink: the first answer token's layer-mean attention on the sink.
-          "sink_mass": [_share([np.mean(t["sink_mass"]) for t in r["trials"]
-                                if "sink_mass" in t]) for r in rows],
           "overall": float(np.mean(scored)) if scored else None, "rows": rows}

@@ -1,7 +1,8 @@
 """Training metrics: a progress bar (loss, tokens/s, MFU), JSONL, and TensorBoard event files.
 
 Only process 0 writes. MFU = model FLOPs per second / peak FLOPs of the devices in use; the peak
-comes from the device kind (dense bf16 datasheet numbers) and is unknown (MFU not shown) on CPU.
+comes from the platform focaljax.dispatch names (dense bf16 datasheet numbers) and is unknown
+(MFU not shown) where one number would not fit every chip of it.
 """
 
 from __future__ import annotations
@@ -10,19 +11,14 @@ import json
 import os
 import time
 
-import jax
+from focaljax import dispatch
 
-# Dense bf16 peak FLOP/s per device, by device_kind substring (datasheet values).
-PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "v5p": 459e12, "v5e": 197e12,
-              "v5 lite": 197e12, "v4": 275e12, "v6": 918e12, "B200": 2250e12}
+# Dense bf16 peak FLOP/s per device, by dispatch.platform() (H100 and H200 share it).
+PEAK_FLOPS = {"hopper": 989e12}
 
 
 def peak_flops_per_device() -> float | None:
-  kind = jax.devices()[0].device_kind
-  for key, flops in PEAK_FLOPS.items():
-    if key.lower() in kind.lower():
-      return flops
-  return None
+  return PEAK_FLOPS.get(dispatch.platform())
 
 
 def flops_per_token(cfg) -> float:

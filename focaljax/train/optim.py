@@ -1,9 +1,8 @@
 """Optax: global-norm clip + AdamW with linear warmup and cosine decay (the focal paper's recipe).
 
 Weight decay skips the parameter groups named in `no_decay` ("norm": RMSNorm gains, "embed":
-token embeddings and the LM head). Trainability is data, not branches: `trainable` is a pytree of
-bools (same structure as params) and frozen leaves get exactly zero updates and no optimizer
-state (FocusLLM trains only its candidate projections this way).
+token embeddings and the LM head). What trains is what the loop differentiates (train/loop.py's
+Task.params: a model's, or a FocusLLM adapter's); frozen params never reach the optimizer.
 """
 
 from __future__ import annotations
@@ -53,11 +52,7 @@ def decay_mask(params, no_decay: tuple[str, ...]):
       lambda path, _: not any(p(_path_keys(path)) for p in preds), params)
 
 
-def make(cfg: OptimConfig, params, trainable=None) -> optax.GradientTransformation:
+def make(cfg: OptimConfig, params) -> optax.GradientTransformation:
   adamw = optax.adamw(schedule(cfg), b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay,
                       mask=decay_mask(params, cfg.no_decay), mu_dtype=jnp.dtype(cfg.mu_dtype))
-  tx = optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw)
-  if trainable is None:
-    return tx
-  labels = jax.tree.map(lambda t: "train" if t else "freeze", trainable)
-  return optax.multi_transform({"train": tx, "freeze": optax.set_to_zero()}, labels)
+  return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw)

@@ -186,6 +186,22 @@ def test_load_matches_original(tmp_path, tok):
     load(str(tmp_path / "nowhere"))
 
 
+def test_load_reads_a_workdir_written_before(tmp_path):
+  """A config.json from an older focaljax: fields removed since are ignored, fields added since
+  take the value such a run had (focaljax.config.upgrade)."""
+  from focaljax.evaluation.loading import load  # pylint: disable=import-outside-toplevel
+  make_workdir(tmp_path)
+  path = tmp_path / "config.json"
+  saved = json.loads(path.read_text())
+  saved["model"].update(fuse_matmuls=True, norm_backward="autodiff", add_norm="pallas")
+  saved["train"]["cross_entropy"] = "explicit"
+  del saved["data"]["tokenize"], saved["optim"]["mu_dtype"], saved["model"]["remat_policy"]
+  path.write_text(json.dumps(saved))
+  m = load(str(tmp_path))
+  assert m.run.data.tokenize == "stream" and m.run.optim.mu_dtype == "float32"
+  assert m.step == 3 and m.config.remat_policy == "nothing"
+
+
 def test_eval_py_end_to_end(tmp_path):
   make_workdir(tmp_path / "wd")
   books = tmp_path / "books.jsonl"

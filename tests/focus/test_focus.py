@@ -1,5 +1,5 @@
-"""FocusLLM wrapper: identities at init, positions in range, no leakage, masked optimizer,
-batched = sequential chunks, incremental generation = recomputation (both candidate layouts),
+"""FocusLLM wrapper: identities at init, positions in range, no leakage, batched = sequential
+chunks, incremental generation = recomputation (both candidate paths), the adapter on disk,
 chunks spread over a mesh."""
 
 import dataclasses
@@ -20,11 +20,10 @@ from focaljax.focus import adapter as focus_adapter
 from focaljax.focus import generate as focus_generate
 from focaljax.evaluation import generate as gen_lib
 from focaljax.model import decoder as model_lib
-from focaljax.train import optim
-
-SLOW = pytest.mark.slow  # extra configurations: deselected unless -m slow (pyproject)
+from focaljax.train import checkpoint
 
 V = 97
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def tiny_base(pattern="softmax:rope,focal:rope", max_seq_len=32, qk_norm=False, seed=0,
@@ -75,19 +74,17 @@ def test_no_memory_equals_base():
   np.testing.assert_allclose(nll, ref_nll, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("sep_id,pattern", [(None, "softmax:rope,focal:rope"),
-                                            (3, "focal:rope,softmax:none")])
-def test_copy_init_candidate_is_base_hidden_state(sep_id, pattern):
+@pytest.mark.parametrize("pattern", ["softmax:rope,focal:rope", "focal:rope,softmax:none"])
+def test_copy_init_candidate_is_base_hidden_state(pattern):
   base = tiny_base(pattern, qk_norm=True)
   adapter = focus.init_adapter(base)
-  cfg = focus.FocusConfig(chunk_size=8, prompt_len=6, sep_id=sep_id)
+  cfg = focus.FocusConfig(chunk_size=8, prompt_len=6)
   memory, prompt = tokens(2, (2, 24)), tokens(3, (2, 6))
   graphdef, params = split(base, adapter)
   h_BCQE, _, _ = jitted(graphdef, focus.condense, num_candidates=1, cfg=cfg)(
       params, memory, prompt)
   for c in range(3):
-    sep = [] if sep_id is None else [jnp.full((2, 1), sep_id)]
-    seq = jnp.concatenate([memory[:, 8 * c: 8 * c + 8], *sep, prompt], 1)
+    seq = jnp.concatenate([memory[:, 8 * c: 8 * c + 8], prompt], 1)
     np.testing.assert_allclose(base._logits(h_BCQE[:, c])[:, 0], base(seq)[:, -1],
                                atol=1e-5, rtol=1e-5)
 
@@ -105,14 +102,14 @@ def test_positions_stay_inside_trained_context(monkeypatch):
     return rope(x, positions, theta)
 
   monkeypatch.setattr(model_lib, "apply_rope", recording_rope)
-  cfg = focus.FocusConfig(chunk_size=16, prompt_len=8, candidate_positions="shared")  # 64 chunks
-  memory = tokens(4, (1, 32 * 32))       # 32× the trained context: 64 chunks
-  local = tokens(5, (1, 24))
+  cfg = focus.FocusConfig(chunk_size=16, prompt_len=8)
+  memory = tokens(4, (1, 5 * 32))        # 5× the trained context: 10 chunks, 10 candidates
+  local = tokens(5, (1, 20))
   graphdef, params = split(base, adapter)
   jitted(graphdef, focus.logits, cfg=cfg)(params, memory, local)
   jitted(graphdef, focus.target_nll, cfg=cfg, num_targets=4)(params, memory, local)
   # A prompt length no other test uses, so the jitted generation traces with the recording RoPE.
-  focus_generate.generate(adapter, base, memory, local[:, :19], cfg, max_new_tokens=4)
+  focus_generate.generate(adapter, base, memory, local[:, :15], cfg, max_new_tokens=4)
   jax.effects_barrier()
   assert len(seen) > 20 and max(seen) < base.cfg.max_seq_len, (len(seen), max(seen))
   with pytest.raises(ValueError, match="chunk_size"):
@@ -121,12 +118,10 @@ def test_positions_stay_inside_trained_context(monkeypatch):
     focus.logits(adapter, base, memory, tokens(6, (1, 40)), cfg)
 
 
-@pytest.mark.parametrize("layout, sink", [(layout, "none") for layout in focus.CANDIDATE_POSITIONS]
-                         + [("sequential", "first_token")])
-def test_objective_does_not_leak_targets(layout, sink):
+def test_objective_does_not_leak_targets():
   base = tiny_base()
   graphdef, params = split(base, perturbed(focus.init_adapter(base)))
-  cfg = focus.FocusConfig(chunk_size=8, prompt_len=6, candidate_positions=layout, sink=sink)
+  cfg = focus.FocusConfig(chunk_size=8, prompt_len=6)
   memory = tokens(7, (1, 16), hi=40)                  # memory ids < 40, local ids unique >= 40
   seq = (40 + jax.random.permutation(jax.random.key(8), V - 40)[:15])[None]
   T, Q = 14, 6
@@ -171,26 +166,6 @@ def test_each_target_is_scored_as_generation_predicts_it():
     np.testing.assert_allclose(nll[:, q], want, rtol=1e-5, atol=1e-5)
 
 
-def test_optimizer_mask_updates_only_the_adapter():
-  base = tiny_base()
-  graphdef, params = split(base, focus.init_adapter(base))
-  cfg = focus.FocusConfig(chunk_size=8, prompt_len=4)
-  memory, seq = tokens(9, (2, 16)), tokens(10, (2, 10))
-  tx = optim.make(optim.OptimConfig(peak_lr=1e-2, warmup_steps=1, total_steps=10), params,
-                  trainable=focus.trainable_mask(params))
-  opt_state = tx.init(params)
-
-  loss = jitted(graphdef, focus.loss, cfg=cfg, num_targets=3)
-  grad = jax.jit(jax.grad(lambda p: loss(p, memory, seq)))
-  new = params
-  for _ in range(2):                                  # step 0 has lr 0 (warmup from zero)
-    updates, opt_state = tx.update(grad(new), opt_state, new)
-    new = jax.tree.map(jnp.add, new, updates)
-  jax.tree.map(np.testing.assert_array_equal, new["base"], params["base"])
-  changed = jax.tree.map(lambda a, b: bool(jnp.any(a != b)), new["adapter"], params["adapter"])
-  assert all(jax.tree.leaves(changed)), changed
-
-
 def test_batched_chunks_equal_one_at_a_time():
   base = tiny_base()
   adapter = perturbed(focus.init_adapter(base))
@@ -207,17 +182,11 @@ def test_batched_chunks_equal_one_at_a_time():
       np.testing.assert_allclose(v[:, c], v_c[:, 0], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("layout, bias, sink, path",
-                         [(layout, "none", "none", "adapter") for layout in focus.CANDIDATE_POSITIONS]
-                         + [pytest.param("sequential", "log_count", "none", "adapter", marks=SLOW),
-                            ("sequential", "none", "first_token", "adapter"),
-                            pytest.param("shared", "none", "first_token", "adapter", marks=SLOW),
-                            ("sequential", "none", "none", "frozen")])
-def test_incremental_generation_equals_recomputation(layout, bias, sink, path):
+@pytest.mark.parametrize("path", ["adapter", "frozen"])
+def test_incremental_generation_equals_recomputation(path):
   base = tiny_base(qk_norm=True)
   adapter = perturbed(focus.init_adapter(base, path), scale=1.0)
-  cfg = focus.FocusConfig(chunk_size=8, prompt_len=4, candidate_positions=layout,
-                          candidate_bias=bias, sink=sink, candidate_path=path)
+  cfg = focus.FocusConfig(chunk_size=8, prompt_len=4, candidate_path=path)
   memory, prompt = tokens(13, (2, 24)), tokens(14, (2, 10))
   graphdef, params = split(base, adapter)
   state, logits_BV = focus_generate.prefill(adapter, base, memory, prompt, cfg, max_new_tokens=4)
@@ -236,7 +205,7 @@ def test_incremental_generation_equals_recomputation(layout, bias, sink, path):
   out2, readout = focus_generate.generate(adapter, base, memory, prompt, cfg, max_new_tokens=4,
                                           readout=True)
   np.testing.assert_array_equal(out2, out)
-  h_BCQE, kv, caches = focus.condense(adapter, base, memory, prompt[:, -4:], 1, cfg)
+  h_BCQE, kv, _ = focus.condense(adapter, base, memory, prompt[:, -4:], 1, cfg)
   top_BC = readout["candidate_top"]
   np.testing.assert_array_equal(top_BC, jnp.argmax(base._logits(h_BCQE[:, :, 0]), axis=-1))
   assert top_BC.shape == (2, 3)
@@ -248,47 +217,83 @@ def test_incremental_generation_equals_recomputation(layout, bias, sink, path):
     grown = dataclasses.replace(cfg, prompt_len=4 + t)
     h_t, _, _ = focus.condense(adapter, base, memory, out[:, 6:10 + t], 1, grown)
     np.testing.assert_array_equal(tops[:, t], jnp.argmax(base._logits(h_t[:, :, 0]), axis=-1))
-  # The attention diagnostic is local_logits' at the last prompt token, which predicts out[:, 10]
-  # (the sink, when there is one, is key 0 of the candidate block and reported apart).
+  # The attention diagnostic is local_logits' at the last prompt token, which predicts out[:, 10].
   logits_BV, mass_LBC = focus.local_logits(
-      base, prompt, [(k[:, :, 0], v[:, :, 0]) for k, v in focus.with_sink(kv, caches, sink)],
-      base.cfg.rope_theta, sequential_positions=cfg.sequential_positions,
-      at_B=jnp.full((2,), 9), candidate_mass=True, candidate_bias=bias)
+      base, prompt, [(k[:, :, 0], v[:, :, 0]) for k, v in kv], base.cfg.rope_theta,
+      at_B=jnp.full((2,), 9), candidate_mass=True)
   np.testing.assert_array_equal(jnp.argmax(logits_BV, -1), out[:, 10])
-  n_sink = int(sink != "none")
-  np.testing.assert_allclose(readout["candidate_mass"], mass_LBC[..., n_sink:], rtol=1e-5,
-                             atol=1e-6)
+  np.testing.assert_allclose(readout["candidate_mass"], mass_LBC, rtol=1e-5, atol=1e-6)
   assert readout["candidate_mass"].shape == (len(base.blocks), 2, 3)
   assert float(mass_LBC.min()) >= 0
-  if n_sink:
-    np.testing.assert_allclose(readout["sink_mass"], mass_LBC[..., 0], rtol=1e-5, atol=1e-6)
 
 
 def test_adapter_round_trip_and_unsupported_layers(tmp_path):
   base = tiny_base()
   adapter = perturbed(focus.init_adapter(base))
-  cfg = focus.FocusConfig(chunk_size=8, prompt_len=4, sep_id=1, candidate_positions="sequential")
-  focus_adapter.save_adapter(str(tmp_path), adapter, cfg, base_workdir="/base")
-  loaded, cfg2, workdir = focus_adapter.load_adapter(str(tmp_path))
-  assert cfg2 == cfg and workdir == "/base"
-  jax.tree.map(np.testing.assert_array_equal, loaded, adapter)
-  # A focus.json written before candidate_positions existed loads as the layout it was: "shared".
-  with open(tmp_path / "focus.json") as f:
-    meta = json.load(f)
-  del meta["config"]["candidate_positions"]
-  with open(tmp_path / "focus.json", "w") as f:
-    json.dump(meta, f)
-  old = focus_adapter.load_adapter(str(tmp_path))[1]
-  assert old == dataclasses.replace(cfg, candidate_positions="shared")
+  cfg = focus.FocusConfig(chunk_size=8, prompt_len=4, candidate_path="adapter")
+  meta = focus_adapter.meta(cfg, trained_prompt_len=2, local_len=16, base_workdir="/base")
+  checkpoint.save_params(str(tmp_path), 3, adapter, meta)
+  for path in (tmp_path, tmp_path / "checkpoints" / "3"):
+    loaded, cfg2, meta2 = focus_adapter.load(str(path), base)
+    assert cfg2 == cfg and meta2["base_workdir"] == "/base" and meta2["step"] == 3
+    jax.tree.map(np.testing.assert_array_equal, loaded, adapter)
+  with pytest.raises(ValueError, match="does not fit this base.*/base"):
+    focus_adapter.load(str(tmp_path), tiny_base(head_dim=16))
+  with pytest.raises(FileNotFoundError, match="neither a FocusLLM run"):
+    focus_adapter.load(str(tmp_path / "nowhere"), base)
   with pytest.raises(NotImplementedError, match="dilution"):
     focus.init_adapter(tiny_base("softmax:rope,dilution:none"))
+
+
+def test_old_npz_adapters_convert(tmp_path):
+  """A run from before Orbax adapter checkpoints (adapter/<step>/ with adapter.npz, focus.json,
+  opt_state.npz) converts in place, optimizer state included, served with its eval prompt; an
+  adapter of a removed arm is refused naming it."""
+  from configs import focus as focus_config  # pylint: disable=import-outside-toplevel
+  from focaljax import config as config_lib  # pylint: disable=import-outside-toplevel
+  from focaljax.train import optim  # pylint: disable=import-outside-toplevel
+  base = tiny_base()
+  adapter = perturbed(focus.init_adapter(base))
+  c = focus_config.get_config()
+  c.focus.update(base_workdir="/base", local_len=16, eval_prompt_len=6)
+  checkpoint.write_config(str(tmp_path), c)
+  tx = optim.make(config_lib.optim_config(c), adapter)
+  opt_state = tx.init(adapter)
+  old = {"chunk_size": 8, "prompt_len": 4, "sep_id": None, "implementation": "xla",
+         "candidate_positions": "sequential", "candidate_bias": "none", "sink": "none",
+         "candidate_path": "adapter"}
+  d = tmp_path / "adapter" / "2"
+  d.mkdir(parents=True)
+  np.savez(d / "adapter.npz", **{f"{i}/{n}": np.asarray(w) for i, ws in adapter.items()
+                                 for n, w in ws.items()})
+  np.savez(d / "opt_state.npz", *[np.asarray(x) for x in jax.tree.leaves(opt_state)])
+  (d / "focus.json").write_text(json.dumps({"config": old, "base_workdir": "/base"}))
+  with pytest.raises(FileNotFoundError, match="python -m focaljax.focus.adapter"):
+    focus_adapter.load(str(tmp_path), base)
+  out = subprocess.run([sys.executable, "-m", "focaljax.focus.adapter", str(tmp_path)],
+                       capture_output=True, text=True, cwd=REPO, timeout=300,
+                       env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert out.returncode == 0, out.stderr[-2000:]
+  loaded, cfg, meta = focus_adapter.load(str(tmp_path), base)
+  jax.tree.map(np.testing.assert_array_equal, loaded, adapter)
+  assert cfg == focus.FocusConfig(chunk_size=8, prompt_len=6) and meta["local_len"] == 16
+  assert meta["trained_prompt_len"] == 4 and meta["step"] == 2
+  restored = checkpoint.Checkpointer(str(tmp_path)).restore(
+      2, checkpoint.abstract_like(adapter), checkpoint.abstract_like(opt_state), None)[1]
+  jax.tree.map(np.testing.assert_array_equal, restored, opt_state)
+  # Written before candidate_positions existed: the "shared" layout, which is gone.
+  del old["candidate_positions"]
+  (d / "focus.json").write_text(json.dumps({"config": old, "base_workdir": "/base"}))
+  with pytest.raises(ValueError, match="candidate_positions='shared'"):
+    focus_adapter.convert(str(tmp_path))
 
 
 _SHARDED = """
 import json, sys
 from flax import nnx
 import jax, jax.numpy as jnp
-from focaljax import focus, sharding
+from focaljax import sharding
+from focaljax.focus import model as focus
 from test_focus import tiny_base, perturbed, tokens, split, jitted
 base = tiny_base(qk_norm=True, head_dim=16)  # the kernels take head dims >= 16
 graphdef, params = split(base, perturbed(focus.init_adapter(base)))
@@ -311,11 +316,10 @@ print(json.dumps({"err": float(jnp.abs(got - ref).max()), "shard_map": "shard_ma
 def test_chunks_of_one_document_spread_over_a_mesh(implementation):
   """B = 1 with 8 chunks on 8 simulated devices: each device condenses one chunk, same logits
   (the Pallas kernels through shard_map, in interpret mode here)."""
-  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-             JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([root, os.path.join(root, "tests")]))
-  out = subprocess.run([sys.executable, "-c", _SHARDED, implementation], env=env, cwd=root, capture_output=True,
-                       text=True, timeout=300)
+             JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([REPO, os.path.dirname(__file__)]))
+  out = subprocess.run([sys.executable, "-c", _SHARDED, implementation], env=env, cwd=REPO,
+                       capture_output=True, text=True, timeout=300)
   assert out.returncode == 0, out.stderr[-3000:]
   result = json.loads(out.stdout.strip().splitlines()[-1])
   assert result["shards"] == 8

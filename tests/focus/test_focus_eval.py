@@ -12,7 +12,6 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import pytest
 from flax import nnx
@@ -55,20 +54,21 @@ def tiny(tok):
 
 
 def test_local_window_leaves_whole_chunks():
-  assert focus_eval.local_len_for(4096, 1024, 1024) == 1024
-  assert focus_eval.local_len_for(200, 16, 32) == 24 and (200 - 24) % 16 == 0
-  assert focus_eval.local_len_for(20, 16, 32) == 20   # all local, no memory
+  assert focus_passkey.local_len_for(4096, 1024, 1024) == 1024
+  assert focus_passkey.local_len_for(200, 16, 32) == 24 and (200 - 24) % 16 == 0
+  assert focus_passkey.local_len_for(20, 16, 32) == 20   # all local, no memory
   # 2x a 2K context with 1K chunks and a 512-token window: only 1024 leaves whole chunks.
-  assert focus_eval.local_len_for(4096, 1024, 512, min_len=12, max_len=2042) == 1024
+  assert focus_passkey.local_len_for(4096, 1024, 512, min_len=12, max_len=2042) == 1024
   with pytest.raises(ValueError, match="chunk_size 1024"):
-    focus_eval.local_len_for(4096, 1024, 512, min_len=12, max_len=1000)
+    focus_passkey.local_len_for(4096, 1024, 512, min_len=12, max_len=1000)
 
 
 def test_with_attention_swaps_the_implementation_only(tiny):
   base = tiny[0]
+  own = base.blocks[0].attn.cfg.attention.implementation
   swapped = focus_adapter.with_attention(base, "cudnn")
-  assert swapped.blocks[0].attn.cfg.attention.implementation == "cudnn"
-  assert base.blocks[0].attn.cfg.attention.implementation == "xla"
+  assert swapped.blocks[0].attn.cfg.attention.implementation == "cudnn" != own
+  assert base.blocks[0].attn.cfg.attention.implementation == own
   jax.tree.map(np.testing.assert_array_equal, nnx.state(swapped), nnx.state(base))
 
 
@@ -167,12 +167,11 @@ def test_passkey_feeds_the_official_prompt_and_scores_exact_keys(tiny, tok, monk
       assert share == pytest.approx(1 / row["num_chunks"])
       assert in_memory[0]["needle_mass"] == [pytest.approx(0.5 / row["num_chunks"], abs=1e-5)] * 2
   assert "needle/cand" in focus_eval.format_suite("focus_passkey", r)
-  # "sequential": at 8x the 30 candidates + the 32-token window + the answer pass the 64-token
-  # context; that length is skipped and says why, the 2x one still runs.
-  seq = dataclasses.replace(cfg, candidate_positions="sequential")
-  r = focus_eval.passkey(adapter, base, seq, tok, multipliers=(2, 8), seeds=2)
+  # At 8x the 30 candidates + the 32-token window + the answer pass the 64-token context; that
+  # length is skipped and says why, the 2x one still runs.
+  r = focus_eval.passkey(adapter, base, cfg, tok, multipliers=(2, 8), seeds=2)
   assert len(seen) == 16 + 2 and "skipped" not in r["rows"][0]
-  assert "candidate_positions='sequential'" in r["rows"][1]["skipped"]
+  assert "30 candidates before the local window" in r["rows"][1]["skipped"]
   assert r["accuracy_by_length"][1] is None and not r["rows"][1]["trials"]
   assert "8x skipped" in focus_eval.format_suite("focus_passkey", r)
 
@@ -194,12 +193,6 @@ def test_passkey_with_a_model_is_well_formed(tiny, tok):
   assert all(len(t["candidate_mass"]) == len(base.blocks) for t in row["trials"])
   assert "focus_passkey" in focus_eval.format_suite("focus_passkey", r)
   json.dumps(r)
-  assert r["sink_mass"] == [None]   # no sink, no sink mass
-  # With the sink (FocusConfig.sink), its mass per trial and layer, reported apart.
-  sunk = focus_eval.passkey(adapter, base, dataclasses.replace(cfg, sink="first_token"), tok,
-                            multipliers=(2,), seeds=2)
-  assert 0 <= sunk["sink_mass"][0] <= 1 and 0 <= sunk["candidate_mass"][0] <= 1
-  assert all(len(t["sink_mass"]) == len(base.blocks) for t in sunk["rows"][0]["trials"])
   # Batched trials (eval.py --focus_passkey_batch) generate what one at a time does.
   batched = focus_eval.passkey(adapter, base, cfg, tok, multipliers=(2,), seeds=3, batch_size=2)
   single = focus_eval.passkey(adapter, base, cfg, tok, multipliers=(2,), seeds=3)
@@ -265,12 +258,13 @@ def test_loss_by_position_ranges(tiny):
 def test_eval_py_focus_adapter_end_to_end(tmp_path, tiny):
   test_focus_train.make_base(tmp_path / "base")
   from focaljax.evaluation import loading as loaded  # pylint: disable=import-outside-toplevel
-  run = tmp_path / "focus_run"   # what focus_train writes: its config and adapter/<step>/
-  # local 16; served with a 6-token prompt (the adapter's focus.json says 8; the flag says 4).
-  checkpoint.write_config(str(run), test_focus_train.focus_cfg(tmp_path / "base",
-                                                                eval_prompt_len=6))
-  focus_adapter.save_adapter(str(run / "adapter" / "1"), focus.init_adapter(
-      loaded.load(str(tmp_path / "base")).model), tiny[2], base_workdir=str(tmp_path / "base"))
+  run = tmp_path / "focus_run"   # what a FocusLLM run writes: checkpoints/<step>/ with its meta
+  # Trained with an 8-token prompt and a 16-token window, served with 6 (focus.eval_prompt_len);
+  # the flag says 4.
+  served = dataclasses.replace(tiny[2], prompt_len=6)
+  checkpoint.save_params(str(run), 1, focus.init_adapter(
+      loaded.load(str(tmp_path / "base")).model), focus_adapter.meta(
+          served, trained_prompt_len=8, local_len=16, base_workdir=str(tmp_path / "base")))
   books = tmp_path / "books.jsonl"
   text = "It was the best of times, it was the worst of times, it was the age of wisdom. " * 40
   books.write_text(json.dumps({"text": text}))
@@ -293,20 +287,13 @@ def test_eval_py_focus_adapter_end_to_end(tmp_path, tiny):
   assert not (tmp_path / "base" / "eval").exists()   # the base workdir stays untouched
 
 
-def test_serving_config_reads_the_runs_eval_prompt(tmp_path):
-  cfg = focus.FocusConfig(512, prompt_len=256)
-  # No run config (an adapter copied alone): the adapter's own prompt, no window.
-  assert focus_eval.serving_config(cfg, str(tmp_path)) == (cfg, None)
-  run = tmp_path / "run"
-  checkpoint.write_config(str(run), ml_collections.ConfigDict(
-      {"focus": {"local_len": 512, "eval_prompt_len": 504}}))
-  served, local = focus_eval.serving_config(cfg, str(run))
-  assert (served.prompt_len, served.chunk_size, local) == (504, 512, 512)
-  served, local = focus_eval.serving_config(cfg, str(run), prompt_len=128, local_len=64)
-  assert (served.prompt_len, local) == (128, 64)   # eval.py's flags win
-  checkpoint.write_config(str(run), ml_collections.ConfigDict(
-      {"focus": {"local_len": 512, "eval_prompt_len": 0}}))
-  assert focus_eval.serving_config(cfg, str(run))[0].prompt_len == 256   # 0: as trained
+def test_serving_config_takes_the_flags_over_the_adapter_s_own():
+  cfg = focus.FocusConfig(512, prompt_len=504)   # as its run serves it (focus.eval_prompt_len)
+  assert focus_eval.serving_config(cfg, {"local_len": 512}) == (cfg, 512)
+  assert focus_eval.serving_config(cfg, {}) == (cfg, None)   # no window recorded: ctx // 2
+  served, local = focus_eval.serving_config(cfg, {"local_len": 512}, prompt_len=128,
+                                            local_len=64)
+  assert (served.prompt_len, served.chunk_size, local) == (128, 512, 64)   # eval.py's flags win
 
 
 def test_decode_bench_smoke(tmp_path):
@@ -330,14 +317,14 @@ def test_wilson_interval():
 
 
 def test_digit_places_count_from_the_first_digit():
-  assert focus_eval.digit_places(" 36566.", 86556) == [False, True, True, False, True]
-  assert focus_eval.digit_places(" 8655", 86556) == [True] * 4 + [False]   # cut short
-  assert focus_eval.digit_places("\n     1\n", 86556) == [False] * 5
+  assert focus_passkey.digit_places(" 36566.", 86556) == [False, True, True, False, True]
+  assert focus_passkey.digit_places(" 8655", 86556) == [True] * 4 + [False]   # cut short
+  assert focus_passkey.digit_places("\n     1\n", 86556) == [False] * 5
 
 
 def test_key_digits_counts_partial_reads_from_the_last_digit():
-  assert focus_eval.key_digits(" 85381.", 85381) == 1.0
-  assert focus_eval.key_digits(" 75381.", 85381) == 0.8     # the first token missed
-  assert focus_eval.key_digits(" 7379.<|endoftext|>", 75379) == 0.6   # a digit dropped
-  assert focus_eval.key_digits(" 5:1.", 83035) == 0.2 and focus_eval.key_digits(" The", 1) == 0.0
+  assert focus_passkey.key_digits(" 85381.", 85381) == 1.0
+  assert focus_passkey.key_digits(" 75381.", 85381) == 0.8     # the first token missed
+  assert focus_passkey.key_digits(" 7379.<|endoftext|>", 75379) == 0.6   # a digit dropped
+  assert focus_passkey.key_digits(" 5:1.", 83035) == 0.2 and focus_passkey.key_digits(" The", 1) == 0.0
 

@@ -1,5 +1,6 @@
-"""FocusLLM training end to end on a hand-made tiny base: the adapter learns and is saved apart,
-the base stays bitwise untouched, resume continues, and chunks past the base context are refused."""
+"""FocusLLM training end to end on a hand-made tiny base, through the training loop: the adapter
+learns and is saved apart, the base stays bitwise untouched, SIGTERM saves and resume continues,
+and chunks past the base context are refused."""
 
 import hashlib
 import json
@@ -14,15 +15,15 @@ from etils import epath
 from flax import nnx
 
 from configs import focus as focus_config
-from focaljax.train import checkpoint
 from focaljax import config as config_lib
-from focaljax.focus import model as focus
+from focaljax.data import tokenizer as tokenizer_lib
+from focaljax.evaluation import loading as loaded
 from focaljax.focus import adapter as focus_adapter
+from focaljax.focus import model as focus
 from focaljax.focus import samples as focus_samples
 from focaljax.focus import train as focus_train
-from focaljax.evaluation import loading as loaded
 from focaljax.model import decoder as model_lib
-from focaljax.data import tokenizer as tokenizer_lib
+from focaljax.train import checkpoint
 
 
 def make_base(path):
@@ -54,6 +55,21 @@ def focus_cfg(base_wd, **focus_overrides):
   return c
 
 
+def sampler(c, local_batch, tok=None):
+  cfg = config_lib.parse(c)
+  return focus_samples.Sampler(cfg.focus, cfg.data, cfg.seed, tok or tokenizer_lib.bundled(), 0,
+                               local_batch)
+
+
+def train(c, workdir, **kw):
+  return focus_train.train(config_lib.parse(c), str(workdir), **kw)
+
+
+def saved_steps(workdir):
+  root = os.path.join(workdir, "checkpoints")
+  return sorted(int(d) for d in os.listdir(root) if d.isdigit()) if os.path.isdir(root) else []
+
+
 def digest(path):
   h = hashlib.sha256()
   for root, _, files in sorted(os.walk(path)):
@@ -66,10 +82,10 @@ def digest(path):
 def test_sampler_builds_both_tasks_from_documents(tmp_path):
   make_base(tmp_path / "base")
   cfg = focus_cfg(tmp_path / "base", p_reconstruction=0.5)
-  sampler = focus_samples.Sampler(cfg, tokenizer_lib.bundled(), 0, 16)
-  docs = [sampler._tokens(i) for i in range(len(sampler.docs))]  # pylint: disable=protected-access
+  s = sampler(cfg, 16)
+  docs = [s._tokens(i) for i in range(len(s.docs))]  # pylint: disable=protected-access
   for step in range(4):
-    (chunk, M), b = sampler.shape(step), sampler.batch(step)
+    (chunk, M), b = s.shape(step), s.batch(step)
     assert M == 64 - 17 - (64 - 17) % chunk   # doc_min - local_len - 1, whole chunks
     assert b["memory"].shape == (16, M) and b["tokens"].shape == (16, 17)
     assert 0 < b["reconstruction"].sum() < 16
@@ -79,7 +95,7 @@ def test_sampler_builds_both_tasks_from_documents(tmp_path):
       hay, needle = (memory, tokens) if recon else (
           np.concatenate([memory, tokens]), np.concatenate([memory, tokens]))
       assert any(_contains(d, needle) for d in docs) and _contains(hay, needle)
-    np.testing.assert_array_equal(sampler.batch(step)["tokens"], b["tokens"])  # resumable
+    np.testing.assert_array_equal(s.batch(step)["tokens"], b["tokens"])  # resumable
 
 
 @pytest.mark.parametrize("num_targets", [24, 8])   # 8: the answer only (question before them)
@@ -88,7 +104,7 @@ def test_sampler_drills_put_the_key_in_memory_and_at_the_targets(tmp_path, num_t
   tok = tokenizer_lib.bundled()
   cfg = focus_cfg(tmp_path / "base", p_reconstruction=0.0, retrieval_mix=0.5, local_len=32,
                   num_targets=num_targets, doc_min_tokens=128)
-  b = focus_samples.Sampler(cfg, tok, 0, 16).batch(0)
+  b = sampler(cfg, 16, tok).batch(0)
   drills = 0
   Q = cfg.focus.num_targets
   for memory, tokens, key_at in zip(b["memory"], b["tokens"], b["key_at"]):
@@ -108,68 +124,25 @@ def test_sampler_drills_put_the_key_in_memory_and_at_the_targets(tmp_path, num_t
   assert 0 < drills < 16
   nll_BQ = np.arange(2 * Q, dtype=np.float32).reshape(2, Q)
   assert focus_train.answer_nll_sum(nll_BQ, np.asarray([Q - 2, -1])) == (Q - 2) + (Q - 1)
-  # answer_weight: a weighted mean over the targets; 1.0 is the plain mean, bit for bit.
-  key_at_B = np.asarray([Q - 2, -1])
-  assert focus_train.weighted_loss(nll_BQ, key_at_B, 1.0) == nll_BQ.mean()
-  w_BQ = np.ones_like(nll_BQ)
-  w_BQ[0, Q - 2:] = 3.0
-  np.testing.assert_allclose(focus_train.weighted_loss(nll_BQ, key_at_B, 3.0),
-                             (w_BQ * nll_BQ).sum() / w_BQ.sum(), rtol=1e-6)
-  for bad, why in ((0.0, "> 0"), (2.0, "retrieval_mix is 0")):
-    with pytest.raises(config_lib.ConfigError, match=f"focus.answer_weight.*{why}"):
-      focus_train.validate(focus_cfg(tmp_path / "base", answer_weight=bad), 64)
   with pytest.raises(config_lib.ConfigError, match="focus.retrieval_mix.*1"):
-    focus_train.validate(focus_cfg(tmp_path / "base", retrieval_mix=1.0), 64)
+    config_lib.parse(focus_cfg(tmp_path / "base", retrieval_mix=1.0))
   with pytest.raises(config_lib.ConfigError, match="focus.retrieval_mix.*num_targets"):
-    focus_samples.Sampler(focus_cfg(tmp_path / "base", p_reconstruction=0.0, retrieval_mix=0.9),
-                          tok, 0, 16).batch(0)
+    sampler(focus_cfg(tmp_path / "base", p_reconstruction=0.0, retrieval_mix=0.9), 16,
+            tok).batch(0)
 
 
 def test_prefetched_batches_are_the_steps_own(tmp_path):
   make_base(tmp_path / "base")
-  sampler = focus_samples.Sampler(focus_cfg(tmp_path / "base", p_reconstruction=0.5),
-                                  tokenizer_lib.bundled(), 0, 4)
-  fresh = focus_samples.Sampler(focus_cfg(tmp_path / "base", p_reconstruction=0.5),
-                                tokenizer_lib.bundled(), 0, 4)
-  ahead = focus_samples.prefetch(sampler, 3, 9, depth=2)
+  s = sampler(focus_cfg(tmp_path / "base", p_reconstruction=0.5), 4)
+  fresh = sampler(focus_cfg(tmp_path / "base", p_reconstruction=0.5), 4)
+  ahead = focus_samples.prefetch(s, 3, 9, depth=2)
   got = [next(ahead) for _ in range(4)]
   ahead.close()   # stopping early (SIGTERM, stop_at) leaves no worker behind
   assert [s for s, _ in got] == [3, 4, 5, 6]
   for step, b in got:   # worker threads and the short-document skip change no sample
     for k, v in fresh.batch(step).items():
       np.testing.assert_array_equal(b[k], v)
-  assert list(focus_samples.prefetch(sampler, 5, 5)) == []
-
-
-def test_drills_in_window_put_the_needle_before_the_question(tmp_path):
-  make_base(tmp_path / "base")
-  tok = tokenizer_lib.bundled()
-  kw = dict(p_reconstruction=0.0, retrieval_mix=0.9, local_len=64, num_targets=16,
-            doc_min_tokens=192)
-  b = focus_samples.Sampler(focus_cfg(tmp_path / "base", drill_in_window=1.0, **kw),
-                            tok, 0, 16).batch(0)
-  drills = 0
-  for memory, tokens, key_at in zip(b["memory"], b["tokens"], b["key_at"]):
-    text = tok.decode(tokens.tolist())
-    if "What is the pass key?" not in text:
-      continue
-    drills += 1
-    before, answer = text.rsplit("The pass key is", 1)
-    key = answer.strip().rstrip(".")
-    assert f"The pass key is {key}. Remember it." in before   # in the window, before the question
-    assert "pass key" not in tok.decode(memory.tolist())       # and nowhere in the memory
-    assert key_at == -1                                        # loss_key counts memory drills only
-  assert drills > 8
-  # Off (the default), the samples are those of a sampler without the field.
-  plain = focus_samples.Sampler(focus_cfg(tmp_path / "base", **kw), tok, 0, 16).batch(3)
-  off = focus_samples.Sampler(focus_cfg(tmp_path / "base", drill_in_window=0.0, **kw),
-                              tok, 0, 16).batch(3)
-  for k in plain:
-    np.testing.assert_array_equal(plain[k], off[k])
-  with pytest.raises(config_lib.ConfigError, match="focus.drill_in_window.*retrieval_mix"):
-    focus_train.validate(focus_cfg(tmp_path / "base", drill_in_window=0.5), 64)
-  with pytest.raises(config_lib.ConfigError, match="focus.drill_in_window.*got 1.5"):
-    focus_train.validate(focus_cfg(tmp_path / "base", drill_in_window=1.5, retrieval_mix=0.5), 64)
+  assert list(focus_samples.prefetch(s, 5, 5)) == []
 
 
 def _contains(hay, needle):
@@ -180,24 +153,23 @@ def _contains(hay, needle):
 def test_memory_lengths_are_drawn_per_step_and_validated(tmp_path):
   make_base(tmp_path / "base")
   cfg = focus_cfg(tmp_path / "base", memory_tokens="32,47", doc_min_tokens=64)
-  focus_train.validate(cfg, 64)
-  sampler = focus_samples.Sampler(cfg, tokenizer_lib.bundled(), 0, 4)
-  default = focus_samples.Sampler(focus_cfg(tmp_path / "base"), tokenizer_lib.bundled(), 0, 4)
+  s = sampler(cfg, 4)
+  default = sampler(focus_cfg(tmp_path / "base"), 4)
   seen = set()
   for step in range(24):
-    (chunk, M), b = sampler.shape(step), sampler.batch(step)
+    (chunk, M), b = s.shape(step), s.batch(step)
     assert M in {chunk * (32 // chunk), chunk * (47 // chunk)} and b["memory"].shape == (4, M)
     assert chunk == default.shape(step)[0]   # the chunk-size stream is unchanged by the lengths
     seen.add((chunk, M))
   assert seen == {(8, 32), (8, 40), (16, 32)}
   # Longer than the shortest document admits (47 + local 16 + 1 = 64 is the most).
   with pytest.raises(config_lib.ConfigError, match="focus.memory_tokens.*48.*doc_min_tokens=64"):
-    focus_train.validate(focus_cfg(tmp_path / "base", memory_tokens="48"), 64)
+    config_lib.parse(focus_cfg(tmp_path / "base", memory_tokens="48"))
   # Shorter than one chunk plus a reconstruction span.
   with pytest.raises(config_lib.ConfigError, match="focus.memory_tokens.*16.*need >= 17"):
-    focus_train.validate(focus_cfg(tmp_path / "base", memory_tokens="16"), 64)
+    config_lib.parse(focus_cfg(tmp_path / "base", memory_tokens="16"))
   with pytest.raises(config_lib.ConfigError, match="focus.memory_tokens.*comma list"):
-    focus_train.validate(focus_cfg(tmp_path / "base", memory_tokens="20,x"), 64)
+    config_lib.parse(focus_cfg(tmp_path / "base", memory_tokens="20,x"))
 
 
 def test_train_saves_adapter_keeps_base_and_resumes(tmp_path, monkeypatch):
@@ -216,14 +188,14 @@ def test_train_saves_adapter_keeps_base_and_resumes(tmp_path, monkeypatch):
       os.kill(os.getpid(), signal.SIGTERM)
     return batch(self, step)
   monkeypatch.setattr(focus_samples.Sampler, "batch", batch_then_sigterm)
-  first = focus_train.train(cfg, str(wd))
+  first = train(cfg, wd)
   monkeypatch.setattr(focus_samples.Sampler, "batch", batch)
   assert first["preempted"] and first["step"] == 2 and np.isfinite(first["loss"])
-  assert focus_train.saved_steps(str(wd)) == [2]
+  assert saved_steps(wd) == [2]
   monkeypatch.setattr(focus_samples, "PREFETCH", 2)   # the resumed run samples on worker threads
-  second = focus_train.train(cfg, str(wd))
+  second = train(cfg, wd)
   assert second["start_step"] == 2 and second["step"] == 4 and np.isfinite(second["loss"])
-  assert focus_train.saved_steps(str(wd)) == [2, 4]
+  assert saved_steps(wd) == [2, 4]
   logged = [json.loads(line) for line in open(wd / "metrics.jsonl")]
   assert [m["step"] for m in logged] == [1, 2, 3, 4]
   assert {m["chunk_size"] for m in logged} == {8, 16}    # both buckets compiled and ran
@@ -238,10 +210,9 @@ def test_train_saves_adapter_keeps_base_and_resumes(tmp_path, monkeypatch):
                nnx.to_pure_dict(nnx.split(before.model)[1]))
 
   # The adapter: saved under the workdir, reloadable, trained away from its copy-init.
-  adapter, saved_cfg, saved_base = focus_adapter.load_adapter(second["adapter_dir"])
-  assert second["adapter_dir"] == str(wd / "adapter" / "4")
-  assert saved_base == str(base_wd) and saved_cfg.chunk_size == 16 and saved_cfg.prompt_len == 8
-  assert saved_cfg.candidate_positions == "sequential"
+  adapter, saved_cfg, meta = focus_adapter.load(str(wd), after.model)
+  assert meta["step"] == 4 and meta["base_workdir"] == str(base_wd) and meta["local_len"] == 16
+  assert saved_cfg == focus.FocusConfig(chunk_size=16, prompt_len=8)
   changed = jax.tree.map(lambda a, b: bool(np.any(np.asarray(a) != np.asarray(b))), adapter, init)
   # The last layer's candidate q and o shape only the candidate's final hidden state, which
   # nothing reads (candidates contribute keys/values): they get no gradient. All else trains.
@@ -250,7 +221,7 @@ def test_train_saves_adapter_keeps_base_and_resumes(tmp_path, monkeypatch):
   del changed[last]["wq"], changed[last]["wo"]
   assert all(jax.tree.leaves(changed)), changed
   # Resume continued from step 2's adapter, not from the copy: step 2's save differs from both.
-  at_2 = focus_adapter.load_adapter(str(wd / "adapter" / "2"))[0]
+  at_2 = focus_adapter.load(str(wd / "checkpoints" / "2"), after.model)[0]
   assert any(jax.tree.leaves(jax.tree.map(lambda a, b: bool(np.any(a != b)), at_2, adapter)))
 
 
@@ -258,31 +229,23 @@ def test_refuses_chunks_past_the_base_context_and_dry_runs(tmp_path):
   make_base(tmp_path / "base")
   # 64 + prompt 8 + 3 later query points = 75 positions > the base's 64.
   with pytest.raises(config_lib.ConfigError, match="focus.chunk_sizes.*data.seq_len=64"):
-    focus_train.train(focus_cfg(tmp_path / "base", chunk_sizes="8,64"), str(tmp_path / "wd"))
+    config_lib.parse(focus_cfg(tmp_path / "base", chunk_sizes="8,64"))
   with pytest.raises(config_lib.ConfigError, match="focus.base_workdir"):
-    focus_train.train(focus_cfg(tmp_path / "nowhere"), str(tmp_path / "wd"))
-  with pytest.raises(config_lib.ConfigError, match="focus.base_attention.*'xla' or 'pallas'"):
-    focus_train.train(focus_cfg(tmp_path / "base", base_attention="cudnn"), str(tmp_path / "wd"))
-  with pytest.raises(config_lib.ConfigError, match="focus.candidate_positions.*'sequential'"):
-    focus_train.train(focus_cfg(tmp_path / "base", candidate_positions="official"),
-                      str(tmp_path / "wd"))
-  with pytest.raises(config_lib.ConfigError, match="focus.candidate_bias.*'log_count'"):
-    focus_train.train(focus_cfg(tmp_path / "base", candidate_bias="log"), str(tmp_path / "wd"))
+    config_lib.parse(focus_cfg(tmp_path / "nowhere"))
+  with pytest.raises(config_lib.ConfigError, match="focus.base_attention.*'xla', 'pallas'"):
+    config_lib.parse(focus_cfg(tmp_path / "base", base_attention="cudnn"))
   with pytest.raises(config_lib.ConfigError, match="focus.candidate_path.*'frozen'"):
-    focus_train.train(focus_cfg(tmp_path / "base", candidate_path="base"), str(tmp_path / "wd"))
-  # "sequential": 576 memory tokens = 72 chunks, whose candidates alone fill more than 64 positions.
-  with pytest.raises(config_lib.ConfigError, match="focus.candidate_positions.*72 candidates"):
-    focus_train.train(focus_cfg(tmp_path / "base", chunk_sizes="8", doc_min_tokens=600,
-                                candidate_positions="sequential"), str(tmp_path / "wd"))
-  assert not (tmp_path / "wd").exists()
-  # The dry run compiles the "sequential" step (the layout reaches the step's FocusConfig).
-  seq = focus_cfg(tmp_path / "base", chunk_sizes="8", candidate_positions="sequential")
-  assert focus_train.focus_config(seq, 8).candidate_positions == "sequential"
-  biased = focus_cfg(tmp_path / "base", chunk_sizes="8", candidate_bias="log_count")
-  assert focus_train.focus_config(biased, 8).candidate_bias == "log_count"
-  out = focus_train.train(seq, str(tmp_path / "wd"), dry_run=True)
-  assert out["dry_run"] and set(out) == {"dry_run", 8}
-  assert focus_train.saved_steps(str(tmp_path / "wd")) == []
+    config_lib.parse(focus_cfg(tmp_path / "base", candidate_path="base"))
+  with pytest.raises(config_lib.ConfigError, match="train.eval_every.*no validation loop"):
+    c = focus_cfg(tmp_path / "base")
+    c.train.eval_every = 2
+    config_lib.parse(c)
+  # 576 memory tokens = 72 chunks, whose candidates alone fill more than 64 positions.
+  with pytest.raises(config_lib.ConfigError, match="focus.doc_min_tokens.*72 candidates"):
+    config_lib.parse(focus_cfg(tmp_path / "base", chunk_sizes="8", doc_min_tokens=600))
+  out = train(focus_cfg(tmp_path / "base", chunk_sizes="8"), tmp_path / "wd", dry_run=True)
+  assert out["dry_run"] and set(out["memory"]) == {8}
+  assert saved_steps(tmp_path / "wd") == []
 
 
 def test_base_attention_replaces_the_trained_implementation(tmp_path):
@@ -292,11 +255,11 @@ def test_base_attention_replaces_the_trained_implementation(tmp_path):
   c = checkpoint.read_config(str(tmp_path / "base"))
   c.model.attention.implementation = "cudnn"
   checkpoint.write_config(str(tmp_path / "base"), c)
-  plain, _ = focus_adapter.from_workdir(str(tmp_path / "base"))
-  swapped, _ = focus_adapter.from_workdir(str(tmp_path / "base"), base_attention="xla")
-  assert plain.model.blocks[0].attn.cfg.attention.implementation == "cudnn"
-  assert swapped.model.blocks[0].attn.cfg.attention.implementation == "xla"
-  jax.tree.map(np.testing.assert_array_equal, nnx.state(swapped.model), nnx.state(plain.model))
+  plain = loaded.load(str(tmp_path / "base")).model
+  swapped = focus_adapter.with_attention(plain, "xla")
+  assert plain.blocks[0].attn.cfg.attention.implementation == "cudnn"
+  assert swapped.blocks[0].attn.cfg.attention.implementation == "xla"
+  jax.tree.map(np.testing.assert_array_equal, nnx.state(swapped), nnx.state(plain))
 
 
 def test_the_frozen_candidate_path_trains_only_the_window_s_keys_and_values(tmp_path):
@@ -304,11 +267,12 @@ def test_the_frozen_candidate_path_trains_only_the_window_s_keys_and_values(tmp_
   its config records the path, and resuming under the other path is refused (other leaves)."""
   base_wd, wd = tmp_path / "base", tmp_path / "focus"
   make_base(base_wd)
-  init = focus.init_adapter(loaded.load(str(base_wd)).model, "frozen")
+  base = loaded.load(str(base_wd)).model
+  init = focus.init_adapter(base, "frozen")
   cfg = focus_cfg(base_wd, candidate_path="frozen")
   cfg.train.steps = 2
-  out = focus_train.train(cfg, str(wd))
-  adapter, saved_cfg, _ = focus_adapter.load_adapter(out["adapter_dir"])
+  train(cfg, wd)
+  adapter, saved_cfg, _ = focus_adapter.load(str(wd), base)
   assert saved_cfg.candidate_path == "frozen"
   assert all(sorted(w) == ["wk", "wv"] for w in adapter.values())
   changed = jax.tree.map(lambda a, b: bool(np.any(np.asarray(a) != np.asarray(b))), adapter, init)
@@ -316,4 +280,4 @@ def test_the_frozen_candidate_path_trains_only_the_window_s_keys_and_values(tmp_
   other = focus_cfg(base_wd)
   other.train.steps = 3
   with pytest.raises(config_lib.ConfigError, match="focus.candidate_path.*'frozen'"):
-    focus_train.train(other, str(wd))
+    train(other, wd)

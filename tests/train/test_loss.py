@@ -10,7 +10,7 @@ from focaljax.train import loss as L
 
 @pytest.mark.parametrize("shape", [(2, 8, 50), (3, 37)])
 def test_cross_entropy_matches_optax(shape):
-  """train.cross_entropy="explicit": loss.cross_entropy's value and logit gradient == optax's
+  """loss.cross_entropy's value and logit gradient == optax's
   integer-label cross-entropy under autodiff (the spec), float32, on fresh random logits; and its
   backward has no scatter (the one-hot is an iota compare)."""
   kl, kt, kg = jax.random.split(jax.random.key(11), 3)

@@ -10,9 +10,15 @@ import time
 import pytest
 
 from configs import smoke
-from focaljax.train import loop as trainer
+from focaljax import config as config_lib
+from focaljax.train import lm
+from focaljax.train import loop
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _train(c, workdir, **kw):
+  return lm.train(config_lib.parse(c), str(workdir), **kw)
 
 
 def _losses(workdir):
@@ -26,7 +32,7 @@ def test_loss_falls(tmp_path, monkeypatch):
   c.train.update(steps=30, log_every=5, eval_every=15, ckpt_every=30)
   c.optim.update(peak_lr=3e-3, warmup_steps=5)
   monkeypatch.chdir(tmp_path.parent)  # a relative workdir, as `python train.py` uses
-  out = trainer.train(c, tmp_path.name)
+  out = _train(c, tmp_path.name)
   losses = _losses(tmp_path)
   assert losses[30] < losses[5] - 0.5, losses
   assert out["val_loss"] < 8.0
@@ -41,10 +47,10 @@ def test_resume_reproduces_uninterrupted_run(tmp_path, pattern):
     c = smoke.get_config(f"pattern={pattern}")
     c.train.update(steps=6, log_every=1, eval_every=0, ckpt_every=100)
     return c
-  trainer.train(cfg(), str(tmp_path / "straight"))
-  first = trainer.train(cfg(), str(tmp_path / "resumed"), stop_at=3)
+  _train(cfg(), tmp_path / "straight")
+  first = _train(cfg(), tmp_path / "resumed", stop_at=3)
   assert first["step"] == 3
-  second = trainer.train(cfg(), str(tmp_path / "resumed"))
+  second = _train(cfg(), tmp_path / "resumed")
   assert second["start_step"] == 3
   straight, resumed = _losses(tmp_path / "straight"), _losses(tmp_path / "resumed")
   assert sorted(resumed) == sorted(straight) == list(range(1, 7))
@@ -57,22 +63,10 @@ def test_grad_accumulation_matches_one_big_batch(tmp_path):
     c = smoke.get_config()
     c.train.update(steps=3, log_every=1, eval_every=0, ckpt_every=100)
     c.optim.grad_accum = accum
-    trainer.train(c, str(tmp_path / f"a{accum}"))
+    _train(c, tmp_path / f"a{accum}")
     losses.append(_losses(tmp_path / f"a{accum}"))
   for step in (1, 2, 3):
     assert losses[0][step] == pytest.approx(losses[1][step], rel=1e-4)
-
-
-def test_explicit_cross_entropy_trains_like_optax(tmp_path):
-  """train.cross_entropy=explicit (loss.cross_entropy) gives the optax run's losses."""
-  losses = {}
-  for mode in ("optax", "explicit"):
-    c = smoke.get_config()
-    c.train.update(steps=3, log_every=1, eval_every=0, ckpt_every=100, cross_entropy=mode)
-    trainer.train(c, str(tmp_path / mode))
-    losses[mode] = _losses(tmp_path / mode)
-  for step in (1, 2, 3):
-    assert losses["explicit"][step] == pytest.approx(losses["optax"][step], rel=1e-5)
 
 
 @pytest.mark.parametrize("mode", ["stop", "skip"])
@@ -81,10 +75,10 @@ def test_nonfinite_loss(tmp_path, mode):
   c.train.update(steps=5, log_every=1, eval_every=0, nonfinite=mode)
   c.optim.update(peak_lr=1e35, warmup_steps=1)
   if mode == "stop":
-    with pytest.raises(trainer.NonFiniteLoss, match=r"non-finite loss .* at step \d"):
-      trainer.train(c, str(tmp_path))
+    with pytest.raises(loop.NonFiniteLoss, match=r"non-finite loss .* at step \d"):
+      _train(c, tmp_path)
   else:
-    out = trainer.train(c, str(tmp_path))
+    out = _train(c, tmp_path)
     assert out["step"] == 5
 
 
@@ -109,18 +103,20 @@ def test_sigterm_saves_before_exit(tmp_path):
 def test_bf16_compute_with_float32_master_weights(tmp_path):
   import jax
   from flax import nnx
+  from focaljax.data import tokenizer as tokenizer_lib
   from focaljax.train import checkpoint
   c = smoke.get_config("pattern=softmax:rope,dilution:none")
   c.train.update(steps=3, log_every=1, eval_every=0, compute_dtype="bfloat16")
-  out = trainer.train(c, str(tmp_path))
+  out = _train(c, tmp_path)
   assert out["step"] == 3 and out["loss"] < 20
-  abstract = checkpoint.abstract_like(nnx.to_pure_dict(trainer.build(c, None)[3]))
+  model_cfg = config_lib.parse(c).with_vocab(tokenizer_lib.bundled().vocab_size).model
+  abstract = checkpoint.abstract_like(nnx.to_pure_dict(lm.abstract_model(model_cfg)[1]))
   params, _ = checkpoint.restore_params(str(tmp_path), None, abstract)
   assert {x.dtype.name for x in jax.tree.leaves(params)} == {"float32"}
 
 
 def test_dry_run_compiles_without_training(tmp_path, capsys):
-  out = trainer.train(smoke.get_config(), str(tmp_path), dry_run=True)
+  out = _train(smoke.get_config(), tmp_path, dry_run=True)
   assert out["dry_run"] and "memory" in out
   assert not os.path.exists(os.path.join(tmp_path, "checkpoints"))
 

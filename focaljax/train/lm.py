@@ -1,0 +1,133 @@
+"""The language model's training task: a focaljax Transformer on packed text (train/loop.py runs it).
+
+State is (params, opt_state): pure dicts of float32 arrays, sharded by the logical-axis rules;
+compute runs in train.compute_dtype. The batches come from the Grain pipeline, whose iterator is
+checkpointed with the state; validation loss every train.eval_every steps.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from focaljax import config as config_lib
+from focaljax import sharding
+from focaljax.data import pipeline as data_lib
+from focaljax.model import decoder as model_lib
+from focaljax.train import distributed
+from focaljax.train import loop
+from focaljax.train import loss as loss_lib
+from focaljax.train import metrics
+from focaljax.train import optim
+
+
+def loss(params, frozen, batch, *, graphdef, dtype):
+  """(Σ weight·nll, (Σ weight, {})) over a batch, float32 (loop.LossFn)."""
+  del frozen
+  model = nnx.merge(graphdef, jax.tree.map(lambda p: p.astype(dtype), params))
+  logits_BTV = model(batch["inputs"], positions_BT=batch["positions"],
+                     segment_ids_BT=batch.get("segment_ids"), dtype=dtype)
+  with jax.named_scope("loss"):
+    nll_BT = loss_lib.nll(logits_BTV, batch["targets"])
+  w_BT = batch["weights"].astype(jnp.float32)
+  return (nll_BT * w_BT).sum(), (w_BT.sum(), {})
+
+
+def train_step(params, opt_state, batch, *, graphdef, tx, cfg: loop.StepConfig):
+  """The language model's optimizer step, as train.py runs it (bench/train_step.py times it)."""
+  return loop.step(params, opt_state, None, batch, tx=tx, cfg=cfg, loss_fn=functools.partial(
+      loss, graphdef=graphdef, dtype=cfg.compute_dtype))
+
+
+def abstract_model(model_cfg: model_lib.ModelConfig):
+  """(graphdef, abstract state) of a Transformer, without allocating its parameters."""
+  return nnx.split(nnx.eval_shape(lambda: model_lib.Transformer(model_cfg, nnx.Rngs(0))))
+
+
+def init_params(model_cfg, param_sh, mesh, key):
+  """Fresh params in `param_sh`. The key is an argument: a jit with no inputs lets XLA
+  constant-fold the whole RNG, which takes minutes for a 400M model."""
+  init_fn = lambda k: nnx.to_pure_dict(nnx.split(
+      model_lib.Transformer(model_cfg, nnx.Rngs(params=k)))[1])
+  with jax.set_mesh(mesh):
+    return jax.jit(init_fn, out_shardings=param_sh)(key)
+
+
+def init_state(model_cfg, tx, param_sh, mesh, key):
+  """(params, opt_state, opt_shardings), the optimizer state sharded like the params."""
+  params = init_params(model_cfg, param_sh, mesh, key)
+  return (params, *loop.init_opt(tx, params, param_sh, mesh))
+
+
+def task(cfg: config_lib.Config, workdir: str, mesh) -> loop.Task:
+  """The loop.Task of a language-model run: tokenizer, params, data, validation."""
+  tokenizer = data_lib.load_tokenizer(cfg.data, workdir)
+  cfg = cfg.with_vocab(tokenizer.vocab_size)
+  if distributed.is_primary():
+    tokenizer.save(workdir)
+  graphdef, abstract_state = abstract_model(cfg.model)
+  param_sh = sharding.param_shardings(abstract_state, mesh)
+  batch_sh = sharding.batch_sharding(mesh)
+  tx = optim.make(cfg.optim, nnx.to_pure_dict(abstract_state))
+  dtype = jnp.dtype(cfg.train.compute_dtype)
+  # Dispatched, not waited for: the init's device work overlaps the data set-up below.
+  t_init = time.perf_counter()
+  params = init_params(cfg.model, param_sh, mesh, jax.random.key(cfg.seed))
+  t_init = time.perf_counter() - t_init
+  pidx, pcount = jax.process_index(), jax.process_count()
+  t_data = time.perf_counter()
+  train_iter = data_lib.make_iterator(cfg.data, tokenizer, split="train", process_index=pidx,
+                                      process_count=pcount, num_shards=cfg.data_shards or None)
+  t_data = time.perf_counter() - t_data
+  tokens = cfg.data.global_batch * cfg.data.seq_len
+  loss_fn = functools.partial(loss, graphdef=graphdef, dtype=dtype)
+
+  def eval_loss(params, batch):
+    l_sum, (w_sum, _) = loss_fn(params, None, batch)
+    return l_sum, w_sum
+
+  with jax.set_mesh(mesh):
+    eval_fn = jax.jit(eval_loss, in_shardings=(param_sh, batch_sh), out_shardings=(
+        jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())))
+
+  def batches(start):
+    del start   # the restored iterator goes on where the checkpoint left it
+    while True:
+      yield loop.Batch(next(train_iter), tokens=tokens)
+
+  def abstract_batches():
+    return {None: jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+        (cfg.data.global_batch, *x.shape[1:]), x.dtype, sharding=batch_sh), next(train_iter))}
+
+  def evaluate(params) -> dict:
+    """Mean validation loss over the first train.eval_batches batches of the valid split."""
+    it = data_lib.make_iterator(cfg.data, tokenizer, split="valid", process_index=pidx,
+                                process_count=pcount)
+    l_sum = w_sum = 0.0
+    for _ in range(cfg.train.eval_batches):
+      try:
+        local = next(it)
+      except StopIteration:
+        break
+      l, w = eval_fn(params, loop.global_batch(local, batch_sh))
+      l_sum, w_sum = l_sum + float(l), w_sum + float(w)
+    return {"val_loss": l_sum / max(w_sum, 1.0)}
+
+  return loop.Task(
+      params=params, param_sh=param_sh, tx=tx, loss=lambda key: loss_fn, batch_sh=batch_sh,
+      batches=batches, abstract_batches=abstract_batches, data_iter=train_iter,
+      evaluate=evaluate if cfg.train.eval_every else None,
+      flops_per_token=metrics.flops_per_token(cfg.model),
+      notes=f"of it the train data {t_data:.1f} s (data.tokenize={cfg.data.tokenize}) and the "
+            f"parameter init {t_init:.1f} s",
+      evaluate_with=f"python eval.py --workdir {workdir}")
+
+
+def train(cfg: config_lib.Config, workdir: str, *, dry_run: bool = False,
+          stop_at: int | None = None) -> dict:
+  """Trains the language model `cfg` describes in `workdir` (loop.run)."""
+  return loop.run(cfg, workdir, task, dry_run=dry_run, stop_at=stop_at)
