@@ -3,7 +3,7 @@
   validation        weighted mean loss / perplexity on the validation split
   loss_by_position  long documents, per-position NLL averaged in doubling position ranges,
                     in and beyond the trained context
-  passkey, keyword  long-context retrieval (focaljax/data/retrieval.py)
+  passkey, keyword  long-context retrieval (focaljax/evaluation/retrieval.py)
   attention_probe   one query's attention under softmax vs focal temperature (focal paper Fig. 1)
   samples           greedy and nucleus-sampled continuations
   copy_score        a span of real text read twice in one context: NLL on the first and the
@@ -31,7 +31,7 @@ from focaljax.train import checkpoint
 from focaljax.evaluation import generate as gen_lib
 from focaljax.evaluation import loading as loaded_lib
 from focaljax.model import decoder as model_lib
-from focaljax.data import retrieval
+from focaljax.evaluation import retrieval
 
 SUITES = ("val", "longdoc", "passkey", "keyword", "attention", "sample", "copy")
 

@@ -19,7 +19,7 @@ from focaljax.train import checkpoint
 from focaljax.evaluation import suites as evaluate
 from focaljax.evaluation import generate as gen_lib
 from focaljax.model import decoder as model_lib
-from focaljax.data import retrieval
+from focaljax.evaluation import retrieval
 from focaljax.data import tokenizer as tokenizer_lib
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
