@@ -6,8 +6,8 @@
 Rows R = B·T tokens of width E = d_model, bf16 (the 1.3B step at 24 × 2048 is 49152,2048; the
 400M at 32 × 2048 is 65536,1024). Forward reads x, δ and writes h, y; backward reads h, g_h, g_y
 and writes dh: 4 row tensors each way, the bytes printed over the time. The XLA row is
-`add_norm_reference` and autodiff of it plus the stream's cotangent, as model.add_norm=
-"separate" runs them. Timing as bench/norm_rope.py's (--copies distinct inputs per jitted call).
+`add_norm_reference` and autodiff of it plus the stream's cotangent, as the model's XLA path
+runs them. Timing as bench/norm_rope.py's (--copies distinct inputs per jitted call).
 """
 
 from __future__ import annotations

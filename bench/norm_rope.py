@@ -7,10 +7,9 @@ Rows R = B·T tokens, N heads, D head dim, bf16 (the 1.3B step at 24 × 2048 is 
 400M at 32 × 2048 is 65536,8,128). For each (block_rows, num_warps) it times
 `norm_rope_fwd` and `norm_rope_bwd` and prints the bytes each pass must move over its time:
 forward reads x and the cos/sin tables and writes y; backward reads x, g and the tables and
-writes dx. The XLA row is `norm_rope_reference` and autodiff of it, what
-model.qk_rope_backward="fused" stands in for. Timing: one jitted call runs the pass on --copies
-distinct inputs (one call per kernel timed alone measured ~0.1-0.2 ms of dispatch and sync on the
-H200, as much as the kernel), 2 warm-up calls, median of --iters, divided by --copies.
+writes dx. The XLA row is `norm_rope_reference` and autodiff of it. Timing: one jitted call runs
+the pass on --copies distinct inputs (a kernel timed alone in its own call measures as much
+dispatch and sync as kernel), 2 warm-up calls, median of --iters, divided by --copies.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
-"""Issue 8: sharded training across the GPUs of one host -- weak scaling and a mesh-changing restore.
+"""Sharded training across the GPUs of one host: weak scaling and a mesh-changing restore.
 
   python bench/scaling.py --out scaling.json                     # every GPU of this host
   python bench/scaling.py --gpus 2 --only focal --steps 5        # a subset
   python bench/scaling.py --only focal --xla --layouts fsdp,fsdp+xla   # with/without XLA flags
 
 Per GPU the work is fixed (weak scaling): global batch = per-GPU batch x GPUs. Each row times the
-same jitted, donated `trainer.train_step` that train.py runs, with train.py's shardings (the
+same jitted, donated `lm.train_step` that train.py runs, with train.py's shardings (the
 logical-axis rules in focaljax/sharding.py), through `bench/train_step.run`:
   focal     the 1.3B focal config at 2K, 8 rows per GPU, cuDNN attention: one GPU, then pure data
             parallelism (N,1,1), FSDP (1,N,1), and FSDP x tensor (1,N/2,2) -- at N=2 that is pure
@@ -16,8 +16,7 @@ Weak-scaling efficiency = tokens/s per GPU on N GPUs / tokens/s on one GPU, same
 
 Each row runs in its own process (a fresh memory pool) under --row_timeout: a row that hangs or
 compiles for minutes is recorded as such, with the Python stack faulthandler prints shortly
-before the limit, and the table goes on. (On the first 2-GPU run, 2026-11-30, the 1.3B
-FSDP x tensor row and the 209M dilution FSDP row did not finish within minutes, in-process.)
+before the limit, and the table goes on.
 
 `--ckpt`: saved on N GPUs, restored on one. train.py (configs/smoke.py, the bundled text) trains
 8 steps under FSDP over N GPUs with a checkpoint at step 4; the step-8 checkpoint is dropped and

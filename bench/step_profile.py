@@ -1,6 +1,6 @@
 """Where a training step's time goes: kernel time by category and by model part, from a trace.
 
-  python bench/step_profile.py --size 1.3b --impl cudnn --out profile_13b.json   # GPU
+  python bench/step_profile.py --size 1.3b --impl auto --out profile_13b.json   # GPU
   python bench/step_profile.py --size small --seq_len 64 --impl xla --out /tmp/p.json  # CPU check
 
 Runs bench/train_step.py's step (synthetic unpacked rows, no segment ids), then
@@ -49,7 +49,7 @@ CATEGORIES = (
     ("elementwise fusion", r"fusion|loop_|convert|multiply|add|exp|select|broadcast"),
 )
 # (model part, pattern over the lower-cased tf_op / hlo name stack), first match wins.
-# The scopes are model.py's / trainer.py's jax.named_scope labels; the rest falls back on names.
+# The scopes are decoder.py's / lm.py's jax.named_scope labels; the rest falls back on names.
 PARTS = (  # scopes appear as "/attn/", "jvp(attn)" or "transpose(jvp(attn))"
     ("optimizer", r"[/(]optimizer[/)]|adam|apply_updates"),
     ("logits/loss", r"[/(](logits|loss)[/)]|cross_entropy"),
@@ -145,7 +145,7 @@ def summarize(events, steps: int, step_ms: float, stacks: dict[str, str] | None 
 def main():
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   p.add_argument("--size", default="1.3b")
-  p.add_argument("--impl", default="cudnn", help="model.attention.implementation")
+  p.add_argument("--impl", default="auto", help="model.attention.implementation")
   p.add_argument("--pattern", default="focal")
   p.add_argument("--seq_len", type=int, default=2048)
   p.add_argument("--batch", type=int, default=0, help="global batch (0: the per-size default)")
@@ -155,7 +155,7 @@ def main():
   p.add_argument("--keep_command_buffers", action="store_true",
                  help="leave XLA's CUDA graphs on (then kernels cannot be mapped to model parts)")
   p.add_argument("--overrides", default="",
-                 help="config fields for the profiled step, e.g. train.cross_entropy=explicit")
+                 help="config fields for the profiled step, e.g. optim.mu_dtype=bfloat16")
   p.add_argument("--top", type=int, default=40, help="list this many of the heaviest kernels")
   p.add_argument("--bodies", type=int, default=8,
                  help="print the fused HLO body of the top this many fusion kernels")

@@ -45,33 +45,19 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       qk_norm=False,             # RMSNorm on q and k per head (the focal paper's baseline)
       rope_theta=10000.0,
       norm_eps=1e-5,
-      remat=False,               # rematerialise each block in the backward pass
-      # With remat, what each block keeps (model.REMAT_POLICIES): nothing | dots | dots_no_batch.
+      # Memory for compute: recompute each block in the backward, keeping what remat_policy
+      # names (nothing | dots | dots_no_batch: focaljax.model.decoder.REMAT_POLICIES).
+      remat=False,
       remat_policy="nothing",
-      # One GEMM for q/k/v (no GQA) and one for gate/up; off: the fused 1.3B H200 step measured
-      # 304 ms against 293-299 ms separate.
-      fuse_matmuls=False,
-      # RMSNorm backward: explicit (a custom VJP, gain gradient reduced in two stages) | autodiff.
-      norm_backward="explicit",
-      # QK-norm + RoPE backward: separate (two custom VJPs) | fused (qk_norm_rope: the cotangent
-      # un-rotated once, then the norm's reductions) | pallas (qk_norm_rope's backward as one
-      # Pallas pass, pallas_kernels/glue/norm_rope.py) | auto (pallas on GPUs, else separate). Only
-      # with qk_norm, RoPE layers, explicit norms.
-      qk_rope_backward="separate",
-      # SwiGLU backward: autodiff | explicit (mlp.swiglu: float32, both cotangents in one pass) |
-      # pallas (mlp.swiglu_pallas: forward and backward as Pallas elementwise passes) |
-      # auto (pallas on GPUs, else autodiff).
-      mlp_backward="autodiff",
-      # Residual add + the RMSNorm after it: separate (XLA add, then the norm) | pallas (one
-      # Pallas pass each way, pallas_kernels/glue/add_norm.py) | auto (pallas on GPUs, else separate).
-      add_norm="separate",
   ))
   c.model.attention = ml_collections.ConfigDict(dict(
       # Per-layer "variant[:position]" list, cycled over the layers. variant: softmax | focal |
       # dilution; position: rope | none (default rope, none for dilution).
       # e.g. "softmax:rope,dilution:none" is the alternating hybrid.
       pattern=args["pattern"],
-      implementation="xla",      # xla (reference) | pallas | cudnn | tokamax | auto (fastest measured)
+      # auto (the fastest per platform, focaljax/dispatch.py) | xla (the reference) | pallas |
+      # cudnn | tokamax
+      implementation="auto",
       temperature=0.4,           # focal constant: softmax(q·k / (t·√d)); t > 0
       learned=False,             # focal learned: τ = clip(mean(X·w_τ) + tau_init, tau_min, tau_max)
       tau_min=5.0,
@@ -80,8 +66,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       tau_mean="causal",         # causal | token | sequence (see focaljax.model.attention.TauMean)
       eps=1e-9,                  # dilution ε
       # dilution, Pallas: rows between the demand checkpoints the backward keeps (power of two
-      # >= 64; ceil(T/R)·T·4 bytes per row and head). 64: no carry rebuild on Hopper (H200: the
-      # op 0-8% faster, the 209M step 0.9%).
+      # >= 64; ceil(T/R)·T·4 bytes per row and head). 64 spares the Hopper backward rebuilding
+      # its carries, for memory that grows as T²/64.
       checkpoint_rows=1024,
   ))
   c.data = ml_collections.ConfigDict(dict(
@@ -122,10 +108,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       keep_ckpts=2,
       async_ckpt=True,
       nonfinite="stop",          # stop | skip: what a NaN/Inf loss does
-      # The loss: "optax" (its integer-label cross-entropy under autodiff) or "explicit"
-      # (loss.cross_entropy: one pass for the log-normaliser, one elementwise logit gradient;
-      # not yet timed on a GPU).
-      cross_entropy="optax",
   ))
   c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))  # one may be -1
   sizes.apply(c, args["size"])

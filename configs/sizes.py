@@ -25,8 +25,8 @@ def apply(c: ml_collections.ConfigDict, name: str) -> None:
   if name == "small":       # CPU tests and smoke runs: seconds
     m.update(d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, d_ff=128)
     c.data.update(seq_len=64, global_batch=8)
-  elif name == "35m":       # ~35.7M with a 16K vocabulary: ~2.6x fewer FLOPs a token than 100m, so
-    # a FocusLLM base, its adapter and the evaluation might fit one 10-minute device call (untested)
+  elif name == "35m":       # ~35.7M with a 16K vocabulary, ~2.6x fewer FLOPs a token than 100m:
+    # a quick FocusLLM base
     m.update(d_model=512, num_layers=8, num_heads=8, num_kv_heads=8, d_ff=1536)
     c.data.update(seq_len=1024, global_batch=64)
     c.optim.update(peak_lr=1e-3, warmup_steps=500)
@@ -44,13 +44,10 @@ def apply(c: ml_collections.ConfigDict, name: str) -> None:
     c.train.update(steps=20_000, compute_dtype="bfloat16")
   elif name in _FOCAL_PAPER:
     d, ff, h, layers, opt = _FOCAL_PAPER[name]
-    # The glue passes and the loss as measured fastest at 400M and 1.3B on the H200
-    # (BENCHMARKS.md; the explicit cross-entropy: 1.4-4.6 ms less per 1.3B step in 3 pairs).
     m.update(d_model=d, d_ff=ff, num_heads=h, num_kv_heads=h, num_layers=layers,
-             vocab_size=32000, qk_norm=True, tie_embeddings=False,
-             qk_rope_backward="auto", mlp_backward="auto", add_norm="auto")
+             vocab_size=32000, qk_norm=True, tie_embeddings=False)
     c.data.update(seq_len=2048, global_batch=128)   # 0.26M tokens per step
     c.optim.update(warmup_steps=2000, **opt)
-    c.train.update(steps=100_000, compute_dtype="bfloat16", cross_entropy="explicit")
+    c.train.update(steps=100_000, compute_dtype="bfloat16")
   else:
     raise ValueError(f"config arg size={name!r}: allowed sizes are {NAMES}")

@@ -1,82 +1,54 @@
-"""Public attention operators (the contract in CONTRACT.md) and their implementation table.
+"""Public attention operators and how each implementation runs them.
 
 Shapes: q [B, T, Hq, D]; k, v [B, S, Hkv, D] (Hq % Hkv == 0); outputs [B, T, Hq, D] in q.dtype.
-`implementation` is chosen from `IMPLEMENTATIONS[op]`; "xla" is the pure-JAX reference in
-`pallas_kernels.focal.reference` (the spec), "pallas" the fused kernels (compiled on GPU/TPU, interpret
-mode on CPU); for focal also "cudnn" (`jax.nn.dot_product_attention`, NVIDIA GPUs) and "tokamax"
+`implementation`: "xla", the pure-JAX references in `pallas_kernels.{focal,dilution}.reference`
+(the spec); "pallas", the fused kernels (compiled on GPU/TPU, interpret mode on CPU); for focal
+also "cudnn" (`jax.nn.dot_product_attention`, NVIDIA GPUs) and "tokamax"
 (`tokamax.dot_product_attention`, an optional GPU/TPU extra), both with an array temperature
-folded into q.
+folded into q; "auto", whatever `focaljax.dispatch.choose` picks for this platform and call.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import math
-from typing import Callable
-
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
+from focaljax import dispatch
 from focaljax import sharding
-from pallas_kernels.focal import reference
 from pallas_kernels.dilution import reference as dilution_reference
+from pallas_kernels.focal import reference
+
+_QKV = ("batch", None, "heads", None)
+_ROWS = ("batch", None)
 
 
-def _interpret() -> bool:
-  # Kernels compile on GPU/TPU; everywhere else they run in Pallas interpret mode.
-  return jax.default_backend() not in ("gpu", "cuda", "rocm", "tpu")
-
-
-def _per_device(kernel):
-  """Under an ambient mesh, runs a Pallas attention kernel on each device's block of rows and
-  heads (jax.shard_map): a pallas_call has no partitioning rule, so XLA would otherwise gather q,
-  k and v whole onto every device. Rows split by the "batch" rule's axes and heads by the "heads"
-  rule's, each only where the devices divide them (both Hq and Hkv for heads, which keeps every
-  query head with its KV group); an array scale is broadcast to [B, Hq, T] and split the same
-  way. Without a mesh the kernel runs as is."""
-  @functools.wraps(kernel)
-  def wrapped(q, k, v, *, scale, segment_ids, **static):
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-      return kernel(q, k, v, scale=scale, segment_ids=segment_ids, **static)
-    B, T, Hq, _ = q.shape
-    rows = sharding.dividing_axes(mesh, "batch", B)
-    heads = sharding.dividing_axes(mesh, "heads", math.gcd(Hq, k.shape[2]))
-    if rows is None and heads is None:
-      return kernel(q, k, v, scale=scale, segment_ids=segment_ids, **static)
-    qkv = P(rows, None, heads, None)
-    array_scale = not isinstance(scale, (int, float))
-    operands, specs = [q, k, v], [qkv, qkv, qkv]
-    if array_scale:
-      operands.append(reference.scale_BNT(scale, B, Hq, T))
-      specs.append(P(rows, heads, None))
-    if segment_ids is not None:
-      operands.append(segment_ids)
-      specs.append(P(rows, None))
-
-    def local(q, k, v, *rest):
-      rest = list(rest)
-      s = rest.pop(0) if array_scale else scale
-      seg = rest.pop(0) if segment_ids is not None else None
-      return kernel(q, k, v, scale=s, segment_ids=seg, **static)
-    return jax.shard_map(local, in_specs=tuple(specs), out_specs=qkv, check_vma=False)(*operands)
-  return wrapped
+def _per_device(kernel, q, k, v, scale, segment_ids):
+  """kernel(q, k, v, scale, segment_ids) on each device's rows and heads (sharding.per_device);
+  an array scale is broadcast to [B, Hq, T] and split the same way."""
+  if isinstance(scale, (int, float)):
+    return sharding.per_device(lambda q, k, v, seg: kernel(q, k, v, scale, seg),
+                               (_QKV, _QKV, _QKV, _ROWS), _QKV)(q, k, v, segment_ids)
+  B, T, Hq, _ = q.shape
+  return sharding.per_device(kernel, (_QKV, _QKV, _QKV, ("batch", "heads", None), _ROWS), _QKV)(
+      q, k, v, reference.scale_BNT(scale, B, Hq, T), segment_ids)
 
 
 # ------------------------------------------------------------------ focal / softmax attention
 
 
-def _focal_xla(q, k, v, *, scale, causal, segment_ids):
+def _focal_xla(q, k, v, *, scale, causal, segment_ids, choice):
+  del choice
   return reference.attention(q, k, v, scale=scale, causal=causal, segment_ids_BT=segment_ids)
 
 
-@_per_device
-def _focal_pallas(q, k, v, *, scale, causal, segment_ids):
-  from pallas_kernels.focal import triton as focal_flash  # pylint: disable=import-outside-toplevel
-  return focal_flash.focal_attention(q, k, v, scale=scale, causal=causal,
-                                     segment_ids=segment_ids, interpret=_interpret())
+def _focal_pallas(q, k, v, *, scale, causal, segment_ids, choice):
+  from pallas_kernels import focal  # pylint: disable=import-outside-toplevel
+
+  def kernel(q, k, v, s, seg):
+    return focal.focal_attention(q, k, v, scale=s, causal=causal, segment_ids=seg,
+                                 backend=choice.backend, block_sizes=choice.block_sizes,
+                                 interpret=choice.interpret)
+  return _per_device(kernel, q, k, v, scale, segment_ids)
 
 
 def _fold_scale(q, scale):
@@ -96,18 +68,15 @@ def _segment_mask(segment_ids):
   return (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
 
 
-def _focal_cudnn(q, k, v, *, scale, causal, segment_ids):
-  if jax.default_backend() != "gpu":
-    raise NotImplementedError("implementation='cudnn' needs an NVIDIA GPU; use 'xla' or 'pallas'")
-  if q.dtype not in (jnp.bfloat16, jnp.float16):
-    raise ValueError(f"implementation='cudnn' takes bfloat16/float16 q, k, v; got {q.dtype} "
-                     "(use 'pallas', 'xla' or 'auto', which sends float32 to 'pallas')")
+def _focal_cudnn(q, k, v, *, scale, causal, segment_ids, choice):
+  del choice
   q, s = _fold_scale(q, scale)
   return jax.nn.dot_product_attention(q, k, v, scale=s, is_causal=causal,
                                       mask=_segment_mask(segment_ids), implementation="cudnn")
 
 
-def _focal_tokamax(q, k, v, *, scale, causal, segment_ids):
+def _focal_tokamax(q, k, v, *, scale, causal, segment_ids, choice):
+  del choice
   try:
     import tokamax  # pylint: disable=import-outside-toplevel
   except ImportError as e:
@@ -118,66 +87,17 @@ def _focal_tokamax(q, k, v, *, scale, causal, segment_ids):
                                        is_causal=causal)
 
 
-# ----------------------------------------------------------------------- dilution attention
-
-
-def _dilution_xla(q, k, v, *, scale, eps, segment_ids, checkpoint_rows):
-  del checkpoint_rows   # the reference keeps its [T, T] intermediates; nothing to checkpoint
-  return dilution_reference.dilution_attention(q, k, v, scale=scale, eps=eps, segment_ids_BT=segment_ids)[0]
-
-
-@_per_device
-def _dilution_pallas(q, k, v, *, scale, eps, segment_ids, checkpoint_rows):
-  from pallas_kernels.dilution import api as dilution  # pylint: disable=import-outside-toplevel
-  bs = None   # the kernels' defaults (BlockSizes.ckpt_rows: 1024)
-  if checkpoint_rows is not None:
-    bs = dataclasses.replace(dilution.default_block_sizes(q.shape[-1], q.dtype, _interpret()),
-                             ckpt_rows=checkpoint_rows)
-  return dilution.dilution_attention(q, k, v, scale=scale, eps=eps, segment_ids=segment_ids,
-                                     block_sizes=bs, interpret=_interpret())
-
-
-def _prefill_xla(q, k, v, *, scale, eps):
-  return dilution_reference.dilution_attention(q, k, v, scale=scale, eps=eps)
-
-
-def _prefill_pallas(q, k, v, *, scale, eps):
-  from pallas_kernels.dilution import api as dilution  # pylint: disable=import-outside-toplevel
-  return dilution.dilution_prefill(q, k, v, scale=scale, eps=eps, interpret=_interpret())
-
-
-def _decode_xla(q, k_cache, v_cache, demand, length, *, scale, eps):
-  return dilution_reference.dilution_decode_step(q, k_cache, v_cache, demand, length, scale=scale, eps=eps)
-
-
-def _decode_pallas(q, k_cache, v_cache, demand, length, *, scale, eps):
-  from pallas_kernels.dilution import api as dilution  # pylint: disable=import-outside-toplevel
-  return dilution.dilution_decode_step(q, k_cache, v_cache, demand, length, scale=scale, eps=eps,
-                                       interpret=_interpret())
-
-
-IMPLEMENTATIONS: dict[str, dict[str, Callable]] = {
-    "focal_attention": {"xla": _focal_xla, "pallas": _focal_pallas, "cudnn": _focal_cudnn,
-                        "tokamax": _focal_tokamax},
-    "dilution_attention": {"xla": _dilution_xla, "pallas": _dilution_pallas},
-    "dilution_prefill": {"xla": _prefill_xla, "pallas": _prefill_pallas},
-    "dilution_decode_step": {"xla": _decode_xla, "pallas": _decode_pallas},
-}
-
-
-def _impl(op: str, implementation: str) -> Callable:
-  table = IMPLEMENTATIONS[op]
-  if implementation not in table:
-    raise ValueError(f"{op}: implementation must be one of {sorted(table)}; got {implementation!r}")
-  return table[implementation]
-
-
-def _call(op, implementation, *args, **kwargs):
-  return _impl(op, implementation)(*args, **kwargs)
+_FOCAL = {"xla": _focal_xla, "pallas": _focal_pallas, "cudnn": _focal_cudnn,
+          "tokamax": _focal_tokamax}
 
 
 def _default_scale(q, scale):
   return q.shape[-1] ** -0.5 if scale is None else scale
+
+
+def _choose(op, implementation, q, *, packed=False, checkpoint_rows=None):
+  return dispatch.choose(op, implementation, dtype=q.dtype, head_dim=q.shape[-1],
+                         seq_len=q.shape[1], packed=packed, checkpoint_rows=checkpoint_rows)
 
 
 def focal_attention(q, k, v, *, scale, causal=True, segment_ids=None, implementation="xla"):
@@ -187,8 +107,9 @@ def focal_attention(q, k, v, *, scale, causal=True, segment_ids=None, implementa
   gradients flow to an array scale (this is how a learned temperature trains).
   """
   reference.check_qkv(q, k, v)
-  return _call("focal_attention", implementation, q, k, v, scale=scale, causal=causal,
-               segment_ids=segment_ids)
+  choice = _choose("focal_attention", implementation, q, packed=segment_ids is not None)
+  return _FOCAL[choice.implementation](q, k, v, scale=scale, causal=causal,
+                                       segment_ids=segment_ids, choice=choice)
 
 
 def dilution_attention(q, k, v, *, scale=None, eps=1e-9, segment_ids=None, implementation="xla",
@@ -196,28 +117,35 @@ def dilution_attention(q, k, v, *, scale=None, eps=1e-9, segment_ids=None, imple
   """Causal dilution attention: p = causal softmax; share = p / (committed + p + eps) with
   committed the exclusive column cumsum of p over queries; rows renormalised; out = A @ v.
 
-  `checkpoint_rows` (Pallas): rows R between the demand checkpoints the backward keeps, a power
-  of two >= 64; they take ceil(T / R)·T·4 bytes per batch row and query head. None: the kernels'
-  1024. 64 lets the Hopper backward skip rebuilding its carries (H200: 0-8% faster end to end).
+  `checkpoint_rows` (Pallas): rows between the demand checkpoints the backward keeps, a power of
+  two >= 64, ceil(T / R)·T·4 bytes per batch row and query head; None: the kernels' default.
   """
   reference.check_qkv(q, k, v)
-  if checkpoint_rows is not None:
-    check_checkpoint_rows(checkpoint_rows, "checkpoint_rows")
-  return _call("dilution_attention", implementation, q, k, v, scale=_default_scale(q, scale),
-               eps=eps, segment_ids=segment_ids, checkpoint_rows=checkpoint_rows)
+  scale = _default_scale(q, scale)
+  choice = _choose("dilution_attention", implementation, q, packed=segment_ids is not None,
+                   checkpoint_rows=checkpoint_rows)
+  if choice.implementation == "xla":
+    return dilution_reference.dilution_attention(q, k, v, scale=scale, eps=eps,
+                                                 segment_ids_BT=segment_ids)[0]
+  from pallas_kernels import dilution  # pylint: disable=import-outside-toplevel
 
-
-def check_checkpoint_rows(rows, field: str) -> None:
-  """Raises ValueError naming `field` unless rows is a power of two >= 64 (the kernels' tile)."""
-  if not isinstance(rows, int) or rows < 64 or rows & (rows - 1):
-    raise ValueError(f"{field}: must be a power of two >= 64 (64, 128, ..., 1024, ...); "
-                     f"got {rows!r}")
+  def kernel(q, k, v, s, seg):
+    return dilution.dilution_attention(q, k, v, scale=s, eps=eps, segment_ids=seg,
+                                       backend=choice.backend, block_sizes=choice.block_sizes,
+                                       interpret=choice.interpret)
+  return _per_device(kernel, q, k, v, scale, segment_ids)
 
 
 def dilution_prefill(q, k, v, *, scale=None, eps=1e-9, implementation="xla"):
   """Dilution over a whole prompt; returns (out, demand float32 [B, Hq, S] = Σ_i p[i, j])."""
   reference.check_qkv(q, k, v)
-  return _call("dilution_prefill", implementation, q, k, v, scale=_default_scale(q, scale), eps=eps)
+  scale = _default_scale(q, scale)
+  choice = _choose("dilution_prefill", implementation, q)
+  if choice.implementation == "xla":
+    return dilution_reference.dilution_attention(q, k, v, scale=scale, eps=eps)
+  from pallas_kernels import dilution  # pylint: disable=import-outside-toplevel
+  return dilution.dilution_prefill(q, k, v, scale=scale, eps=eps, backend=choice.backend,
+                                   block_sizes=choice.block_sizes, interpret=choice.interpret)
 
 
 def dilution_decode_step(q, k_cache, v_cache, demand, length, *, scale=None, eps=1e-9,
@@ -225,6 +153,12 @@ def dilution_decode_step(q, k_cache, v_cache, demand, length, *, scale=None, eps
   """One cached step for the query at position length-1 (q [B, Hq, D]); returns (out, demand)."""
   if q.ndim != 3:
     raise ValueError(f"q must be [B, Hq, D] for a decode step; got {q.shape}")
-  return _call("dilution_decode_step", implementation, q, k_cache, v_cache, demand, length,
-               scale=_default_scale(q, scale), eps=eps)
-
+  scale = _default_scale(q, scale)
+  choice = dispatch.choose("dilution_decode_step", implementation, dtype=q.dtype,
+                           head_dim=q.shape[-1])
+  if choice.implementation == "xla":
+    return dilution_reference.dilution_decode_step(q, k_cache, v_cache, demand, length,
+                                                   scale=scale, eps=eps)
+  from pallas_kernels import dilution  # pylint: disable=import-outside-toplevel
+  return dilution.dilution_decode_step(q, k_cache, v_cache, demand, length, scale=scale, eps=eps,
+                                       block_sizes=choice.block_sizes, interpret=choice.interpret)

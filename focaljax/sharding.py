@@ -111,22 +111,60 @@ def batch_sharding(mesh) -> NamedSharding:
   return NamedSharding(mesh, spec(("batch", "seq")))
 
 
-def dividing_axes(mesh, logical: str, size: int) -> tuple[str, ...] | None:
-  """The mesh axes RULES give `logical`, if they split it (more than one device) and their
-  devices divide `size`; else None: the dimension stays whole. For shard_map'd kernels."""
+SUMMED = "summed"   # per_device: an output summed over the devices that split the inputs
+
+
+def _mesh_axes(logical: str) -> tuple[str, ...]:
   axes = spec((logical,))[0]
-  if axes is None:
-    return None
-  axes = axes if isinstance(axes, tuple) else (axes,)
-  n = math.prod(mesh.shape[a] for a in axes)
-  return axes if n > 1 and size % n == 0 else None
+  return () if axes is None else axes if isinstance(axes, tuple) else (axes,)
 
 
-def dividing_spec(mesh, logical: tuple[str | None, ...], shape) -> P:
-  """The PartitionSpec that splits each dimension of `shape` by its logical name's mesh axes
-  where they divide it (`dividing_axes`), else keeps it whole. For shard_map'd kernels."""
-  return P(*(None if name is None else dividing_axes(mesh, name, n)
-             for name, n in zip(logical, shape)))
+def per_device(fn, in_axes, out_axes):
+  """fn run on each device's block of its operands under the ambient mesh (jax.shard_map): a
+  pallas_call has no partitioning rule, so XLA would otherwise gather every operand whole onto
+  every device. Without a mesh, fn runs as is.
+
+  in_axes: per positional operand, its logical axis names (a prefix of its dimensions), or None
+  for an operand every device takes whole; None operands pass through. A logical name splits by
+  its RULES mesh axes only where their devices divide every dimension that carries the name (so
+  q's heads split only with k's, which keeps every query head with its KV group).
+  out_axes: the outputs' logical names (one tuple for all), or a list with one entry per output,
+  each a tuple or SUMMED: an output (a gain's gradient) psum'd over every mesh axis that split
+  the operands.
+  """
+  def wrapped(*args):
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+      return fn(*args)
+    used = [i for i, a in enumerate(args) if a is not None]
+    split = {}   # logical name -> the mesh axes that split it, or None
+    for i in used:
+      for name, n in zip(in_axes[i] or (), args[i].shape):
+        if name is not None and split.get(name, ()) is not None:
+          axes = _mesh_axes(name)
+          devices = math.prod(mesh.shape[a] for a in axes)
+          split[name] = axes if devices > 1 and n % devices == 0 else None
+    if not any(split.values()):
+      return fn(*args)
+
+    def to_spec(names):
+      return P() if names is None else P(*(split.get(n) for n in names))
+    reduced = tuple(a for axes in split.values() if axes for a in axes)
+
+    def local(*xs):
+      full = list(args)
+      for i, x in zip(used, xs):
+        full[i] = x
+      out = fn(*full)
+      if isinstance(out_axes, list):
+        out = tuple(jax.lax.psum(o, reduced) if kind == SUMMED else o
+                    for o, kind in zip(out, out_axes))
+      return out
+    out_specs = (tuple(P() if kind == SUMMED else to_spec(kind) for kind in out_axes)
+                 if isinstance(out_axes, list) else to_spec(out_axes))
+    return jax.shard_map(local, in_specs=tuple(to_spec(in_axes[i]) for i in used),
+                         out_specs=out_specs, check_vma=False)(*(args[i] for i in used))
+  return wrapped
 
 
 def constrain(x, logical: tuple[str | None, ...]):

@@ -60,9 +60,6 @@ def test_size_presets_build_abstractly(size):
     ("train.nonfinite", "ignore", "train.nonfinite"),
     ("optim.no_decay", "norm,bias", "optim.no_decay"),
     ("mesh.tensor", 3, "mesh.tensor"),
-    ("model.norm_backward", "fused", "model.norm_backward"),
-    ("model.qk_rope_backward", "fast", "model.qk_rope_backward"),
-    ("model.mlp_backward", "fused", "model.mlp_backward"),
     ("model.remat_policy", "full", "model.remat_policy"),
     ("optim.mu_dtype", "float16", "optim.mu_dtype"),
     ("optim.schedule_steps", 10, "optim.schedule_steps"),   # not past the 30 warmup steps
@@ -124,48 +121,44 @@ def test_parse_arg_keeps_commas_in_patterns():
 
 def test_a_workdir_config_from_before_the_data_fields_still_loads():
   # A config.json written before data.tokenize / data.token_cache existed (eval.py, resume).
-  c = base.get_config()
-  with c.unlocked():
-    del c.data["tokenize"], c.data["token_cache"]
-  d = config_lib.data_config(c)
+  saved = base.get_config().to_dict()
+  del saved["data"]["tokenize"], saved["data"]["token_cache"]
+  d = config_lib.data_config(config_lib.upgrade(saved))
   assert d.tokenize == "stream" and d.token_cache is None
 
 
-def test_a_workdir_config_from_before_qk_rope_backward_still_loads():
-  # focaljax.evaluation.loading / convert build the model from the workdir's config.json as written.
-  c = base.get_config()
-  with c.unlocked():
-    del c.model["qk_rope_backward"]
-  assert config_lib.model_config(c, vocab_size=256).qk_rope_backward == "separate"
-
-
-def test_a_workdir_config_from_before_mlp_backward_still_loads():
-  c = base.get_config()
-  with c.unlocked():
-    del c.model["mlp_backward"]
-  assert config_lib.model_config(c, vocab_size=256).mlp_backward == "autodiff"
+def test_a_workdir_config_with_the_deleted_speed_variants_still_loads():
+  # Written when model.fuse_matmuls ... train.cross_entropy were fields, before checkpoint_rows.
+  saved = base.get_config().to_dict()
+  saved["model"].update(fuse_matmuls=False, norm_backward="explicit", qk_rope_backward="auto",
+                        mlp_backward="auto", add_norm="auto")
+  saved["model"]["attention"].update(implementation="xla")
+  del saved["model"]["attention"]["checkpoint_rows"]
+  saved["train"]["cross_entropy"] = "explicit"
+  c = config_lib.upgrade(saved)
+  config_lib.validate(c)
+  cfg = config_lib.model_config(c, vocab_size=256)
+  assert cfg.attention.implementation == "xla" and cfg.attention.checkpoint_rows == 1024
 
 
 @pytest.mark.parametrize("stage", ["1", "2", "3"])
 def test_focus_drills_stages_validate(stage):
   # Every stage fits a 1K-context base: 63 candidates + the 512-token window at stage 3.
-  from focaljax.focus import train as focus_train
   c = _load("focus_drills", f"stage={stage}")
   c.lock()
   config_lib.validate(c)
-  focus_train.validate(c, context=1024)
+  config_lib.focus_config(c, context=1024)
   assert c.focus.eval_prompt_len == 504   # served at 504: 512 + 504 + the answer's 7 fit 1024
 
 
 def test_focus_eval_prompt_len_is_validated():
-  from focaljax.focus import train as focus_train
   c = _load("focus_drills", "stage=3")
   c.focus.eval_prompt_len = 506   # 512 + 506 + 7 = 1025 positions
   with pytest.raises(config_lib.ConfigError, match="focus.eval_prompt_len.*use <= 505"):
-    focus_train.validate(c, context=1024)
+    config_lib.focus_config(c, context=1024)
   c.focus.eval_prompt_len = -1
   with pytest.raises(config_lib.ConfigError, match="focus.eval_prompt_len.*>= 0"):
-    focus_train.validate(c, context=1024)
+    config_lib.focus_config(c, context=1024)
 
 
 def test_focus_drills_refuses_an_unknown_stage():

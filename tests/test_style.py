@@ -1,4 +1,5 @@
-"""House rules that keep the code base honest: one dispatch table, one import direction."""
+"""House rules that keep the code base honest: one dispatch table, one hardware query, one import
+direction."""
 
 import ast
 import os
@@ -43,3 +44,16 @@ def test_imports_flow_one_way():
     assert not {"focaljax", "configs", "train", "eval"} & set(_imports(path)), path
   for path in _py_files("focaljax"):
     assert not {"train", "eval", "configs"} & set(_imports(path)), path
+
+
+def test_only_dispatch_asks_which_hardware_this_is():
+  pattern = re.compile(r"default_backend\(|compute_capability|device_kind|\bhopper\(\)")
+  offenders = []
+  for pkg in ("focaljax", "pallas_kernels"):
+    for path in _py_files(pkg):
+      if path.endswith(os.path.join("focaljax", "dispatch.py")):
+        continue
+      with open(path) as f:
+        offenders += [f"{os.path.relpath(path, ROOT)}:{i}" for i, line in enumerate(f, 1)
+                      if pattern.search(line)]
+  assert not offenders, offenders

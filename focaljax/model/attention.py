@@ -8,9 +8,10 @@ Variants (per layer, from the config's `model.attention.pattern`):
             A = share/rowsum(share); out = A v                      (DilutionAttention)
 
 Each layer also has a position mode: `rope` or `none`. The math of every variant lives in
-`focaljax.ops` / `pallas_kernels.focal.reference`; this module only chooses. Strings are parsed once
-here into enums, and `FAMILY` is the only place that maps a variant to code: nothing else in the
-package compares variant names (tests/test_style.py checks this).
+`focaljax.ops` / `pallas_kernels`; this module only chooses the variant (`focaljax.dispatch`
+chooses the implementation). Strings are parsed once here into enums, and `FAMILY` is the only
+place that maps a variant to code: nothing else in the package compares variant names
+(tests/test_style.py checks this).
 """
 
 from __future__ import annotations
@@ -50,46 +51,6 @@ class TauMean(enum.Enum):
   SEQUENCE = "sequence"
 
 
-IMPLEMENTATIONS = ("xla", "pallas", "cudnn", "tokamax", "auto")
-
-# `auto`: the fastest implementation measured per platform (docs/BENCHMARKS.md). Dilution has
-# only the reference and the fused kernels; a library name falls back to "pallas" there. On the
-# H200 cuDNN is the focal choice for unpacked rows at 2K: the 400M / 1.3B steps ran 192.4 / 274.1
-# ms against the Mosaic kernel's 199.4 / 278.7 (fifth session). Packed rows (segment ids) reach
-# cuDNN as a dense [B, 1, T, T] mask, and the Mosaic kernel's segment masking wins from 2K on:
-# the packed 400M step at 2K ran 181.7 ms on "pallas" against cuDNN's 201.7 (1.11x, nineteenth
-# session), the 209M softmax step at 16K 169.5 against 209.0 (1.23x, seventeenth). Below 2K
-# packed rows are not measured, so they stay on cuDNN. Both wins are the Mosaic kernel's, which
-# runs on Hopper only; elsewhere the Pallas route is the Triton kernel, which lost at 2K (1.3B
-# packed: 328 against cuDNN's 299 ms, second session), so there the switch stays at 16K, where
-# cuDNN's mask takes 256 MiB a row.
-# cuDNN's fused attention takes only 16-bit inputs: float32 work (eval.py's default dtype) goes
-# to the Pallas kernels, which accumulate in float32 either way.
-_AUTO = {"gpu": ("cudnn", "pallas"), "tpu": ("pallas", "pallas"), "cpu": ("xla", "xla")}
-_AUTO_PAST_CUDNN = {**_AUTO, "gpu": ("pallas", "pallas")}   # float32, or packed rows from 2K
-_PACKED_PAST_CUDNN_TOKENS = {"hopper": 2048, "other": 16384}
-
-
-def _hopper() -> bool:
-  # Imported here, as ops does, so building a model does not load the kernel modules.
-  from pallas_kernels.focal import triton as focal_flash  # pylint: disable=import-outside-toplevel
-  return focal_flash.hopper()
-
-
-def resolve_implementation(implementation: str, *, dilution: bool, dtype=None,
-                           seq_len: int | None = None, segments: bool = False) -> str:
-  """The implementation a layer runs; q's `dtype`, length and packing refine `auto`."""
-  if implementation == "auto":
-    wide = dtype is not None and jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16)
-    packed = segments and seq_len is not None and seq_len >= _PACKED_PAST_CUDNN_TOKENS[
-        "hopper" if _hopper() else "other"]
-    table = _AUTO_PAST_CUDNN if wide or packed else _AUTO
-    return table.get(jax.default_backend(), _AUTO["cpu"])[int(dilution)]
-  if dilution and implementation in ("cudnn", "tokamax"):
-    return "pallas"
-  return implementation
-
-
 @dataclasses.dataclass(frozen=True)
 class LayerSpec:
   variant: Variant
@@ -98,9 +59,10 @@ class LayerSpec:
 
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
-  """Frozen attention settings a model receives (built from the ConfigDict by focaljax.config)."""
+  """Frozen attention settings a model receives (built from the ConfigDict by focaljax.config,
+  whose defaults are configs/base.py's; these are for direct construction)."""
   layers: tuple[LayerSpec, ...]
-  implementation: str = "xla"
+  implementation: str = "auto"      # focaljax.dispatch.IMPLEMENTATIONS
   temperature: float = 0.4          # focal constant t
   learned: bool = False             # focal: learned τ instead of t·√d
   tau_min: float = 5.0
@@ -108,7 +70,7 @@ class AttentionConfig:
   tau_init: float = 7.5             # offset added to mean(X·w_τ): starts τ inside the clip range
   tau_mean: TauMean = TauMean.CAUSAL
   eps: float = 1e-9                 # dilution ε
-  checkpoint_rows: int | None = None  # dilution, Pallas: rows between demand checkpoints
+  checkpoint_rows: int | None = None  # dilution, Pallas; None: the kernels' default
 
 
 def parse_pattern(pattern: str, num_layers: int) -> tuple[LayerSpec, ...]:
@@ -154,19 +116,13 @@ def _scale_focal(cfg: AttentionConfig, head_dim: int, tau_BT):
 
 def _attend_softmax(cfg, q, k, v, scale, segment_ids):
   return ops.focal_attention(q, k, v, scale=scale, causal=True, segment_ids=segment_ids,
-                             implementation=resolve_implementation(
-                                 cfg.implementation, dilution=False, dtype=q.dtype,
-                                 seq_len=q.shape[1], segments=segment_ids is not None))
+                             implementation=cfg.implementation)
 
 
 def _attend_dilution(cfg, q, k, v, scale, segment_ids):
   return ops.dilution_attention(q, k, v, scale=scale, eps=cfg.eps, segment_ids=segment_ids,
-                                implementation=_kernel_impl(cfg),
+                                implementation=cfg.implementation,
                                 checkpoint_rows=cfg.checkpoint_rows)
-
-
-def _kernel_impl(cfg):
-  return resolve_implementation(cfg.implementation, dilution=True)
 
 
 def _cached_softmax(cfg, q_BTND, cache, scale, start):
@@ -189,17 +145,16 @@ def _cached_softmax(cfg, q_BTND, cache, scale, start):
 
 def _cached_dilution(cfg, q_BTND, cache, scale, start):
   """Dilution with a running demand per key and head: prefill from an empty cache, or one step."""
-  B, T, N, D = q_BTND.shape
-  impl = _kernel_impl(cfg)
+  T = q_BTND.shape[1]
   if T == 1:
     out_BND, demand = ops.dilution_decode_step(
         q_BTND[:, 0], cache["k"], cache["v"], cache["demand"], start + 1, scale=scale,
-        eps=cfg.eps, implementation=impl)
+        eps=cfg.eps, implementation=cfg.implementation)
     return out_BND[:, None], {**cache, "demand": demand}
   # Prefill: the prompt occupies cache[0:T] (generation always prefills from position 0).
   k, v = cache["k"][:, :T], cache["v"][:, :T]
   out, demand_BNT = ops.dilution_prefill(q_BTND, k, v, scale=scale, eps=cfg.eps,
-                                         implementation=impl)
+                                         implementation=cfg.implementation)
   demand = jax.lax.dynamic_update_slice(cache["demand"], demand_BNT, (0, 0, 0))
   return out, {**cache, "demand": demand}
 

@@ -3,11 +3,13 @@
 Einsum letters: B batch, T positions, S key positions, E d_model, F d_ff, N query heads,
 K kv heads, D head dim, V vocabulary.
 
-Pre-RMSNorm blocks, SwiGLU MLP (focaljax/model/mlp.py), no biases, optional tied embeddings,
-grouped-query attention, optional QK-norm, rotary embeddings (per-layer `rope` or `none`) with
-dynamic NTK scaling past the trained context. Every parameter carries logical axis names in its
-`axes` metadata (`focaljax.sharding.RULES` maps them to mesh axes). The model knows no variant
-names: each layer gets its `attention.Family` from `attention.FAMILY`.
+Pre-RMSNorm blocks, SwiGLU MLP, no biases, optional tied embeddings, grouped-query attention,
+optional QK-norm, rotary embeddings (per-layer `rope` or `none`) with dynamic NTK scaling past the
+trained context. Every parameter carries logical axis names in its `axes` metadata
+(`focaljax.sharding.RULES` maps them to mesh axes). The model knows no variant names: each layer
+gets its `attention.Family` from `attention.FAMILY`. `focaljax.dispatch` picks, per platform, the
+glue passes: QK-norm + RoPE, the SwiGLU activation (mlp.py), the residual add with the norm after
+it (add_norm.py).
 """
 
 from __future__ import annotations
@@ -18,13 +20,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from focaljax import dispatch
+from focaljax import sharding
 from focaljax.model import add_norm as add_norm_lib
 from focaljax.model import attention as attn_lib
-from focaljax import sharding
-from focaljax.model.mlp import Mlp
-# Re-exported: focus.py, the tests and conversions call these as model.<name>.
+from focaljax.model import mlp as mlp_lib
+# Re-exported: focus, the tests and conversions call these as decoder.<name>.
 from focaljax.model.norm_rope import (_rms_norm, apply_rope, qk_norm_rope, rms_norm,  # noqa: F401
-                                rope_tables)
+                                      rope_tables)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,27 +49,7 @@ class ModelConfig:
   # What each block's backward keeps when remat is on (REMAT_POLICIES); the rest is recomputed.
   remat_policy: str = "nothing"
   init_std: float = 0.02
-  # One GEMM for q/k/v (when N == K) and one for gate/up, over weights stacked at run time: the
-  # parameters (and checkpoints, conversion, sharding) stay separate; only the matmul is shared.
-  fuse_matmuls: bool = False
-  # RMSNorm's backward: "explicit" (rms_norm's custom_vjp) or "autodiff" (kept for A/B runs).
-  norm_backward: str = "explicit"
-  # QK-norm then RoPE: "separate" (rms_norm, apply_rope), or one custom VJP (qk_norm_rope) whose
-  # backward is XLA ("fused") or one Pallas pass ("pallas", pallas_kernels/glue/norm_rope.py, which
-  # then runs the forward as one Pallas pass too; XLA's on TPU). The last two only where qk_norm
-  # is on, the layer uses RoPE and norm_backward is "explicit". "auto": "pallas" on GPUs, else
-  # "separate".
-  qk_rope_backward: str = "separate"
-  # SwiGLU's backward: "autodiff" (of jax.nn.silu(gate) * up), "explicit" (mlp.swiglu),
-  # "pallas" (mlp.swiglu_pallas: forward and backward as Pallas passes) or "auto" ("pallas" on
-  # GPUs, else "autodiff").
-  mlp_backward: str = "autodiff"
-  # Each residual add with the RMSNorm after it (focaljax/model/add_norm.py): "separate" (XLA add, then
-  # rms_norm), "pallas" (one Pallas pass each way) or "auto" ("pallas" on GPUs).
-  add_norm: str = "separate"
 
-
-QK_ROPE_BACKWARDS = ("separate", "fused", "pallas", "auto")
 
 # model.remat_policy -> the jax.checkpoint policy of each block (MaxText's remat_policy):
 # "nothing" recomputes the whole block (least memory); "dots" keeps every matmul's output;
@@ -80,31 +63,35 @@ REMAT_POLICIES = {
 }
 
 
-def resolve_qk_rope_backward(name: str) -> str:
-  """`auto`: the measured faster choice per platform. H200, jax 0.11.2, 2K tokens: "pallas" took
-  the 400M step (b16) from 213.3 to 205.8 ms and the 1.3B (b8) from 292.1 to 288.4 ms with the
-  Pallas backward alone; the Pallas forward then took the 1.3B step's (b24) QK-norm + RoPE
-  forward from 15.7 to 6.6 ms. Elsewhere the pair of XLA custom VJPs ("separate"), since the
-  Pallas passes would run interpreted on CPU."""
-  if name == "auto":
-    return "pallas" if jax.default_backend() == "gpu" else "separate"
-  return name
-
-
 def _param(rngs, shape, std, axes):
   return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32), axes=axes)
 
 
-
 class RMSNorm(nnx.Module):
 
-  def __init__(self, dim: int, eps: float, axes=("norm",), backward: str = "explicit"):
+  def __init__(self, dim: int, eps: float, axes=("norm",)):
     self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), axes=axes)
     self.eps = eps
-    self.explicit = backward == "explicit"
 
   def __call__(self, x):
-    return (rms_norm if self.explicit else _rms_norm)(x, self.scale[...], self.eps)
+    return rms_norm(x, self.scale[...], self.eps)
+
+
+class Mlp(nnx.Module):
+  """silu(x·W_gate) ⊙ (x·W_up) · W_down."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    E, F = cfg.d_model, cfg.d_ff
+    self.w_gate = _param(rngs, (E, F), E**-0.5, ("embed", "mlp"))
+    self.w_up = _param(rngs, (E, F), E**-0.5, ("embed", "mlp"))
+    self.w_down = _param(rngs, (F, E), cfg.init_std / (2 * cfg.num_layers) ** 0.5, ("mlp", "embed"))
+
+  def __call__(self, x_BTE):
+    dt = x_BTE.dtype
+    gate_BTF = jnp.einsum("BTE,EF->BTF", x_BTE, self.w_gate[...].astype(dt))
+    up_BTF = jnp.einsum("BTE,EF->BTF", x_BTE, self.w_up[...].astype(dt))
+    h_BTF = mlp_lib.swiglu(gate_BTF, up_BTF)
+    return jnp.einsum("BTF,FE->BTE", h_BTF, self.w_down[...].astype(dt))
 
 
 def rope_theta(cfg: ModelConfig, length: int | None) -> float:
@@ -157,40 +144,27 @@ class Attention(nnx.Module):
     self.wv = _param(rngs, (E, K, D), E**-0.5, ("embed", "kv_heads", "head_dim"))
     self.wo = _param(rngs, (N, D, E), std_out, ("heads", "head_dim", "embed"))
     if cfg.qk_norm:
-      self.q_norm = RMSNorm(D, cfg.norm_eps, ("head_dim",), cfg.norm_backward)
-      self.k_norm = RMSNorm(D, cfg.norm_eps, ("head_dim",), cfg.norm_backward)
-    if cfg.qk_rope_backward not in QK_ROPE_BACKWARDS:
-      raise ValueError(f"ModelConfig.qk_rope_backward={cfg.qk_rope_backward!r} is not one of "
-                       f"{list(QK_ROPE_BACKWARDS)}")
-    # autodiff norms keep the separate pair: that A/B arm measures autodiff through all of it.
-    self.qk_rope_backward = resolve_qk_rope_backward(cfg.qk_rope_backward)
-    self.fused_qk_rope = (self.qk_rope_backward != "separate" and cfg.qk_norm
-                          and cfg.norm_backward == "explicit"
-                          and spec.position is attn_lib.Position.ROPE)
+      self.q_norm = RMSNorm(D, cfg.norm_eps, ("head_dim",))
+      self.k_norm = RMSNorm(D, cfg.norm_eps, ("head_dim",))
     if attn_lib.uses_learned_tau(cfg.attention, spec):
       # Zero init: τ starts at tau_init, inside the clip range, so w_τ gets gradient from step 0.
       self.w_tau = nnx.Param(jnp.zeros((E,), jnp.float32), axes=("embed",))
 
   def _project(self, x_BTE, positions_BT, theta):
     dt = x_BTE.dtype
-    if self.cfg.fuse_matmuls and self.cfg.num_heads == self.cfg.num_kv_heads:
-      # Stacked on a new axis (not concatenated on heads) so a tensor-sharded heads axis stays put.
-      w_ECND = jnp.stack([self.wq[...], self.wk[...], self.wv[...]], axis=1).astype(dt)
-      qkv = jnp.einsum("BTE,ECND->BTCND", x_BTE, w_ECND)
-      q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-    else:
-      q = jnp.einsum("BTE,END->BTND", x_BTE, self.wq[...].astype(dt))
-      k = jnp.einsum("BTE,EKD->BTKD", x_BTE, self.wk[...].astype(dt))
-      v = jnp.einsum("BTE,EKD->BTKD", x_BTE, self.wv[...].astype(dt))
-    if self.fused_qk_rope:
+    q = jnp.einsum("BTE,END->BTND", x_BTE, self.wq[...].astype(dt))
+    k = jnp.einsum("BTE,EKD->BTKD", x_BTE, self.wk[...].astype(dt))
+    v = jnp.einsum("BTE,EKD->BTKD", x_BTE, self.wv[...].astype(dt))
+    rope = self.spec.position is attn_lib.Position.ROPE
+    glue = dispatch.choose("qk_norm_rope", head_dim=self.cfg.head_dim)
+    if self.cfg.qk_norm and rope and glue.implementation == "pallas":
       cos_BTd, sin_BTd = rope_tables(positions_BT, theta, self.cfg.head_dim)
-      bwd = self.qk_rope_backward
-      q = qk_norm_rope(q, self.q_norm.scale[...], cos_BTd, sin_BTd, self.q_norm.eps, bwd)
-      k = qk_norm_rope(k, self.k_norm.scale[...], cos_BTd, sin_BTd, self.k_norm.eps, bwd)
+      q = qk_norm_rope(q, self.q_norm.scale[...], cos_BTd, sin_BTd, self.q_norm.eps, glue.interpret)
+      k = qk_norm_rope(k, self.k_norm.scale[...], cos_BTd, sin_BTd, self.k_norm.eps, glue.interpret)
       return q, k, v
     if self.cfg.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
-    if self.spec.position is attn_lib.Position.ROPE:
+    if rope:
       q, k = apply_rope(q, positions_BT, theta), apply_rope(k, positions_BT, theta)
     return q, k, v
 
@@ -236,9 +210,9 @@ class Attention(nnx.Module):
 class Block(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, spec: attn_lib.LayerSpec, rngs: nnx.Rngs):
-    self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, backward=cfg.norm_backward)
+    self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
     self.attn = Attention(cfg, spec, rngs)
-    self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, backward=cfg.norm_backward)
+    self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
     self.mlp = Mlp(cfg, rngs)
 
   def __call__(self, x_BTE, positions_BT, segment_ids_BT, theta):
@@ -249,7 +223,7 @@ class Block(nnx.Module):
       x_BTE = x_BTE + self.mlp(self.mlp_norm(x_BTE))
     return sharding.constrain(x_BTE, ("batch", "seq", "embed_act"))
 
-  def deferred(self, x_BTE, d_BTE, positions_BT, segment_ids_BT, theta, add_norm: str):
+  def deferred(self, x_BTE, d_BTE, positions_BT, segment_ids_BT, theta, interpret: bool):
     """`__call__` of x + δ with the residual adds deferred into the next norm: returns (x', δ')
     with x' + δ' the block's output, each add done by `add_norm.add_rms_norm` together with the
     norm that reads its sum (one Pallas pass each way). δ None: the first block (plain norm)."""
@@ -258,11 +232,11 @@ class Block(nnx.Module):
         y_BTE = self.attn_norm(x_BTE)
       else:
         x_BTE, y_BTE = add_norm_lib.add_rms_norm(x_BTE, d_BTE, self.attn_norm.scale[...],
-                                                 self.attn_norm.eps, add_norm)
+                                                 self.attn_norm.eps, interpret)
       d_BTE = self.attn(y_BTE, positions_BT, segment_ids_BT, theta)
     with jax.named_scope("mlp"):
       x_BTE, y_BTE = add_norm_lib.add_rms_norm(x_BTE, d_BTE, self.mlp_norm.scale[...],
-                                               self.mlp_norm.eps, add_norm)
+                                               self.mlp_norm.eps, interpret)
       d_BTE = self.mlp(y_BTE)
     act = ("batch", "seq", "embed_act")
     return sharding.constrain(x_BTE, act), sharding.constrain(d_BTE, act)
@@ -300,14 +274,10 @@ head_matmul.defvjp(_head_matmul_fwd, _head_matmul_bwd)
 class Transformer(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-    if cfg.remat_policy not in REMAT_POLICIES:
-      raise ValueError(f"ModelConfig.remat_policy={cfg.remat_policy!r} is not one of "
-                       f"{list(REMAT_POLICIES)}")
     self.cfg = cfg
-    self.add_norm = add_norm_lib.resolve(cfg.add_norm, cfg.d_model)  # errors name the field
     self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), cfg.init_std, ("vocab", "embed"))
     self.blocks = nnx.List([Block(cfg, spec, rngs) for spec in cfg.attention.layers])
-    self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, backward=cfg.norm_backward)
+    self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
     if not cfg.tie_embeddings:
       self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), cfg.d_model**-0.5,
                             ("embed", "vocab"))
@@ -330,8 +300,10 @@ class Transformer(nnx.Module):
     theta = rope_theta(self.cfg, rope_length or T)
     x_BTE = self.embed[...].astype(dtype)[tokens_BT]
     x_BTE = sharding.constrain(x_BTE, ("batch", "seq", "embed_act"))
-    if self.add_norm == "pallas":
-      return self._logits(self._deferred_blocks(x_BTE, positions_BT, segment_ids_BT, theta))
+    add_norm = dispatch.choose("add_norm", width=self.cfg.d_model)
+    if add_norm.implementation == "pallas":
+      return self._logits(self._deferred_blocks(x_BTE, positions_BT, segment_ids_BT, theta,
+                                                add_norm.interpret))
     for block in self.blocks:
       if self.cfg.remat:
         x_BTE = nnx.remat(lambda b, *a: b(*a), static_argnums=(4,),
@@ -341,10 +313,10 @@ class Transformer(nnx.Module):
         x_BTE = block(x_BTE, positions_BT, segment_ids_BT, theta)
     return self._logits(x_BTE)
 
-  def _deferred_blocks(self, x_BTE, positions_BT, segment_ids_BT, theta):
+  def _deferred_blocks(self, x_BTE, positions_BT, segment_ids_BT, theta, interpret):
     """The blocks through `Block.deferred`: the same sums, each residual add fused with the norm
     after it; the last add is XLA's, before the final norm."""
-    call = lambda b, *a: b.deferred(*a, add_norm=self.add_norm)  # noqa: E731
+    call = lambda b, *a: b.deferred(*a, interpret=interpret)  # noqa: E731
     if self.cfg.remat:
       call = nnx.remat(call, static_argnums=(5,), policy=REMAT_POLICIES[self.cfg.remat_policy])
     d_BTE = None

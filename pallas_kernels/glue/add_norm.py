@@ -2,12 +2,11 @@
 interpreted on CPU).
 
 A pre-norm block computes h = x + δ (the residual stream plus the previous sublayer's output)
-and y = rms_norm(h)·s, then feeds y to the next sublayer and keeps h as the stream. On the H200
-(twenty-fourth session's 1.3B profile, 49152 × 2048 bf16 rows) XLA ran each such pair as two
-forward fusions (the add with the statistics, then the normalising multiply: ~0.27 ms) and two
-or three backward ones (statistics, then dh with the stream's cotangent added, plus the gain's
-column sum: ~0.42 ms), 48 norms a step: ~33 ms. One pass each way moves 4 row tensors:
-forward reads x, δ and writes h, y; backward reads h, g_h, g_y and writes dh.
+and y = rms_norm(h)·s, then feeds y to the next sublayer and keeps h as the stream. XLA runs each
+such pair as two forward fusions (the add with the statistics, then the normalising multiply) and
+two or three backward ones (statistics, then dh with the stream's cotangent added, plus the
+gain's column sum). One pass each way moves 4 row tensors: forward reads x, δ and writes h, y;
+backward reads h, g_h, g_y and writes dh.
 
 Forward (`add_norm_fwd`): grid (R / block_rows,), one program per block of rows. Blocks: x, δ,
 h, y [block_rows, E]; s [E]. h is rounded to x's dtype before the statistics, exactly as the
@@ -15,10 +14,10 @@ separate add then norm do. No carries.
 
 Backward (`add_norm_bwd`): grid (P,), P = R / rows_per_program. Program p walks its rows in
 blocks of block_rows (a fori_loop), carrying the gain's gradient Σ_rows g_y·ĥ as a float32 [E]
-partial in registers; it leaves as one row of partials [P, E] (6 MB at 1.3B × 24 × 2048,
-rows_per_program 64), which XLA sums. dh = g_h + r·(g_y·s − ĥ·mean(g_y·s·ĥ)), r = 1/rms(h),
-ĥ = h·r; statistics in float32. Blocks [block_rows, E]: E is whole (the statistics need whole
-rows) and must be a power of two compiled (Triton's block shapes).
+partial in registers; it leaves as one row of partials [P, E], which XLA sums.
+dh = g_h + r·(g_y·s − ĥ·mean(g_y·s·ĥ)), r = 1/rms(h), ĥ = h·r; statistics in float32.
+Blocks [block_rows, E]: E is whole (the statistics need whole rows) and must be a power of two
+compiled (Triton's block shapes).
 """
 
 from __future__ import annotations
@@ -33,12 +32,8 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.glue.norm_rope import dividing_rows
 
-# Tiles timed on the H200 (bench/add_norm.py, twenty-fifth session; forward / backward ms at
-# 49152 × 2048 bf16, two runs on two machines): 2 rows over 4 warps both ways, 64 rows per
-# backward program: 0.252 / 0.280 and 0.263 / 0.312; the first guess (forward 2 rows × 8 warps,
-# 128 rows per program) 0.297 / 0.333 and 0.258 / 0.295; XLA's passes 0.298 / 0.413 and
-# 0.307 / 0.371. The tiles differ by less than the run-to-run spread; both beat XLA's. 32 float32
-# values per thread per live [2, E] tile at E = 2048.
+# Tiles timed with bench/add_norm.py (docs/performance.md): the tiles tried differ by less than
+# the run-to-run spread. 32 float32 values per thread per live [2, E] tile at E = 2048.
 FWD_BLOCK_ROWS, FWD_NUM_WARPS = 2, 4
 BWD_BLOCK_ROWS, BWD_NUM_WARPS = 2, 4
 ROWS_PER_PROGRAM = 64

@@ -9,20 +9,19 @@ Backward (`norm_rope_bwd`) for the cotangent g of y:
   ds = Σ_rows u·x̂                                the gain's gradient
 
 Why kernels: XLA fuses the un-rotation into the norm's two reductions and reads the cotangent
-there in attention's transposed [B, N, T, D] layout; each reduction took ~230 µs per layer at
-1.3B on the H200, ~16× the bandwidth floor, and an XLA-only split (`qk_rope_backward="fused"`)
-did not help (BENCHMARKS.md, eighth and ninth sessions). Forward, XLA writes the normalised rows
-in float32 and reads them back to rotate them (its reduction fusion does not take the
-concatenate): 0.33 ms per q or k at 1.3B × 24 × 2048, three times the traffic of one pass
-(twenty-fourth session's profile). Here every row is read once and written once.
+there in attention's transposed [B, N, T, D] layout, far from the bandwidth floor, and an
+XLA-only split (un-rotate once behind a barrier) did not help. Forward, XLA writes the
+normalised rows in float32 and reads them back to rotate them (its reduction fusion does not take
+the concatenate): three times the traffic of one pass. Here every row is read once and written
+once.
 
 Grid (N, R / block_rows): one program per block of rows (tokens) of one head. Heads are the
 launch's fastest axis, so the N programs of a row block run together and read cos, sin from L2
-once fetched; with rows fastest, the tables (25 MB at 1.3B × 24 × 2048) were evicted between
-heads and re-read from HBM N times. Blocks: x, g, y, dx [block_rows, D] (16-bit or float32),
+once fetched; with rows fastest, the tables were evicted between heads and re-read from HBM N
+times. Blocks: x, g, y, dx [block_rows, D] (16-bit or float32),
 cos, sin [block_rows, D/2] float32, s [D]. Passes: one each; no carries. Row statistics are
 in-register reductions over D, in float32. The backward's gain gradient leaves as one float32 [D]
-partial per program, [N, R / block_rows, D] (1 MB at 1.3B), which XLA sums. Memory moved per
+partial per program, [N, R / block_rows, D], which XLA sums. Memory moved per
 call: forward reads x, cos, sin and writes y; backward reads x, g, cos, sin and writes dx and the
 partials; no intermediate in HBM.
 """
@@ -37,10 +36,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-# Tiles timed on the H200 (`bench/norm_rope.py`, twenty-fifth session, 1.3B and 400M shapes):
-# forward 32 rows over 8 warps (0.162 / 0.118 ms; 32 x 4: 0.178 / 0.130), backward 16 rows over
-# 2 warps (0.285 / 0.204 ms; 32 x 4: 0.296 / 0.210). Both keep ≤ 16 float32 values per thread
-# for each of the ~10 live [rows, D/2] half-tiles at D = 128; 64 rows would spill.
+# Tiles timed with bench/norm_rope.py (docs/performance.md). Both keep ≤ 16 float32 values per
+# thread for each of the ~10 live [rows, D/2] half-tiles at D = 128; 64 rows would spill.
 BLOCK_ROWS = 32
 NUM_WARPS = 8
 BWD_BLOCK_ROWS = 16
@@ -94,7 +91,7 @@ def _bwd_kernel(x_ref, g_ref, cos_ref, sin_ref, s_ref, dx_ref, ds_ref, *, eps, h
 
 def dividing_rows(R: int, block_rows: int) -> int:
   """The largest power of two ≤ block_rows that divides R (rows are tokens: B·T); 1 if R is odd.
-  Also pallas_kernels/add_norm's row blocks."""
+  Also add_norm.py's row blocks."""
   b = block_rows
   while b > 1 and R % b:
     b //= 2

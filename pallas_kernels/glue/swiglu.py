@@ -3,11 +3,9 @@
 Spec (`swiglu_reference`): h = g·σ(g)·u in float32, one rounding to the inputs' dtype. Backward
 for the cotangent dh: d_gate = dh·u·σ·(1 + g·(1 − σ)), d_up = dh·g·σ, σ recomputed from g.
 
-Why a kernel: on the H200 the 1.3B step's XLA fusions for this activation ran at ~40% of the
-memory bandwidth (the forward's multiply fusion 6.7 ms per step for 24 × [16384, 5504] reads of
-gate and up and one write, against ~2.7 ms at 4.8 TB/s; BENCHMARKS.md, eighth session), and an
-XLA-only rewrite (`mlp_backward="explicit"`) was slower. A plain Triton elementwise pass should
-stream near the bandwidth.
+Why a kernel: XLA's fusions for this activation (a bf16 exp and a float32 divide) run well
+below the memory bandwidth, and an XLA-only custom VJP was slower still; a plain Triton
+elementwise pass streams near the bandwidth.
 
 Layout: elementwise, so the [..., F] arrays are viewed flat as [rows, LANES] (LANES = 1024; a
 bitcast of the row-major array whatever F is), zero-padded (a copy) only when the size is not a

@@ -1,5 +1,6 @@
-"""SwiGLU: swiglu's custom VJP == autodiff of silu(g)·u (values, both gradients, saturated gates),
-and the model's loss and gradients do not depend on mlp_backward."""
+"""SwiGLU: swiglu_pallas's custom VJP (the Pallas passes, interpreted here) == autodiff of
+silu(g)·u (values, both gradients, saturated gates), and the model's loss and gradients do not
+depend on which implementation runs the activation."""
 
 import jax
 import jax.numpy as jnp
@@ -8,9 +9,13 @@ import pytest
 from flax import nnx
 
 from focaljax.model import attention as A
-from focaljax.model import mlp
 from focaljax.model import decoder as M
-from test_model import assert_same_loss_and_grads, loss_and_grads
+from focaljax.model import mlp
+from test_model import assert_same_loss_and_grads, force_glue, loss_and_grads
+
+
+def _swiglu(g, u):
+  return mlp.swiglu_pallas(g, u, True)
 
 
 def _reference(g, u):
@@ -33,11 +38,11 @@ def _inputs(dtype, shape=(2, 8, 48), scale=3.0):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_swiglu_matches_autodiff(dtype):
-  """float32: equal to rounding. bfloat16: within bf16 rounding (swiglu computes in float32 and
-  rounds once; autodiff rounds inside the sigmoid and at each product). No NaN or inf anywhere."""
+def test_swiglu_pallas_matches_autodiff(dtype):
+  """float32: equal to rounding. bfloat16: within bf16 rounding (the passes compute in float32 and
+  round once; autodiff rounds inside the sigmoid and at each product). No NaN or inf anywhere."""
   g, u, dh = _inputs(dtype)
-  out, vjp = jax.jit(lambda g, u: jax.vjp(mlp.swiglu, g, u))(g, u)
+  out, vjp = jax.jit(lambda g, u: jax.vjp(_swiglu, g, u))(g, u)
   want, want_vjp = jax.vjp(_reference, g, u)
   tol = 1e-6 if dtype == jnp.float32 else 1e-2
   assert out.dtype == want.dtype == dtype
@@ -59,7 +64,7 @@ def test_swiglu_saturated_gates_exactly():
   """silu(g) → 0 and its slope → 0 for g ≪ 0; silu(g) → g and its slope → 1 for g ≫ 0."""
   g = jnp.array([-1e4, -100.0, -30.0, 30.0, 100.0, 1e4], jnp.float32)
   u = jnp.ones_like(g)
-  out, vjp = jax.vjp(mlp.swiglu, g, u)
+  out, vjp = jax.vjp(_swiglu, g, u)
   d_gate, d_up = vjp(jnp.ones_like(g))
   np.testing.assert_allclose(out, [0, 0, 0, 30, 100, 1e4], atol=1e-11, rtol=1e-6)
   np.testing.assert_allclose(d_gate, [0, 0, 0, 1, 1, 1], atol=1e-11, rtol=1e-6)
@@ -69,7 +74,7 @@ def test_swiglu_saturated_gates_exactly():
 def test_swiglu_saves_only_gate_and_up():
   """The residuals are the two inputs, nothing derived: the backward recomputes the sigmoid."""
   g, u, _ = _inputs(jnp.bfloat16)
-  _, vjp = jax.vjp(mlp.swiglu, g, u)
+  _, vjp = jax.vjp(_swiglu, g, u)
   residuals = jax.tree.leaves(vjp)
   assert len(residuals) == 2 and all(r.shape == g.shape and r.dtype == g.dtype
                                      for r in residuals), residuals
@@ -81,29 +86,14 @@ def _cfg(**kw):
                        head_dim=8, d_ff=64, max_seq_len=16, attention=ac, **kw)
 
 
-@pytest.mark.parametrize("fuse", [False, True])
-def test_model_does_not_depend_on_the_mlp_backward(fuse):
-  """Whole-model float32 loss and gradients with mlp_backward explicit == pallas == autodiff
-  (== auto, whichever it picks here), over both the separate and the stacked gate/up GEMM."""
+def test_model_is_the_same_with_the_swiglu_passes(monkeypatch):
+  """Whole-model float32 loss and gradients with the activation through the Pallas passes ==
+  autodiff of jax.nn.silu(gate) * up."""
   tokens = jax.random.randint(jax.random.key(9), (2, 12), 0, 96)
-  results = []
-  for mode in mlp.MLP_BACKWARDS:
-    model = M.Transformer(_cfg(mlp_backward=mode, fuse_matmuls=fuse), nnx.Rngs(7))
-    want = {"autodiff": mlp._swiglu_autodiff,  # pylint: disable=protected-access
-            "explicit": mlp.swiglu, "pallas": mlp.swiglu_pallas}[mlp.resolve_mlp_backward(mode)]
-    assert all(b.mlp.activation is want for b in model.blocks)
-    results.append(loss_and_grads(model, tokens))
-  for other in results[1:]:
-    assert_same_loss_and_grads(results[0], other)
-
-
-def test_auto_is_pallas_only_on_gpus(monkeypatch):
-  for backend, want in (("gpu", "pallas"), ("cpu", "autodiff"), ("tpu", "autodiff")):
-    monkeypatch.setattr(jax, "default_backend", lambda b=backend: b)
-    assert mlp.resolve_mlp_backward("auto") == want
-    assert mlp.resolve_mlp_backward("explicit") == "explicit"   # a named choice stays
-
-
-def test_unknown_mlp_backward_is_refused():
-  with pytest.raises(ValueError, match="mlp_backward"):
-    M.Transformer(_cfg(mlp_backward="fused"), nnx.Rngs(7))
+  want = loss_and_grads(M.Transformer(_cfg(), nnx.Rngs(7)), tokens)
+  force_glue(monkeypatch, "pallas", ("swiglu",))
+  calls, real = [], mlp.swiglu_pallas
+  monkeypatch.setattr(mlp, "swiglu_pallas", lambda *a: calls.append(a) or real(*a))
+  got = loss_and_grads(M.Transformer(_cfg(), nnx.Rngs(7)), tokens)
+  assert calls   # the passes ran
+  assert_same_loss_and_grads(want, got)

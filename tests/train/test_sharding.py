@@ -127,44 +127,48 @@ for name, f in cases.items():
   assert "all-gather" not in hlo, name + ": q/k/v were gathered"
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-4)
-# QK-norm + RoPE with the Pallas backward: per device too, the gain's gradient summed over both.
-from focaljax import norm_rope
-cos, sin = norm_rope.rope_tables(jnp.arange(T)[None] + 5, 10000.0, D)
+# QK-norm + RoPE's Pallas passes: per device too, the gain's gradient summed over both.
+from focaljax.model import norm_rope
+positions = jnp.arange(T)[None] + 5
+cos, sin = norm_rope.rope_tables(positions, 10000.0, D)
 gain, w = 1 + 0.1 * jax.random.normal(ks[4], (D,)), jax.random.normal(ks[3], q.shape)
-nr_loss = lambda x, g, bwd: jnp.sum(norm_rope.qk_norm_rope(x, g, cos, sin, 1e-5, bwd) * w)
-want = jax.jit(jax.grad(nr_loss, (0, 1)), static_argnums=2)(q, gain, "fused")
+pair = lambda x, g: norm_rope.apply_rope(norm_rope.rms_norm(x, g, 1e-5), positions, 10000.0)
+want = jax.jit(jax.grad(lambda x, g: jnp.sum(pair(x, g) * w), (0, 1)))(q, gain)
 with jax.set_mesh(mesh):
-  fn = jax.jit(jax.grad(nr_loss, (0, 1)), static_argnums=2)
+  fn = jax.jit(jax.grad(
+      lambda x, g: jnp.sum(norm_rope.qk_norm_rope(x, g, cos, sin, 1e-5, True) * w), (0, 1)))
   x = jax.device_put(q, NamedSharding(mesh, P("data", None, "tensor", None)))
-  hlo = fn.lower(x, gain, "pallas").compile().as_text()
-  got = fn(x, gain, "pallas")
+  hlo = fn.lower(x, gain).compile().as_text()
+  got = fn(x, gain)
 assert "all-gather" not in hlo, "norm_rope: x was gathered"
 for a, b in zip(got, want):
   np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-4)
 # The SwiGLU activation's Pallas passes: per device over rows and "mlp" columns.
-from focaljax import mlp
+from focaljax.model import mlp
 gate, up = jax.random.normal(ks[0], (B, T, 96)), jax.random.normal(ks[1], (B, T, 96))
 sw_loss = lambda act, g, u: jnp.sum(act(g, u) * jnp.sin(g))
 want = jax.jit(jax.grad(sw_loss, (1, 2)), static_argnums=0)(mlp.swiglu, gate, up)
+pallas = lambda g, u: mlp.swiglu_pallas(g, u, True)
 with jax.set_mesh(mesh):
   fn = jax.jit(jax.grad(sw_loss, (1, 2)), static_argnums=0)
   gu = [jax.device_put(a, NamedSharding(mesh, P("data", None, "tensor"))) for a in (gate, up)]
-  hlo = fn.lower(mlp.swiglu_pallas, *gu).compile().as_text()
-  got = fn(mlp.swiglu_pallas, *gu)
+  hlo = fn.lower(pallas, *gu).compile().as_text()
+  got = fn(pallas, *gu)
 assert "all-gather" not in hlo, "swiglu: gate/up were gathered"
 for a, b in zip(got, want):
   np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-4)
 # The residual add + RMSNorm Pallas passes: per device over batch rows, the gain's gradient summed.
-from focaljax import add_norm
+from focaljax.model import add_norm
 xr, dr = jax.random.normal(ks[0], (B, T, 32)), jax.random.normal(ks[1], (B, T, 32))
-an_loss = lambda x, d, g, impl: sum(
-    jnp.sum(o * jnp.sin(o + i)) for i, o in enumerate(add_norm.add_rms_norm(x, d, g, 1e-5, impl)))
-want = jax.jit(jax.grad(an_loss, (0, 1, 2)), static_argnums=3)(xr, dr, jnp.ones(32), "separate")
+xla = lambda x, d, g: (x + d, norm_rope.rms_norm(x + d, g, 1e-5))
+pallas = lambda x, d, g: add_norm.add_rms_norm(x, d, g, 1e-5, True)
+an_loss = lambda f, x, d, g: sum(jnp.sum(o * jnp.sin(o + i)) for i, o in enumerate(f(x, d, g)))
+want = jax.jit(jax.grad(an_loss, (1, 2, 3)), static_argnums=0)(xla, xr, dr, jnp.ones(32))
 with jax.set_mesh(mesh):
-  fn = jax.jit(jax.grad(an_loss, (0, 1, 2)), static_argnums=3)
+  fn = jax.jit(jax.grad(an_loss, (1, 2, 3)), static_argnums=0)
   xd = [jax.device_put(a, NamedSharding(mesh, P("data", None, None))) for a in (xr, dr)]
-  hlo = fn.lower(*xd, jnp.ones(32), "pallas").compile().as_text()
-  got = fn(*xd, jnp.ones(32), "pallas")
+  hlo = fn.lower(pallas, *xd, jnp.ones(32)).compile().as_text()
+  got = fn(pallas, *xd, jnp.ones(32))
 assert "all-gather" not in hlo, "add_norm: x was gathered"
 for a, b in zip(got, want):
   np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-4)
@@ -188,7 +192,9 @@ _OPT_STATE = r'''
 import functools, jax, jax.numpy as jnp
 from flax import nnx
 from configs import base
-from focaljax import config as config_lib, model as model_lib, optim, sharding, trainer
+from focaljax import config as config_lib, sharding
+from focaljax.model import decoder as model_lib
+from focaljax.train import lm, loop, optim
 c = base.get_config("size=small")
 cfg = config_lib.model_config(c, 512)
 graphdef, state = nnx.split(nnx.eval_shape(lambda: model_lib.Transformer(cfg, nnx.Rngs(0))))
@@ -196,15 +202,15 @@ for shape in [(1, 2, 2), (2, 1, 2), (1, 4, 1)]:
   mesh = sharding.make_mesh(*shape)
   param_sh = sharding.param_shardings(state, mesh)
   tx = optim.make(config_lib.optim_config(c), nnx.to_pure_dict(state))
-  params, opt, opt_sh = trainer.init_state(cfg, tx, param_sh, mesh, jax.random.key(0))
+  params, opt, opt_sh = lm.init_state(cfg, tx, param_sh, mesh, jax.random.key(0))
   adam = opt[1][0]  # chain(clip, adamw): adamw's ScaleByAdamState
   for moment in (adam.mu, adam.nu):
     for p, m in zip(jax.tree.leaves(params), jax.tree.leaves(moment)):
       assert m.sharding.spec == p.sharding.spec, (shape, m.sharding.spec, p.sharding.spec)
   assert adam.count.sharding.spec == jax.sharding.PartitionSpec()
   if shape == (2, 1, 2):  # data x tensor parallelism: all-reduces, and no weight is gathered
-    step = jax.jit(functools.partial(trainer.train_step, graphdef=graphdef, tx=tx,
-                                     cfg=trainer.StepConfig(jnp.float32, 1, False)),
+    step = jax.jit(functools.partial(lm.train_step, graphdef=graphdef, tx=tx,
+                                     cfg=loop.StepConfig(jnp.float32, 1, False)),
                    in_shardings=(param_sh, opt_sh, sharding.batch_sharding(mesh)),
                    out_shardings=(param_sh, opt_sh, None))
     T = c.data.seq_len

@@ -1,0 +1,146 @@
+"""Which implementation runs each operation: the one place that asks what hardware this is.
+
+`choose(op, requested, ...)` maps an operation, the platform, and the call's dtype, shape and
+packing to a `Choice`: the implementation, the Pallas backend, block sizes and interpret mode.
+`requested` is the user's `model.attention.implementation` for attention ("auto", or one
+forced); the glue passes and the loss take "auto" from the model (tests force "pallas").
+
+  op                       cpu     tpu          gpu                      hopper
+  focal_attention          xla     pallas/tpu   cudnn                    cudnn
+    float32 q, k, v                             pallas/triton            pallas/mosaic
+    packed rows, T >=                           16K: pallas/triton       2K: pallas/mosaic
+  dilution_attention,      xla     xla          pallas/triton            pallas/mosaic
+  dilution_prefill, _decode_step
+  qk_norm_rope, swiglu,    xla     xla          pallas (Triton kernels; qk_norm_rope needs a
+  add_norm                                      power-of-two head dim, add_norm a d_model >= 16)
+  cross_entropy            optax   optax        explicit                 explicit
+  condense (FocusLLM)      as requested (xla | pallas); pallas raises on TPU
+
+Why: cuDNN's fused attention is the fastest focal path for unpacked 16-bit rows, but takes only
+16-bit inputs and gets packed rows as a dense [B, 1, T, T] mask, which the Mosaic kernel's
+segment masking beats from 2K on Hopper; elsewhere the Triton kernel lost at 2K, and from 16K the
+mask takes 256 MiB a row. The dilution and glue kernels are Triton or Mosaic GPU only; off GPUs
+Pallas runs in interpret mode (CPU tests) or, on TPU, gives way to XLA. The explicit
+cross-entropy's one-pass reduction wins on GPUs and lowers slowly on CPU. Numbers:
+docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+IMPLEMENTATIONS = ("auto", "xla", "pallas", "cudnn", "tokamax")   # model.attention.implementation
+ATTENTION = ("focal_attention", "dilution_attention", "dilution_prefill", "dilution_decode_step")
+GLUE = ("qk_norm_rope", "swiglu", "add_norm")
+
+# Packed rows (segment ids) from this length on go to the Pallas focal kernel instead of cuDNN.
+_PACKED_PAST_CUDNN = {"hopper": 2048, "gpu": 16384}
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+  implementation: str            # xla | pallas | cudnn | tokamax; the loss: optax | explicit
+  backend: str | None = None     # Pallas: triton | mosaic | tpu
+  block_sizes: object = None     # dilution_attention: the kernels' BlockSizes; None: their default
+  interpret: bool = False        # Pallas interpret mode (no GPU or TPU)
+
+
+def platform() -> str:
+  """"hopper" (an sm_90 GPU: H100, H200), "gpu", "tpu" or "cpu"."""
+  backend = jax.default_backend()
+  if backend in ("gpu", "cuda", "rocm"):
+    capability = str(getattr(jax.devices()[0], "compute_capability", ""))
+    return "hopper" if capability.startswith("9.") else "gpu"
+  return backend if backend == "tpu" else "cpu"
+
+
+def _gpu(where: str) -> bool:
+  return where in ("hopper", "gpu")
+
+
+def _pallas(where: str, **kw) -> Choice:
+  backend = {"hopper": "mosaic", "tpu": "tpu"}.get(where, "triton")
+  return Choice("pallas", backend, interpret=where == "cpu", **kw)
+
+
+def _sixteen_bit(dtype) -> bool:
+  return dtype is not None and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+
+
+def _focal(requested, where, *, dtype, seq_len, packed) -> Choice:
+  if requested == "auto":
+    if not _gpu(where):
+      return Choice("xla") if where == "cpu" else _pallas(where)
+    long_packed = packed and seq_len is not None and seq_len >= _PACKED_PAST_CUDNN[where]
+    requested = "pallas" if long_packed or not _sixteen_bit(dtype) else "cudnn"
+  if requested == "cudnn":
+    if not _gpu(where):
+      raise NotImplementedError("implementation='cudnn' needs an NVIDIA GPU; use 'xla', "
+                                "'pallas' or 'auto'")
+    if not _sixteen_bit(dtype):
+      raise ValueError(f"implementation='cudnn' takes bfloat16/float16 q, k, v; got {dtype} "
+                       "(use 'pallas', 'xla' or 'auto', which sends float32 to 'pallas')")
+  return _pallas(where) if requested == "pallas" else Choice(requested)
+
+
+def _dilution(op, requested, where, *, dtype, head_dim, checkpoint_rows) -> Choice:
+  # No TPU port of the kernels; a library name means the fused kernels here.
+  if requested == "xla" or where == "tpu" or (requested == "auto" and where == "cpu"):
+    return Choice("xla")
+  choice = _pallas(where)
+  if op == "dilution_attention" and checkpoint_rows is not None:
+    from pallas_kernels import dilution  # pylint: disable=import-outside-toplevel
+    bs = dilution.default_block_sizes(choice.backend, head_dim, dtype)
+    choice = dataclasses.replace(choice, block_sizes=dataclasses.replace(
+        bs, ckpt_rows=checkpoint_rows))
+  return choice
+
+
+def _glue(op, requested, where, *, head_dim, width) -> Choice:
+  if requested not in ("auto", "xla", "pallas"):
+    raise ValueError(f"{op}: implementation must be 'auto', 'xla' or 'pallas'; got {requested!r}")
+  if requested == "auto":
+    fits = {"qk_norm_rope": head_dim is None or not head_dim & (head_dim - 1),
+            "add_norm": width is not None and width >= 16 and not width & (width - 1)}
+    requested = "pallas" if _gpu(where) and fits.get(op, True) else "xla"
+  if requested == "xla" or where == "tpu":   # Triton kernels: XLA's passes on TPU
+    return Choice("xla")
+  return Choice("pallas", "triton", interpret=where == "cpu")
+
+
+def choose(op: str, requested: str = "auto", *, dtype=None, head_dim: int | None = None,
+           seq_len: int | None = None, packed: bool = False, width: int | None = None,
+           checkpoint_rows: int | None = None) -> Choice:
+  """The implementation of `op` for this call (see the module docstring's table).
+
+  dtype, head_dim, seq_len, packed (segment ids present): the attention call's; width: d_model
+  for add_norm; checkpoint_rows: dilution_attention's demand checkpoints (validated in
+  focaljax.config), replacing the kernels' default `BlockSizes.ckpt_rows`.
+  """
+  where = platform()
+  if op in ATTENTION:
+    if requested not in IMPLEMENTATIONS:
+      raise ValueError(f"{op}: implementation must be one of {list(IMPLEMENTATIONS)}; got "
+                       f"{requested!r}")
+  if op == "focal_attention":
+    return _focal(requested, where, dtype=dtype, seq_len=seq_len, packed=packed)
+  if op in ATTENTION:
+    return _dilution(op, requested, where, dtype=dtype, head_dim=head_dim,
+                     checkpoint_rows=checkpoint_rows)
+  if op in GLUE:
+    return _glue(op, requested, where, head_dim=head_dim, width=width)
+  if op == "cross_entropy":
+    if requested == "auto":
+      return Choice("explicit" if _gpu(where) else "optax")
+    return Choice(requested)
+  if op == "condense":   # FocusLLM's candidate and local attentions: xla or pallas
+    if requested not in ("xla", "pallas"):
+      raise ValueError(f"condense: implementation must be 'xla' or 'pallas'; got {requested!r}")
+    if requested == "pallas" and where == "tpu":
+      raise NotImplementedError("the condense kernels are Triton-only (GPU); use "
+                                "implementation='xla' on TPU")
+    return Choice(requested, interpret=requested == "pallas" and where == "cpu")
+  raise ValueError(f"dispatch.choose: unknown op {op!r}")
