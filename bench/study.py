@@ -244,7 +244,7 @@ def collect_run(args, arm: str, seed: int) -> dict | None:
   r = {"arm": arm, "seed": seed, "workdir": wd, "pattern": a["pattern"], "learned": a["learned"],
        "implementation": a["implementation"], "trained": trained(wd), "steps": steps,
        "seq_len": T, "global_batch": B, "tokens": steps * B * T, "vocab": vocab,
-       "params": model.param_count(config_lib.model_config(checkpoint.read_config(wd), vocab)),
+       "params": model.param_count(config_lib.model_config(config_lib.read_run_config(wd), vocab)),
        "train_loss": losses[-1] if losses else None,
        # The first logged interval includes compilation (and a resume's restore): the median.
        "tokens_per_s": statistics.median(tps[1:] or tps) if tps else None,

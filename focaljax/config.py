@@ -9,6 +9,7 @@ code reads a ConfigDict. A workdir's saved config.json reaches it through `upgra
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 
 import ml_collections
@@ -261,7 +262,7 @@ def _base_context(path: str) -> int:
     raise ConfigError(f"config field focus.base_workdir: {e}") from None
   _require(step is not None or checkpoint.latest_step(workdir) is not None, "focus.base_workdir",
            f"{workdir} has no checkpoint under checkpoints/ (train it first)")
-  return checkpoint.read_config(workdir).data.seq_len
+  return read_run_config(workdir).data.seq_len
 
 
 def focus_config(c: ml_collections.ConfigDict, context: int | None = None) -> FocusTrainConfig:
@@ -341,6 +342,13 @@ _REMOVED = ("model.fuse_matmuls", "model.norm_backward", "model.qk_rope_backward
             "model.mlp_backward", "model.add_norm", "train.cross_entropy",
             "focus.candidate_positions", "focus.candidate_bias", "focus.sink",
             "focus.drill_in_window", "focus.answer_weight")
+
+
+def read_run_config(workdir: str) -> ml_collections.ConfigDict:
+  """A workdir's config.json as a ConfigDict in today's fields."""
+  from focaljax.train import checkpoint  # pylint: disable=import-outside-toplevel
+  with open(os.path.join(workdir, checkpoint.CONFIG_FILE)) as f:
+    return upgrade(json.load(f))
 
 
 def upgrade(saved: dict) -> ml_collections.ConfigDict:

@@ -15,7 +15,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 # for the others: with 2 workers a barrier wait and the callback can hold both while another
 # thread waits for one, a deadlock. Measured on this 2-core machine (the F2 over 2 key tiles
 # interpreted inside the jitted op): 2 of 6 runs hung at the default, 0 of 6 with PJRT_NPROC=3,
-# every run with PJRT_NPROC=1. That is the 2-core CI hang seen in the twenty-eighth session. The
+# every run with PJRT_NPROC=1. That is the hang seen on 2-core CI hosts. The
 # pool must exceed 1 + the simulated threads per kernel; PJRT_NPROC sizes it (read when the
 # client starts, so before any test touches a device).
 os.environ.setdefault("PJRT_NPROC", "8")

@@ -81,7 +81,7 @@ def abstract_model(cfg: model_lib.ModelConfig):
 def load(path: str) -> LoadedModel:
   """A workdir (latest step) or workdir/checkpoints/<step> -> LoadedModel."""
   workdir, step = checkpoint.resolve(path)
-  saved = checkpoint.read_config(workdir)
+  saved = config_lib.read_run_config(workdir)
   if "focus" in saved:
     raise ValueError(f"{workdir} is a FocusLLM adapter run; evaluate it with python eval.py "
                      f"--workdir BASE --focus_adapter {workdir}")

@@ -103,7 +103,7 @@ def convert(run: str) -> list[int]:
   steps = sorted(int(d) for d in os.listdir(root) if d.isdigit()) if os.path.isdir(root) else []
   if not steps:
     raise FileNotFoundError(f"{root} holds no adapter/<step>/ to convert")
-  c = checkpoint.read_config(run)
+  c = config_lib.read_run_config(run)
   for step in steps:
     d = os.path.join(root, str(step))
     with open(os.path.join(d, "focus.json")) as f:

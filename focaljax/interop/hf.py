@@ -312,7 +312,7 @@ def focaljax_to_hf(path: str, out_dir: str, *, dtype: str | None = None,
                    max_shard_gb: float = 5.0) -> str:
   """Exports a focaljax workdir (latest step) or checkpoints/<step> dir as an HF directory."""
   workdir, step = checkpoint.resolve(path)
-  run = config_lib.parse(checkpoint.read_config(workdir))
+  run = config_lib.parse(config_lib.read_run_config(workdir))
   tok_file, eos = _tokenizer_file(workdir, run), _eos(workdir)
   # The raw HF tokenizer: its eos may be "</s>", which focaljax's Tokenizer does not require here.
   hf_tok = tokenizers.Tokenizer.from_file(tok_file)

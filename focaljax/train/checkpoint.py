@@ -2,7 +2,7 @@
 
 Layout of a workdir:
   config.json          the config as given (written once, by process 0; read through
-                       focaljax.config.upgrade)
+                       focaljax.config.read_run_config)
   tokenizer.json       the language model's tokenizer (travels with the checkpoint)
   checkpoints/<step>/  Orbax items: params (the trained parameters: the model's, or a FocusLLM
                        adapter's), opt_state, data (the Grain iterator, where there is one), meta
@@ -15,7 +15,6 @@ train.async_ckpt is off; every process calls save/restore (Orbax coordinates mul
 
 from __future__ import annotations
 
-import json
 import os
 
 import grain
@@ -23,7 +22,6 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from focaljax import config as config_lib
 
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.json"
@@ -101,12 +99,6 @@ def latest_step(workdir: str) -> int | None:
   root = os.path.join(workdir, "checkpoints")
   steps = [int(d) for d in os.listdir(root) if d.isdigit()] if os.path.isdir(root) else []
   return max(steps, default=None)
-
-
-def read_config(workdir: str):
-  """The workdir's config.json as a ConfigDict in today's fields (focaljax.config.upgrade)."""
-  with open(os.path.join(workdir, CONFIG_FILE)) as f:
-    return config_lib.upgrade(json.load(f))
 
 
 def write_config(workdir: str, config) -> None:

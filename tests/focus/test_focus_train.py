@@ -252,7 +252,7 @@ def test_base_attention_replaces_the_trained_implementation(tmp_path):
   """A base trained with cudnn (the GPU's auto) is adapted with focus.base_attention's, same
   weights: cuDNN would refuse the float32 chunk caches of a float32 adapter run."""
   make_base(tmp_path / "base")
-  c = checkpoint.read_config(str(tmp_path / "base"))
+  c = config_lib.read_run_config(str(tmp_path / "base"))
   c.model.attention.implementation = "cudnn"
   checkpoint.write_config(str(tmp_path / "base"), c)
   plain = loaded.load(str(tmp_path / "base")).model
