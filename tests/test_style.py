@@ -57,3 +57,43 @@ def test_only_dispatch_asks_which_hardware_this_is():
         offenders += [f"{os.path.relpath(path, ROOT)}:{i}" for i, line in enumerate(f, 1)
                       if pattern.search(line)]
   assert not offenders, offenders
+
+
+def _module(path):
+  rel = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+  return rel[: -len(".__init__")] if rel.endswith(".__init__") else rel
+
+
+def _import_graph():
+  """module -> the package modules it imports (anywhere in the file, lazy imports included)."""
+  paths = [p for pkg in ("focaljax", "pallas_kernels") for p in _py_files(pkg)]
+  modules = {_module(p) for p in paths}
+  graph = {}
+  for path in paths:
+    deps = set()
+    for node in ast.walk(ast.parse(open(path).read())):
+      if isinstance(node, ast.Import):
+        deps |= {a.name for a in node.names}
+      elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+        deps |= {f"{node.module}.{a.name}" for a in node.names} | {node.module}
+    graph[_module(path)] = {d for d in deps if d in modules and not _module(path).startswith(d + ".")
+                            and d != _module(path)}
+  return graph
+
+
+def test_no_import_cycles():
+  graph, state, cycles = _import_graph(), {}, []
+
+  def visit(m, stack):
+    state[m] = "open"
+    for d in sorted(graph.get(m, ())):
+      if state.get(d) == "open":
+        cycles.append(" -> ".join(stack[stack.index(d):] + [d]))
+      elif d not in state:
+        visit(d, stack + [d])
+    state[m] = "done"
+
+  for m in sorted(graph):
+    if m not in state:
+      visit(m, [m])
+  assert not cycles, cycles
