@@ -1,12 +1,12 @@
-"""Causal bf16 attention throughput: focal_flash (`mosaic`: the Hopper Mosaic GPU kernel that
-"auto" picks on H100/H200; `pallas`: the Triton kernel) against cuDNN, jax's bundled Pallas
-Triton `mha`, the XLA reference and (if importable) tokamax.
+"""Causal bf16 attention throughput: focal attention (`mosaic`: `backend="mosaic"`, the Hopper
+Mosaic GPU kernel; `pallas`: `backend="triton"`) against cuDNN, jax's bundled Pallas Triton `mha`,
+the XLA reference and (if importable) tokamax.
 
 FLOPs: forward 4·B·H·T²·D / 2 (causal); forward+backward 3.5× that. Timing: jit, 2 warm-up calls,
 median of --iters calls each ended by block_until_ready, on fresh random bf16 inputs.
-`pallas_temp` / `cudnn_temp` use an array temperature [B, H, T] (gradient to it included in
-fwd+bwd); `err` is max|out − out_ref| against cuDNN (else the XLA reference; cudnn_temp /
-xla_temp for the _temp rows) on the same inputs.
+`*_temp` rows use an array temperature [B, H, T] (gradient to it included in fwd+bwd); `err` is
+max|out − out_ref| against cuDNN (else the XLA reference; cudnn_temp / xla_temp for the _temp
+rows) on the same inputs. The Mosaic kernel's own tiles: bench/focal_tiles.py.
 
   python bench/attention.py [--quick] [--sweep] [--out bench_attention.json]   # GPU
   python bench/attention.py --smoke                                           # CPU, interpret mode
@@ -15,7 +15,6 @@ xla_temp for the _temp rows) on the same inputs.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import fnmatch
 import json
@@ -30,9 +29,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from bench import tokamax_shim  # noqa: E402
-from pallas_kernels.focal import reference
-from pallas_kernels.focal import triton as focal_flash
-from pallas_kernels.focal import mosaic as focal_mgpu  # noqa: E402
+import pallas_kernels.focal as focal  # noqa: E402
+from pallas_kernels.focal import reference  # noqa: E402
 
 SHAPES = [(4, 16, 2048, 128), (2, 16, 4096, 128), (1, 16, 8192, 128), (1, 8, 16384, 128),
           (2, 12, 16384, 64)]  # (B, H, T, D)
@@ -41,32 +39,24 @@ SMOKE = [(1, 2, 128, 64)]
 XLA_FWD_LOGITS_MAX, XLA_BWD_LOGITS_MAX = 40e9, 12e9  # bytes of f32 logits before skipping
 # --sweep: Triton tile configs for the Pallas kernel (the first one is the default for D=128).
 SWEEP = [
-    focal_flash.BlockSizes(),
-    focal_flash.BlockSizes(block_q=128, block_kv=128),
-    focal_flash.BlockSizes(block_q=64, block_kv=64, num_warps_fwd=4, num_stages_fwd=3),
-    focal_flash.BlockSizes(num_stages_fwd=3, num_stages_bwd=3),
-    focal_flash.BlockSizes(block_q_dkv=32, block_kv_dkv=128, block_q_dq=128, block_kv_dq=32),
-    focal_flash.BlockSizes(block_q_dkv=64, block_kv_dkv=128, block_q_dq=128, block_kv_dq=64),
-    focal_flash.BlockSizes(block_q_dkv=32, block_kv_dkv=64, block_q_dq=64, block_kv_dq=32,
-                           num_warps_bwd=4, num_stages_bwd=3),
+    focal.BlockSizes(),
+    focal.BlockSizes(block_q=128, block_kv=128),
+    focal.BlockSizes(block_q=64, block_kv=64, num_warps_fwd=4, num_stages_fwd=3),
+    focal.BlockSizes(num_stages_fwd=3, num_stages_bwd=3),
+    focal.BlockSizes(block_q_dkv=32, block_kv_dkv=128, block_q_dq=128, block_kv_dq=32),
+    focal.BlockSizes(block_q_dkv=64, block_kv_dkv=128, block_q_dq=128, block_kv_dq=64),
+    focal.BlockSizes(block_q_dkv=32, block_kv_dkv=64, block_q_dq=64, block_kv_dq=32,
+                     num_warps_bwd=4, num_stages_bwd=3),
 ]
 
 
 def _impls(interpret: bool, sweep: bool):
   """name -> attend(q, k, v, temp_BHT) with q/k/v [B, T, H, D] bf16, causal."""
-  def pallas(blocks=None, temp=False, kernel="triton"):
+  def pallas(blocks=None, temp=False, backend="triton"):
     def attend(q, k, v, t):
       scale = t if temp else q.shape[-1] ** -0.5
-      return focal_flash.focal_attention(q, k, v, scale=scale, causal=True, interpret=interpret,
-                                         block_sizes=blocks, kernel=kernel)
-    return attend
-
-  def mosaic_overlap(temp=False):  # focal_mgpu with BlockSizes.overlap_softmax (FA3 §3.2)
-    def attend(q, k, v, t):
-      blocks = dataclasses.replace(focal_mgpu.BlockSizes.default(q.shape[-1], q.dtype),
-                                   overlap_softmax=True)
-      return focal_mgpu.focal_attention(q, k, v, scale=t if temp else q.shape[-1] ** -0.5,
-                                        causal=True, interpret=interpret, block_sizes=blocks)
+      return focal.focal_attention(q, k, v, scale=scale, causal=True, backend=backend,
+                                   block_sizes=blocks, interpret=interpret)
     return attend
 
   def cudnn(temp=False):
@@ -92,9 +82,8 @@ def _impls(interpret: bool, sweep: bool):
 
   # References first: `err` of later rows is measured against them.
   impls = {"cudnn": cudnn(), "xla": xla(), "cudnn_temp": cudnn(temp=True),
-           "xla_temp": xla(temp=True), "mosaic": pallas(kernel="mosaic"),
-           "mosaic_temp": pallas(temp=True, kernel="mosaic"), "mosaic_overlap": mosaic_overlap(),
-           "mosaic_overlap_temp": mosaic_overlap(temp=True), "pallas": pallas(),
+           "xla_temp": xla(temp=True), "mosaic": pallas(backend="mosaic"),
+           "mosaic_temp": pallas(temp=True, backend="mosaic"), "pallas": pallas(),
            "pallas_temp": pallas(temp=True), "jax_triton": jax_triton,
            "tokamax": tokamax_("mosaic"), "tokamax_triton": tokamax_("triton")}
   if sweep:

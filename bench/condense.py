@@ -1,4 +1,4 @@
-"""Benchmark: FocusLLM condensing kernels (pallas_kernels/condense/api.py) vs their einsum references.
+"""Benchmark: FocusLLM condensing kernels (pallas_kernels/condense/api.py) vs their einsum specs.
 
   python bench/condense.py --out condense_bench.json            # GPU: the full table
   python bench/condense.py --sweep --out condense_sweep.json    # GPU: tile variants (pallas only)
@@ -30,6 +30,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from pallas_kernels.condense import api as condense  # pylint: disable=wrong-import-position
+from pallas_kernels.condense import reference as condense_ref  # noqa: E402
 
 CAND = dict(R=64, S=2048, N=16, K=4, D=64)
 CAND_Q = (1, 16)
@@ -82,7 +83,7 @@ def _local_inputs(R, T, C, N, K, D, dtype):
 
 def _candidate_fn(impl, interpret, bs):
   if impl == "xla":
-    return lambda q, k, v, sk, sv, vl: condense.candidate_attention_reference(
+    return lambda q, k, v, sk, sv, vl: condense_ref.candidate_attention_reference(
         q, k, v, vl, sk, sv, scale=0.125)
   return lambda q, k, v, sk, sv, vl: condense.candidate_attention(
       q, k, v, vl, sk, sv, scale=0.125, interpret=interpret, block_sizes=bs)
@@ -90,7 +91,7 @@ def _candidate_fn(impl, interpret, bs):
 
 def _local_fn(impl, interpret, bs):
   if impl == "xla":
-    return lambda *a: condense.local_attention_reference(*a, scale=0.125)
+    return lambda *a: condense_ref.local_attention_reference(*a, scale=0.125)
   return lambda *a: condense.local_attention(*a, scale=0.125, interpret=interpret, block_sizes=bs)
 
 

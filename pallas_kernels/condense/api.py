@@ -1,37 +1,33 @@
 """FocusLLM condensing attention (Pallas, Triton lowering): candidates and the local decoder.
 
-Two attentions with explicit visibility that FocusLLM (arXiv 2408.11745; focaljax/focus/model.py) runs
-besides the base's causal one. Letters: R rows (chunk sequences, or local rows), Q candidates per
-row, S cached keys per row, T local tokens, C candidates visible to a local row, N query heads,
-K kv heads (GQA, G = N // K), D head dim. Each has its pure-JAX reference here: the spec.
+Two attentions with explicit visibility that FocusLLM (arXiv 2408.11745; focaljax/focus/model.py)
+runs besides the base's causal one; their specs are in `condense.reference`, the kernel bodies in
+`condense.triton`. Letters: R rows (chunk sequences, or local rows), Q candidates per row, S
+cached keys per row, T local tokens, C candidates visible to a local row, N query heads, K kv
+heads (GQA, G = N // K), D head dim.
 
 candidate_attention  out[r, q] = softmax(scale·q·kᵀ) v over cached keys s < visible_len[r, q]
   plus, when given, the candidate's own key (self_k, self_v), never another candidate's.
   Split-K (flash-decoding). Grid (R, K, S / split_k): one program holds all Q·G queries of one kv
-  head as one tile. It carries acc [Mp, D] and m, l [Mp] in float32 over its split's key blocks
-  below max(visible_len); later blocks (a generation cache's unwritten tail) are never read. XLA
-  merges the splits and the self key (a [R, K, splits, Q·G] combine) and keeps lse.
-  Backward: one launch on the same grid rebuilds p from lse and writes per-split dq (summed by
-  XLA). It writes dk/dv of the cache only when the cache is differentiated (`custom_vjp` with
-  symbolic zeros); FocusLLM training closes over the frozen cache and skips them. The self term's
-  gradients are XLA.
-local_attention  out[r, t] = softmax over [every candidate c < C | local keys s <= t], with an
-  optional constant `cand_bias` on every candidate's logit (FocusConfig.candidate_bias).
+  head as one tile, carrying acc [Mp, D] and m, l [Mp] in float32 over its split's key blocks
+  below max(visible_len) (a generation cache's unwritten tail is never read). XLA merges the
+  splits and the self key and keeps lse. Backward: one launch on the same grid rebuilds p from
+  lse and writes per-split dq (summed by XLA), and dk/dv of the cache only when the cache is
+  differentiated (`custom_vjp` with symbolic zeros; FocusLLM training closes over it). The self
+  term's gradients are XLA.
+local_attention  out[r, t] = softmax over [every candidate c < C | local keys s <= t].
   FlashAttention-2 (arXiv 2307.08691 §3.1). Grid (T / block_q, R, N): one program visits the
   candidate blocks unmasked, then the causal local blocks, carrying acc [block_q, D] and m, l;
-  it saves lse [R, N, T] f32. Backward (§3.2): a dq pass with the same two loops, and
-  focal_flash's dk/dv kernel run once causal over the local keys and once over the candidates
-  (which reads the candidates' bias folded into the lse).
-  A pass whose inputs need no gradient is skipped.
+  it saves lse [R, N, T] f32. Backward (§3.2): a dq pass with the same two loops, and focal's
+  Triton dk/dv kernel once causal over the local keys and once over the candidates. A pass whose
+  inputs need no gradient is skipped.
 Memory: residuals are the inputs, out and lse; no [T, S] matrix is ever formed.
 
 Padding (layout only, results identical): the candidate tile is Q·G rows padded to a power of two
->= 16; S, T and C are padded to multiples of 16 when they are not (padded keys are masked or
-causally invisible and padded queries are dropped; that is a copy per call, so callers that can,
-like focus.py's caches, allocate multiples of 16). Rows with no visible key give 0.
-Contracts (ValueError): one dtype among float32/bfloat16/float16; D a power of two in [16, 256];
-N % K == 0; matching shapes. `interpret=True` runs the Pallas interpreter (CPU); compiled, the
-kernels are Triton-only (TPU raises). Kernel bodies: condense_kernels.py.
+>= 16; S, T and C are padded to multiples of 16 (a copy per call, so callers that can, like the
+FocusLLM caches, allocate multiples of 16). Rows with no visible key give 0. Contracts
+(ValueError): one dtype among float32/bfloat16/float16; D a power of two in [16, 256]; N % K == 0;
+matching shapes. `interpret=True` runs the Pallas interpreter (CPU); compiled, Triton (GPU) only.
 """
 
 from __future__ import annotations
@@ -45,10 +41,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.condense import triton as kern
+# The specs, importable from here too (callers name them api.*_reference).
+from pallas_kernels.condense.reference import (  # noqa: F401  pylint: disable=unused-import
+    candidate_attention_reference, candidate_mass_reference, local_attention_reference)
 from pallas_kernels.focal import triton as ff
 
 _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
-_MASKED = -1e30   # reference logits: finite, so masked entries get exactly zero probability
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,80 +89,6 @@ class _Static:
   blocks: BlockSizes
   interpret: bool
   n_cand: int = 0      # local: real candidates (C before padding)
-  cand_bias: float = 0.0   # local: added to every candidate's logit (natural log units)
-
-
-# --------------------------------------------------------------------------------- references
-
-
-def _probs_reference(q_RTND, k_RSKD, visible_RTS, scale, bias_S=None):
-  """softmax(scale·q·kᵀ + bias) over an explicit visibility, float32 [R, K, G, T, S] (G query
-  heads per kv head). bias_S: float32 [S] per key, or None."""
-  R, T, N, D = q_RTND.shape
-  K = k_RSKD.shape[2]
-  logits_RKGTS = jnp.einsum("RTKGD,RSKD->RKGTS", q_RTND.reshape(R, T, K, N // K, D), k_RSKD,
-                            preferred_element_type=jnp.float32) * scale
-  if bias_S is not None:
-    logits_RKGTS = logits_RKGTS + bias_S[None, None, None, None]
-  logits_RKGTS = jnp.where(visible_RTS[:, None, None], logits_RKGTS, _MASKED)
-  return jax.nn.softmax(logits_RKGTS, axis=-1)
-
-
-def _attend_reference(q_RTND, k_RSKD, v_RSKD, visible_RTS, scale, bias_S=None):
-  """softmax(scale·q·kᵀ + bias) v over an explicit visibility: float32 logits and probabilities,
-  cast back to q's dtype; rows with no visible key give 0. bias_S: float32 [S] per key or None."""
-  R, T, N, D = q_RTND.shape
-  probs_RKGTS = _probs_reference(q_RTND, k_RSKD, visible_RTS, scale, bias_S)
-  out_RTKGD = jnp.einsum("RKGTS,RSKD->RTKGD", probs_RKGTS, v_RSKD.astype(jnp.float32))
-  out_RTND = out_RTKGD.reshape(R, T, N, D)
-  return jnp.where(visible_RTS.any(-1)[..., None, None], out_RTND, 0.0).astype(q_RTND.dtype)
-
-
-def candidate_attention_reference(q_RQND, k_RSKD, v_RSKD, visible_len_RQ, self_k_RQKD=None,
-                                  self_v_RQKD=None, *, scale):
-  """The spec of `candidate_attention` (focus.candidates' visibility)."""
-  R, Q = q_RQND.shape[:2]
-  visible_RQS = jnp.arange(k_RSKD.shape[1])[None, None, :] < visible_len_RQ[:, :, None]
-  if self_k_RQKD is not None:
-    visible_RQS = jnp.concatenate(
-        [visible_RQS, jnp.broadcast_to(jnp.eye(Q, dtype=bool), (R, Q, Q))], axis=-1)
-    k_RSKD = jnp.concatenate([k_RSKD, self_k_RQKD], 1)
-    v_RSKD = jnp.concatenate([v_RSKD, self_v_RQKD], 1)
-  return _attend_reference(q_RQND, k_RSKD, v_RSKD, visible_RQS, scale)
-
-
-def _cand_bias_S(C: int, T: int, cand_bias: float):
-  """Per-key logit bias [C + T]: `cand_bias` on the candidates, 0 on the local keys (or None)."""
-  if not cand_bias:
-    return None
-  return jnp.concatenate([jnp.full((C,), cand_bias, jnp.float32), jnp.zeros((T,), jnp.float32)])
-
-
-def local_attention_reference(q_RTND, k_RTKD, v_RTKD, cand_k_RCKD, cand_v_RCKD, *, scale,
-                              cand_bias: float = 0.0):
-  """The spec of `local_attention`: [candidates (all visible) | causal local tokens], with
-  `cand_bias` added to every candidate's logit."""
-  R, T = q_RTND.shape[:2]
-  C = cand_k_RCKD.shape[1]
-  visible_RTS = jnp.broadcast_to(jnp.concatenate(
-      [jnp.ones((T, C), bool), jnp.tril(jnp.ones((T, T), bool))], axis=1), (R, T, C + T))
-  return _attend_reference(q_RTND, jnp.concatenate([cand_k_RCKD, k_RTKD], 1),
-                           jnp.concatenate([cand_v_RCKD, v_RTKD], 1), visible_RTS, scale,
-                           _cand_bias_S(C, T, cand_bias))
-
-
-def candidate_mass_reference(q_RND, k_RTKD, cand_k_RCKD, at_R, *, scale, cand_bias: float = 0.0):
-  """A diagnostic, not a kernel's spec: the probability that `local_attention`'s query at local
-  position at_R[r] (q_RND, already at that position) puts on each candidate, float32 [R, N, C];
-  the rest goes to the local keys s <= at_R[r]."""
-  R, N, _ = q_RND.shape
-  T, C = k_RTKD.shape[1], cand_k_RCKD.shape[1]
-  keys_RSKD = jnp.concatenate([cand_k_RCKD.astype(k_RTKD.dtype), k_RTKD], 1)
-  visible_RS = jnp.concatenate([jnp.ones((R, C), bool),
-                                jnp.arange(T)[None, :] <= jnp.asarray(at_R)[:, None]], axis=1)
-  probs_RKG1S = _probs_reference(q_RND[:, None], keys_RSKD, visible_RS[:, None], scale,
-                                 _cand_bias_S(C, T, cand_bias))
-  return probs_RKG1S[:, :, :, 0, :C].reshape(R, N, C)
 
 
 # ------------------------------------------------------------------------------------ checks
@@ -181,12 +105,6 @@ def _check(q, kvs: dict, heads_axis: int = 2):
                        f"K; got {x.shape}")
   if D < 16 or D > 256 or D & (D - 1):
     raise ValueError(f"head dim D={D} must be a power of two in [16, 256]")
-
-
-def _check_backend(interpret: bool):
-  if jax.default_backend() == "tpu" and not interpret:
-    raise NotImplementedError("pallas_kernels.condense.api is Triton-only (GPU); use interpret=True "
-                              "or the references on TPU")
 
 
 def _pad_axis(x, axis: int, to: int):
@@ -239,7 +157,6 @@ def candidate_attention(q_RQND, k_RSKD, v_RSKD, visible_len_RQ, self_k_RQKD=None
       visible_len_RQ.dtype, jnp.integer):
     raise ValueError(f"visible_len_RQ must be int [R, Q] = {q_RQND.shape[:2]}; got "
                      f"{visible_len_RQ.dtype}{list(visible_len_RQ.shape)}")
-  _check_backend(interpret)
   return _candidate_jit(q_RQND, k_RSKD, v_RSKD, visible_len_RQ, self_k_RQKD, self_v_RQKD,
                         st=_Static(float(scale), block_sizes or BlockSizes(), interpret))
 
@@ -347,11 +264,9 @@ _candidate.defvjp(_candidate_fwd, _candidate_bwd, symbolic_zeros=True)
 
 
 def local_attention(q_RTND, k_RTKD, v_RTKD, cand_k_RCKD, cand_v_RCKD, *, scale: float,
-                    cand_bias: float = 0.0, interpret: bool = False,
-                    block_sizes: BlockSizes | None = None):
+                    interpret: bool = False, block_sizes: BlockSizes | None = None):
   """Every local token t attends to all C candidates and to local tokens s <= t (module
-  docstring); C may be 0. `cand_bias` (a Python float, natural log units) is added to every
-  candidate's logit. Returns [R, T, N, D] in q.dtype; differentiable in all five inputs."""
+  docstring); C may be 0. Returns [R, T, N, D] in q.dtype; differentiable in all five inputs."""
   _check(q_RTND, {"k_RTKD": k_RTKD, "v_RTKD": v_RTKD, "cand_k_RCKD": cand_k_RCKD,
                   "cand_v_RCKD": cand_v_RCKD})
   if k_RTKD.shape != v_RTKD.shape or k_RTKD.shape[1] != q_RTND.shape[1]:
@@ -360,9 +275,7 @@ def local_attention(q_RTND, k_RTKD, v_RTKD, cand_k_RCKD, cand_v_RCKD, *, scale: 
   if cand_k_RCKD.shape != cand_v_RCKD.shape or cand_k_RCKD.shape[2] != k_RTKD.shape[2]:
     raise ValueError(f"cand_k_RCKD {cand_k_RCKD.shape} and cand_v_RCKD {cand_v_RCKD.shape} must "
                      f"be [R, C, K={k_RTKD.shape[2]}, D]")
-  _check_backend(interpret)
-  st = _Static(float(scale), block_sizes or BlockSizes(), interpret, cand_k_RCKD.shape[1],
-               float(cand_bias))
+  st = _Static(float(scale), block_sizes or BlockSizes(), interpret, cand_k_RCKD.shape[1])
   return _local_jit(q_RTND, k_RTKD, v_RTKD, cand_k_RCKD, cand_v_RCKD, st=st)
 
 
@@ -377,16 +290,14 @@ def _local_jit(q, k, v, ck, cv, *, st: _Static):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _local(q, k, v, ck, cv, st: _Static):
-  return kern.local_fwd(q, k, v, ck, cv, scale=st.scale, n_cand=st.n_cand,
-                        cand_b2=st.cand_bias * ff.LOG2E, bs=st.blocks,
+  return kern.local_fwd(q, k, v, ck, cv, scale=st.scale, n_cand=st.n_cand, bs=st.blocks,
                         interpret=st.interpret)[0]
 
 
 def _local_fwd(q, k, v, ck, cv, st: _Static):
   (q, pq), (k, pk), (v, pv), (ck, pck), (cv, pcv) = map(_unwrap, (q, k, v, ck, cv))
   out, lse_RNT = kern.local_fwd(q, k, v, ck, cv, scale=st.scale, n_cand=st.n_cand,
-                                cand_b2=st.cand_bias * ff.LOG2E, bs=st.blocks,
-                                interpret=st.interpret)
+                                bs=st.blocks, interpret=st.interpret)
   return out, (q, k, v, ck, cv, out, lse_RNT, _flags(pq, pk or pv, pck or pcv))
 
 
@@ -401,16 +312,15 @@ def _local_bwd(st: _Static, res, do):
   dq = dk = dv = dck = dcv = None
   if need_q:
     dq = kern.local_dq(q, k, v, ck, cv, lse_RNT, delta_RNT, do, scale=st.scale,
-                       n_cand=st.n_cand, cand_b2=st.cand_bias * ff.LOG2E, **kw)
-  s_RNT = jnp.full(lse_RNT.shape, st.scale, jnp.float32)   # focal_flash's per-row scale
+                       n_cand=st.n_cand, **kw)
+  s_RNT = jnp.full(lse_RNT.shape, st.scale, jnp.float32)   # focal's per-row scale
   if need_kv:
     dk, dv = kern.local_dkv(q, k, v, s_RNT, lse_RNT, delta_RNT, do, causal=True,
                             name="condense_local_dkv", **kw)
   if need_c and ck is not None:
     # Padded candidates (zeros past C) get gradients too; the slice in _local_jit drops them.
-    # The candidates' bias b folds into the lse: exp2(x + b - lse) = exp2(x - (lse - b)).
-    dck, dcv = kern.local_dkv(q, ck, cv, s_RNT, lse_RNT - st.cand_bias * ff.LOG2E, delta_RNT, do,
-                              causal=False, name="condense_local_dkv_cand", **kw)
+    dck, dcv = kern.local_dkv(q, ck, cv, s_RNT, lse_RNT, delta_RNT, do, causal=False,
+                              name="condense_local_dkv_cand", **kw)
   return dq, dk, dv, dck, dcv
 
 

@@ -1,5 +1,6 @@
-"""Kernel bodies and launches of `pallas_kernels.condense.api` (the public API, layouts and the spec
-live there). Logits are in base-2 units: log2(e) rides on the static scale so loops use exp2.
+"""Kernel bodies and launches of `pallas_kernels.condense.api` (the public API and layouts live
+there, the spec in `condense.reference`). Logits are in base-2 units: log2(e) rides on the
+static scale so loops use exp2.
 
 Candidate attention works on rows M = (candidate q, group head g) of one kv head, padded to Mp (a
 power of two >= 16) so one tensor-core tile holds every query of a (chunk row, kv head): GQA costs
@@ -9,12 +10,12 @@ no group sum and K/V of a chunk are read once per kv head, not once per query he
   `candidate_bwd`  same grid: rebuilds p from the global lse; carries dq [Mp, D] f32 (written per
                    split, summed by XLA) and, only when the cache is differentiated, writes the
                    split's dk/dv (zeros past visible_len) into a per-split tile.
-Local attention (grid (T/block, R, N) as in focal_flash; q blocks last-first):
+Local attention (grid (T/block, R, N) as in focal.triton; q blocks last-first):
   `local_fwd`      carries acc [bq, D], m, l [bq]; visits the candidate blocks (every one visible;
                    the zero padding past C masked), then the causal local blocks (only the
                    diagonal pays for the mask). Writes out and lse [R, N, T] f32 (base 2).
   `local_dq`       the same two loops, carrying dq [bq, D] f32.
-  dk/dv            `focal_flash_bwd._dkv_kernel` with a constant row scale: causal over the local
+  dk/dv            `focal.triton_bwd._dkv_kernel` with a constant row scale: causal over the local
                    keys, non-causal over the candidates (one pass each, k/v tile resident).
 """
 
@@ -88,7 +89,7 @@ def _cand_bwd_kernel(q_ref, k_ref, v_ref, len_ref, lse_ref, delta_ref, do_ref, d
     p_MK = jnp.exp2(jnp.where(vis, x_MK, -jnp.inf) - lse_M[:, None])
     ds_MK = p_MK * (ff.dot(do_MD, v_KD, 1, 1) - delta_M[:, None])
     if dk_ref is not None:
-      # q-major contractions over axis 0, as in focal_flash_bwd (kv-major miscompiled there).
+      # q-major contractions over axis 0, as in focal.triton_bwd (kv-major miscompiled there).
       local = pl.ds(u * block, block)
       dv_ref[local, :] = ff.dot(p_MK.astype(do_MD.dtype), do_MD, 0, 0).astype(dv_ref.dtype)
       dk_ref[local, :] = (ff.dot(ds_MK.astype(q_MD.dtype), q_MD, 0, 0) * scale).astype(
@@ -166,8 +167,7 @@ def candidate_bwd(q_RKMD, k_RSKD, v_RSKD, len_RM, lse_RKM, delta_RKM, do_RKMD, *
 
 
 def _cand_loop(step, carry, ck_ref, cv_ref, block_c, n_cand):
-  """Visits every candidate block; only the zero padding past n_cand is masked. `step` gets
-  cand=True (it adds the candidates' logit bias)."""
+  """Visits every candidate block; only the zero padding past n_cand is masked."""
   if ck_ref is None:
     return carry
   pad = ck_ref.shape[0] != n_cand
@@ -175,7 +175,7 @@ def _cand_loop(step, carry, ck_ref, cv_ref, block_c, n_cand):
   def body(j, carry):
     keys = pl.ds(j * block_c, block_c)
     vis = (j * block_c + jnp.arange(block_c, dtype=jnp.int32))[None, :] < n_cand if pad else None
-    return step(carry, ck_ref[keys, :], cv_ref[keys, :], vis, cand=True)
+    return step(carry, ck_ref[keys, :], cv_ref[keys, :], vis)
 
   return lax.fori_loop(0, ck_ref.shape[0] // block_c, body, carry)
 
@@ -193,15 +193,13 @@ def _local_loop(step, carry, k_ref, v_ref, i, block_q, block_k):
                       masked_first=False)
 
 
-def _local_fwd_kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, o_ref, lse_ref, *, c2, cand_b2,
-                      block_q, block_k, block_c, n_cand, n_q):
+def _local_fwd_kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, o_ref, lse_ref, *, c2, block_q,
+                      block_k, block_c, n_cand, n_q):
   i = ff.q_block(pl.program_id(0), n_q, True)
   q_QD = q_ref[...]
 
-  def step(carry, k_KD, v_KD, vis, cand=False):
+  def step(carry, k_KD, v_KD, vis):
     x_QK = ff.dot(q_QD, k_KD, 1, 1) * c2
-    if cand and cand_b2:
-      x_QK = x_QK + cand_b2
     return _online(carry, x_QK if vis is None else jnp.where(vis, x_QK, -jnp.inf), v_KD)
 
   carry = _cand_loop(step, _init(*q_QD.shape), ck_ref, cv_ref, block_c, n_cand)
@@ -212,15 +210,13 @@ def _local_fwd_kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, o_ref, lse_ref, *, c2
 
 
 def _local_dq_kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, lse_ref, delta_ref, do_ref, dq_ref, *,
-                     c2, cand_b2, scale, block_q, block_k, block_c, n_cand, n_q):
+                     c2, scale, block_q, block_k, block_c, n_cand, n_q):
   i = ff.q_block(pl.program_id(0), n_q, True)
   q_QD, do_QD = q_ref[...], do_ref[...]
   lse_Q, delta_Q = lse_ref[...], delta_ref[...]
 
-  def step(dq_QD, k_KD, v_KD, vis, cand=False):
+  def step(dq_QD, k_KD, v_KD, vis):
     x_QK = ff.dot(q_QD, k_KD, 1, 1) * c2
-    if cand and cand_b2:
-      x_QK = x_QK + cand_b2
     p_QK = jnp.exp2((x_QK if vis is None else jnp.where(vis, x_QK, -jnp.inf)) - lse_Q[:, None])
     ds_QK = p_QK * (ff.dot(do_QD, v_KD, 1, 1) - delta_Q[:, None])
     return dq_QD + ff.dot(ds_QK.astype(k_KD.dtype), k_KD, 1, 0)
@@ -239,16 +235,14 @@ def _local_specs(T, Cp, D, G, bq, n_q):
   return tile_q, row_tile, full_kv, full_c
 
 
-def local_fwd(q, k, v, ck, cv, *, scale, n_cand, bs, interpret, cand_b2=0.0):
-  """(out [R, T, N, D] q.dtype, lse [R, N, T] f32 base 2); ck/cv [R, Cp, K, D] or None; cand_b2:
-  the candidates' logit bias in base-2 units."""
+def local_fwd(q, k, v, ck, cv, *, scale, n_cand, bs, interpret):
+  """(out [R, T, N, D] q.dtype, lse [R, N, T] f32 base 2); ck/cv [R, Cp, K, D] or None."""
   R, T, N, D = q.shape
   Cp = 0 if ck is None else ck.shape[1]
   bq, bk = bs.fit("block_q", T), bs.fit("block_kv", T)
   n_q = T // bq
   tile_q, row_tile, full_kv, full_c = _local_specs(T, Cp, D, N // k.shape[2], bq, n_q)
-  kernel = functools.partial(_local_fwd_kernel, c2=scale * ff.LOG2E, cand_b2=cand_b2,
-                             block_q=bq, block_k=bk,
+  kernel = functools.partial(_local_fwd_kernel, c2=scale * ff.LOG2E, block_q=bq, block_k=bk,
                              block_c=bs.fit("block_kv", Cp) if Cp else 0, n_cand=n_cand, n_q=n_q)
   return pl.pallas_call(
       kernel, grid=(n_q, R, N), in_specs=[tile_q, full_kv, full_kv, full_c, full_c],
@@ -259,15 +253,13 @@ def local_fwd(q, k, v, ck, cv, *, scale, n_cand, bs, interpret, cand_b2=0.0):
       interpret=interpret, name="condense_local_fwd")(q, k, v, ck, cv)
 
 
-def local_dq(q, k, v, ck, cv, lse_RNT, delta_RNT, do, *, scale, n_cand, bs, interpret,
-             cand_b2=0.0):
+def local_dq(q, k, v, ck, cv, lse_RNT, delta_RNT, do, *, scale, n_cand, bs, interpret):
   R, T, N, D = q.shape
   Cp = 0 if ck is None else ck.shape[1]
   bq, bk = bs.fit("block_q_dq", T), bs.fit("block_kv_dq", T)
   n_q = T // bq
   tile_q, row_tile, full_kv, full_c = _local_specs(T, Cp, D, N // k.shape[2], bq, n_q)
-  kernel = functools.partial(_local_dq_kernel, c2=scale * ff.LOG2E, cand_b2=cand_b2,
-                             scale=scale, block_q=bq,
+  kernel = functools.partial(_local_dq_kernel, c2=scale * ff.LOG2E, scale=scale, block_q=bq,
                              block_k=bk, block_c=bs.fit("block_kv_dq", Cp) if Cp else 0,
                              n_cand=n_cand, n_q=n_q)
   return pl.pallas_call(
@@ -280,7 +272,7 @@ def local_dq(q, k, v, ck, cv, lse_RNT, delta_RNT, do, *, scale, n_cand, bs, inte
 
 def local_dkv(q, k, v, s_RNT, lse_RNT, delta_RNT, do, *, causal, bs, interpret, name):
   """dk, dv of one key set (local keys: causal; candidates: every query sees every key), via
-  focal_flash's dk/dv kernel; GQA: per query head, summed over the group in float32."""
+  focal's Triton dk/dv kernel; GQA: per query head, summed over the group in float32."""
   R, T, N, D = q.shape
   S, K = k.shape[1], k.shape[2]
   G = N // K

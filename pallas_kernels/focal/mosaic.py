@@ -3,49 +3,39 @@
   out[b, t, n] = Σ_s softmax_s(scale[b, n, t] · q[b, t, n]·k[b, s, n // G]) · v[b, s, n // G]
 
 over the visible keys (causal: s <= t; packed `segment_ids`: same segment), G = Hq // Hkv. Same
-math, layouts and lse convention as `focal_flash` (the Triton kernel, which keeps float32); the
-spec is `reference.attention`. This is the H100/H200 fast path: FlashAttention-3 (Shah et al. 2024,
-arXiv 2407.08608) §3.1 warp specialization + §3.2 ping-pong scheduling, following the structure of
-jax's `pallas/ops/gpu/attention_mgpu.py`.
+math, layouts and lse convention as the Triton kernel (`triton`); the spec is
+`reference.attention`. FlashAttention-3 (Shah et al. 2024, arXiv 2407.08608) §3.1 warp
+specialization + §3.2 ping-pong scheduling, structured like jax's `pallas/ops/gpu/attention_mgpu`.
 
 Kernel `_kernel`, grid (Hq, T / (2·block_q), B), 3 warpgroups per CTA:
-  wg 0, 1  compute: each owns block_q query rows (one TMA copy of its q tile, its scale row and,
-           with segments, its segment ids),
-           loops over kv blocks: S = q·kᵀ (wgmma, SMEM×SMEM), x = S · c_t with c_t = scale_t·log2(e)
+  wg 0, 1  compute: each owns block_q query rows (TMA copies of its q tile, scale row and segment
+           ids) and loops over kv blocks: S = q·kᵀ (wgmma), x = S · c_t with c_t = scale_t·log2(e)
            (so the loop uses exp2), online softmax, acc += p·v (wgmma, p from registers). Carries
            acc [block_q, D] f32 and the running max m / sum l [block_q] f32 (base-2 units).
            A schedule barrier alternates the two warpgroups: one runs softmax while the other's
            matmuls hold the tensor cores.
   wg 2     producer (24 registers): TMA-loads K (with its block's segment ids) and V into a ring of
-           `max_concurrent_steps` slots, refilling a slot once both compute warpgroups arrived on
-           its "consumed" barrier.
-With `BlockSizes.overlap_softmax` the compute loop is focal_mgpu_overlap's instead: block j's softmax
-runs while the same warpgroup's p·v of block j-1 is still on the tensor cores (FA3 §3.2).
-Causal: blocks wholly below the diagonal run unmasked, only blocks crossing it build the mask,
-blocks above it are never loaded. Segment ids mask every visited block (seg_q[:, None] ==
-seg_k[None, :]; no per-document block skipping); without them (static None) the kernel has no
-extra loads, barrier arrivals or selects. Warpgroup 0 (earlier rows) has fewer blocks; it keeps
-arriving on the consumed and schedule barriers for warpgroup 1's extra blocks so neither stalls.
-q tiles are visited last-first so the heaviest CTAs start first.
+           `max_concurrent_steps` slots, refilling a slot once both compute warpgroups released it.
+Causal: blocks wholly below the diagonal run unmasked, blocks crossing it build the mask, blocks
+above it are never loaded; warpgroup 0 (fewer blocks) keeps arriving on the barriers for
+warpgroup 1's extra blocks so neither stalls. q tiles run last-first (heaviest CTAs first).
+Segment ids mask every visited block (no per-document skipping); without them (static None) the
+kernel has no extra loads, barrier arrivals or selects.
 
-Shared memory: q/out tile 2·block_q·D·2 B (the output reuses it), K and V rings
-2·stages·block_kv·D·2 B, scale/lse rows 2·block_q·4 B (segment ids add 2·block_q·4 +
-stages·block_kv·4 B), barriers, and ~3 KiB Mosaic keeps for itself, of the 227 KiB an H100/H200
-block may use. Defaults: D=128 (64, 128, 2 stages) 32 + 128 KiB; D=64 (64, 128, 3 stages) 16 + 96
-KiB. D=128 with 3 stages of 128 keys overflows (by 136 B); Mosaic rejects an overflowing config at
-lowering time with "exceeds available shared memory".
+Shared memory: q/out tile 2·block_q·D·2 B, K and V rings 2·stages·block_kv·D·2 B, scale/lse rows
+2·block_q·4 B (segment ids add 2·block_q·4 + stages·block_kv·4 B), barriers, and ~3 KiB Mosaic
+keeps, of the 227 KiB a Hopper block may use. Defaults: D=128 (64, 128, 2 stages) 32 + 128 KiB;
+D=64 (64, 128, 3 stages) 16 + 96 KiB. D=128 with 3 stages of 128 keys overflows (by 136 B), which
+Mosaic rejects at lowering time ("exceeds available shared memory").
 
-Outputs: out [B, T, Hq, D] in q.dtype; lse [B, Hq, T] f32 in base 2 (log2 Σ_s exp2(x_ts)), the
-backward's residual; with `forward(out_lo=True)` also out's rounding residual in q.dtype, through
-the q/out tile after out's TMA store has read it (dilution's F1 needs pk in float32). The
-backward is `focal_mgpu_bwd.backward` (dq and dk/dv kernels), or `focal_mgpu_bwd_fused.backward`
-when `BlockSizes.fused_backward` (the D=64 default).
-
-Not supported (`supported` says why; callers route to focal_flash): float32 inputs,
-head dims other than 64 and 128, T not a multiple of 2·block_q or S not a multiple of block_kv.
-Logits are computed and masked in float32; p is rounded to the input dtype for the p·v matmul
-(as in FA2/FA3). CPU testing: `interpret=True` runs GPU interpret mode, where the wgmma calls are
-replaced by jnp matmuls on the same SMEM tiles (mgpu_compat explains why).
+Outputs: out [B, T, Hq, D] in q.dtype; lse [B, Hq, T] f32 base 2, the backward's residual; with
+`forward(out_lo=True)` also out's rounding residual (dilution's F1 needs the float32 output). The
+backward is `mosaic_bwd.backward` (dq and dk/dv kernels), or `mosaic_bwd_fused.backward` when
+`BlockSizes.fused_backward` (the D=64 default). Not supported (`supported` says why;
+`api.focal_attention` then runs the Triton kernels): float32 inputs, head dims other than 64 and
+128, T not a multiple of 2·block_q, S not a multiple of block_kv. p is rounded to the input dtype
+for the p·v matmul (as in FA2/FA3). interpret=True runs GPU interpret mode on CPU, where
+`mosaic_common` stands in for the wgmma calls it cannot run.
 """
 
 from __future__ import annotations
@@ -60,10 +50,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_kernels.focal import mosaic_overlap as focal_mgpu_overlap
 from pallas_kernels import mosaic_common as mc
+from pallas_kernels.focal import mosaic_bwd
+from pallas_kernels.focal import mosaic_bwd_fused
 from pallas_kernels.focal import reference
-from pallas_kernels.focal.mosaic_blocks import BlockSizes  # callers name it focal_mgpu.BlockSizes
+from pallas_kernels.focal.mosaic_blocks import BlockSizes
 
 LOG2E = math.log2(math.e)
 # Finite start for the running max: a row whose first block is fully masked gives
@@ -112,8 +103,7 @@ def supported(q, k, v, segment_ids, causal, *, blocks: BlockSizes | None = None)
 
 def _kernel(q_ref, k_ref, v_ref, s_ref, out_ref, lse_ref, qo_smem2, k_smem, v_smem, rows_smem2,
             q_barriers, s_barriers, k_barriers, v_barriers, k_consumed, v_consumed, schedule,
-            *, seg, lo_ref, causal, group, block_q, block_kv, n_kv, n_q_tiles, stages, overlap,
-            interpret):
+            *, seg, lo_ref, causal, group, block_q, block_kv, n_kv, n_q_tiles, stages, interpret):
   b = lax.axis_index("batch")
   h = lax.axis_index("heads")
   # Causal: the last q tiles see the most keys; starting them first shortens the tail.
@@ -175,11 +165,14 @@ def _kernel(q_ref, k_ref, v_ref, s_ref, out_ref, lse_ref, qo_smem2, k_smem, v_sm
     # Ping-pong: warpgroup 1 starts one schedule phase behind warpgroup 0 (FA3 §3.2).
     pl.when(wg == 1)(schedule_barrier)
 
-    def key_ids(slot):  # read before the K-slot release lets the producer refill it
-      return mc.load(segk_smem.at[slot], layout=_COL, interpret=interpret) if seg else None
-
-    def block_softmax(s_QK, j, m_Q, segk_K, *, masked):
-      """Block j's logits -> (p f32 with the new running max, that max, the rescale factor)."""
+    def step(j, carry, *, masked):
+      acc_QD, m_Q, l_Q = carry
+      slot = slot_of(j)
+      if seg:  # read before the K-slot release lets the producer refill it
+        segk_K = mc.load(segk_smem.at[slot], layout=_COL, interpret=interpret)
+      s_QK = mc.mma(qo_smem, k_smem.at[slot], transpose_b=True, during=schedule_barrier,
+                    interpret=interpret)
+      plgpu.barrier_arrive(k_consumed.at[slot])
       x_QK = s_QK * lax.broadcast_in_dim(c_Q, s_QK.shape, [0])
       if masked:
         t_QK = mc.iota(jnp.int32, s_QK.shape, 0, _WGMMA, interpret=interpret) + q_start
@@ -191,16 +184,7 @@ def _kernel(q_ref, k_ref, v_ref, s_ref, out_ref, lse_ref, qo_smem2, k_smem, v_sm
         x_QK = jnp.where(same_QK, x_QK, -jnp.inf)
       m_new = jnp.maximum(m_Q, x_QK.max(axis=1))
       alpha_Q = jnp.exp2(m_Q - m_new)
-      return jnp.exp2(x_QK - lax.broadcast_in_dim(m_new, x_QK.shape, [0])), m_new, alpha_Q
-
-    def step(j, carry, *, masked):
-      acc_QD, m_Q, l_Q = carry
-      slot = slot_of(j)
-      segk_K = key_ids(slot)
-      s_QK = mc.mma(qo_smem, k_smem.at[slot], transpose_b=True, during=schedule_barrier,
-                    interpret=interpret)
-      plgpu.barrier_arrive(k_consumed.at[slot])
-      p_QK, m_new, alpha_Q = block_softmax(s_QK, j, m_Q, segk_K, masked=masked)
+      p_QK = jnp.exp2(x_QK - lax.broadcast_in_dim(m_new, x_QK.shape, [0]))
       acc_QD = acc_QD * lax.broadcast_in_dim(alpha_Q, acc_QD.shape, [0])
       # p is rounded to the input dtype for the tensor cores (FA2/FA3 do the same).
       p16_QK = p_QK.astype(qo_smem.dtype)
@@ -222,18 +206,10 @@ def _kernel(q_ref, k_ref, v_ref, s_ref, out_ref, lse_ref, qo_smem2, k_smem, v_sm
       plgpu.barrier_arrive(v_consumed.at[slot])
       return acc_QD, m_new, l_Q
 
-    carry = (acc_QD, m_Q, l_Q)
-    if overlap:
-      carry = focal_mgpu_overlap.blocks(
-          carry, block_softmax=block_softmax, key_ids=key_ids, q_smem=qo_smem, k_smem=k_smem,
-          v_smem=v_smem, k_barriers=k_barriers, v_barriers=v_barriers, k_consumed=k_consumed,
-          v_consumed=v_consumed, schedule_barrier=schedule_barrier, slot_of=slot_of,
-          kv_steps=kv_steps, full_steps=full_steps, causal=causal, interpret=interpret)
-    else:
-      carry = lax.fori_loop(0, full_steps, functools.partial(step, masked=False), carry)
-      if causal:
-        carry = lax.fori_loop(full_steps, kv_steps, functools.partial(step, masked=True), carry)
+    carry = lax.fori_loop(0, full_steps, functools.partial(step, masked=False),
+                          (acc_QD, m_Q, l_Q))
     if causal:
+      carry = lax.fori_loop(full_steps, kv_steps, functools.partial(step, masked=True), carry)
 
       # Warpgroup 0's share of warpgroup 1's extra blocks: it waits for each block (so every
       # barrier phase is observed in order), releases it and keeps the schedule in step.
@@ -311,7 +287,7 @@ def forward(q_BTHD, k_BSKD, v_BSKD, s_BNT, *, causal: bool, blocks: BlockSizes |
   blocks = blocks or BlockSizes.default(q_BTHD.shape[-1], q_BTHD.dtype)
   why = supported(q_BTHD, k_BSKD, v_BSKD, segment_ids, causal, blocks=blocks)
   if why:
-    raise ValueError(f"focal_mgpu.forward: {why}")
+    raise ValueError(f"mosaic.forward: {why}")
   B, T, N, D = q_BTHD.shape
   S, K = k_BSKD.shape[1], k_BSKD.shape[2]
   if tuple(s_BNT.shape) != (B, N, T) or s_BNT.dtype != jnp.float32:
@@ -349,7 +325,7 @@ def forward(q_BTHD, k_BSKD, v_BSKD, s_BNT, *, causal: bool, blocks: BlockSizes |
                 plgpu.SMEM((stages, bkv), jnp.int32)]  # key ids ring, beside K
   kernel = mc.with_segments(mc.with_optional_ref(functools.partial(
       _kernel, causal=causal, group=N // K, block_q=bq, block_kv=bkv, n_kv=n_kv,
-      n_q_tiles=n_q_tiles, stages=stages, overlap=blocks.overlap_softmax, interpret=interpret),
+      n_q_tiles=n_q_tiles, stages=stages, interpret=interpret),
       "lo_ref", at=lo_at, present=out_lo), n_in=len(operands), n_seg_scratch=2, segments=segments)
   out_types = (jax.ShapeDtypeStruct(q_BTHD.shape, dtype),
                jax.ShapeDtypeStruct((B, N, T), jnp.float32))
@@ -384,16 +360,10 @@ def _attend_fwd(q, k, v, s_BNT, seg_BT, st: _Static):
 
 
 def _attend_bwd(st: _Static, res, do):
-  # Imported here so the forward works before the backward module exists.
-  from pallas_kernels.focal import mosaic_bwd as focal_mgpu_bwd  # pylint: disable=import-outside-toplevel
   q, k, v, s_BNT, seg_BT, out, lse_BNT = res
-  if st.blocks.fused_backward:
-    from pallas_kernels.focal import mosaic_bwd_fused as focal_mgpu_bwd_fused  # pylint: disable=import-outside-toplevel
-    grads = focal_mgpu_bwd_fused.backward(q, k, v, s_BNT, out, lse_BNT, do, causal=st.causal,
-                                          blocks=st.blocks, interpret=st.interpret, seg_BT=seg_BT)
-  else:
-    grads = focal_mgpu_bwd.backward(q, k, v, s_BNT, out, lse_BNT, do, causal=st.causal,
-                                    blocks=st.blocks, interpret=st.interpret, seg_BT=seg_BT)
+  backward = mosaic_bwd_fused.backward if st.blocks.fused_backward else mosaic_bwd.backward
+  grads = backward(q, k, v, s_BNT, out, lse_BNT, do, causal=st.causal, blocks=st.blocks,
+                   interpret=st.interpret, seg_BT=seg_BT)
   return (*grads, None)  # integer segment ids: no cotangent
 
 
@@ -414,7 +384,7 @@ def focal_attention(q, k, v, *, scale, causal: bool = True, segment_ids=None,
   blocks = block_sizes or BlockSizes.default(q.shape[-1], q.dtype)
   why = supported(q, k, v, segment_ids, causal, blocks=blocks)
   if why:
-    raise ValueError(f"focal_mgpu.focal_attention: {why}")
+    raise ValueError(f"mosaic.focal_attention: {why}")
   B, T, N, _ = q.shape
   s_BNT = reference.scale_BNT(scale, B, N, T)  # broadcast's transpose sums d_scale back
   return _attend(q, k, v, s_BNT, segment_ids, _Static(causal, blocks, interpret))

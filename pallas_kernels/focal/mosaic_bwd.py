@@ -4,118 +4,59 @@ Math (FlashAttention-2 §3.2 with a per-query temperature s_t; r = q·kᵀ raw f
   p_ts = exp2(LOG2E·s_t·r_ts − lse_t)   (lse from the forward, base 2)
   dP = dO·vᵀ, delta_t = Σ_d dO_td·O_td (one fused XLA reduction), dx = p ⊙ (dP − delta)
   dv_s = Σ_t p_ts dO_t;  dk_s = Σ_t s_t dx_ts q_t;  dq_t = s_t Σ_s dx_ts k_s;
-  d_scale_t = Σ_s dx_ts r_ts   (from the float32 r already in registers: more accurate in bf16
-  than the q_t·dq_t / s_t identity, which would reuse the 16-bit rounding of dx in the dq matmul).
+  d_scale_t = Σ_s dx_ts r_ts   (from the float32 r in registers: more accurate in bf16 than the
+  q_t·dq_t / s_t identity, which would reuse the 16-bit rounding of dx).
 Every matmul is a wgmma with a float32 accumulator; p and dx enter their second matmul as 16-bit
-register operands (no SMEM round trip), and the two logits-sized products of a step that do not
-depend on each other are issued together and awaited once (`mgpu_compat.mma_pair`). Per tile pair
-the dq pass does 3 matmuls (q·kᵀ, dO·vᵀ, dx·k) and the dk/dv pass 4 (k·qᵀ, pᵀ·dO, v·dOᵀ, dxᵀ·q):
-q·kᵀ and dO·vᵀ are recomputed rather than exchanged through atomics (deterministic, no float32
-dq buffer; FlashAttention-3's fused single pass with TMA reduce-add of dq is the next step).
+register operands, and the two logits-sized products of a step are issued together and awaited
+once (`mosaic_common.mma_pair`). The dq pass does 3 matmuls per tile pair (q·kᵀ, dO·vᵀ, dx·k),
+the dk/dv pass 4 (k·qᵀ, pᵀ·dO, v·dOᵀ, dxᵀ·q): deterministic, no float32 dq buffer
+(`mosaic_bwd_fused` is the single pass with a TMA reduce-add of dq).
 
-Two kernels, each one CTA = W = 2 compute warpgroups + 1 TMA producer warpgroup
-(FlashAttention-3 §3.1 warp specialisation; the producer holds 24 registers, consumers 240):
-  dk/dv `focal_mgpu_dkv._dkv_kernel`, grid (Hkv, S / (W·block_kv_dkv), B). Warpgroup w keeps its k, v tile
-        [block_kv_dkv, D] in SMEM and the float32 dk, dv accumulators in registers; the producer
-        streams q, dO [block_q_dkv, D] and the per-query rows (LOG2E·s, lse, delta) through a ring
-        of `max_concurrent_steps` slots, for each of the G = Hq/Hkv query heads of this kv head
-        in turn, from the first q block at or below the CTA's diagonal (causal) to the end. So
-        GQA needs no [B, S, Hq, D] float32 buffer: dk/dv are written once, in k.dtype. Both
-        warpgroups consume every slot; a q block entirely above one warpgroup's tile only waits
-        and releases its slot (barrier phases must stay in step), the blocks crossing its diagonal
-        pay for the mask, the rest run unmasked.
+Two kernels, each one CTA = W = 2 compute warpgroups (240 registers) + 1 TMA producer (24):
+  dk/dv `mosaic_dkv._dkv_kernel`, grid (Hkv, S / (W·block_kv_dkv), B). Warpgroup w keeps its k,
+        v tile [block_kv_dkv, D] in SMEM and dk, dv float32 in registers; the producer streams
+        q, dO [block_q_dkv, D] and the rows (LOG2E·s, lse, delta) through a ring of
+        `max_concurrent_steps` slots, for each of the G = Hq/Hkv query heads of this kv head,
+        from the first q block at or below the CTA's diagonal (causal). GQA needs no
+        [B, S, Hq, D] buffer: dk/dv are written once, in k.dtype. A q block wholly above one
+        warpgroup's tile only waits for and releases its slot; blocks crossing its diagonal mask.
   dq    `_dq_kernel`, grid (Hq, T / (W·block_q_dq), B). Warpgroup w keeps its q, dO tile
-        [block_q_dq, D] and rows resident; the producer streams k, v [block_kv_dq, D] from kv block
-        0 up to the CTA's diagonal. Carries dq [block_q_dq, D] and d_scale [block_q_dq] float32.
-        Causal CTAs run heaviest-first (reversed q order) to shorten the tail.
-SMEM per CTA (16-bit inputs, C = max_concurrent_steps):
+        [block_q_dq, D] and rows resident; the producer streams k, v [block_kv_dq, D] up to the
+        CTA's diagonal. Carries dq [block_q_dq, D] and d_scale [block_q_dq] float32. Causal CTAs
+        run heaviest-first.
+SMEM per CTA (16-bit inputs, C = max_concurrent_steps; 227 KB allowed):
   dk/dv: W·2·bkv·D·2 (k, v) + C·(2·bq·D·2 + 3·bq·4)   e.g. D=128, bq=bkv=64, C=2: 130 KB
   dq:    W·(2·bq·D·2 + 4·bq·4) + C·2·bkv·D·2          e.g. D=128, bq=64, bkv=128, C=2: 194 KB
-(Hopper allows 227 KB per CTA.) Outputs leave through the resident tiles' SMEM via TMA.
-Registers per compute warpgroup (float32, 128 threads): dk/dv holds dk + dv (2·bkv·D/128) plus
-three [bkv, bq] tiles; dq holds dq (bq·D/128) plus three [bq, bkv] tiles. At D = 128 with
-bq = bkv = 64 the dq kernel fits the 240-register budget but the dk/dv kernel spills (ptxas 13.0:
-100 bytes at 240, 160 at 232; none at D = 64); 128-wide logits tiles at D = 128 spill more.
-BlockSizes.dkv_step="lean" (`focal_mgpu_dkv.dv_and_dx`) cuts that to 16 bytes but runs slower:
-the kernel is bound by issuing its elementwise work, and "lean" adds to it. In both kernels the
-two compute warpgroups consume the same ring slots and so tend to reach the tensor cores
-together; BlockSizes.pingpong_backward (dk/dv) and pingpong_dq make them take turns (FA3 §3.2,
-as the forward does): two phases of a schedule barrier per step (after issuing the step's first
-matmuls, and before its last ones), skipped blocks included, warpgroup 1 one phase behind
-(`schedule_phase`, `focal_mgpu_dkv.visit_q_blocks`). Compiled tests pass on the H200.
+Outputs leave through the resident tiles' SMEM via TMA. Registers per compute warpgroup: dk + dv
+(2·bkv·D/128 per thread) or dq (bq·D/128) plus three logits-sized tiles; at D = 128 the dk/dv
+kernel spills a little, at D = 64 neither does.
 
-Contract (ValueError otherwise, no padding): q, k, v share one 16-bit dtype; D ∈ {64, 128};
-block sizes multiples of 64; T divisible by 2·block_q_dq and block_q_dkv, S by 2·block_kv_dkv and
-block_kv_dq. Causal means key s is visible to query t iff s <= t (no offset; T != S allowed).
-Segment ids (optional int32 [B, T], T == S; chosen statically, so without them nothing below is
-traced): key s is visible to query t only if seg[t] == seg[s], masked on every visited tile. The
-dq kernel keeps its q tile's ids resident and streams each kv block's ids beside k, v; the dk/dv
-kernel keeps its key tile's ids resident and streams the q blocks' ids with the other per-query
-rows (`stream_q_rows`). Unsupported: float32 inputs, D=256 (register budget), dropout,
-second-order gradients. Deterministic (no atomics).
-
-On CPU pass interpret=True: the kernels then run in jax's GPU interpret mode (threads, SMEM, TMA,
-barriers and the race detector simulated); the few primitives it cannot run (register-operand
-wgmma, run_state, layout casts) are replaced by `mgpu_compat` with plain jnp on the same refs.
+Contract (`check`, ValueError; no padding): one 16-bit dtype, D ∈ {64, 128}, block sizes
+multiples of 64, T divisible by 2·block_q_dq and block_q_dkv, S by 2·block_kv_dkv and block_kv_dq.
+Causal: key s visible to query t iff s <= t. Segment ids (optional int32 [B, T], T == S; static
+None traces none of it) mask every visited tile: the resident tile's ids stay in SMEM, the
+streamed blocks' ids travel with them. Deterministic (no atomics). interpret=True runs jax's GPU
+interpret mode on CPU (race detector on; `mosaic_common` stands in for what it cannot run).
 """
 
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 from jax import lax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
-from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
 from pallas_kernels import mosaic_common as mc
+from pallas_kernels.focal.mosaic_dkv import LN2, LOG2E, W, dkv_call
 
-LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
-W = 2  # compute warpgroups per CTA
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _BLOCK_FIELDS = ("block_q_dq", "block_kv_dq", "block_q_dkv", "block_kv_dkv")
 
 
-def _tile_smem(shape, dtype):
-  # 128-byte swizzle over 64-element rows: the layout wgmma reads without bank conflicts.
-  return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, 64)),
-                                              plgpu.SwizzleTransform(128)))
-
-
-def _bcast(x, shape, dim: int):
-  return lax.broadcast_in_dim(x, shape, [dim])
-
-
-def schedule_phase(schedule):
-  """One phase of the ping-pong schedule barrier (both compute warpgroups arrive, then wait)."""
-  plgpu.barrier_arrive(schedule)
-  plgpu.barrier_wait(schedule)
-
-
-def pingpong(blocks) -> bool:
-  """BlockSizes.pingpong_backward (bench/test Blocks may lack the field)."""
-  return getattr(blocks, "pingpong_backward", False)
-
-
-def pingpong_dq(blocks) -> bool:
-  """BlockSizes.pingpong_dq: the dq kernel's ping-pong schedule."""
-  return getattr(blocks, "pingpong_dq", False)
-
-
-def _drain(free_bar, total, steps: int):
-  """The producer awaits the consumers' last releases, so that it has observed every phase of
-  every slot barrier when the kernel ends (the interpreter checks this; on hardware it costs one
-  wait per slot at the very end)."""
-  @pl.loop(jnp.maximum(total - steps, 0), total)
-  def _(st):
-    plgpu.barrier_wait(free_bar.at[lax.rem(st, steps)])
-
-
-def _check(q, k, v, s_BNT, lse_BNT, do, blocks, seg_BT=None):
+def check(q, k, v, s_BNT, lse_BNT, do, blocks, seg_BT=None):
   B, T, N, D = q.shape
   S, K = k.shape[1], k.shape[2]
   if k.shape != v.shape or k.shape[0] != B or k.shape[3] != D or N % K:
@@ -148,8 +89,8 @@ def _check(q, k, v, s_BNT, lse_BNT, do, blocks, seg_BT=None):
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, dq_ref, ds_ref,
-               q_s, do_s, c_s, lse_s, delta_s, ds_s, k_s, v_s, res_bar, kv_bar, kv_free, schedule,
-               *, seg, causal, bq, bkv, n_kv, n_cta, group, steps, pingpong_on, interpret):
+               q_s, do_s, c_s, lse_s, delta_s, ds_s, k_s, v_s, res_bar, kv_bar, kv_free,
+               *, seg, causal, bq, bkv, n_kv, n_cta, group, steps, interpret):
   b, n, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
   cta = lax.axis_index("q_seq")
   if causal:  # the last q tiles see the most keys: start them first
@@ -183,9 +124,6 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, dq_ref, d
     lse_Q = mc.load(lse_s.at[wg], layout=row_layout, interpret=interpret)
     delta_Q = mc.load(delta_s.at[wg], layout=row_layout, interpret=interpret)
     shape_QK = (bq, bkv)
-    # BlockSizes.pingpong_dq: the warpgroups take turns at the tensor cores, two schedule
-    # phases per step (after issuing the pair; before the dx·k wgmma), as in the dk/dv kernel.
-    phase = functools.partial(schedule_phase, schedule) if pingpong_on else None
 
     def step(j, carry, *, masked):
       dq_QD, ds_Q = carry
@@ -193,26 +131,20 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, dq_ref, d
       plgpu.barrier_wait(kv_bar.at[slot])
       # Both logits-sized products at once: one wgmma wait per step instead of two.
       r_QK, dp_QK = mc.mma_pair((q_s.at[wg], k_s.at[slot], None, True),
-                                (do_s.at[wg], v_s.at[slot], None, True), during=phase,
-                                interpret=interpret)
-      x_QK = r_QK * _bcast(c_Q, shape_QK, 0) - _bcast(lse_Q, shape_QK, 0)
+                                (do_s.at[wg], v_s.at[slot], None, True), interpret=interpret)
+      x_QK = r_QK * mc.bcast(c_Q, shape_QK, 0) - mc.bcast(lse_Q, shape_QK, 0)
       if masked:
         t = mc.iota(jnp.int32, shape_QK, 0, wgmma_layout, interpret=interpret) + q0
         s = mc.iota(jnp.int32, shape_QK, 1, wgmma_layout, interpret=interpret) + j * bkv
         x_QK = jnp.where(s <= t, x_QK, -jnp.inf)
       if seg:
         segk_K = mc.load(segk_s.at[slot], layout=wgmma_layout.reduce(0), interpret=interpret)
-        same_QK = _bcast(segq_Q, shape_QK, 0) == _bcast(segk_K, shape_QK, 1)
+        same_QK = mc.bcast(segq_Q, shape_QK, 0) == mc.bcast(segk_K, shape_QK, 1)
         x_QK = jnp.where(same_QK, x_QK, -jnp.inf)
       p_QK = jnp.exp2(x_QK)
-      dx_QK = p_QK * (dp_QK - _bcast(delta_Q, shape_QK, 0))
+      dx_QK = p_QK * (dp_QK - mc.bcast(delta_Q, shape_QK, 0))
       ds_Q = ds_Q + jnp.sum(dx_QK * r_QK, axis=1)
-      dx16_QK = dx_QK.astype(q_s.dtype)
-      if phase is not None:
-        # The fence keeps the elementwise work ahead of the arrival (as in the forward).
-        dq_QD, ds_Q, dx16_QK = lax.optimization_barrier((dq_QD, ds_Q, dx16_QK))
-        phase()
-      dq_QD = mc.mma(dx16_QK, k_s.at[slot], acc=dq_QD, interpret=interpret)
+      dq_QD = mc.mma(dx_QK.astype(q_s.dtype), k_s.at[slot], acc=dq_QD, interpret=interpret)
       plgpu.barrier_arrive(kv_free.at[slot])
       return dq_QD, ds_Q
 
@@ -221,17 +153,12 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, dq_ref, d
       slot = lax.rem(j, steps)
       plgpu.barrier_wait(kv_bar.at[slot])
       plgpu.barrier_arrive(kv_free.at[slot])
-      if phase is not None:
-        phase()
-        phase()
       return carry
 
     carry = (mc.layout_cast(jnp.zeros((bq, q_s.shape[-1]), jnp.float32), wgmma_layout,
                             interpret=interpret),
              mc.layout_cast(jnp.zeros((bq,), jnp.float32), row_layout, interpret=interpret))
     unmasked = functools.partial(step, masked=False)
-    if phase is not None:
-      pl.when(wg == 1)(phase)  # one phase behind warpgroup 0
     if causal:
       j_full = lax.div(q0, jnp.int32(bkv))  # blocks wholly at or below the diagonal
       j_end = pl.cdiv(q0 + bq, jnp.int32(bkv))
@@ -240,11 +167,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, dq_ref, d
       carry = lax.fori_loop(j_end, n_kv_cta, skip, carry)
     else:
       carry = lax.fori_loop(0, n_kv, unmasked, carry)
-    if phase is not None:
-      pl.when(wg == 0)(phase)  # balances warpgroup 1's
     dq_QD, ds_Q = carry
     # dq_t = s_t Σ_s dx_ts k_s: the temperature is applied once per row here (s = c·ln 2).
-    dq_QD = dq_QD * _bcast(c_Q * LN2, dq_QD.shape, 0)
+    dq_QD = dq_QD * mc.bcast(c_Q * LN2, dq_QD.shape, 0)
     q_s.at[wg][...] = dq_QD.astype(q_s.dtype)  # q's tile is free: every wgmma reading it is done
     ds_s.at[wg][...] = ds_Q
     plgpu.commit_smem()
@@ -273,14 +198,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, dq_ref, d
       plgpu.barrier_wait(kv_free.at[lax.rem(j, steps)])  # both warpgroups released step j - C
       issue(j)
 
-    _drain(kv_free, n_kv_cta, steps)
-
-
-def _launch_params(interpret):
-  """(interpret flag for the kernel bodies, what plgpu.kernel gets as `interpret`)."""
-  if isinstance(interpret, InterpretGPUParams):
-    return True, interpret
-  return bool(interpret), (mc.interpret_params() if interpret else None)
+    mc.drain(kv_free, n_kv_cta, steps)
 
 
 def backward_rows(s_BNT, out, do):
@@ -297,7 +215,7 @@ def dq_call(q, k, v, do, c_BNT, lse_BNT, delta_BNT, *, causal: bool, blocks, int
   after `backward_rows`; do in q.dtype."""
   B, T, N, D = q.shape
   S, K = k.shape[1], k.shape[2]
-  flag, params = _launch_params(interpret)
+  flag, params = mc.launch_params(interpret)
   bq, bkv = blocks.block_q_dq, blocks.block_kv_dq
   n_kv = S // bkv
   steps = max(1, min(blocks.max_concurrent_steps, n_kv))  # more slots than blocks load nothing
@@ -309,27 +227,25 @@ def dq_call(q, k, v, do, c_BNT, lse_BNT, delta_BNT, *, causal: bool, blocks, int
   return plgpu.kernel(
       mc.with_segments(
           functools.partial(_dq_kernel, causal=causal, bq=bq, bkv=bkv, n_kv=n_kv, n_cta=n_cta,
-                            group=N // K, steps=steps, pingpong_on=pingpong_dq(blocks),
-                            interpret=flag),
+                            group=N // K, steps=steps, interpret=flag),
           n_in=len(operands), n_seg_scratch=2, segments=segments),
       out_type=[jax.ShapeDtypeStruct(q.shape, q.dtype),
                 jax.ShapeDtypeStruct((B, N, T), jnp.float32)],
       scratch_types=[
-          _tile_smem((W, bq, D), q.dtype), _tile_smem((W, bq, D), q.dtype),  # q (then dq), dO
+          mc.tile_smem((W, bq, D), q.dtype), mc.tile_smem((W, bq, D), q.dtype),  # q (then dq), dO
           *[plgpu.SMEM((W, bq), jnp.float32) for _ in range(4)],          # c, lse, delta, ds
-          _tile_smem((steps, bkv, D), k.dtype), _tile_smem((steps, bkv, D), k.dtype),  # k, v
+          mc.tile_smem((steps, bkv, D), k.dtype), mc.tile_smem((steps, bkv, D), k.dtype),  # k, v
           # One arrival per TMA copy; segment ids add one copy to each.
           plgpu.Barrier(num_arrivals=5 + segments, num_barriers=W),   # resident tiles landed
           plgpu.Barrier(num_arrivals=2 + segments, num_barriers=steps),  # k, v slot landed
           plgpu.Barrier(num_arrivals=W, num_barriers=steps),      # slot released by both wgs
-          plgpu.Barrier(num_arrivals=W),       # ping-pong schedule (with pingpong_dq)
           *seg_scratch,
       ],
       grid=(N, n_cta, B), grid_names=("heads", "q_seq", "batch"),
       num_threads=W + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=params,
-      kernel_name="focal_mgpu_dq_pingpong" if pingpong_dq(blocks) else "focal_mgpu_dq")(*operands)
+      kernel_name="focal_mgpu_dq")(*operands)
 
 
 def backward(q, k, v, s_BNT, out, lse_BNT, do, *, causal: bool, blocks, interpret, seg_BT=None):
@@ -337,15 +253,14 @@ def backward(q, k, v, s_BNT, out, lse_BNT, do, *, causal: bool, blocks, interpre
 
   s_BNT: float32 per-query temperature; lse_BNT: float32 base-2 row log-sum-exp of the forward;
   blocks: any object with block_q_dq, block_kv_dq, block_q_dkv, block_kv_dkv and
-  max_concurrent_steps (e.g. focal_mgpu.BlockSizes). interpret: False (compiled, Hopper), True
-  (GPU interpret mode on CPU with `mgpu_compat.interpret_params()`), or an InterpretGPUParams.
+  max_concurrent_steps (e.g. mosaic.BlockSizes). interpret: False (compiled, Hopper), True
+  (GPU interpret mode on CPU with `mosaic_common.interpret_params()`), or an InterpretGPUParams.
   seg_BT: None or int32 segment ids [B, T] (T == S), as given to the forward.
   """
-  _check(q, k, v, s_BNT, lse_BNT, do, blocks, seg_BT)
+  check(q, k, v, s_BNT, lse_BNT, do, blocks, seg_BT)
   c_BNT, delta_BNT = backward_rows(s_BNT, out, do)
   args = (q, k, v, do.astype(q.dtype), c_BNT, lse_BNT, delta_BNT)
   kw = dict(causal=causal, blocks=blocks, interpret=interpret, seg_BT=seg_BT)
-  from pallas_kernels.focal import mosaic_dkv as focal_mgpu_dkv  # pylint: disable=import-outside-toplevel
   dq, ds_BNT = dq_call(*args, **kw)
-  dk, dv = focal_mgpu_dkv.dkv_call(*args, **kw)
+  dk, dv = dkv_call(*args, **kw)
   return dq, dk, dv, ds_BNT

@@ -30,7 +30,8 @@ def check_qkv(q_BTND, k_BSKD, v_BSKD) -> tuple[int, int, int, int, int, int]:
   B, T, N, D = q_BTND.shape
   S, K = k_BSKD.shape[1], k_BSKD.shape[2]
   if k_BSKD.shape != v_BSKD.shape or k_BSKD.shape[0] != B or k_BSKD.shape[3] != D:
-    raise ValueError(f"k and v must both be [B={B}, S, K, D={D}]; got {k_BSKD.shape}, {v_BSKD.shape}")
+    raise ValueError(f"k and v must both be [B={B}, S, K, D={D}]; got {k_BSKD.shape}, "
+                     f"{v_BSKD.shape}")
   if N % K:
     raise ValueError(f"query heads ({N}) must be a multiple of kv heads ({K})")
   return B, T, S, N, K, D

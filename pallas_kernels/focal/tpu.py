@@ -3,19 +3,15 @@
 `jax.experimental.pallas.ops.tpu.flash_attention` takes a Python-float `sm_scale`, layout
 [B, H, T, D], equal q/kv head counts and `SegmentIds`. So:
   * an array `scale` (broadcastable to [B, Hq, T]) is multiplied into q in float32 and cast back to
-    q.dtype; its gradient then flows through plain JAX (d_scale_t = Σ_d dq'_td · q_td, by autodiff
-    of the multiply). The cost: q·scale is rounded to q.dtype (bf16) before the matmul, unlike the
-    GPU kernel which scales the f32 logits. A Python-float `scale` is passed as `sm_scale` instead
-    (exact, no cotangent).
+    q.dtype (q·scale is rounded to q.dtype before the matmul, unlike the GPU kernels, which scale
+    the f32 logits); its gradient flows through plain JAX. A Python-float `scale` is passed as
+    `sm_scale` instead (exact, no cotangent).
   * GQA: k/v are repeated over the G query heads of a group (`jnp.repeat`, whose transpose sums
-    dk/dv over the group); this costs G× k/v memory traffic.
-  * Block sizes are jax's defaults (128) clipped to the sequence lengths; jax's kernel needs the kv
-    block to be a multiple of 128, so S must be a multiple of 128 (it raises NotImplementedError
-    otherwise).
-`focal_flash.focal_attention` calls this when `jax.default_backend() == "tpu"` and it is not
-interpreting. It is not exercised on TPU hardware in this repository's CI; tests/kernels/focal/test_focal_triton.py
-runs it on CPU under `pltpu.force_tpu_interpret_mode()` (TPU semantics simulated), which checks the
-glue (layout, scale folding, GQA, segments) but not Mosaic TPU compilation.
+    dk/dv over the group): G× k/v memory traffic.
+  * Tiles are jax's defaults (128) clipped to the sequence lengths; S must be a multiple of 128.
+`api.focal_attention(backend="tpu")` calls this. The tests run it on CPU under
+`pltpu.force_tpu_interpret_mode()`: the glue (layout, scale folding, GQA, segments), not Mosaic TPU
+compilation.
 """
 
 from __future__ import annotations
@@ -38,7 +34,7 @@ def _blocks(T: int, S: int) -> tpu_flash.BlockSizes:
 
 
 def focal_attention(q, k, v, *, scale, causal: bool = True, segment_ids=None):
-  """Same contract as `focal_flash.focal_attention` (q [B,T,Hq,D], k/v [B,S,Hkv,D])."""
+  """Same contract as `api.focal_attention` (q [B,T,Hq,D], k/v [B,S,Hkv,D])."""
   if isinstance(scale, (int, float)):
     return _tpu_attention(q, k, v, None, segment_ids, sm_scale=float(scale), causal=causal)
   return _tpu_attention(q, k, v, scale, segment_ids, sm_scale=1.0, causal=causal)

@@ -1,48 +1,33 @@
-"""Flash attention with a fused, differentiable per-query temperature (Pallas, Triton lowering).
+"""Triton kernels of focal flash attention: the forward here, the backward in `triton_bwd`.
 
   out[b, t, n] = Σ_s softmax_s(scale[b, n, t] · q[b, t, n]·k[b, s, n // G]) · v[b, s, n // G]
 
-over the visible keys (causal: s <= t; packed `segment_ids`: same segment). The spec is
-`pallas_kernels.focal.reference.attention`; `scale` is a float or an array broadcastable to [B, Hq, T]
-and receives a gradient (a learned temperature). Algorithm: FlashAttention-2 (Dao 2023,
-arXiv 2307.08691) §3.1 forward / §3.2 backward (the Triton tutorial structure), with the
-temperature applied to the float32 logits row by row instead of folded into q (no bf16 rounding
-of q·scale, and d_scale comes out of the dq pass for free).
+over the visible keys (causal: s <= t; packed `segment_ids`: same segment); the spec is
+`reference.attention`, the public entry `pallas_kernels.focal.focal_attention`. FlashAttention-2
+(Dao 2023, arXiv 2307.08691) §3.1 forward / §3.2 backward, with the temperature applied to the
+float32 logits row by row instead of folded into q (no bf16 rounding of q·scale; d_scale comes
+out of the dq pass).
 
-Passes (all grids are (sequence blocks, B, Hq); G = Hq // Hkv query heads share a kv head, which
-the k/v index maps pick as n // G):
+Passes (grids (sequence blocks, B, Hq); G = Hq // Hkv query heads share the kv head n // G):
   forward  `_fwd_kernel`, grid (T/block_q, B, Hq): q tile resident, loop over kv blocks with the
            online softmax; carries acc [block_q, D] f32, running max m and sum l [block_q] f32
-           (base-2 units: log2(e) is folded into the row scale so the loop uses exp2). Writes out
+           (base-2 units: log2(e) rides on the row scale so the loop uses exp2). Writes out
            (q.dtype) and lse [B, Hq, T] f32 (base 2).
-  delta    rowsum(dO·O) [B, Hq, T] f32, one fused XLA reduction (memory bound; no kernel needed).
-  dk/dv    `focal_flash_bwd._dkv_kernel`, grid (S/block_kv_dkv, B, Hq): k/v tile resident, loop
-           over q blocks; carries dk, dv [block_kv_dkv, D] f32. GQA: computed per query head
-           ([B, S, Hq, D] f32) and summed over the group outside the kernel (G == 1 writes k.dtype
-           directly, no extra memory).
-  dq       `focal_flash_bwd._dq_kernel`, grid (T/block_q_dq, B, Hq): q/dO tile resident, loop over
-           kv blocks; carries dq [block_q_dq, D] f32 and d_scale [block_q_dq] f32.
-Causal block skipping: a q block visits only kv blocks holding a key <= its last query, and only
-the blocks crossing the diagonal pay for the mask (two loops with static `masked`). Segment ids
-mask every visited block (no per-segment skipping).
+  delta    rowsum(dO·O) [B, Hq, T] f32, one fused XLA reduction.
+  dk/dv    `triton_bwd._dkv_kernel`, grid (S/block_kv_dkv, B, Hq): k/v tile resident, loop over q
+           blocks; carries dk, dv [block_kv_dkv, D] f32. GQA: per query head ([B, S, Hq, D] f32),
+           summed over the group outside the kernel (G == 1 writes k.dtype directly).
+  dq       `triton_bwd._dq_kernel`, grid (T/block_q_dq, B, Hq): q/dO tile resident, loop over kv
+           blocks; carries dq [block_q_dq, D] f32 and d_scale [block_q_dq] f32, summed from the
+           f32 raw logits r: d_scale_t = Σ_s dlogits_ts · r_ts (more accurate for bf16 than the
+           q_t·dq_t / s_t identity).
+Causal: a q block visits only kv blocks holding a key <= its last query, and only the blocks
+crossing the diagonal pay for the mask. Segment ids mask every visited block. Residuals: q, k, v,
+the f32 scale [B, Hq, T], segment ids, out and the row log-sum-exp, never the probabilities.
 
-Residuals for the backward: q, k, v, the f32 scale [B, Hq, T], segment ids, out and the row
-log-sum-exp (B·Hq·T·4 bytes) -- never the probabilities.
-
-d_scale: logits = s_t · r_ts with r = q·k; dlogits_ts = p_ts (dP_ts − delta_t), dP = dO·vᵀ;
-d_scale_t = Σ_s dlogits_ts · r_ts, accumulated in float32 from the f32 raw logits already in the dq
-loop (more accurate for bf16 than the q_t·dq_t / s_t identity, which would reuse the bf16-rounded
-dlogits of the dq matmul). A float `scale` gets no cotangent (it is a constant).
-
-Block sizes (`BlockSizes`, frozen) must be powers of two >= 16 dividing T (q blocks) and S (kv
-blocks) after clipping to the sequence length; head dims are powers of two in [16, 256]. Violations
-raise ValueError (no silent padding). `BlockSizes.default` picks tiles by head dim and dtype
-(untuned guesses until the H200 sweep in bench/attention.py --sweep). On TPU
-(jax.default_backend() == "tpu", not interpreting) `focal_attention` hands off to
-`pallas_kernels.focal.tpu`. On CPU run with interpret=True.
-
-Limits: first-order gradients only (the backward kernels have no JVP); Triton offsets are int32,
-so each operand must hold < 2**31 elements; no dropout, bias, sliding window or softcap.
+`BlockSizes` (frozen): powers of two >= 16 dividing T (q blocks) and S (kv blocks) after clipping
+to the sequence length; head dims powers of two in [16, 256]; ValueError otherwise (no padding).
+First-order gradients only; Triton offsets are int32 (each operand < 2**31 elements).
 """
 
 from __future__ import annotations
@@ -90,15 +75,6 @@ class BlockSizes:
     if head_dim <= 64:
       return cls(num_warps_fwd=4, num_warps_bwd=4, num_stages_fwd=3)
     return cls()
-
-
-@dataclasses.dataclass(frozen=True)
-class _Static:
-  """Everything static one call needs (hashable: custom_vjp nondiff arg and jit key)."""
-  causal: bool
-  blocks: BlockSizes
-  interpret: bool
-  group: int  # G = Hq // Hkv
 
 
 def dot(a, b, contract_a: int, contract_b: int):
@@ -201,13 +177,15 @@ def _fwd_kernel(q_ref, k_ref, v_ref, s_ref, seg_ref, o_ref, lse_ref, *, causal, 
   lse_ref[...] = m_Q + jnp.log2(l_Q)
 
 
-def _forward(q, k, v, s_BNT, seg_BT, st: _Static):
+def forward(q, k, v, s_BNT, seg_BT, *, causal: bool, blocks: BlockSizes, interpret: bool):
+  """(out [B, T, Hq, D] q.dtype, lse [B, Hq, T] f32 base 2); inputs as `check` accepts them,
+  s_BNT the f32 per-query scale, seg_BT None or int32 [B, T]."""
   B, T, N, D = q.shape
   S = k.shape[1]
-  bq = clip_block(st.blocks.block_q, T, "block_q")
-  bk = clip_block(st.blocks.block_kv, S, "block_kv")
-  G = st.group
-  n_q, causal = T // bq, st.causal
+  bq = clip_block(blocks.block_q, T, "block_q")
+  bk = clip_block(blocks.block_kv, S, "block_kv")
+  G = N // k.shape[2]
+  n_q = T // bq
   kernel = functools.partial(_fwd_kernel, causal=causal, block_q=bq, block_k=bk, n_q=n_q)
   tile_q = pl.BlockSpec((None, bq, None, D), lambda i, b, n: (b, q_block(i, n_q, causal), n, 0))
   row_tile = pl.BlockSpec((None, None, bq), lambda i, b, n: (b, n, q_block(i, n_q, causal)))
@@ -219,28 +197,8 @@ def _forward(q, k, v, s_BNT, seg_BT, st: _Static):
                jax.ShapeDtypeStruct((B, N, T), jnp.float32)]
   return pl.pallas_call(
       kernel, grid=(n_q, B, N), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-      compiler_params=compiler_params(st.blocks.num_warps_fwd, st.blocks.num_stages_fwd),
-      interpret=st.interpret, name="focal_flash_fwd")(q, k, v, s_BNT, seg_BT)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _flash(q, k, v, s_BNT, seg_BT, st: _Static):
-  return _forward(q, k, v, s_BNT, seg_BT, st)[0]
-
-
-def _flash_fwd(q, k, v, s_BNT, seg_BT, st: _Static):
-  out, lse_BNT = _forward(q, k, v, s_BNT, seg_BT, st)
-  return out, (q, k, v, s_BNT, seg_BT, out, lse_BNT)
-
-
-def _flash_bwd(st: _Static, res, do):
-  from pallas_kernels.focal import triton_bwd as focal_flash_bwd  # pylint: disable=import-outside-toplevel
-  q, k, v, s_BNT, seg_BT, out, lse_BNT = res
-  dq, dk, dv, ds_BNT = focal_flash_bwd.backward(q, k, v, s_BNT, seg_BT, out, lse_BNT, do, st)
-  return dq, dk, dv, ds_BNT, None
-
-
-_flash.defvjp(_flash_fwd, _flash_bwd)
+      compiler_params=compiler_params(blocks.num_warps_fwd, blocks.num_stages_fwd),
+      interpret=interpret, name="focal_flash_fwd")(q, k, v, s_BNT, seg_BT)
 
 
 def clip_block(block: int, length: int, name: str) -> int:
@@ -253,7 +211,7 @@ def clip_block(block: int, length: int, name: str) -> int:
   return b
 
 
-def _check(q, k, v, segment_ids, blocks: BlockSizes):
+def check(q, k, v, segment_ids, blocks: BlockSizes):
   B, T, S, N, K, D = reference.check_qkv(q, k, v)
   if q.dtype != k.dtype or q.dtype != v.dtype or q.dtype not in _DTYPES:
     raise ValueError(f"q, k, v must share one dtype among float32/bfloat16/float16; got "
@@ -271,58 +229,3 @@ def _check(q, k, v, segment_ids, blocks: BlockSizes):
     clip_block(getattr(blocks, name), S, name)
   return B, T, S, N, K, D
 
-
-KERNELS = ("auto", "triton", "mosaic")
-
-
-def hopper() -> bool:
-  """Compiling for an sm_90 GPU (H100/H200), where the Mosaic GPU kernel applies."""
-  if jax.default_backend() != "gpu":
-    return False
-  return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9.")
-
-
-def focal_attention(q, k, v, *, scale, causal: bool = True, segment_ids=None,
-                    interpret: bool = False, block_sizes: BlockSizes | None = None,
-                    kernel: str = "auto"):
-  """softmax(scale · q·kᵀ) · v over the visible keys; see the module docstring.
-
-  q [B, T, Hq, D]; k, v [B, S, Hkv, D], one dtype (f32/bf16/f16); `scale` a float or an array
-  broadcastable to [B, Hq, T] (differentiable); `segment_ids` int32 [B, T] (needs T == S).
-  `interpret=True` runs the Pallas interpreter (CPU). Returns [B, T, Hq, D] in q.dtype.
-
-  `kernel`: "auto" compiles for Hopper through `focal_mgpu` (Mosaic GPU, wgmma/TMA) whenever
-  `focal_mgpu.supported` accepts the call (bf16/fp16, D 64/128, tile-aligned T; packed segment
-  ids included: its segment masking passed compiled on the H200 on 2026-11-30), and
-  through this module's Triton kernels otherwise; "triton" / "mosaic" force one (a call "mosaic"
-  cannot take raises its reason).
-  """
-  if kernel not in KERNELS:
-    raise ValueError(f"kernel={kernel!r}: expected one of {KERNELS}")
-  if jax.default_backend() == "tpu" and not interpret:
-    # Dispatch before jit so the TPU route still sees a Python-float scale as a float.
-    from pallas_kernels.focal import tpu as focal_tpu  # pylint: disable=import-outside-toplevel
-    return focal_tpu.focal_attention(q, k, v, scale=scale, causal=causal,
-                                     segment_ids=segment_ids)
-  if kernel == "mosaic" or (kernel == "auto" and not interpret and hopper()):
-    from pallas_kernels.focal import mosaic as focal_mgpu  # pylint: disable=import-outside-toplevel
-    # int32 as the Triton route casts them, so an int64 batch does not silently fall back.
-    seg_BT = None if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)
-    why = focal_mgpu.supported(q, k, v, seg_BT, causal)
-    if why is None:
-      return focal_mgpu.focal_attention(q, k, v, scale=scale, causal=causal, segment_ids=seg_BT,
-                                        interpret=interpret)
-    if kernel == "mosaic":
-      raise ValueError(f"kernel='mosaic': {why}")
-  return _attention(q, k, v, scale, segment_ids, causal=causal, interpret=interpret,
-                    block_sizes=block_sizes or BlockSizes.default(q.shape[-1], q.dtype))
-
-
-@functools.partial(jax.jit, static_argnames=("causal", "interpret", "block_sizes"))
-def _attention(q, k, v, scale, segment_ids, *, causal: bool, interpret: bool,
-               block_sizes: BlockSizes):
-  B, _, _, N, K, _ = _check(q, k, v, segment_ids, block_sizes)
-  T = q.shape[1]
-  s_BNT = reference.scale_BNT(scale, B, N, T)  # broadcast's transpose sums d_scale back
-  seg_BT = None if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)
-  return _flash(q, k, v, s_BNT, seg_BT, _Static(causal, block_sizes, interpret, N // K))

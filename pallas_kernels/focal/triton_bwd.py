@@ -1,4 +1,5 @@
-"""Backward kernels of `focal_flash` (FlashAttention-2 §3.2: separate dk/dv and dq passes).
+"""Backward kernels of the Triton focal attention (FlashAttention-2 §3.2: separate dk/dv and dq
+passes); the forward and the shared tile helpers are in `triton`.
 
 With x = s_t·r_ts (r = q·kᵀ raw, s the float32 temperature), p = exp(x − lse) rebuilt from the
 forward's base-2 lse, dP = dO·vᵀ, delta_t = Σ_d dO_td·O_td and dx = p ⊙ (dP − delta):
@@ -37,7 +38,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, s_ref, seg_ref, lse_ref, delta_ref, do_ref,
     # q-major tiles ([block_q, block_k]) as in jax's own Pallas flash backward: the per-query
     # vectors (temperature, lse, delta) broadcast along columns, and the kv-side contractions
     # contract over axis 0. (A kv-major variant matched in interpret mode but produced wrong
-    # dk/dv when compiled through Triton on the H200.)
+    # dk/dv when compiled through Triton on Hopper.)
     dk_KD, dv_KD = carry
     q_slice = pl.ds(i * block_q, block_q)
     q_QD, do_QD = q_ref[q_slice, :], do_ref[q_slice, :]
@@ -105,11 +106,11 @@ def _dq_kernel(q_ref, k_ref, v_ref, s_ref, seg_ref, lse_ref, delta_ref, do_ref, 
   dscale_ref[...] = dscale_Q
 
 
-def backward(q, k, v, s_BNT, seg_BT, out, lse_BNT, do, st):
-  """Returns (dq, dk, dv, d_scale [B, Hq, T] f32) for `focal_flash._flash`."""
+def backward(q, k, v, s_BNT, seg_BT, out, lse_BNT, do, *, causal: bool, blocks, interpret: bool):
+  """(dq, dk, dv, d_scale [B, Hq, T] f32) from the forward's residuals (out, base-2 lse)."""
   B, T, N, D = q.shape
   S, K = k.shape[1], k.shape[2]
-  G, blocks = st.group, st.blocks
+  G = N // K
   # delta = rowsum(dO·O): memory bound, one fused XLA reduction straight into [B, Hq, T].
   delta_BNT = jnp.einsum("BTND,BTND->BNT", out.astype(jnp.float32), do.astype(jnp.float32))
   do = do.astype(q.dtype)
@@ -126,12 +127,12 @@ def backward(q, k, v, s_BNT, seg_BT, out, lse_BNT, do, st):
   dkv_dtype = k.dtype if G == 1 else jnp.float32  # group sum in f32 below
   dkv_spec = pl.BlockSpec((None, bk, None, D), lambda j, b, n: (b, j, n, 0))
   dk, dv = pl.pallas_call(
-      functools.partial(_dkv_kernel, causal=st.causal, block_q=bq, block_k=bk),
+      functools.partial(_dkv_kernel, causal=causal, block_q=bq, block_k=bk),
       grid=(S // bk, B, N),
       in_specs=[full_q, tile_kv, tile_kv, row_full, seg_spec, row_full, row_full, full_q],
       out_specs=[dkv_spec, dkv_spec],
       out_shape=[jax.ShapeDtypeStruct((B, S, N, D), dkv_dtype)] * 2,
-      compiler_params=params, interpret=st.interpret, name="focal_flash_dkv")(*args)
+      compiler_params=params, interpret=interpret, name="focal_flash_dkv")(*args)
   if G > 1:
     dk = dk.reshape(B, S, K, G, D).sum(3).astype(k.dtype)
     dv = dv.reshape(B, S, K, G, D).sum(3).astype(v.dtype)
@@ -139,7 +140,7 @@ def backward(q, k, v, s_BNT, seg_BT, out, lse_BNT, do, st):
   # dq pass: one program per (q block, b, q head); also emits d_scale.
   bq = ff.clip_block(blocks.block_q_dq, T, "block_q_dq")
   bk = ff.clip_block(blocks.block_kv_dq, S, "block_kv_dq")
-  n_q, causal = T // bq, st.causal
+  n_q = T // bq
   tile_q = pl.BlockSpec((None, bq, None, D),
                         lambda i, b, n: (b, ff.q_block(i, n_q, causal), n, 0))
   full_kv = pl.BlockSpec((None, S, None, D), lambda _, b, n: (b, 0, lax.div(n, G), 0))
@@ -151,5 +152,5 @@ def backward(q, k, v, s_BNT, seg_BT, out, lse_BNT, do, st):
       out_specs=[tile_q, row_tile],
       out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
                  jax.ShapeDtypeStruct((B, N, T), jnp.float32)],
-      compiler_params=params, interpret=st.interpret, name="focal_flash_dq")(*args)
+      compiler_params=params, interpret=interpret, name="focal_flash_dq")(*args)
   return dq, dk, dv, dscale_BNT

@@ -1,4 +1,4 @@
-"""The references in pallas_kernels.focal.reference against naive per-element loops (numpy, float64)."""
+"""The focal and dilution references against naive per-element loops (numpy, float64)."""
 
 import numpy as np
 import jax
@@ -28,8 +28,10 @@ def _naive(q, k, v, scale_BNT, causal, seg, dilution=False, eps=1e-9):
       kh = n // (N // K)
       p = np.zeros((T, T))
       for i in range(T):
-        vis = [j for j in range(T) if (not causal or j <= i) and (seg is None or seg[b, i] == seg[b, j])]
-        z = np.array([scale_BNT[b, n, i] * np.dot(q[b, i, n], k[b, j, kh]) for j in vis], np.float64)
+        vis = [j for j in range(T)
+               if (not causal or j <= i) and (seg is None or seg[b, i] == seg[b, j])]
+        z = np.array([scale_BNT[b, n, i] * np.dot(q[b, i, n], k[b, j, kh]) for j in vis],
+                     np.float64)
         e = np.exp(z - z.max())
         for j, pj in zip(vis, e / e.sum()):
           p[i, j] = pj

@@ -1,15 +1,15 @@
-"""pallas_kernels.condense.api (FocusLLM's candidate and local attention kernels) == their references.
+"""pallas_kernels.condense.api (FocusLLM's candidate and local attention kernels) == their specs.
 
 Invariants: on fresh random inputs the kernels' outputs and gradients equal the pure-JAX specs in
-the same module (float32 and bfloat16, GQA/MQA/MHA, several chunk/row counts, lengths that need
-padding, rows with no visible key, no candidates); gradients w.r.t. a subset of the inputs (the
+`condense.reference` (float32 and bfloat16, GQA/MQA/MHA, several chunk/row counts, lengths that
+need padding, rows with no visible key, no candidates); gradients w.r.t. a subset of the inputs (the
 training case: the cache closed over) take the reduced backward and still match; FocusLLM's loss,
 its adapter gradient and generation give the same numbers with implementation="pallas" as "xla".
 On CPU the kernels run in Pallas interpret mode; `test_lowers_to_triton` checks every launch
 lowers through Pallas' Triton backend for CUDA; `TestCompiledGPU` repeats the comparison compiled
 at realistic shapes when jax.default_backend() == "gpu".
 
-Run: python -m pytest -q tests/kernels/condense/test_condense.py   (GPU only: -m gpu)
+Run: python -m pytest -q tests/kernels/condense/test_condense.py   (GPU only: -k Compiled)
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from focaljax.model import attention as attn_lib
 from focaljax import config as config_lib
 from focaljax.focus import model as focus
 from focaljax.focus import generate as focus_generate
-from focaljax.focus import train as focus_train
 from focaljax.model import decoder as model_lib
 from pallas_kernels.condense import api as condense
+from pallas_kernels.condense import reference as condense_ref
 
 ON_GPU = jax.default_backend() == "gpu"
 SMALL = condense.BlockSizes(block_k=16, split_k=32, block_q=16, block_kv=32, block_q_dkv=32,
@@ -81,7 +81,7 @@ def _compare_candidate(seed, *, R, Q, S, N, K, D=16, dtype=jnp.float32, self_kv=
   do = _normal(ks[6], (R, Q, N, D), dtype)
   kernel = lambda q, k, v, vl, sk, sv: condense.candidate_attention(
       q, k, v, vl, sk, sv, scale=0.3, interpret=interpret, block_sizes=blocks)
-  spec = lambda q, k, v, vl, sk, sv: condense.candidate_attention_reference(
+  spec = lambda q, k, v, vl, sk, sv: condense_ref.candidate_attention_reference(
       q, k, v, vl, sk, sv, scale=0.3)
   if not self_kv:
     wrt = tuple(i for i in wrt if i < 4)
@@ -89,15 +89,15 @@ def _compare_candidate(seed, *, R, Q, S, N, K, D=16, dtype=jnp.float32, self_kv=
 
 
 def _compare_local(seed, *, R, T, C, N, K, D=16, dtype=jnp.float32, wrt=(0, 1, 2, 3, 4),
-                   blocks=SMALL, interpret=True, cand_bias=0.0):
+                   blocks=SMALL, interpret=True):
   ks = jax.random.split(jax.random.key(seed), 6)
   q = _normal(ks[0], (R, T, N, D), dtype)
   k, v = _normal(ks[1], (R, T, K, D), dtype), _normal(ks[2], (R, T, K, D), dtype)
   ck, cv = _normal(ks[3], (R, C, K, D), dtype), _normal(ks[4], (R, C, K, D), dtype)
   do = _normal(ks[5], (R, T, N, D), dtype)
-  kernel = lambda *a: condense.local_attention(*a, scale=0.3, cand_bias=cand_bias,
-                                               interpret=interpret, block_sizes=blocks)
-  spec = lambda *a: condense.local_attention_reference(*a, scale=0.3, cand_bias=cand_bias)
+  kernel = lambda *a: condense.local_attention(*a, scale=0.3, interpret=interpret,
+                                               block_sizes=blocks)
+  spec = lambda *a: condense_ref.local_attention_reference(*a, scale=0.3)
   _check_vjp(kernel, spec, (q, k, v, ck, cv), wrt, do, dtype)
 
 
@@ -115,7 +115,6 @@ def test_candidate_matches_reference(kw):
     dict(R=2, T=40, C=5, N=4, K=2),                                 # T and C padded, GQA
     dict(R=3, T=64, C=16, N=4, K=1, dtype=jnp.bfloat16, blocks=None),  # MQA, default tiles
     dict(R=2, T=32, C=0, N=2, K=2),                                 # no memory: causal only
-    dict(R=2, T=40, C=5, N=4, K=2, cand_bias=-1.6),                 # FocusConfig.candidate_bias
 ])  # Gradients w.r.t. the candidates alone (layer 0 in training): the FocusLLM test below.
 @pytest.mark.usefixtures("strict_ranks")
 def test_local_matches_reference(kw):
@@ -132,17 +131,12 @@ def test_candidate_mass_is_the_local_attentions_weight_on_each_candidate():
   k = _normal(ks[1], (R, T, K, D), jnp.float32)
   ck = _normal(ks[2], (R, C, K, D), jnp.float32)
   cv = jnp.broadcast_to(jnp.eye(C, D)[None, :, None], (R, C, K, D))
-  out_RTND = condense.local_attention_reference(q, k, jnp.zeros_like(k), ck, cv, scale=0.3)
+  out_RTND = condense_ref.local_attention_reference(q, k, jnp.zeros_like(k), ck, cv, scale=0.3)
   at = jnp.array([0, 17])
-  mass_RNC = condense.candidate_mass_reference(q[jnp.arange(R), at], k, ck, at, scale=0.3)
+  mass_RNC = condense_ref.candidate_mass_reference(q[jnp.arange(R), at], k, ck, at, scale=0.3)
   np.testing.assert_allclose(mass_RNC, out_RTND[jnp.arange(R), at][..., :C], rtol=1e-5,
                              atol=1e-6)
   assert mass_RNC.shape == (R, N, C) and float(mass_RNC.sum(-1).max()) <= 1 + 1e-6
-  # A logit bias b on every candidate scales their weights by e^b before the normalisation.
-  biased = condense.candidate_mass_reference(q[jnp.arange(R), at], k, ck, at, scale=0.3,
-                                             cand_bias=-1.6)
-  odds = lambda m: m / (1 - m.sum(-1, keepdims=True))   # candidate weight / local weight
-  np.testing.assert_allclose(odds(biased), odds(mass_RNC) * np.exp(-1.6), rtol=1e-4)
 
 
 def test_lowers_to_triton():
@@ -191,7 +185,7 @@ def test_contracts_raise_naming_the_field():
   config = focus_config.get_config("size=small")
   config.focus.implementation = "triton"
   with pytest.raises(config_lib.ConfigError, match="focus.implementation.*pallas"):
-    focus_train.validate(config, context=4096)
+    config_lib.focus_config(config, context=4096)
 
 
 # ------------------------------------------------------------------------- the FocusLLM model
@@ -212,21 +206,16 @@ def _tiny_base():
   return base, adapter
 
 
-@pytest.mark.parametrize("bias, sink", [("none", "none"), ("log_count", "none"),
-                                        ("none", "first_token")])
-def test_focus_loss_and_adapter_gradient_match_xla(bias, sink):
+def test_focus_loss_and_adapter_gradient_match_xla():
   """Covers the reduced backward passes too: layer 0's local q/k/v and every chunk cache are
-  unperturbed (the base is closed over), so only the candidates' dk/dv and dq run there. With
-  candidate_bias "log_count" the candidates' dk/dv read the bias folded into the lse; with the
-  sink (frozen, no gradient of its own) the candidate block has one key more."""
+  unperturbed (the base is closed over), so only the candidates' dk/dv and dq run there."""
   base, adapter = _tiny_base()
   graphdef, base_state = nnx.split(base)
   tokens = lambda seed, shape: jax.random.randint(jax.random.key(seed), shape, 1, 97)
   memory, seq = tokens(1, (2, 24)), tokens(2, (2, 13))   # 3 chunks of 8; 4 targets
 
   def loss_and_grad(impl):
-    cfg = focus.FocusConfig(chunk_size=8, prompt_len=4, implementation=impl, candidate_bias=bias,
-                            sink=sink)
+    cfg = focus.FocusConfig(chunk_size=8, prompt_len=4, implementation=impl)
     loss = lambda a, s: focus.loss(a, nnx.merge(graphdef, s), memory, seq, cfg, num_targets=4)
     return jax.jit(jax.value_and_grad(loss))(adapter, base_state)
 
@@ -266,8 +255,7 @@ class TestCompiledGPU:
   def test_candidate_small_tiles(self, kw):
     _compare_candidate(10, interpret=False, **kw)
 
-  @pytest.mark.parametrize("kw", [dict(R=2, T=40, C=5, N=4, K=2), dict(R=2, T=32, C=0, N=2, K=2),
-                                  dict(R=2, T=40, C=5, N=4, K=2, cand_bias=-1.6)])
+  @pytest.mark.parametrize("kw", [dict(R=2, T=40, C=5, N=4, K=2), dict(R=2, T=32, C=0, N=2, K=2)])
   def test_local_small_tiles(self, kw):
     _compare_local(11, interpret=False, **kw)
 
@@ -279,7 +267,6 @@ class TestCompiledGPU:
                        blocks=None, interpret=False)
 
   @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-  @pytest.mark.parametrize("cand_bias", [0.0, -4.16])  # -4.16 = -log 64: candidate_bias log_count
-  def test_local_realistic(self, dtype, cand_bias):
+  def test_local_realistic(self, dtype):
     _compare_local(13, R=8, T=512, C=64, N=16, K=4, D=64, dtype=dtype, blocks=None,
-                   interpret=False, cand_bias=cand_bias)
+                   interpret=False)

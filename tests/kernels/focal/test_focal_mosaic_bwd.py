@@ -1,17 +1,17 @@
-"""focal_mgpu_bwd (Hopper Mosaic GPU flash-attention backward, per-query temperature) == the spec.
+"""mosaic_bwd (Hopper Mosaic GPU flash-attention backward, per-query temperature) == the spec.
 
 Invariant: given the forward's out and base-2 lse (computed here in XLA from the spec),
-`focal_mgpu_bwd.backward` returns the same dq, dk, dv and d_scale as jax.vjp of
-`pallas_kernels.focal.reference.attention` with an array scale, on fresh random inputs: causal and not,
-GQA, bf16 and fp16, D = 64 and 128, square and mixed tiles, with and without packed segment ids
+`mosaic_bwd.backward` returns the same dq, dk, dv and d_scale as jax.vjp of
+`pallas_kernels.focal.reference.attention` with an array scale, on fresh random inputs: causal and
+not, GQA, bf16 and fp16, D = 64 and 128, square and mixed tiles, with and without packed segment ids
 (three documents of uneven lengths per row; gradients never cross a document boundary). On CPU the
 kernels run in jax's GPU interpret mode (threads, SMEM, TMA, barriers simulated) with the race
-detector on, each kernel checked race-free separately; `mgpu_compat.cached_interpreter_threads`
+detector on, each kernel checked race-free separately; `mosaic_common.cached_interpreter_threads`
 keeps the file near a minute on 2 cores. `TestCompiledGPU` repeats the comparison compiled at
 training-like shapes on a Hopper GPU (compute capability 9.x).
 
 Run: python -m pytest -q tests/kernels/focal/test_focal_mosaic_bwd.py            (CPU, ~60 s)
-     python -m pytest -q tests/kernels/focal/test_focal_mosaic_bwd.py -m gpu     (H200, compiled)
+     python -m pytest -q tests/kernels/focal/test_focal_mosaic_bwd.py -k Compiled   (Hopper GPU)
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.focal import mosaic_bwd as fb
-from pallas_kernels.focal import mosaic_dkv as focal_mgpu_dkv
 from pallas_kernels import mosaic_common as mc
+from pallas_kernels.focal import mosaic_bwd as fb
+from pallas_kernels.focal import mosaic_dkv
 from pallas_kernels.focal import reference
 
 SLOW = pytest.mark.slow  # extra configurations: deselected unless -m slow (pyproject)
@@ -43,27 +43,12 @@ def _on_hopper() -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Blocks:
-  """The fields `backward` reads (focal_mgpu.BlockSizes has the same ones)."""
+  """The fields `backward` reads (mosaic.BlockSizes has the same ones)."""
   block_q_dq: int = 64
   block_kv_dq: int = 64
   block_q_dkv: int = 64
   block_kv_dkv: int = 64
   max_concurrent_steps: int = 2
-
-
-@dataclasses.dataclass(frozen=True)
-class LeanBlocks(Blocks):
-  """focal_mgpu.BlockSizes.dkv_step="lean": the dk/dv step's dx from the 16-bit p."""
-  dkv_step: str = "lean"
-
-
-@dataclasses.dataclass(frozen=True)
-class PingpongBlocks(Blocks):
-  """focal_mgpu.BlockSizes.pingpong_backward and pingpong_dq: the warpgroups take turns at the
-  tensor cores (in the dk/dv and dq kernels)."""
-  dkv_step: str = "plain"
-  pingpong_backward: bool = True
-  pingpong_dq: bool = True
 
 
 # block_q != block_kv on both kernels (the causal block-range arithmetic) and a 3-slot ring.
@@ -128,7 +113,7 @@ def _interpreted(args, *, causal, blocks, seg_BT=None):
   rows = (q, k, v, do, c_BNT, lse_BNT, delta_BNT)
   dq, ds_BNT = jax.block_until_ready(fb.dq_call(*rows, **kw))
   assert not mc.interpret_races_found(), "dq kernel: race detected"
-  dk, dv = jax.block_until_ready(focal_mgpu_dkv.dkv_call(*rows, **kw))
+  dk, dv = jax.block_until_ready(mosaic_dkv.dkv_call(*rows, **kw))
   assert not mc.interpret_races_found(), "dk/dv kernel: race detected"
   return dq, dk, dv, ds_BNT
 
@@ -139,12 +124,6 @@ def _interpreted(args, *, causal, blocks, seg_BT=None):
     pytest.param(jnp.bfloat16, False, 2, 2, 64, Blocks(max_concurrent_steps=3), marks=SLOW),
     (jnp.bfloat16, True, 4, 2, 128, MIXED),
     pytest.param(jnp.float16, True, 4, 1, 64, Blocks(), marks=SLOW),
-    (jnp.bfloat16, True, 4, 2, 128, LeanBlocks()),
-    pytest.param(jnp.float16, False, 2, 1, 64, LeanBlocks(max_concurrent_steps=3), marks=SLOW),
-    (jnp.bfloat16, True, 4, 2, 64, PingpongBlocks(max_concurrent_steps=3)),
-    pytest.param(jnp.float16, False, 2, 1, 128, PingpongBlocks(dkv_step="lean"), marks=SLOW),
-    pytest.param(jnp.bfloat16, True, 4, 2, 128, PingpongBlocks(dkv_step="lean", pingpong_dq=False),
-                 marks=SLOW),
 ])
 def test_matches_reference(dtype, causal, N, K, D, blocks):
   args, want = _problem(1, B=1, T=256, N=N, K=K, D=D, dtype=dtype, causal=causal)
@@ -155,7 +134,6 @@ def test_matches_reference(dtype, causal, N, K, D, blocks):
     # Two packed rows, GQA, mixed tiles and a 3-slot ring: ids resident and streamed both ways.
     (jnp.bfloat16, True, 2, 4, 2, 64, MIXED),
     (jnp.float16, False, 1, 2, 1, 128, Blocks()),  # every tile masked by segments alone
-    pytest.param(jnp.bfloat16, True, 2, 4, 2, 64, PingpongBlocks(block_q_dkv=128), marks=SLOW),
 ])
 def test_matches_reference_segments(dtype, causal, B, N, K, D, blocks):
   seg_BT = _packed_segment_ids(7, B, 256)
@@ -207,19 +185,16 @@ def test_bad_inputs_raise(field):
                 seg_BT=seg_BT)
 
 
-@pytest.mark.parametrize("causal, D, step", [(True, 64, "plain"), (False, 128, "plain"),
-                                             (True, 128, "lean"), (True, 64, "pingpong")])
-def test_lowers_to_mosaic_gpu_with_segments(causal, D, step):
+@pytest.mark.parametrize("causal, D", [(True, 64), (False, 128), (True, 128)])
+def test_lowers_to_mosaic_gpu_with_segments(causal, D):
   """Both kernels with segment ids lower through Pallas' Mosaic GPU backend for CUDA without a
-  GPU (int32 ids in the row and column layouts, the extra TMA arrivals, shared memory), with
-  each dk/dv step mode (BlockSizes.dkv_step)."""
+  GPU (int32 ids in the row and column layouts, the extra TMA arrivals, shared memory)."""
   B, T, N, K = 2, 1024, 8, 2
   q = jax.ShapeDtypeStruct((B, T, N, D), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((B, T, K, D), jnp.bfloat16)
   rows = jax.ShapeDtypeStruct((B, N, T), jnp.float32)
   seg = jax.ShapeDtypeStruct((B, T), jnp.int32)
-  kind = {"plain": Blocks, "lean": LeanBlocks, "pingpong": PingpongBlocks}[step]
-  blocks = kind(max_concurrent_steps=3 if D == 64 else 2)
+  blocks = Blocks(max_concurrent_steps=3 if D == 64 else 2)
   bwd = jax.jit(lambda q, k, v, s, out, lse, do, seg: fb.backward(
       q, k, v, s, out, lse, do, causal=causal, blocks=blocks, interpret=False, seg_BT=seg))
   text = bwd.trace(q, k, k, rows, q, rows, q, seg).lower(lowering_platforms=("cuda",)).as_text()
@@ -229,24 +204,13 @@ def test_lowers_to_mosaic_gpu_with_segments(causal, D, step):
 @pytest.mark.gpu
 @pytest.mark.skipif(not _on_hopper(), reason="compiled Mosaic GPU kernels need a Hopper GPU")
 class TestCompiledGPU:
-  """The same invariant compiled on the H200 at training-like shapes (jax 0.11.2 there)."""
+  """The same invariant compiled on a Hopper GPU at training-like shapes."""
 
   @pytest.mark.parametrize("D", [64, 128])
   @pytest.mark.parametrize("causal", [True, False])
   def test_matches_reference(self, D, causal):
     args, want = _problem(5, B=2, T=2048, N=8, K=2, D=D, dtype=jnp.bfloat16, causal=causal)
     blocks = Blocks(max_concurrent_steps=3 if D == 64 else 2)
-    got = jax.jit(lambda *a: fb.backward(*a, causal=causal, blocks=blocks, interpret=False))(
-        *args)
-    _assert_close(got, want, jnp.bfloat16)
-
-  @pytest.mark.parametrize("D, causal, blocks", [
-      (128, True, LeanBlocks()), (128, False, LeanBlocks()), (128, True, PingpongBlocks()),
-      (64, True, PingpongBlocks(max_concurrent_steps=3)), (64, False, PingpongBlocks()),
-      (128, True, PingpongBlocks(dkv_step="lean", pingpong_dq=False)),
-      (128, False, PingpongBlocks(dkv_step="lean", pingpong_dq=False))])
-  def test_dkv_step_modes(self, D, causal, blocks):
-    args, want = _problem(9, B=2, T=2048, N=8, K=2, D=D, dtype=jnp.bfloat16, causal=causal)
     got = jax.jit(lambda *a: fb.backward(*a, causal=causal, blocks=blocks, interpret=False))(
         *args)
     _assert_close(got, want, jnp.bfloat16)
@@ -263,10 +227,10 @@ class TestCompiledGPU:
     _assert_close(got, want, jnp.bfloat16)
 
   def test_through_forward_custom_vjp(self):
-    """With focal_mgpu's forward saving out and lse, jax.grad reaches these kernels."""
-    focal_mgpu = pytest.importorskip("pallas_kernels.focal.mosaic")
+    """With the Mosaic forward saving out and lse, jax.grad reaches these kernels."""
+    from pallas_kernels.focal import mosaic  # pylint: disable=import-outside-toplevel
     args, want = _problem(6, B=2, T=2048, N=8, K=2, D=128, dtype=jnp.bfloat16, causal=True)
     q, k, v, s_BNT, _, _, do = args
-    _, vjp = jax.vjp(lambda q, k, v, s: focal_mgpu.focal_attention(q, k, v, scale=s, causal=True),
+    _, vjp = jax.vjp(lambda q, k, v, s: mosaic.focal_attention(q, k, v, scale=s, causal=True),
                      q, k, v, s_BNT)
     _assert_close(vjp(do), want, jnp.bfloat16)

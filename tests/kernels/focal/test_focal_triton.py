@@ -1,13 +1,15 @@
-"""focal_flash (Pallas flash attention with a differentiable temperature) == reference.attention.
+"""The Triton focal attention (`focal_attention(backend="triton")`, a differentiable temperature)
+== reference.attention.
 
 Invariant: the kernel's output and its gradients to q, k, v and an array `scale` equal the pure-JAX
 spec (`pallas_kernels.focal.reference.attention`) on fresh random inputs, for causal / non-causal,
-packed segments, GQA, float and array temperatures, and several block shapes. On CPU the kernels
-run in Pallas interpret mode; `TestCompiledGPU` repeats the comparison compiled (Triton) when
-jax.default_backend() == "gpu". `test_lowers_to_triton` checks, without a GPU, that every kernel
-lowers through Pallas' Triton backend for CUDA (what the H200 will compile).
+packed segments, GQA, float and array temperatures, and several block shapes; the "tpu" backend
+likewise under the TPU interpreter. On CPU the kernels run in Pallas interpret mode;
+`TestCompiledGPU` repeats the comparison compiled (Triton) when jax.default_backend() == "gpu".
+`test_lowers_to_triton` checks, without a GPU, that every kernel lowers through Pallas' Triton
+backend for CUDA (what a GPU will compile).
 
-Run: python -m pytest -q tests/kernels/focal/test_focal_triton.py   (GPU only: -m gpu)
+Run: python -m pytest -q tests/kernels/focal/test_focal_triton.py   (GPU only: -k Compiled)
 """
 
 from __future__ import annotations
@@ -19,14 +21,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import pallas_kernels.focal as focal
 from pallas_kernels.focal import reference
-from pallas_kernels.focal import triton as focal_flash
 
 ON_GPU = jax.default_backend() == "gpu"
-SMALL = focal_flash.BlockSizes(32, 32, 32, 32, 32, 32)
+SMALL = focal.BlockSizes(32, 32, 32, 32, 32, 32)
 # Mixed tile shapes exercise the causal block-range arithmetic when block_q != block_kv.
-MIXED = focal_flash.BlockSizes(block_q=64, block_kv=32, block_q_dkv=32, block_kv_dkv=64,
-                               block_q_dq=64, block_kv_dq=32)
+MIXED = focal.BlockSizes(block_q=64, block_kv=32, block_q_dkv=32, block_kv_dkv=64,
+                         block_q_dq=64, block_kv_dq=32)
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2, jnp.float16: 5e-3}  # max|err| / max|ref|
 
 
@@ -75,13 +77,12 @@ def _compare(seed, *, causal, dtype, scale, segments, B=2, T=128, S=None, N=4, K
                                 segments=segments)
 
   def kernel(q, k, v, s):
-    return focal_flash.focal_attention(q, k, v, scale=s, causal=causal, segment_ids=seg,
-                                       interpret=interpret, block_sizes=blocks)
+    return focal.focal_attention(q, k, v, scale=s, causal=causal, segment_ids=seg,
+                                 interpret=interpret, block_sizes=blocks)
 
   def spec(q, k, v, s):
     return reference.attention(q, k, v, scale=s, causal=causal, segment_ids_BT=seg)
 
-  # One jit per side: compiling the whole vjp once beats op-by-op dispatch in interpret mode.
   # One jit per side (compiling the whole vjp once beats op-by-op dispatch in interpret mode);
   # `s` is closed over so a Python-float scale stays a float.
   got = jax.jit(lambda q, k, v, do: _out_and_grads(kernel, q, k, v, s, do))(q, k, v, do)
@@ -127,16 +128,16 @@ def test_contract_violations_raise(kwargs, match):
   q = jnp.zeros((1, T, 2, D), jnp.float32)
   k = jnp.zeros((1, S, 2, D), kwargs.get("dtype_k", jnp.float32))
   seg = jnp.zeros((1, T), jnp.int32) if kwargs.get("segments") else None
-  blocks = focal_flash.BlockSizes(64, 64, 64, 64, 64, 64)
+  blocks = focal.BlockSizes(64, 64, 64, 64, 64, 64)
   with pytest.raises(ValueError, match=match):
-    focal_flash.focal_attention(q, k, k, scale=0.1, causal=True, segment_ids=seg,
-                                interpret=True, block_sizes=blocks)
+    focal.focal_attention(q, k, k, scale=0.1, causal=True, segment_ids=seg, interpret=True,
+                          block_sizes=blocks)
 
 
 def test_bad_scale_shape_raises():
   q = jnp.zeros((1, 64, 2, 64), jnp.float32)
   with pytest.raises(ValueError, match="scale"):
-    focal_flash.focal_attention(q, q, q, scale=jnp.ones((3,)), interpret=True)
+    focal.focal_attention(q, q, q, scale=jnp.ones((3,)), interpret=True)
 
 
 @pytest.mark.parametrize("dtype, causal, segments, D", [
@@ -152,7 +153,7 @@ def test_lowers_to_triton(dtype, causal, segments, D):
   seg = jax.ShapeDtypeStruct((B, T), jnp.int32) if segments else None
 
   def loss(q, k, v, s, seg):
-    out = focal_flash.focal_attention(q, k, v, scale=s, causal=causal, segment_ids=seg)
+    out = focal.focal_attention(q, k, v, scale=s, causal=causal, segment_ids=seg)
     return jnp.sum(out.astype(jnp.float32))
 
   grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
@@ -162,16 +163,15 @@ def test_lowers_to_triton(dtype, causal, segments, D):
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="TPU interpreter check runs on CPU")
-def test_tpu_route_in_tpu_interpret_mode():
-  """The TPU dispatch (jax's Pallas TPU flash attention, temperature folded into q) under the
-  TPU interpreter on CPU: checks the glue, not Mosaic TPU compilation."""
+def test_tpu_backend_in_tpu_interpret_mode():
+  """backend="tpu" (jax's Pallas TPU flash attention, temperature folded into q) under the TPU
+  interpreter on CPU: checks the glue, not Mosaic TPU compilation."""
   from jax.experimental.pallas import tpu as pltpu  # pylint: disable=import-outside-toplevel
-  from pallas_kernels.focal import tpu as focal_tpu  # pylint: disable=import-outside-toplevel
   q, k, v, s, seg, do = _inputs(11, B=1, T=128, S=128, N=2, K=1, D=64, dtype=jnp.float32,
                                 scale="BNT", segments=True)
   with pltpu.force_tpu_interpret_mode():
-    got = _out_and_grads(lambda q, k, v, s: focal_tpu.focal_attention(
-        q, k, v, scale=s, causal=True, segment_ids=seg), q, k, v, s, do)
+    got = _out_and_grads(lambda q, k, v, s: focal.focal_attention(
+        q, k, v, scale=s, causal=True, segment_ids=seg, backend="tpu"), q, k, v, s, do)
   want = _out_and_grads(lambda q, k, v, s: reference.attention(
       q, k, v, scale=s, causal=True, segment_ids_BT=seg), q, k, v, s, do)
   for g, w in zip(got, want):
