@@ -6,7 +6,7 @@
 # limit, and the small outputs (configs, metrics, eval JSON, logs; no weights) come back packed in
 # $OUT/focus_run.tgz.
 #
-# Once, here (the study's set-up, see bench/study_device.sh): .data/corpus/*.xz, the 16K BPE in
+# Once, here (the study's set-up, see bench/device.sh): .data/corpus/*.xz, the 16K BPE in
 #   .data/study/tokenizer/ (and, for TOKENIZER below, e.g. .data/study_llama/tokenizer/), and the
 #   cp312 wheels in .whl/. Carry them all.
 # The machine keeps $ROOT while it stays warm: a second call soon after resumes the base (and the

@@ -1,4 +1,5 @@
-"""Focal attention, constant temperature: softmax(q·kᵀ / (t·√d)), t = 0.4 (the paper's best).
+"""Focal attention, constant temperature: softmax(q·kᵀ / (t·√d)), t from model.attention.temperature
+(configs/base.py: 0.4, the paper's best).
 
   python train.py --config configs/focal.py --workdir runs/focal
   python train.py --config configs/focal.py:size=400m --config.model.attention.temperature=0.3
@@ -10,5 +11,4 @@ from configs import base
 def get_config(arg=None):
   c = base.get_config(arg)
   c.model.attention.pattern = "focal:rope"
-  c.model.attention.temperature = 0.4
   return c

@@ -57,6 +57,17 @@ def platform() -> str:
   return backend if backend == "tpu" else "cpu"
 
 
+# Dense bf16 peak FLOP/s per device (datasheets), by device kind: MFU's denominator.
+_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "v5p": 459e12, "v5e": 197e12,
+               "v5 lite": 197e12, "v4": 275e12, "v6": 918e12, "B200": 2250e12}
+
+
+def peak_flops() -> float | None:
+  """The device's dense bf16 peak FLOP/s, or None for a chip not in the table."""
+  kind = jax.devices()[0].device_kind.lower()
+  return next((f for key, f in _PEAK_FLOPS.items() if key.lower() in kind), None)
+
+
 def _gpu(where: str) -> bool:
   return where in ("hopper", "gpu")
 

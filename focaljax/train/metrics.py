@@ -1,8 +1,8 @@
 """Training metrics: a progress bar (loss, tokens/s, MFU), JSONL, and TensorBoard event files.
 
-Only process 0 writes. MFU = model FLOPs per second / peak FLOPs of the devices in use; the peak
-comes from the platform focaljax.dispatch names (dense bf16 datasheet numbers) and is unknown
-(MFU not shown) where one number would not fit every chip of it.
+Only process 0 writes. MFU = model FLOPs per second / peak FLOPs of the devices in use
+(`focaljax.dispatch.peak_flops`: dense bf16 datasheet numbers; MFU is not shown for a chip it
+does not know).
 """
 
 from __future__ import annotations
@@ -13,12 +13,8 @@ import time
 
 from focaljax import dispatch
 
-# Dense bf16 peak FLOP/s per device, by dispatch.platform() (H100 and H200 share it).
-PEAK_FLOPS = {"hopper": 989e12}
-
-
 def peak_flops_per_device() -> float | None:
-  return PEAK_FLOPS.get(dispatch.platform())
+  return dispatch.peak_flops()
 
 
 def flops_per_token(cfg) -> float:
