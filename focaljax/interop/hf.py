@@ -1,32 +1,32 @@
 """Hugging Face LLaMA-family checkpoints <-> focaljax workdirs.
 
-  python -m focaljax.convert hf-to-focaljax HF_DIR OUT_DIR
+  python -m focaljax.convert hf-to-focaljax HF_DIR OUT_DIR [--replace]
   python -m focaljax.convert focaljax-to-hf CKPT OUT_DIR [--dtype bfloat16] [--max_shard_gb 5]
+                                            [--replace]
 
 hf-to-focaljax reads config.json and model.safetensors (or the shards of
-model.safetensors.index.json) of a LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM without
-biases or Qwen3ForCausalLM (its per-head q/k RMSNorm is our qk_norm), and writes a workdir for
+model.safetensors.index.json) of a LlamaForCausalLM, MistralForCausalLM without a sliding window,
+or Qwen3ForCausalLM (its per-head q/k RMSNorm is our qk_norm), and writes a workdir for
 `focaljax.load`: config.json (configs/base.py's layout; data.seq_len = max_position_embeddings),
-tokenizer.json, tokenizer_config.json (the eos) and an Orbax `params` item at checkpoints/0 in
-the source dtype (bf16 stays bf16; `load` restores into float32).
+the tokenizer files and an Orbax `params` item at checkpoints/0 in the source dtype.
 
 focaljax-to-hf writes config.json (LlamaConfig fields, Qwen3's for qk_norm, plus a "focaljax"
-entry with the pattern and focal/dilution settings), model.safetensors (sharded past
---max_shard_gb), the tokenizer files, and a README.md flagging layers plain `transformers` would
-run as softmax + RoPE. Our NTK scaling past the trained context is HF's rope "dynamic", factor 1.
+entry recording the pattern), model.safetensors (sharded past --max_shard_gb), the tokenizer files
+and a README.md, such that stock `transformers` computes focaljax's logits: a constant focal
+temperature t is folded into the weights (q scaled by 1/t turns HF's 1/√d into our 1/(t·√d); in
+the q-norm gain under qk_norm, which would undo a q_proj scale), and layers a stock model cannot
+compute (dilution, learned τ, no RoPE) are refused. Our NTK scaling past the trained context is
+HF's rope "dynamic", factor 1. What cannot be converted stops the command with one line naming
+the field, tensor or layer, and exit status 2; so does a non-empty OUT_DIR without --replace.
 
 Layout: HF stores a linear layer [out, in]; ours is [in, out] with heads split out (q_proj
-[N·D, E] -> wq [E, N, D], o_proj [E, N·D] -> wo [N, D, E]). Both sides apply rotate-half RoPE per
-head, so q/k rows need no permutation (tests/interop/test_convert.py checks logits against transformers).
-
-Memory (neither direction needs torch): hf-to-focaljax maps each source tensor separately and
-releases it once transposed, and Orbax writes without its deep copy, so the peak is one converted
-copy plus one tensor. focaljax-to-hf reads and writes one tensor at a time.
+[N·D, E] -> wq [E, N, D], o_proj [E, N·D] -> wo [N, D, E]). Both sides apply rotate-half RoPE
+per head, so q/k rows need no permutation. Neither direction needs torch, and both stream one
+tensor at a time: the peak is one converted copy of the weights plus one tensor.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import os
@@ -64,7 +64,6 @@ _LAYER = (
     ("self_attn.o_proj.weight", "attn.wo", 2),
     ("self_attn.q_norm.weight", "attn.q_norm.scale", None),
     ("self_attn.k_norm.weight", "attn.k_norm.scale", None),
-    ("self_attn.w_tau", "attn.w_tau", None),          # focaljax's learned focal temperature
     ("post_attention_layernorm.weight", "mlp_norm.scale", None),
     ("mlp.gate_proj.weight", "mlp.w_gate", 1),
     ("mlp.up_proj.weight", "mlp.w_up", 1),
@@ -105,18 +104,25 @@ def _rope(hf: dict) -> float:
 
 
 def _check_hf(hf: dict) -> None:
+  if not isinstance(hf, dict):
+    raise ValueError("config.json is not a JSON object")
   arch = (hf.get("architectures") or ["LlamaForCausalLM"])[0]
   if arch not in _ARCHS:
     raise ValueError(f"config.json architectures={arch!r} is not one of {list(_ARCHS)}")
+  for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "max_position_embeddings"):
+    if not isinstance(hf.get(field), int) or hf[field] <= 0:
+      raise ValueError(f"config.json {field}={hf.get(field)!r}: a positive integer is required")
   for field in ("attention_bias", "mlp_bias"):
     if hf.get(field):
       raise ValueError(f"config.json {field}=true: focaljax layers have no biases")
   if hf.get("hidden_act", "silu") != "silu":
     raise ValueError(f"config.json hidden_act={hf['hidden_act']!r}: our MLP is SwiGLU (silu)")
-  window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
-  if window and window < hf["max_position_embeddings"]:
-    warnings.warn(f"config.json sliding_window={window}: focaljax attends to the full prefix, so "
-                  f"logits agree only for sequences of up to {window} tokens")
+  # Mistral's window is on unless sliding_window is null; Qwen's only with use_sliding_window.
+  window = hf.get("sliding_window") if hf.get("use_sliding_window") is not False else None
+  if window and "sliding_attention" in (hf.get("layer_types") or ["sliding_attention"]):
+    raise ValueError(f"config.json sliding_window={window}: focaljax attends to the full prefix "
+                     "and has no sliding window, so logits past the window would differ")
 
 
 def _base_config():
@@ -162,10 +168,7 @@ def _tokenizer_file(workdir: str, run: config_lib.Config) -> str:
 def _eos(src_dir: str) -> str:
   """The eos named by HF's tokenizer_config.json (LLaMA's "</s>"), else focaljax's."""
   path = os.path.join(src_dir, "tokenizer_config.json")
-  eos = None
-  if os.path.isfile(path):
-    with open(path) as f:
-      eos = json.load(f).get("eos_token")
+  eos = _read_json(path).get("eos_token") if os.path.isfile(path) else None
   return (eos.get("content") if isinstance(eos, dict) else eos) or tokenizer_lib.EOS_TOKEN
 
 
@@ -178,15 +181,42 @@ def _copy_tokenizer(src: str, out_dir: str, eos: str):
     json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos}, f, indent=2)
 
 
-def hf_to_focaljax(hf_dir: str, out_dir: str) -> str:
+def _read_json(path: str):
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"{path} not found")
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except ValueError as e:
+    raise ValueError(f"{path} is not valid JSON: {e}") from None
+
+
+def _out_dir(out_dir: str, source: str, replace: bool, *, clear: bool = False) -> None:
+  """Refuses a non-empty out_dir unless `replace`; `clear` then empties it (once the input has
+  been checked, so a refused conversion deletes nothing). Never the source's own directory."""
+  if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+    raise ValueError(f"{out_dir} exists and is not a directory")
+  if not os.path.isdir(out_dir) or not os.listdir(out_dir):
+    return
+  if not replace:
+    raise ValueError(f"{out_dir} exists and is not empty: pass --replace to overwrite it")
+  out, src = os.path.realpath(out_dir), os.path.realpath(source)
+  if src == out or src.startswith(out + os.sep):
+    raise ValueError(f"{out_dir} holds the source {source}: choose another output directory")
+  if clear:
+    shutil.rmtree(out_dir)
+
+
+def hf_to_focaljax(hf_dir: str, out_dir: str, *, replace: bool = False) -> str:
   """Converts an HF checkpoint directory into a focaljax workdir; returns out_dir."""
-  with open(os.path.join(hf_dir, "config.json")) as f:
-    hf = json.load(f)
+  _out_dir(out_dir, hf_dir, replace)
+  hf = _read_json(os.path.join(hf_dir, "config.json"))
+  _check_hf(hf)
   tensors = safetensors_file.read_dir(hf_dir)
   biases = [n for n in tensors if n.endswith(".bias")]
   if biases:
-    raise ValueError(f"tensor {biases[0]} (and {len(biases) - 1} more): focaljax layers have no "
-                     "biases")
+    raise ValueError(f"tensor {biases[0]} (and {len(biases) - 1} more): focaljax's linear layers "
+                     "have no biases, so checkpoints with biases (e.g. Qwen2) are not supported")
   run_config = hf_config_to_focaljax(hf, tensors)
   run_config.data.tokenizer = os.path.abspath(os.path.join(out_dir, checkpoint.TOKENIZER_FILE))
   cfg = config_lib.parse(run_config).with_vocab(hf["vocab_size"]).model
@@ -200,6 +230,9 @@ def hf_to_focaljax(hf_dir: str, out_dir: str) -> str:
       raise ValueError(f"{hf_dir}: tensor {hf_name} is missing")
     # pop: the tensor's mapping is released as soon as its converted copy exists.
     src = tensors.pop(hf_name)
+    if src.size != np.prod(want[path].shape):
+      raise ValueError(f"{hf_dir}: tensor {hf_name} has shape {list(src.shape)}, which config.json "
+                       f"makes {list(want[path].shape)} (ours, as [in, heads..., out])")
     params[path] = np.ascontiguousarray(src if n_in is None else src.T).reshape(want[path].shape)
     del src
     used.add(hf_name)
@@ -210,10 +243,14 @@ def hf_to_focaljax(hf_dir: str, out_dir: str) -> str:
     raise ValueError(f"{hf_dir}: tensor {unused[0]} (and {len(unused) - 1} more) has no focaljax "
                      "counterpart")
   del tensors
+  tok_file, eos = os.path.join(hf_dir, checkpoint.TOKENIZER_FILE), _eos(hf_dir)
+  if not os.path.isfile(tok_file):
+    raise FileNotFoundError(f"{tok_file} not found: a fast tokenizer (tokenizer.json) is required")
+  _out_dir(out_dir, hf_dir, replace, clear=True)
   os.makedirs(out_dir, exist_ok=True)
   checkpoint.write_config(out_dir, run_config)
   # tokenizer_config.json names the eos (LLaMA's "</s>"); focaljax.load's Tokenizer reads it.
-  _copy_tokenizer(os.path.join(hf_dir, checkpoint.TOKENIZER_FILE), out_dir, _eos(hf_dir))
+  _copy_tokenizer(tok_file, out_dir, eos)
   _save_params(out_dir, checkpoint.to_str_keys(traverse_util.unflatten_dict(params)), {
       "step": 0, "tokens": 0, "converted_from": os.path.abspath(hf_dir),
       "architectures": hf.get("architectures"),
@@ -223,11 +260,7 @@ def hf_to_focaljax(hf_dir: str, out_dir: str) -> str:
 
 def _save_params(out_dir: str, params: dict, meta: dict):
   """checkpoints/0 with the params and meta items, in the layout checkpoint.restore_params reads.
-
-  Orbax's default numpy handler deep-copies every array before writing and its compression holds
-  encoded chunks in memory: each a second copy of the model. A one-shot write of arrays nobody
-  mutates needs neither, and weights barely compress, so the peak stays at one copy.
-  """
+  Without Orbax's deep copy and compression (each a second copy of the model in memory)."""
   registry = ocp.type_handlers.create_type_handler_registry(
       (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False)))
   manager = ocp.CheckpointManager(
@@ -266,20 +299,42 @@ def _param_reader(workdir: str, step: int | None):
   return step, flat, read
 
 
-def _focaljax_entry(a: attn_lib.AttentionConfig) -> dict:
-  """The attention settings, and the layers plain `transformers` would compute differently (it
-  only knows softmax + RoPE). `pattern` is the shortest one attention.parse_pattern cycles into
-  the layers."""
-  names = [f"{s.variant.value}:{s.position.value}" for s in a.layers]
+def _q_scales(cfg) -> list[float]:
+  """Per layer, the factor on q that makes HF's 1/√d scores ours: 1 for softmax, 1/t for a
+  constant focal temperature. A layer a stock softmax + RoPE model cannot compute is refused."""
+  a, scales = cfg.attention, []
+  for i, spec in enumerate(a.layers):
+    name, why = f"{spec.variant.value}:{spec.position.value}", None
+    if attn_lib.FAMILY[spec.variant].demand:
+      why = "dilution attention is not softmax attention"
+    elif attn_lib.uses_learned_tau(a, spec):
+      why = "its learned τ (model.attention.learned=true) depends on the input"
+    elif spec.position is not attn_lib.Position.ROPE:
+      why = "it has no RoPE, which transformers applies in every layer"
+    if why:
+      raise ValueError(f"layer {i} ({name}) cannot be exported: {why}, and stock transformers "
+                       "has no equivalent")
+    scales.append(float(attn_lib.FAMILY[spec.variant].scale(a, cfg.head_dim, None)
+                        * cfg.head_dim**0.5))
+  return scales
+
+
+def _focaljax_entry(cfg, q_scales) -> dict:
+  """The pattern (the shortest that parse_pattern cycles into the layers) and the folded t."""
+  names = [f"{s.variant.value}:{s.position.value}" for s in cfg.attention.layers]
   period = next(p for p in range(1, len(names) + 1)
                 if all(n == names[i % p] for i, n in enumerate(names)))
-  return {"pattern": ",".join(names[:period]), "temperature": a.temperature,
-          "learned": a.learned, "tau_min": a.tau_min, "tau_max": a.tau_max,
-          "tau_init": a.tau_init, "tau_mean": a.tau_mean.value, "eps": a.eps,
-          "non_hf_layers": [f"layer {i}: {n}" for i, n in enumerate(names) if n != "softmax:rope"]}
+  folded = [i for i, f in enumerate(q_scales) if f != 1.0]
+  return {"pattern": ",".join(names[:period]),
+          **({"temperature": cfg.attention.temperature, "folded_layers": folded,
+              "folded_into": _FOLD_INTO[cfg.qk_norm]} if folded else {})}
 
 
-def focaljax_hf_config(cfg, eos_id: int | None, dtype: str) -> dict:
+# Where 1/t goes: q_proj, or the q-norm gain under qk_norm (the norm would undo a q_proj scale).
+_FOLD_INTO = {False: "self_attn.q_proj.weight", True: "self_attn.q_norm.weight"}
+
+
+def focaljax_hf_config(cfg, eos_id: int | None, dtype: str, q_scales) -> dict:
   """LlamaConfig fields (Qwen3's for qk_norm: its per-head q/k RMSNorm is ours)."""
   arch = "Qwen3ForCausalLM" if cfg.qk_norm else "LlamaForCausalLM"
   return {
@@ -293,26 +348,25 @@ def focaljax_hf_config(cfg, eos_id: int | None, dtype: str) -> dict:
       "rope_scaling": {"rope_type": "dynamic", "factor": 1.0},
       "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, "mlp_bias": False,
       "bos_token_id": None, "eos_token_id": eos_id, "torch_dtype": dtype, "dtype": dtype,
-      "focaljax": _focaljax_entry(cfg.attention),
+      "focaljax": _focaljax_entry(cfg, q_scales),
   }
 
 
-def _readme(hf_config: dict, source: str) -> str:
-  fj = hf_config["focaljax"]
-  text = f"# Exported from focaljax ({source})\n\nAttention pattern `{fj['pattern']}`.\n\n"
-  if not fj["non_hf_layers"]:
-    return text + "Every layer is softmax attention with RoPE, as in `transformers`.\n"
-  return text + ("**Warning:** these layers are not softmax attention with RoPE. Plain "
-                 "`transformers` runs them as softmax + RoPE, so its outputs differ from "
-                 "focaljax's; their settings are in config.json's `focaljax` entry.\n\n" +
-                 "".join(f"- {x}\n" for x in fj["non_hf_layers"]))
+def _readme(fj: dict, source: str) -> str:
+  return (f"# Exported from focaljax ({source})\n\nAttention pattern `{fj['pattern']}`. Stock "
+          "`transformers` computes focaljax's logits from these weights.\n" +
+          (f"\nThe focal temperature t={fj['temperature']} of layers {fj['folded_layers']} is "
+           f"folded into `{fj['folded_into']}` (scaled by 1/t).\n"
+           if "folded_layers" in fj else ""))
 
 
 def focaljax_to_hf(path: str, out_dir: str, *, dtype: str | None = None,
-                   max_shard_gb: float = 5.0) -> str:
+                   max_shard_gb: float = 5.0, replace: bool = False) -> str:
   """Exports a focaljax workdir (latest step) or checkpoints/<step> dir as an HF directory."""
   workdir, step = checkpoint.resolve(path)
+  _out_dir(out_dir, workdir, replace)
   run = config_lib.parse(config_lib.read_run_config(workdir))
+  q_scales = _q_scales(run.model)
   tok_file, eos = _tokenizer_file(workdir, run), _eos(workdir)
   # The raw HF tokenizer: its eos may be "</s>", which focaljax's Tokenizer does not require here.
   hf_tok = tokenizers.Tokenizer.from_file(tok_file)
@@ -333,37 +387,21 @@ def focaljax_to_hf(path: str, out_dir: str, *, dtype: str | None = None,
     # Read when written (default arguments bind this tensor's keys); HF's [out, in] is a transpose.
     make = ((lambda k=keys: read(k)) if n_in is None else
             (lambda k=keys, s=hf_shape: read(k).reshape(s[::-1]).T))
+    factor = q_scales[our_path[1]] if hf_name.endswith(_FOLD_INTO[cfg.qk_norm]) else 1.0
+    if factor != 1.0:
+      make = lambda m=make, f=factor: m().astype(np.float32) * np.float32(f)
     specs.append((hf_name, hf_shape, out_dtype, make))
     exported.add(keys)
   missed = sorted(set(tree) - exported)
   if missed:
     raise ValueError(f"checkpoint param {'.'.join(missed[0])} has no Hugging Face counterpart")
+  _out_dir(out_dir, workdir, replace, clear=True)
   os.makedirs(out_dir, exist_ok=True)
   safetensors_file.write_dir(out_dir, specs, int(max_shard_gb * 2**30))
-  hf_config = focaljax_hf_config(cfg, hf_tok.token_to_id(eos), str(out_dtype))
+  hf_config = focaljax_hf_config(cfg, hf_tok.token_to_id(eos), str(out_dtype), q_scales)
   with open(os.path.join(out_dir, "config.json"), "w") as f:
     json.dump(hf_config, f, indent=2)
   _copy_tokenizer(tok_file, out_dir, eos)
   with open(os.path.join(out_dir, "README.md"), "w") as f:
-    f.write(_readme(hf_config, f"{workdir} step {step}"))
+    f.write(_readme(hf_config["focaljax"], f"{workdir} step {step}"))
   return out_dir
-
-
-def main(argv=None) -> int:
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-  sub = p.add_subparsers(dest="command", required=True)
-  a = sub.add_parser("hf-to-focaljax", help="HF LLaMA-family dir -> focaljax workdir")
-  a.add_argument("hf_dir")
-  a.add_argument("out_dir")
-  b = sub.add_parser("focaljax-to-hf", help="focaljax workdir or checkpoints/<step> -> HF dir")
-  b.add_argument("ckpt")
-  b.add_argument("out_dir")
-  b.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: stored)")
-  b.add_argument("--max_shard_gb", type=float, default=5.0, help="shard past this size")
-  args = p.parse_args(argv)
-  if args.command == "hf-to-focaljax":
-    print(hf_to_focaljax(args.hf_dir, args.out_dir))
-  else:
-    print(focaljax_to_hf(args.ckpt, args.out_dir, dtype=args.dtype,
-                         max_shard_gb=args.max_shard_gb))
-  return 0

@@ -15,8 +15,8 @@ import ml_dtypes
 import numpy as np
 
 _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16,
-              "BF16": ml_dtypes.bfloat16, "I64": np.int64, "I32": np.int32, "I16": np.int16,
-              "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+           "BF16": ml_dtypes.bfloat16, "I64": np.int64, "I32": np.int32, "I16": np.int16,
+           "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
 _NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
 _INDEX = "model.safetensors.index.json"
 
@@ -24,16 +24,30 @@ _INDEX = "model.safetensors.index.json"
 def read(path: str) -> dict[str, np.ndarray]:
   """Lazily mapped tensors of one .safetensors file: nothing is read until a tensor is used, and
   each tensor is its own mapping, so dropping it releases its pages."""
+  size = os.path.getsize(path)
   with open(path, "rb") as f:
-    n = struct.unpack("<Q", f.read(8))[0]
-    header = json.loads(f.read(n))
-  header.pop("__metadata__", None)
+    n = struct.unpack("<Q", f.read(8))[0] if size >= 8 else size
+    if 8 + n > size:
+      raise ValueError(f"{path} is truncated or not a safetensors file ({size} bytes, shorter "
+                       "than its header)")
+    try:
+      header = json.loads(f.read(n))
+      header.pop("__metadata__", None)
+    except (ValueError, AttributeError):
+      raise ValueError(f"{path} is not a safetensors file (no JSON header)") from None
   out = {}
   for name, h in header.items():
-    if h["dtype"] not in _DTYPES:
-      raise ValueError(f"{path}: tensor {name} has dtype {h['dtype']}, not one of {list(_DTYPES)}")
+    if h.get("dtype") not in _DTYPES:
+      raise ValueError(f"{path}: tensor {name} has dtype {h.get('dtype')}, not one of "
+                       f"{list(_DTYPES)}")
     begin, end = h["data_offsets"]
     dtype, shape = _DTYPES[h["dtype"]], tuple(h["shape"])
+    if end - begin != int(np.prod(shape)) * np.dtype(dtype).itemsize:
+      raise ValueError(f"{path}: tensor {name} has {end - begin} bytes, not those of shape "
+                       f"{list(shape)} {h['dtype']}")
+    if 8 + n + end > size:
+      raise ValueError(f"{path} is truncated: tensor {name} ends at byte {8 + n + end} of a "
+                       f"{size}-byte file")
     out[name] = (np.memmap(path, dtype, "r", offset=8 + n + begin, shape=shape) if end > begin
                  else np.zeros(shape, dtype))
   return out
@@ -43,8 +57,14 @@ def read_dir(hf_dir: str) -> dict[str, np.ndarray]:
   """Every tensor of an HF checkpoint directory, single file or sharded, memory-mapped."""
   index = os.path.join(hf_dir, _INDEX)
   if os.path.isfile(index):
-    with open(index) as f:
-      files = sorted(set(json.load(f)["weight_map"].values()))
+    try:
+      with open(index) as f:
+        files = sorted(set(json.load(f)["weight_map"].values()))
+    except (ValueError, KeyError, AttributeError, TypeError):
+      raise ValueError(f"{index} is not a valid index (a JSON object with a weight_map)") from None
+    missing = [f for f in files if not os.path.isfile(os.path.join(hf_dir, f))]
+    if missing:
+      raise FileNotFoundError(f"{index} lists {missing[0]}, which is missing from {hf_dir}")
   elif os.path.isfile(os.path.join(hf_dir, "model.safetensors")):
     files = ["model.safetensors"]
   else:

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 
 import numpy as np
@@ -11,6 +12,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
+from focaljax import convert as convert_cli  # pylint: disable=wrong-import-position
 from focaljax.interop import hf as convert  # pylint: disable=wrong-import-position
 from focaljax.evaluation import loading  # pylint: disable=wrong-import-position
 from focaljax.data import tokenizer as tokenizer_lib  # pylint: disable=wrong-import-position
@@ -63,7 +65,7 @@ def test_logits_match_transformers_and_round_trip_is_bitwise(tmp_path, case):
     assert os.path.isfile(hf_dir / "model.safetensors.index.json")
   tokens = np.random.default_rng(0).integers(0, VOCAB, (2, 24)).astype(np.int32)
 
-  convert.main(["hf-to-focaljax", str(hf_dir), str(work)])
+  convert_cli.main(["hf-to-focaljax", str(hf_dir), str(work)])
   m = loading.load(str(work))
   assert m.config.vocab_size == VOCAB and m.config.max_seq_len == 32
   ours = np.asarray(m.logits(tokens))
@@ -73,7 +75,7 @@ def test_logits_match_transformers_and_round_trip_is_bitwise(tmp_path, case):
   print(f"{case}: max relative logit error {rel:.2e}")
   assert rel < 1e-4
 
-  convert.main(["focaljax-to-hf", str(work), str(back), "--max_shard_gb", "0.0001"])
+  convert_cli.main(["focaljax-to-hf", str(work), str(back), "--max_shard_gb", "0.0001"])
   src, out = _tensors(hf_dir), _tensors(back)
   assert sorted(out) == sorted(src)
   for name, t in src.items():
@@ -89,27 +91,69 @@ def test_logits_match_transformers_and_round_trip_is_bitwise(tmp_path, case):
   assert np.abs(ours_long - ref_long).max() / np.abs(ref_long).max() < 1e-4
 
 
-def test_focal_export_is_flagged(tmp_path):
+def _set(work, **fields):
+  """Edits model.attention fields of a workdir's config.json (a model trained that way)."""
+  c = json.loads((work / "config.json").read_text())
+  c["model"]["attention"].update(fields)
+  (work / "config.json").write_text(json.dumps(c))
+
+
+def _convert(capsys, *argv):
+  """main's exit status and its stderr, which must be one line when it fails."""
+  capsys.readouterr()   # drop what set-up printed (transformers' progress bars)
+  rc = convert_cli.main([str(a) for a in argv])
+  err = capsys.readouterr().err.strip()
+  if rc:
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+  return rc, err
+
+
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["llama", "qwen3_qk_norm"])
+def test_constant_focal_temperature_folds_into_stock_transformers(tmp_path, capsys, qk_norm):
+  hf_dir, work, back = tmp_path / "hf", tmp_path / "work", tmp_path / "back"
+  tiny_hf(hf_dir, qk_norm=qk_norm)
+  convert.hf_to_focaljax(str(hf_dir), str(work))
+  _set(work, pattern="softmax:rope,focal:rope", temperature=0.4)
+  assert _convert(capsys, "focaljax-to-hf", work, back)[0] == 0
+  fj = json.loads((back / "config.json").read_text())["focaljax"]
+  assert fj["pattern"] == "softmax:rope,focal:rope" and fj["folded_layers"] == [1]
+  assert fj["folded_into"] == ("self_attn.q_norm.weight" if qk_norm else "self_attn.q_proj.weight")
+  # Past the trained context (32): both NTK-scale RoPE, and focal is no longer plain softmax.
+  tokens = np.random.default_rng(2).integers(0, VOCAB, (2, 48)).astype(np.int32)
+  ours = np.asarray(loading.load(str(work)).logits(tokens))
+  hf = transformers.AutoModelForCausalLM.from_pretrained(back).float().eval()
+  with torch.no_grad():
+    ref = hf(torch.from_numpy(tokens).long()).logits.numpy()
+  rel = np.abs(ours - ref).max() / np.abs(ref).max()
+  print(f"focal t=0.4 qk_norm={qk_norm}: max relative logit error {rel:.2e}")
+  assert rel < 1e-5
+  # The fold is not a no-op: the unfolded (softmax) weights compute other logits.
+  hf_softmax = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).float().eval()
+  with torch.no_grad():
+    assert np.abs(hf_softmax(torch.from_numpy(tokens).long()).logits.numpy() - ref).max() > 1e-3
+
+
+@pytest.mark.parametrize("fields,match", [
+    (dict(pattern="softmax:rope,dilution:none"), "layer 1 (dilution:none)"),
+    (dict(pattern="focal:rope", learned=True), "layer 0 (focal:rope).*learned"),
+    (dict(pattern="softmax:rope,softmax:none"), "layer 1 (softmax:none).*RoPE"),
+])
+def test_export_refuses_layers_transformers_cannot_compute(tmp_path, capsys, fields, match):
   hf_dir, work, back = tmp_path / "hf", tmp_path / "work", tmp_path / "back"
   tiny_hf(hf_dir)
   convert.hf_to_focaljax(str(hf_dir), str(work))
-  with open(work / "config.json") as f:
-    c = json.load(f)
-  c["model"]["attention"]["pattern"] = "softmax:rope,focal:rope"
-  with open(work / "config.json", "w") as f:
-    json.dump(c, f)
-  convert.focaljax_to_hf(str(work), str(back))
-  with open(back / "config.json") as f:
-    extra = json.load(f)["focaljax"]
-  assert extra["pattern"] == "softmax:rope,focal:rope" and extra["temperature"] == 0.4
-  assert extra["non_hf_layers"] == ["layer 1: focal:rope"]
-  assert "focal:rope" in (back / "README.md").read_text()
+  _set(work, **fields)
+  rc, err = _convert(capsys, "focaljax-to-hf", work, back)
+  assert rc == 2 and re.search(match.replace("(", r"\(").replace(")", r"\)"), err), err
+  assert not back.exists()
 
 
 @pytest.mark.parametrize("field,value,match", [
     ("rope_scaling", {"rope_type": "yarn", "factor": 4.0}, "rope_type='yarn'"),
     ("attention_bias", True, "attention_bias"),
     ("architectures", ["GPT2LMHeadModel"], "architectures"),
+    ("sliding_window", 16, "sliding_window=16"),          # Mistral's window is on unless null
+    ("hidden_size", None, "hidden_size=None"),
 ])
 def test_unsupported_hf_config_names_the_field(field, value, match):
   hf = dict(architectures=["LlamaForCausalLM"], vocab_size=256, hidden_size=64,
@@ -118,6 +162,90 @@ def test_unsupported_hf_config_names_the_field(field, value, match):
   hf[field] = value
   with pytest.raises(ValueError, match=match):
     convert.hf_config_to_focaljax(hf)
+
+
+def test_windowless_mistral_and_qwen_window_off_are_accepted():
+  hf = dict(architectures=["MistralForCausalLM"], vocab_size=256, hidden_size=64,
+            intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            max_position_embeddings=32, sliding_window=None)
+  assert convert.hf_config_to_focaljax(hf).model.d_model == 64
+  hf.update(architectures=["Qwen3ForCausalLM"], sliding_window=16, use_sliding_window=False)
+  assert convert.hf_config_to_focaljax(hf).model.d_model == 64
+
+
+@pytest.fixture(scope="module")
+def hf_src(tmp_path_factory):
+  path = tmp_path_factory.mktemp("src") / "hf"
+  tiny_hf(path, shard="100KB")
+  return path
+
+
+def _truncate(d):
+  f = sorted(d.glob("*.safetensors"))[-1]
+  f.write_bytes(f.read_bytes()[:-100])
+
+
+def _drop_shard(d):
+  sorted(d.glob("*.safetensors"))[0].unlink()
+
+
+def _edit_config(**kw):
+  def edit(d):
+    c = json.loads((d / "config.json").read_text())
+    c.update(kw)
+    (d / "config.json").write_text(json.dumps(c))
+  return edit
+
+
+@pytest.mark.parametrize("damage,match", [
+    (lambda d: (d / "config.json").write_text('{"vocab": 3,'), "config.json is not valid JSON"),
+    (lambda d: (d / "config.json").unlink(), "config.json not found"),
+    (_edit_config(architectures=["GPT2LMHeadModel"]), "architectures='GPT2LMHeadModel'"),
+    (_edit_config(num_hidden_layers="two"), "num_hidden_layers='two'"),
+    (_edit_config(sliding_window=16), "sliding_window=16"),
+    (_edit_config(intermediate_size=80), r"tensor model\.layers\.0\.mlp\.\w+\.weight has shape"),
+    (_truncate, r"model-0000\d-of-0000\d.safetensors is truncated: tensor \S+ ends at byte"),
+    (_drop_shard, "lists model-00001-of-0000\\d.safetensors, which is missing"),
+    (lambda d: [f.unlink() for f in d.glob("model*")], "neither model.safetensors nor"),
+    (lambda d: (d / "tokenizer.json").unlink(), "tokenizer.json not found"),
+], ids=["bad_json", "no_config", "unknown_arch", "bad_field", "mistral_window", "wrong_shape",
+        "truncated", "missing_shard", "no_weights", "no_tokenizer"])
+def test_import_errors_are_one_line_exit_2(tmp_path, capsys, hf_src, damage, match):
+  src = tmp_path / "hf"
+  shutil.copytree(hf_src, src)
+  damage(src)
+  rc, err = _convert(capsys, "hf-to-focaljax", src, tmp_path / "work")
+  assert rc == 2 and re.search(match, err), err
+  assert not (tmp_path / "work").exists()
+
+
+def test_qwen2_biases_are_refused_naming_the_tensor(tmp_path, capsys):
+  torch.manual_seed(0)
+  config = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                                    num_hidden_layers=1, num_attention_heads=2,
+                                    num_key_value_heads=1, max_position_embeddings=32)
+  transformers.Qwen2ForCausalLM(config).save_pretrained(tmp_path / "hf")
+  rc, err = _convert(capsys, "hf-to-focaljax", tmp_path / "hf", tmp_path / "work")
+  assert rc == 2 and re.search(r"tensor model\.layers\.0\.self_attn\.[qkv]_proj\.bias .*no biases",
+                               err), err
+
+
+def test_non_empty_out_dir_needs_replace(tmp_path, capsys, hf_src):
+  work, back = tmp_path / "work", tmp_path / "back"
+  for out in (work, back):
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+  rc, err = _convert(capsys, "hf-to-focaljax", hf_src, work)
+  assert rc == 2 and "is not empty: pass --replace" in err and (work / "keep.txt").exists()
+  assert _convert(capsys, "hf-to-focaljax", hf_src, work, "--replace")[0] == 0
+  assert not (work / "keep.txt").exists() and (work / "config.json").exists()
+  rc, err = _convert(capsys, "focaljax-to-hf", work, back)
+  assert rc == 2 and "--replace" in err and (back / "keep.txt").exists()
+  assert _convert(capsys, "focaljax-to-hf", work, back, "--replace")[0] == 0
+  assert not (back / "keep.txt").exists() and (back / "model.safetensors").exists()
+  # --replace never deletes the source it reads.
+  rc, err = _convert(capsys, "focaljax-to-hf", work, work, "--replace")
+  assert rc == 2 and "holds the source" in err and (work / "config.json").exists()
 
 
 def test_llama_style_eos_travels_both_ways(tmp_path):
