@@ -17,12 +17,19 @@ or one of its checkpoints/<step>); the default suites with --focus_adapter are t
 JSON goes under the run's eval/ (eval/adapter_<step> for an explicit step). --max_multiplier
 (default 32 for them), --passkey_seeds (default 10 for them), --max_books and --books apply to
 them too. Runs from before Orbax adapter checkpoints: python -m focaljax.focus.adapter RUN.
+
+Exit status: 0 done; 2 bad input (flags, a missing workdir or file, bad data): one line
+`error: ...`, no traceback.
 """
+
+import sys
 
 from absl import app
 from absl import flags
 from absl import logging
 
+from focaljax import config as config_lib
+from focaljax.data import sources
 from focaljax.evaluation import suites as evaluate
 from focaljax.focus import evaluate as focus_eval
 
@@ -64,8 +71,32 @@ _FOCUS_DTYPE = flags.DEFINE_enum("focus_dtype", "float32", ["float32", "bfloat16
                                  "cast base and adapter for the FocusLLM suites")
 
 
+def fail(message) -> None:
+  """One line on stderr, exit 2."""
+  lines = [line.strip() for line in str(message).splitlines() if line.strip()]
+  print(f"error: {lines[-1] if lines else message}", file=sys.stderr)
+  sys.exit(2)
+
+
+def parse_flags(argv):
+  try:
+    argv = flags.FLAGS(argv)
+  except flags.Error as e:
+    fail(e)
+  if len(argv) > 1:
+    fail(f"unexpected arguments: {argv[1:]}")
+  return argv
+
+
 def main(argv):
   del argv
+  try:
+    run()
+  except (app.UsageError, config_lib.ConfigError, FileNotFoundError, sources.DataError) as e:
+    fail(e)
+
+
+def run():
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # Orbax logs every restore at INFO
   books = _BOOKS.value
@@ -97,4 +128,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

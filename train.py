@@ -7,9 +7,15 @@
 Any config field can be overridden with --config.<path>=<value>; unknown keys, wrong types and
 invalid values are refused before anything compiles. The run resumes from the workdir's latest
 checkpoint. Grids of overrides: python -m focaljax.sweep --help.
+
+Exit status: 0 trained (or nothing left to train); 1 stopped at a NaN/Inf or exploded step (the
+latest checkpoint is the last good one); 2 bad input (flags, config, missing files, bad data),
+one line `error: ...` before anything compiles; 75 (EX_TEMPFAIL) preempted by SIGTERM after
+saving a checkpoint: run the same command again to resume.
 """
 
 import os
+import re
 import sys
 
 # jax's default pool is 75% of a GPU's memory, which the large presets' measured batches (1.3B at
@@ -21,9 +27,13 @@ from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags
 
 from focaljax import config as config_lib
+from focaljax.data import sources
 from focaljax.focus import train as focus_train
 from focaljax.train import distributed
 from focaljax.train import lm
+from focaljax.train import loop
+
+EXIT_NONFINITE, EXIT_BAD_INPUT, EXIT_PREEMPTED = 1, 2, 75
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _CONFIG = config_flags.DEFINE_config_file(
@@ -33,19 +43,51 @@ _WORKDIR = flags.DEFINE_string("workdir", "runs/default", "Checkpoints, metrics 
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Compile the train step, print memory, exit.")
 
 
-def main(argv):
+def fail(message: str, code: int = EXIT_BAD_INPUT):
+  """One line on stderr, no traceback."""
+  lines = [line.strip() for line in str(message).splitlines() if line.strip()]
+  print(f"error: {lines[-1] if lines else message}", file=sys.stderr)
+  sys.exit(code)
+
+
+def parse_flags(argv):
+  """absl's flag parsing, with bad flags and config files as one line and exit 2."""
+  try:
+    argv = flags.FLAGS(argv)
+    _CONFIG.value.get("train")   # a config file that failed to load raises here
+  except flags.UnrecognizedFlagError as e:
+    name = e.flagname or ""
+    fail(f"no config field {name[len('config.'):]}" if name.startswith("config.") else e)
+  except (flags.Error, OSError) as e:
+    fail(e)
+  except (AttributeError, KeyError) as e:   # --config.<path> naming no field
+    key = (re.findall(r"'(\w+)", str(e)) or [str(e)])[0]
+    bad = [arg.split("=")[0] for arg in argv if arg.startswith("--config.") and key in arg]
+    hint = re.findall(r'Did you mean "([\w.]+)"', str(e))
+    fail(f"no config field {bad[0][len('--config.'):] if bad else key}" +
+         (f" (did you mean {hint[0]}?)" if hint else ""))
   if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    fail(f"unexpected arguments: {argv[1:]}")
+  return argv
+
+
+def main(argv):
+  del argv
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # Orbax and Grain log every save at INFO
   distributed.initialize()
   try:
     cfg = config_lib.parse(_CONFIG.value, process_count=jax.process_count())
     # A FocusLLM config (configs/focus.py) trains a candidate adapter over a frozen base.
-    (focus_train.train if cfg.focus else lm.train)(cfg, _WORKDIR.value, dry_run=_DRY_RUN.value)
-  except (config_lib.ConfigError, FileNotFoundError) as e:   # bad input: one line, no traceback
-    sys.exit(f"error: {e}")
+    summary = (focus_train.train if cfg.focus else lm.train)(cfg, _WORKDIR.value,
+                                                             dry_run=_DRY_RUN.value)
+  except (config_lib.ConfigError, FileNotFoundError, sources.DataError) as e:   # bad input
+    fail(e)
+  except loop.NonFiniteLoss as e:
+    fail(e, EXIT_NONFINITE)
+  if summary.get("preempted"):
+    sys.exit(EXIT_PREEMPTED)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

@@ -278,7 +278,8 @@ def make_dataset(cfg: DataConfig, tok: tokenizer_lib.Tokenizer, *, split: str = 
   local_batch = cfg.global_batch // process_count
   ds = documents(cfg, split)
   if len(ds) < process_count:
-    raise ValueError(f"{split} split has {len(ds)} documents, fewer than {process_count} hosts")
+    raise sources.DataError(f"the {split} split of data.source={cfg.source!r} has {len(ds)} "
+                            f"documents, fewer than the {process_count} hosts")
   ds = TOKENIZE[cfg.tokenize](ds[process_index::process_count], tok, cfg)
   if cfg.shuffle:
     ds = ds.shuffle(seed=cfg.seed)

@@ -32,41 +32,59 @@ def parse_source(spec: str, field: str) -> tuple[str, str]:
     return "bundled", ""
   if kind in ("text", "tfds") and arg:
     return kind, arg
-  raise ValueError(
-      f"DataConfig.{field}={spec!r}: expected 'bundled', 'text:<glob>[,<glob>...]' or "
+  raise DataError(
+      f"data.{field}={spec!r}: expected 'bundled', 'text:<glob>[,<glob>...]' or "
       "'tfds:<name>[:split]'")
 
 
-def _open_text(path: str):
-  if path.endswith(".xz"):
-    return lzma.open(path, "rt", encoding="utf-8")
-  if path.endswith(".gz"):
-    return gzip.open(path, "rt", encoding="utf-8")
-  return open(path, encoding="utf-8")
+class DataError(ValueError):
+  """The data cannot be trained on (empty, malformed, not UTF-8); the message names the file,
+  line or source."""
+
+
+def _open_bytes(path: str):
+  opener = lzma.open if path.endswith(".xz") else gzip.open if path.endswith(".gz") else open
+  return opener(path, "rb")
+
+
+def _decode(path: str, data: bytes, first_line: int = 1) -> str:
+  try:
+    return data.decode("utf-8")
+  except UnicodeDecodeError as e:
+    line = first_line + data[:e.start].count(b"\n")
+    raise DataError(f"{path}:{line}: not UTF-8 text (byte {data[e.start]:#04x})") from None
 
 
 def read_text_files(paths: list[str], jsonl_field: str = "text") -> list[str]:
   """Documents of local files, in the given order.
 
   .jsonl: one document per line, from `jsonl_field`. .txt: the whole file is one document (the
-  packer splits long documents over rows anyway, so a book needs no pre-chunking).
+  packer splits long documents over rows anyway, so a book needs no pre-chunking). A malformed
+  line or bytes that are not UTF-8 raise DataError naming the file and line.
   """
   docs = []
   for path in paths:
-    with _open_text(path) as f:
+    if not path.endswith(_TEXT_SUFFIXES + _JSONL_SUFFIXES):
+      raise DataError(f"{path}: unsupported file type; expected one of "
+                      f"{_TEXT_SUFFIXES + _JSONL_SUFFIXES}")
+    with _open_bytes(path) as f:
       if path.endswith(_TEXT_SUFFIXES):
-        docs.append(f.read())
+        text = _decode(path, f.read())
+        # Universal newlines, as text-mode open() reads them.
+        docs.append(text.replace("\r\n", "\n").replace("\r", "\n") if "\r" in text else text)
         continue
-      if not path.endswith(_JSONL_SUFFIXES):
-        raise ValueError(f"{path}: unsupported file type; expected one of "
-                         f"{_TEXT_SUFFIXES + _JSONL_SUFFIXES}")
-      for lineno, line in enumerate(f, 1):
+      for lineno, raw in enumerate(f, 1):
+        line = _decode(path, raw, lineno)
         if not line.strip():
           continue
-        record = json.loads(line)
-        if jsonl_field not in record:
-          raise ValueError(f"{path}:{lineno}: no field {jsonl_field!r} (DataConfig.jsonl_field); "
-                           f"have {sorted(record)}")
+        try:
+          record = json.loads(line)
+        except json.JSONDecodeError as e:
+          raise DataError(f"{path}:{lineno}: malformed JSON ({e.msg}, column {e.colno})") from None
+        if not isinstance(record, dict) or jsonl_field not in record:
+          have = sorted(record) if isinstance(record, dict) else type(record).__name__
+          raise DataError(f"{path}:{lineno}: no field {jsonl_field!r} (DataConfig.jsonl_field); "
+                          f"have {have}")
         docs.append(record[jsonl_field])
   return docs
 
@@ -76,7 +94,7 @@ def _glob_files(pattern: str, field: str) -> list[str]:
   for part in pattern.split(","):
     matches = sorted(glob.glob(os.path.expanduser(part)))
     if not matches:
-      raise ValueError(f"DataConfig.{field}: glob {part!r} matches no files")
+      raise DataError(f"data.{field}: {part!r} matches no files")
     paths.extend(matches)
   return paths
 
@@ -117,7 +135,10 @@ def _source_documents(spec: str, field: str, tfds_split: str, jsonl_field: str,
                               download=False)
     return grain.MapDataset.source(source).map(_decode_text)
   paths = (str(BUNDLED_TEXT),) if kind == "bundled" else tuple(_glob_files(arg, field))
-  return grain.MapDataset.source(_file_documents(paths, jsonl_field))
+  docs = _file_documents(paths, jsonl_field)
+  if not any(d and not d.isspace() for d in docs):
+    raise DataError(f"data.{field}={spec!r}: no text in {', '.join(paths)}")
+  return grain.MapDataset.source(docs)
 
 
 def documents(split: str, source: str, *, valid_source: str | None = None,
@@ -147,7 +168,7 @@ def documents(split: str, source: str, *, valid_source: str | None = None,
   held_out = np.floor((i + 1) * valid_fraction) > np.floor(i * valid_fraction)
   indices = i[held_out] if split == "valid" else i[~held_out]
   if len(indices) == 0:
-    raise ValueError(f"{split} split of {source!r} is empty ({len(docs)} documents, "
-                     f"valid_fraction={valid_fraction}); set DataConfig.valid_source or "
-                     "valid_fraction")
+    raise DataError(f"the {split} split of data.source={source!r} is empty ({len(docs)} "
+                    f"document(s), valid_fraction={valid_fraction} held out); set "
+                    "data.valid_source to another source, or train.eval_every=0")
   return grain.MapDataset.source(_Indexed(docs, indices))

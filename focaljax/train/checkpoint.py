@@ -1,16 +1,20 @@
 """Orbax checkpoints of the trained state and the data iterator.
 
 Layout of a workdir:
-  config.json          the config as given (written once, by process 0; read through
+  config.json          the config of the latest run (written by process 0; read through
                        focaljax.config.read_run_config)
+  metrics.jsonl        one JSON line per logged step (train/metrics.py)
   tokenizer.json       the language model's tokenizer (travels with the checkpoint)
   checkpoints/<step>/  Orbax items: params (the trained parameters: the model's, or a FocusLLM
                        adapter's), opt_state, data (the Grain iterator, where there is one), meta
                        (JSON: the step and what the task records, e.g. the adapter's FocusConfig)
 
-Resume (train/loop.py): build the state and its shardings -> find the latest step -> restore params,
-opt_state and the iterator into them -> continue at step+1. Saving is asynchronous unless
-train.async_ckpt is off; every process calls save/restore (Orbax coordinates multi-host writes).
+Resume (train/loop.py): refuse a config whose model differs in shape (loop.SHAPE_FIELDS), before
+anything is written -> build the state and its shardings -> find the latest step -> restore
+params, opt_state and the iterator into them -> cut metrics.jsonl back to that step -> continue at
+step+1. Only a step whose loss, gradient norm and parameters are finite is ever saved. Saving is
+asynchronous unless train.async_ckpt is off; every process calls save/restore (Orbax coordinates
+multi-host writes).
 """
 
 from __future__ import annotations

@@ -65,6 +65,11 @@ def init_state(model_cfg, tx, param_sh, mesh, key):
 
 def task(cfg: config_lib.Config, workdir: str, mesh) -> loop.Task:
   """The loop.Task of a language-model run: tokenizer, params, data, validation."""
+  # Bad data (no text, an empty split, malformed files) stops here, before anything compiles
+  # or is written: sources.DataError, one line naming the file or source.
+  data_lib.documents(cfg.data, "train")
+  if cfg.train.eval_every:
+    data_lib.documents(cfg.data, "valid")
   tokenizer = data_lib.load_tokenizer(cfg.data, workdir)
   cfg = cfg.with_vocab(tokenizer.vocab_size)
   if distributed.is_primary():

@@ -6,13 +6,16 @@ FocusLLM adapter's, focaljax/focus/train.py), the frozen params its loss reads a
 loop does the rest alike: a pure, jitted step with explicit shardings and donated buffers,
 gradient accumulation under `lax.scan`, Orbax checkpoints and resume (checkpoint.py), SIGTERM,
 metrics. The host fetches step N's metrics after dispatching step N+1, so the device never waits
-for Python.
+for Python; at a checkpoint step it reads them first, and saves only a step whose loss, gradient
+norm and updated parameters are finite (a NaN never reaches a checkpoint).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+import os
 import signal
 import time
 from typing import Any, Callable, Hashable, Iterator
@@ -30,8 +33,19 @@ from focaljax.train import metrics
 from focaljax.train import optim
 
 
+# A finite loss above this has exploded: it stops (or, with train.nonfinite=skip, skips) a step
+# like a NaN. A fresh model's loss is about ln(vocab size), below 12 for any vocabulary we use.
+MAX_LOSS = 1e4
+# train.nonfinite=skip gives up after this many consecutive skipped steps: the run is diverging.
+MAX_SKIPPED = 10
+# The fields that shape the trained state: a workdir's checkpoints resume only under equal ones.
+SHAPE_FIELDS = ("model.vocab_size", "model.d_model", "model.num_layers", "model.num_heads",
+                "model.num_kv_heads", "model.head_dim", "model.d_ff", "model.tie_embeddings",
+                "model.qk_norm", "model.attention.pattern", "model.attention.learned")
+
+
 class NonFiniteLoss(FloatingPointError):
-  pass
+  """Training stopped at a NaN/Inf or exploded step; no checkpoint holds its state."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +53,7 @@ class StepConfig:
   compute_dtype: jnp.dtype
   grad_accum: int
   skip_nonfinite: bool
+  max_loss: float = MAX_LOSS
 
 
 # loss(params, frozen, batch) -> (Σ loss, (Σ weight, {metric: (Σ value, count)})), float32. The
@@ -102,11 +117,19 @@ def step(params, opt_state, frozen, batch, *, loss_fn: LossFn, tx, cfg: StepConf
     updates, new_opt = tx.update(grads, opt_state, params)
     new_params = optax.apply_updates(params, updates)
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+  exploded = finite & (loss > cfg.max_loss)
+  out = {"loss": loss, "grad_norm": grad_norm, "finite": finite, "exploded": exploded,
+         "sums": sums}
   if cfg.skip_nonfinite:
-    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+    out["params_finite"] = _all_finite(new_params)
+    ok = finite & ~exploded & out["params_finite"]
+    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
     new_params, new_opt = keep(new_params, params), keep(new_opt, opt_state)
-  return new_params, new_opt, {"loss": loss, "grad_norm": grad_norm, "finite": finite,
-                               "sums": sums}
+  return new_params, new_opt, out
+
+
+def _all_finite(tree):
+  return jax.tree.reduce(lambda acc, x: acc & jnp.isfinite(x).all(), tree, jnp.bool_(True))
 
 
 def init_opt(tx, params, param_sh, mesh):
@@ -192,12 +215,13 @@ def run(cfg: config_lib.Config, workdir: str, make_task, *, dry_run: bool = Fals
   t_setup = time.perf_counter()
   distributed.initialize()
   primary, t = distributed.is_primary(), cfg.train
+  check_workdir(workdir, cfg.config_json)   # before anything in the workdir is written
   if primary:
     checkpoint.write_config(workdir, cfg.config_json)
   mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
   task = make_task(cfg, workdir, mesh)
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  step_cfg = StepConfig(jnp.dtype(t.compute_dtype), t.grad_accum, t.skip_nonfinite)
+  step_cfg = StepConfig(jnp.dtype(t.compute_dtype), t.grad_accum, t.skip_nonfinite, MAX_LOSS)
   params = task.params
   opt_state, opt_sh = init_opt(task.tx, params, task.param_sh, mesh)
 
@@ -225,6 +249,8 @@ def run(cfg: config_lib.Config, workdir: str, make_task, *, dry_run: bool = Fals
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
     params, opt_state, _ = ckpt.restore(start, abstract(params), abstract(opt_state),
                                         task.data_iter)
+  if primary:
+    cut_metrics(workdir, start)
   writer = metrics.Writer(workdir, t.steps, start, enabled=primary)
   if start:
     writer.message(f"resumed from step {start} in {workdir}")
@@ -233,21 +259,37 @@ def run(cfg: config_lib.Config, workdir: str, make_task, *, dry_run: bool = Fals
   interval = _Interval(optim.schedule(cfg.optim), task.flops_per_token)
   preempt = Preemption()
   pending, step_no, summary = None, start, {"start_step": start}
+  saved, skipped = [start or None], []   # the latest checkpoint; the current run of skipped steps
+  all_finite = jax.jit(_all_finite)
 
-  def finish(pending):
+  def stop(pstep, what, action="stopped"):
+    raise NonFiniteLoss(f"{what} at step {pstep}; {action}; the latest checkpoint is "
+                        f"{'step ' + str(saved[0]) if saved[0] else 'none'}")
+
+  def finish(pending) -> bool:
+    """Reads step `pending`'s metrics, stops or skips a bad step; False: its update was skipped."""
     pstep, m, batch = pending
     m = jax.device_get(m)
-    if not m["finite"]:
-      if not t.skip_nonfinite:
-        raise NonFiniteLoss(f"non-finite loss ({m['loss']}) at step {pstep}; stopping "
-                            "(train.nonfinite=skip would skip such steps)")
-      writer.message(f"step {pstep}: non-finite loss ({m['loss']}); update skipped")
+    bad = (f"non-finite loss ({m['loss']})" if not m["finite"] else
+           f"exploded loss ({m['loss']:.4g} > {MAX_LOSS:g})" if m["exploded"] else
+           "non-finite parameters after the update" if not m.get("params_finite", True) else "")
+    if bad and not t.skip_nonfinite:
+      stop(pstep, bad, "stopped (train.nonfinite=skip would skip such steps)")
+    if bad:
+      skipped.append(pstep)
+      if len(skipped) >= MAX_SKIPPED:
+        stop(pstep, f"{len(skipped)} consecutive skipped steps ({skipped[0]}-{pstep}, the last: "
+             f"{bad})", "giving up (train.nonfinite=skip)")
+      writer.message(f"step {pstep}: {bad}; update skipped")
+    else:
+      skipped.clear()
     summary["loss"] = float(m["loss"])
     interval.add(m, batch)
     if pstep % t.log_every == 0 or pstep == t.steps:
       scalars = interval.scalars(pstep)
       writer.write(pstep, scalars)
       writer.progress(pstep, scalars)
+    return not bad
 
   batches = task.batches(start)
   try:
@@ -273,9 +315,18 @@ def run(cfg: config_lib.Config, workdir: str, make_task, *, dry_run: bool = Fals
         preempted = preempt.reached(step_no)   # one agreed step on every host
         stopping = preempted or step_no == stop_at
         if step_no % t.ckpt_every == 0 or step_no == t.steps or stopping:
-          ckpt.save(step_no, params, opt_state, task.data_iter, {"step": step_no, **task.meta})
+          # Only a good step is saved: its metrics are read first (not one step late).
+          good = finish(pending) if pending is not None else not skipped
+          pending = None
+          if good and not t.skip_nonfinite and not all_finite(params):
+            stop(step_no, "non-finite parameters after the update")
+          if good:
+            ckpt.save(step_no, params, opt_state, task.data_iter, {"step": step_no, **task.meta})
+            saved[0] = step_no
         if preempted:
-          writer.message(f"SIGTERM: saved step {step_no} to {workdir}; exiting")
+          writer.message(f"SIGTERM: saved step {step_no} to {workdir}; exiting"
+                         if saved[0] == step_no else f"SIGTERM at step {step_no}: the latest "
+                         f"checkpoint is step {saved[0]} in {workdir}; exiting")
           summary["preempted"] = True
           break
         if stopping:
@@ -287,9 +338,49 @@ def run(cfg: config_lib.Config, workdir: str, make_task, *, dry_run: bool = Fals
     ckpt.close()
     writer.close()
     preempt.restore()
-  summary["step"] = step_no
+  summary["step"], summary["saved_step"] = step_no, saved[0]
   if primary and not summary.get("preempted"):
     # A resumed run already at train.steps trains nothing and has no loss to report.
     loss = f"loss {summary['loss']:.4f}" if "loss" in summary else "nothing left to train"
     print(f"trained {step_no} steps; {loss}. Evaluate with: {task.evaluate_with}")
   return summary
+
+
+def check_workdir(workdir: str, config_json: str) -> None:
+  """Refuses (ConfigError listing the fields) a workdir whose checkpoints hold another model."""
+  step = checkpoint.latest_step(workdir)
+  if step is None or not os.path.exists(os.path.join(workdir, checkpoint.CONFIG_FILE)):
+    return
+  old, new = config_lib.read_run_config(workdir).to_dict(), json.loads(config_json)
+
+  def get(tree, dotted):
+    for part in dotted.split("."):
+      tree = tree.get(part) if isinstance(tree, dict) else None
+    return tree
+
+  diff = [f"{f} {get(old, f)!r} -> {get(new, f)!r}" for f in SHAPE_FIELDS
+          if get(old, f) != get(new, f)]
+  if diff:
+    raise config_lib.ConfigError(
+        f"workdir {workdir} holds a different model (checkpoint step {step}): {', '.join(diff)}; "
+        "resume it with its own config.json, or train in another --workdir")
+
+
+def cut_metrics(workdir: str, step: int) -> None:
+  """Drops metrics.jsonl rows after `step`, where a resumed run writes them again."""
+  path = os.path.join(workdir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return
+  with open(path) as f:
+    lines = f.readlines()
+  keep = []
+  for line in lines:
+    try:
+      if json.loads(line)["step"] <= step:
+        keep.append(line)
+    except (ValueError, KeyError, TypeError):   # a line cut short by a killed run
+      pass
+  if len(keep) < len(lines):
+    with open(path + ".tmp", "w") as f:
+      f.writelines(keep)
+    os.replace(path + ".tmp", path)
