@@ -76,7 +76,7 @@ def run(size, impl, steps, seq_len, remat, batch=None, pattern="focal", segments
     c.update_from_flattened_dict(overrides)
   config_lib.validate(c)
   cfg = config_lib.model_config(c, c.model.vocab_size or 32000)
-  graphdef, abstract_state = lm.abstract_model(cfg)
+  graphdef, abstract_state = model_lib.abstract_model(cfg)
   n = int(np.prod(mesh_shape))
   mesh = sharding.make_mesh(*mesh_shape, devices=jax.devices()[:n])
   param_sh = sharding.param_shardings(abstract_state, mesh)

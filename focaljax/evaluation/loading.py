@@ -73,11 +73,6 @@ def _tokenizer(workdir: str, run: config_lib.Config) -> tokenizer_lib.Tokenizer:
                           f"data.tokenizer={run.data.tokenizer!r} is not 'bundled'")
 
 
-def abstract_model(cfg: model_lib.ModelConfig):
-  """(graphdef, abstract state) of a Transformer, without allocating its parameters."""
-  return nnx.split(nnx.eval_shape(lambda: model_lib.Transformer(cfg, nnx.Rngs(0))))
-
-
 def load(path: str) -> LoadedModel:
   """A workdir (latest step) or workdir/checkpoints/<step> -> LoadedModel."""
   workdir, step = checkpoint.resolve(path)
@@ -89,7 +84,7 @@ def load(path: str) -> LoadedModel:
   tok = _tokenizer(workdir, run)
   run = run.with_vocab(tok.vocab_size)
   cfg = run.model
-  graphdef, abstract_state = abstract_model(cfg)
+  graphdef, abstract_state = model_lib.abstract_model(cfg)
   abstract_params = checkpoint.abstract_like(nnx.to_pure_dict(abstract_state))
   params, step = checkpoint.restore_params(workdir, step, abstract_params)
   nnx.replace_by_pure_dict(abstract_state, params)

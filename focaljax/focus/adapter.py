@@ -23,8 +23,8 @@ import numpy as np
 from flax import nnx
 
 from focaljax import config as config_lib
-from focaljax.evaluation import loading
 from focaljax.focus import model as focus
+from focaljax.model import decoder as model_lib
 from focaljax.train import checkpoint
 from focaljax.train import optim
 
@@ -47,7 +47,7 @@ def with_attention(model, implementation: str):
   FocusLLM runs the base's attention as "xla" or "pallas" whatever the base was trained with."""
   cfg = dataclasses.replace(model.cfg, attention=dataclasses.replace(
       model.cfg.attention, implementation=implementation))
-  graphdef, _ = loading.abstract_model(cfg)
+  graphdef, _ = model_lib.abstract_model(cfg)
   return nnx.merge(graphdef, nnx.state(model))
 
 

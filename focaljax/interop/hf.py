@@ -43,9 +43,9 @@ from flax import nnx
 from flax import traverse_util
 
 from focaljax.model import attention as attn_lib
+from focaljax.model import decoder as model_lib
 from focaljax.train import checkpoint
 from focaljax import config as config_lib
-from focaljax.evaluation import loading
 from focaljax.interop import safetensors_file
 from focaljax.data import tokenizer as tokenizer_lib
 
@@ -221,7 +221,7 @@ def hf_to_focaljax(hf_dir: str, out_dir: str, *, replace: bool = False) -> str:
   run_config.data.tokenizer = os.path.abspath(os.path.join(out_dir, checkpoint.TOKENIZER_FILE))
   cfg = config_lib.parse(run_config).with_vocab(hf["vocab_size"]).model
   # The exact tree load() restores into, as ShapeDtypeStructs: its keys and shapes are the spec.
-  want = traverse_util.flatten_dict(nnx.to_pure_dict(loading.abstract_model(cfg)[1]))
+  want = traverse_util.flatten_dict(nnx.to_pure_dict(model_lib.abstract_model(cfg)[1]))
   params, used = {}, set()
   for hf_name, path, n_in in _name_map(cfg.num_layers):
     if path not in want:

@@ -356,3 +356,8 @@ def param_count(cfg: ModelConfig) -> int:
   per_layer = E * D * (2 * N + 2 * K) + 3 * E * F + 2 * E + (2 * D if cfg.qk_norm else 0)
   learned = sum(E for s in cfg.attention.layers if attn_lib.uses_learned_tau(cfg.attention, s))
   return V * E * (1 if cfg.tie_embeddings else 2) + L * per_layer + E + learned
+
+
+def abstract_model(cfg: ModelConfig):
+  """(graphdef, abstract state) of a Transformer, without allocating its parameters."""
+  return nnx.split(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0))))

@@ -43,11 +43,6 @@ def train_step(params, opt_state, batch, *, graphdef, tx, cfg: loop.StepConfig):
       loss, graphdef=graphdef, dtype=cfg.compute_dtype))
 
 
-def abstract_model(model_cfg: model_lib.ModelConfig):
-  """(graphdef, abstract state) of a Transformer, without allocating its parameters."""
-  return nnx.split(nnx.eval_shape(lambda: model_lib.Transformer(model_cfg, nnx.Rngs(0))))
-
-
 def init_params(model_cfg, param_sh, mesh, key):
   """Fresh params in `param_sh`. The key is an argument: a jit with no inputs lets XLA
   constant-fold the whole RNG, which takes minutes for a 400M model."""
@@ -74,7 +69,7 @@ def task(cfg: config_lib.Config, workdir: str, mesh) -> loop.Task:
   cfg = cfg.with_vocab(tokenizer.vocab_size)
   if distributed.is_primary():
     tokenizer.save(workdir)
-  graphdef, abstract_state = abstract_model(cfg.model)
+  graphdef, abstract_state = model_lib.abstract_model(cfg.model)
   param_sh = sharding.param_shardings(abstract_state, mesh)
   batch_sh = sharding.batch_sharding(mesh)
   tx = optim.make(cfg.optim, nnx.to_pure_dict(abstract_state))

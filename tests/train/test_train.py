@@ -8,6 +8,7 @@ import pytest
 
 from configs import smoke
 from focaljax import config as config_lib
+from focaljax.model import decoder as model_lib
 from focaljax.train import lm
 from focaljax.train import loop
 
@@ -89,7 +90,7 @@ def test_bf16_compute_with_float32_master_weights(tmp_path):
   out = _train(c, tmp_path)
   assert out["step"] == 3 and out["loss"] < 20
   model_cfg = config_lib.parse(c).with_vocab(tokenizer_lib.bundled().vocab_size).model
-  abstract = checkpoint.abstract_like(nnx.to_pure_dict(lm.abstract_model(model_cfg)[1]))
+  abstract = checkpoint.abstract_like(nnx.to_pure_dict(model_lib.abstract_model(model_cfg)[1]))
   params, _ = checkpoint.restore_params(str(tmp_path), None, abstract)
   assert {x.dtype.name for x in jax.tree.leaves(params)} == {"float32"}
 
