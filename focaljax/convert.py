@@ -1,15 +1,17 @@
 """`python -m focaljax.convert {hf-to-focaljax,focaljax-to-hf} ...`: the conversion command line
-(`focaljax.interop.hf` does the work; its docstring says what converts and what is refused)."""
+(`focaljax.interop.hf_import` and `hf_export` do the work; their docstrings say what converts
+and what is refused)."""
 
 import argparse
 import sys
 
-from focaljax.interop import hf
-from focaljax.interop.hf import focaljax_to_hf, hf_to_focaljax
+from focaljax.interop import hf, hf_export, hf_import
+from focaljax.interop.hf_export import focaljax_to_hf
+from focaljax.interop.hf_import import hf_to_focaljax
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(description=hf.__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  p = argparse.ArgumentParser(description=hf.__doc__ + hf_import.__doc__ + hf_export.__doc__, formatter_class=argparse.RawTextHelpFormatter)
   sub = p.add_subparsers(dest="command", required=True)
   a = sub.add_parser("hf-to-focaljax", help="HF LLaMA-family dir -> focaljax workdir")
   a.add_argument("hf_dir")

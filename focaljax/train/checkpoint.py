@@ -9,7 +9,7 @@ Layout of a workdir:
                        adapter's), opt_state, data (the Grain iterator, where there is one), meta
                        (JSON: the step and what the task records, e.g. the adapter's FocusConfig)
 
-Resume (train/loop.py): refuse a config whose model differs in shape (loop.SHAPE_FIELDS), before
+Resume (train/loop.py): refuse a config whose model differs in shape (workdir.SHAPE_FIELDS), before
 anything is written -> build the state and its shardings -> find the latest step -> restore
 params, opt_state and the iterator into them -> cut metrics.jsonl back to that step -> continue at
 step+1. Only a step whose loss, gradient norm and parameters are finite is ever saved. Saving is

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
-import os
 import signal
 import time
 from typing import Any, Callable, Hashable, Iterator
@@ -31,6 +29,7 @@ from focaljax.train import checkpoint
 from focaljax.train import distributed
 from focaljax.train import metrics
 from focaljax.train import optim
+from focaljax.train import workdir as workdir_lib
 
 
 # A finite loss above this has exploded: it stops (or, with train.nonfinite=skip, skips) a step
@@ -38,10 +37,7 @@ from focaljax.train import optim
 MAX_LOSS = 1e4
 # train.nonfinite=skip gives up after this many consecutive skipped steps: the run is diverging.
 MAX_SKIPPED = 10
-# The fields that shape the trained state: a workdir's checkpoints resume only under equal ones.
-SHAPE_FIELDS = ("model.vocab_size", "model.d_model", "model.num_layers", "model.num_heads",
-                "model.num_kv_heads", "model.head_dim", "model.d_ff", "model.tie_embeddings",
-                "model.qk_norm", "model.attention.pattern", "model.attention.learned")
+
 
 
 class NonFiniteLoss(FloatingPointError):
@@ -215,7 +211,7 @@ def run(cfg: config_lib.Config, workdir: str, make_task, *, dry_run: bool = Fals
   t_setup = time.perf_counter()
   distributed.initialize()
   primary, t = distributed.is_primary(), cfg.train
-  check_workdir(workdir, cfg.config_json)   # before anything in the workdir is written
+  workdir_lib.check(workdir, cfg.config_json)   # before anything in the workdir is written
   if primary:
     checkpoint.write_config(workdir, cfg.config_json)
   mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
@@ -250,7 +246,7 @@ def run(cfg: config_lib.Config, workdir: str, make_task, *, dry_run: bool = Fals
     params, opt_state, _ = ckpt.restore(start, abstract(params), abstract(opt_state),
                                         task.data_iter)
   if primary:
-    cut_metrics(workdir, start)
+    workdir_lib.cut_metrics(workdir, start)
   writer = metrics.Writer(workdir, t.steps, start, enabled=primary)
   if start:
     writer.message(f"resumed from step {start} in {workdir}")
@@ -344,43 +340,3 @@ def run(cfg: config_lib.Config, workdir: str, make_task, *, dry_run: bool = Fals
     loss = f"loss {summary['loss']:.4f}" if "loss" in summary else "nothing left to train"
     print(f"trained {step_no} steps; {loss}. Evaluate with: {task.evaluate_with}")
   return summary
-
-
-def check_workdir(workdir: str, config_json: str) -> None:
-  """Refuses (ConfigError listing the fields) a workdir whose checkpoints hold another model."""
-  step = checkpoint.latest_step(workdir)
-  if step is None or not os.path.exists(os.path.join(workdir, checkpoint.CONFIG_FILE)):
-    return
-  old, new = config_lib.read_run_config(workdir).to_dict(), json.loads(config_json)
-
-  def get(tree, dotted):
-    for part in dotted.split("."):
-      tree = tree.get(part) if isinstance(tree, dict) else None
-    return tree
-
-  diff = [f"{f} {get(old, f)!r} -> {get(new, f)!r}" for f in SHAPE_FIELDS
-          if get(old, f) != get(new, f)]
-  if diff:
-    raise config_lib.ConfigError(
-        f"workdir {workdir} holds a different model (checkpoint step {step}): {', '.join(diff)}; "
-        "resume it with its own config.json, or train in another --workdir")
-
-
-def cut_metrics(workdir: str, step: int) -> None:
-  """Drops metrics.jsonl rows after `step`, where a resumed run writes them again."""
-  path = os.path.join(workdir, "metrics.jsonl")
-  if not os.path.exists(path):
-    return
-  with open(path) as f:
-    lines = f.readlines()
-  keep = []
-  for line in lines:
-    try:
-      if json.loads(line)["step"] <= step:
-        keep.append(line)
-    except (ValueError, KeyError, TypeError):   # a line cut short by a killed run
-      pass
-  if len(keep) < len(lines):
-    with open(path + ".tmp", "w") as f:
-      f.writelines(keep)
-    os.replace(path + ".tmp", path)

@@ -13,7 +13,8 @@ transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 from focaljax import convert as convert_cli  # pylint: disable=wrong-import-position
-from focaljax.interop import hf as convert  # pylint: disable=wrong-import-position
+from focaljax.interop import hf_export  # pylint: disable=wrong-import-position
+from focaljax.interop import hf_import  # pylint: disable=wrong-import-position
 from focaljax.evaluation import loading  # pylint: disable=wrong-import-position
 from focaljax.data import tokenizer as tokenizer_lib  # pylint: disable=wrong-import-position
 
@@ -112,7 +113,7 @@ def _convert(capsys, *argv):
 def test_constant_focal_temperature_folds_into_stock_transformers(tmp_path, capsys, qk_norm):
   hf_dir, work, back = tmp_path / "hf", tmp_path / "work", tmp_path / "back"
   tiny_hf(hf_dir, qk_norm=qk_norm)
-  convert.hf_to_focaljax(str(hf_dir), str(work))
+  hf_import.hf_to_focaljax(str(hf_dir), str(work))
   _set(work, pattern="softmax:rope,focal:rope", temperature=0.4)
   assert _convert(capsys, "focaljax-to-hf", work, back)[0] == 0
   fj = json.loads((back / "config.json").read_text())["focaljax"]
@@ -141,7 +142,7 @@ def test_constant_focal_temperature_folds_into_stock_transformers(tmp_path, caps
 def test_export_refuses_layers_transformers_cannot_compute(tmp_path, capsys, fields, match):
   hf_dir, work, back = tmp_path / "hf", tmp_path / "work", tmp_path / "back"
   tiny_hf(hf_dir)
-  convert.hf_to_focaljax(str(hf_dir), str(work))
+  hf_import.hf_to_focaljax(str(hf_dir), str(work))
   _set(work, **fields)
   rc, err = _convert(capsys, "focaljax-to-hf", work, back)
   assert rc == 2 and re.search(match.replace("(", r"\(").replace(")", r"\)"), err), err
@@ -161,16 +162,16 @@ def test_unsupported_hf_config_names_the_field(field, value, match):
             max_position_embeddings=32)
   hf[field] = value
   with pytest.raises(ValueError, match=match):
-    convert.hf_config_to_focaljax(hf)
+    hf_import.hf_config_to_focaljax(hf)
 
 
 def test_windowless_mistral_and_qwen_window_off_are_accepted():
   hf = dict(architectures=["MistralForCausalLM"], vocab_size=256, hidden_size=64,
             intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             max_position_embeddings=32, sliding_window=None)
-  assert convert.hf_config_to_focaljax(hf).model.d_model == 64
+  assert hf_import.hf_config_to_focaljax(hf).model.d_model == 64
   hf.update(architectures=["Qwen3ForCausalLM"], sliding_window=16, use_sliding_window=False)
-  assert convert.hf_config_to_focaljax(hf).model.d_model == 64
+  assert hf_import.hf_config_to_focaljax(hf).model.d_model == 64
 
 
 @pytest.fixture(scope="module")
@@ -255,10 +256,10 @@ def test_llama_style_eos_travels_both_ways(tmp_path):
   tok = (hf_dir / "tokenizer.json").read_text().replace(tokenizer_lib.EOS_TOKEN, "</s>")
   (hf_dir / "tokenizer.json").write_text(tok)
   (hf_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
-  convert.hf_to_focaljax(str(hf_dir), str(work))
+  hf_import.hf_to_focaljax(str(hf_dir), str(work))
   assert json.loads((work / "tokenizer_config.json").read_text())["eos_token"] == "</s>"
   assert tokenizer_lib.Tokenizer.load(work).eos_token == "</s>"  # what focaljax.load reads
-  convert.focaljax_to_hf(str(work), str(back))
+  hf_export.focaljax_to_hf(str(work), str(back))
   hf_tok = transformers.PreTrainedTokenizerFast.from_pretrained(back)
   assert hf_tok.eos_token == "</s>"
   assert json.loads((back / "config.json").read_text())["eos_token_id"] == hf_tok.eos_token_id

@@ -13,7 +13,8 @@ lm_eval = pytest.importorskip("lm_eval")
 from lm_eval.api.instance import Instance  # pylint: disable=wrong-import-position
 from lm_eval.tasks import TaskManager  # pylint: disable=wrong-import-position
 
-from focaljax.interop import hf as convert  # pylint: disable=wrong-import-position
+from focaljax.interop import hf_export  # pylint: disable=wrong-import-position
+from focaljax.interop import hf_import  # pylint: disable=wrong-import-position
 from focaljax.evaluation import generate as gen_lib  # pylint: disable=wrong-import-position
 from focaljax.interop import lm_eval as lm_eval_adapter  # pylint: disable=wrong-import-position
 from focaljax.interop import safetensors_file  # pylint: disable=wrong-import-position
@@ -46,7 +47,7 @@ def workdir(tmp_path_factory):
       num_hidden_layers=L, num_attention_heads=4, num_key_value_heads=2,
       max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False)))
   (hf_dir / "tokenizer.json").write_text(open(ASSET).read())
-  return convert.hf_to_focaljax(str(hf_dir), str(root / "work"))
+  return hf_import.hf_to_focaljax(str(hf_dir), str(root / "work"))
 
 
 def test_adapter_scores_match_the_model(workdir):
