@@ -43,7 +43,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       d_ff=384,                  # SwiGLU hidden width
       tie_embeddings=True,
       qk_norm=False,             # RMSNorm on q and k per head (the focal paper's baseline)
+      qkv_bias=False,            # biases on the q, k, v projections (Qwen2)
+      sliding_window=0,          # > 0: query t sees keys t-W < s <= t (Mistral); 0: all s <= t
       rope_theta=10000.0,
+      # Llama 3 RoPE frequency scaling (rope_type "llama3"); original_max_position_embeddings=0: off
+      rope_scaling=dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                        original_max_position_embeddings=0),
       norm_eps=1e-5,
       # Memory for compute: recompute each block in the backward, keeping what remat_policy
       # names (nothing | dots | dots_no_batch: focaljax.model.decoder.REMAT_POLICIES).
@@ -95,12 +100,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       weight_decay=0.05,
       no_decay="norm,embed",     # comma list: norm (RMSNorm gains), embed (embeddings, lm_head)
       clip_norm=1.0,             # global-norm gradient clipping
-      grad_accum=1,              # micro-batches per optimizer step
       mu_dtype="float32",        # AdamW first moment: float32 | bfloat16 (less optimizer traffic)
   ))
   c.train = ml_collections.ConfigDict(dict(
       steps=250,
       compute_dtype="float32",   # float32 | bfloat16 (master weights stay float32)
+      # Rows per device per micro-batch; the step accumulates gradients over the rest of the
+      # device's share of data.global_batch. 0: the largest divisor that fits the device.
+      micro_batch=0,
       log_every=10,
       eval_every=125,            # validation loss every N steps (0: never)
       eval_batches=4,
@@ -108,6 +115,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       keep_ckpts=2,
       async_ckpt=True,
       nonfinite="stop",          # stop | skip: what a NaN/Inf loss does
+      wandb_project="",          # also log metrics to this W&B project ("": off; pip install wandb)
   ))
   c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))  # one may be -1
   sizes.apply(c, args["size"])

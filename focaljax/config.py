@@ -9,10 +9,12 @@ code reads a ConfigDict. A workdir's saved config.json reaches it through `upgra
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 
 import ml_collections
+from etils import epath
 
 from focaljax import dispatch
 from focaljax.model import attention as attn_lib
@@ -59,10 +61,23 @@ def validate(c: ml_collections.ConfigDict, *, process_count: int = 1) -> None:
            f"{m.num_heads} must divide model.d_model={m.d_model} (or set model.head_dim)")
   _require(head_dim % 2 == 0, "model.head_dim", f"must be even for RoPE, got {head_dim}")
   _require(m.rope_theta > 0, "model.rope_theta", f"must be > 0, got {m.rope_theta}")
+  rs = m.rope_scaling
+  _require(rs.original_max_position_embeddings >= 0,
+           "model.rope_scaling.original_max_position_embeddings",
+           f"must be >= 0 (0: no Llama 3 scaling), got {rs.original_max_position_embeddings}")
+  if rs.original_max_position_embeddings:
+    _require(rs.factor >= 1 and 0 < rs.low_freq_factor < rs.high_freq_factor, "model.rope_scaling",
+             f"need factor >= 1 and 0 < low_freq_factor < high_freq_factor, got {rs.to_dict()}")
+  _require(isinstance(m.sliding_window, int) and m.sliding_window >= 0, "model.sliding_window",
+           f"must be 0 (none) or a window of keys > 0, got {m.sliding_window!r}")
   try:
     attn_lib.parse_pattern(a.pattern, m.num_layers)
   except ValueError as e:
     raise ConfigError(f"config field {e}") from None
+  if m.sliding_window:
+    layers = attn_lib.parse_pattern(a.pattern, m.num_layers)
+    _require(all(attn_lib.FAMILY[s.variant].window for s in layers), "model.sliding_window",
+             f"{m.sliding_window} needs softmax/focal layers: dilution's demand spans the prefix")
   _require(a.temperature > 0, "model.attention.temperature", f"must be > 0, got {a.temperature}")
   _require(0 < a.tau_min < a.tau_max, "model.attention.tau_min",
            f"need 0 < tau_min < tau_max, got tau_min={a.tau_min}, tau_max={a.tau_max}")
@@ -84,9 +99,9 @@ def validate(c: ml_collections.ConfigDict, *, process_count: int = 1) -> None:
   _require(d.shards >= 0 and shards % process_count == 0 and d.global_batch % shards == 0,
            "data.shards", f"{d.shards} must be 0 or a multiple of the {process_count} processes "
            f"dividing data.global_batch={d.global_batch}")
-  _require(o.grad_accum > 0 and d.global_batch % (o.grad_accum * process_count) == 0,
-           "optim.grad_accum", f"data.global_batch={d.global_batch} must be divisible by "
-           f"grad_accum={o.grad_accum} x {process_count} processes")
+  _require(isinstance(t.micro_batch, int) and t.micro_batch >= 0, "train.micro_batch",
+           f"must be 0 (auto: the largest that fits) or rows per device, got {t.micro_batch!r}")
+  _require(t.steps > 0, "train.steps", f"must be > 0, got {t.steps}")   # before fields bound by it
   _require(o.peak_lr > 0, "optim.peak_lr", f"must be > 0, got {o.peak_lr}")
   _require(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", f"must be in [0, 1], got {o.min_lr_ratio}")
   _require(0 <= o.warmup_steps <= t.steps, "optim.warmup_steps",
@@ -101,6 +116,8 @@ def validate(c: ml_collections.ConfigDict, *, process_count: int = 1) -> None:
   for f in ("log_every", "ckpt_every", "keep_ckpts"):
     _require(t[f] > 0, f"train.{f}", f"must be > 0, got {t[f]}")
   _require(t.eval_every >= 0, "train.eval_every", f"must be >= 0, got {t.eval_every}")
+  _require(not t.get("wandb_project") or importlib.util.find_spec("wandb") is not None,
+           "train.wandb_project", "needs wandb: pip install 'focaljax[wandb]' (or leave it empty)")
   sizes = [c.mesh.data, c.mesh.fsdp, c.mesh.tensor]
   _require(all(s == -1 or s > 0 for s in sizes) and sizes.count(-1) <= 1, "mesh",
            f"data/fsdp/tensor must be positive with at most one -1, got {sizes}")
@@ -122,14 +139,17 @@ def model_config(c: ml_collections.ConfigDict, vocab_size: int) -> model_lib.Mod
       vocab_size=vocab, d_model=m.d_model, num_layers=m.num_layers, num_heads=m.num_heads,
       num_kv_heads=m.num_kv_heads, head_dim=m.head_dim or m.d_model // m.num_heads,
       d_ff=m.d_ff, max_seq_len=c.data.seq_len, tie_embeddings=m.tie_embeddings,
-      qk_norm=m.qk_norm, rope_theta=m.rope_theta, norm_eps=m.norm_eps, remat=m.remat,
+      qk_norm=m.qk_norm, qkv_bias=m.qkv_bias, rope_theta=m.rope_theta, norm_eps=m.norm_eps,
+      rope_scaling=(model_lib.Llama3Scaling(**m.rope_scaling.to_dict())
+                    if m.rope_scaling.original_max_position_embeddings else None),
+      remat=m.remat,
       remat_policy=m.remat_policy,
       attention=attn_lib.AttentionConfig(
           layers=attn_lib.parse_pattern(a.pattern, m.num_layers),
           implementation=a.implementation, temperature=a.temperature, learned=a.learned,
           tau_min=a.tau_min, tau_max=a.tau_max, tau_init=a.tau_init,
           tau_mean=attn_lib.TauMean(a.tau_mean), eps=a.eps,
-          checkpoint_rows=a.checkpoint_rows))
+          checkpoint_rows=a.checkpoint_rows, sliding_window=m.sliding_window or None))
 
 
 def optim_config(c: ml_collections.ConfigDict):
@@ -162,7 +182,7 @@ def data_config(c: ml_collections.ConfigDict):
 class TrainConfig:
   steps: int
   compute_dtype: str      # float32 | bfloat16: the step's dtype; master weights stay float32
-  grad_accum: int         # micro-batches per optimizer step (optim.grad_accum)
+  micro_batch: int        # rows per device per micro-batch (0: the largest that fits)
   skip_nonfinite: bool    # train.nonfinite == "skip": a NaN/Inf step leaves the state as it was
   log_every: int
   eval_every: int         # validation loss every N steps (0: never)
@@ -170,6 +190,7 @@ class TrainConfig:
   ckpt_every: int
   keep_ckpts: int
   async_ckpt: bool
+  wandb_project: str = ""   # W&B project the metrics also go to ("": off)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,10 +251,10 @@ def parse(c: ml_collections.ConfigDict, *, process_count: int = 1,
   validate(c, process_count=process_count)
   t = c.train
   train = TrainConfig(
-      steps=t.steps, compute_dtype=t.compute_dtype, grad_accum=c.optim.grad_accum,
+      steps=t.steps, compute_dtype=t.compute_dtype, micro_batch=t.micro_batch,
       skip_nonfinite=t.nonfinite == "skip", log_every=t.log_every, eval_every=t.eval_every,
       eval_batches=t.eval_batches, ckpt_every=t.ckpt_every, keep_ckpts=t.keep_ckpts,
-      async_ckpt=t.async_ckpt)
+      async_ckpt=t.async_ckpt, wandb_project=t.get("wandb_project", ""))
   return Config(seed=c.seed, model=model_config(c, 0), data=data_config(c),
                 data_shards=c.data.shards, optim=optim_config(c), train=train,
                 mesh=MeshConfig(c.mesh.data, c.mesh.fsdp, c.mesh.tensor),
@@ -268,12 +289,11 @@ def _base_context(path: str) -> int:
 def focus_config(c: ml_collections.ConfigDict, context: int | None = None) -> FocusTrainConfig:
   """focus.*, checked against the base's trained context `context` (default: read from
   focus.base_workdir). Every position a step uses must stay below it."""
-  from focaljax.focus import attention as focus_attention  # pylint: disable=import-outside-toplevel
-  from focaljax.focus import candidates  # pylint: disable=import-outside-toplevel
+  from focaljax.focus import model as candidates  # pylint: disable=import-outside-toplevel
   f = c.focus
   if context is None:
     context = _base_context(f.base_workdir)
-  for name, allowed in (("implementation", tuple(focus_attention.IMPLEMENTATIONS)),
+  for name, allowed in (("implementation", candidates.IMPLEMENTATIONS),
                         ("candidate_path", tuple(candidates.CANDIDATE_PATHS)),
                         ("base_attention", ("xla", "pallas"))):
     _require(f[name] in allowed, f"focus.{name}", f"{f[name]!r} is not one of {list(allowed)}")
@@ -323,7 +343,7 @@ def focus_config(c: ml_collections.ConfigDict, context: int | None = None) -> Fo
                f"{M // s} candidates (chunk {s}, memory {M}) + focus.local_len={f.local_len} "
                f"exceed the base's data.seq_len={context}; use larger chunks or shorter memories")
   return FocusTrainConfig(
-      base_workdir=os.path.abspath(f.base_workdir) if f.base_workdir else "", context=context,
+      base_workdir=absolute(f.base_workdir) if f.base_workdir else "", context=context,
       chunk_sizes=sizes, prompt_len=f.prompt_len, eval_prompt_len=f.eval_prompt_len,
       p_reconstruction=f.p_reconstruction, doc_min_tokens=f.doc_min_tokens,
       doc_max_tokens=f.doc_max_tokens, memory_tokens=memories, local_len=f.local_len,
@@ -335,20 +355,28 @@ def focus_config(c: ml_collections.ConfigDict, context: int | None = None) -> Fo
 # fields it may lack (written before they existed), with the value such a run had, and fields
 # removed since (speed variants and FocusLLM arms that lost), ignored.
 _ADDED = {"model.remat_policy": "nothing", "model.attention.checkpoint_rows": 1024,
+          "model.qkv_bias": False, "model.sliding_window": 0,
+          "model.rope_scaling": dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                     original_max_position_embeddings=0),
           "data.tokenize": "stream", "data.token_cache": "", "data.retrieval_mix": 0.0,
-          "optim.schedule_steps": 0, "optim.mu_dtype": "float32", "focus.retrieval_mix": 0.0,
-          "focus.memory_tokens": "", "focus.eval_prompt_len": 0, "focus.candidate_path": "adapter"}
-_REMOVED = ("model.fuse_matmuls", "model.norm_backward", "model.qk_rope_backward",
-            "model.mlp_backward", "model.add_norm", "train.cross_entropy",
+          "optim.schedule_steps": 0, "optim.mu_dtype": "float32", "train.micro_batch": 0,
+          "train.wandb_project": "", "focus.retrieval_mix": 0.0, "focus.memory_tokens": "", "focus.eval_prompt_len": 0,
+          "focus.candidate_path": "adapter"}
+_REMOVED = ("optim.grad_accum", "model.fuse_matmuls", "model.norm_backward",
+            "model.qk_rope_backward", "model.mlp_backward", "model.add_norm", "train.cross_entropy",
             "focus.candidate_positions", "focus.candidate_bias", "focus.sink",
             "focus.drill_in_window", "focus.answer_weight")
+
+
+def absolute(path: str) -> str:
+  """A local path made absolute; a URL (gs://bucket/run) as given."""
+  return str(path) if "://" in str(path) else os.path.abspath(path)
 
 
 def read_run_config(workdir: str) -> ml_collections.ConfigDict:
   """A workdir's config.json as a ConfigDict in today's fields."""
   from focaljax.train import checkpoint  # pylint: disable=import-outside-toplevel
-  with open(os.path.join(workdir, checkpoint.CONFIG_FILE)) as f:
-    return upgrade(json.load(f))
+  return upgrade(json.loads((epath.Path(workdir) / checkpoint.CONFIG_FILE).read_text()))
 
 
 def upgrade(saved: dict) -> ml_collections.ConfigDict:

@@ -9,18 +9,21 @@ forced); the glue passes and the loss take "auto" from the model (tests force "p
   focal_attention          xla     pallas/tpu   cudnn                    cudnn
     float32 q, k, v                             pallas/triton            pallas/mosaic
     packed rows, T >=                           16K: pallas/triton       2K: pallas/mosaic
+    sliding window         xla     xla          cudnn (16-bit) or xla    cudnn (16-bit) or xla
   dilution_attention,      xla     xla          pallas/triton            pallas/mosaic
   dilution_prefill, _decode_step
   qk_norm_rope, swiglu,    xla     xla          pallas (Triton kernels; qk_norm_rope needs a
   add_norm                                      power-of-two head dim, add_norm a d_model >= 16)
   cross_entropy            optax   optax        explicit                 explicit
-  condense (FocusLLM)      as requested (xla | pallas); pallas raises on TPU
+  condense (FocusLLM)      xla     xla          pallas                   pallas  (pallas raises on TPU)
 
 Why: cuDNN's fused attention is the fastest focal path for unpacked 16-bit rows, but takes only
 16-bit inputs and gets packed rows as a dense [B, 1, T, T] mask, which the Mosaic kernel's
 segment masking beats from 2K on Hopper; elsewhere the Triton kernel lost at 2K, and from 16K the
-mask takes 256 MiB a row. The dilution and glue kernels are Triton or Mosaic GPU only; off GPUs
-Pallas runs in interpret mode (CPU tests) or, on TPU, gives way to XLA. The explicit
+mask takes 256 MiB a row. The Pallas and tokamax focal kernels have no sliding window: a call
+with one that requests them (or auto) runs on cuDNN (16-bit, GPUs) or the reference. The
+dilution and glue kernels are Triton or Mosaic GPU only; off GPUs Pallas runs in interpret mode
+(CPU tests) or, on TPU, gives way to XLA. The explicit
 cross-entropy's one-pass reduction wins on GPUs and lowers slowly on CPU. Numbers:
 docs/performance.md.
 """
@@ -81,7 +84,9 @@ def _sixteen_bit(dtype) -> bool:
   return dtype is not None and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
 
 
-def _focal(requested, where, *, dtype, seq_len, packed) -> Choice:
+def _focal(requested, where, *, dtype, seq_len, packed, window) -> Choice:
+  if window is not None and requested not in ("xla", "cudnn"):
+    requested = "cudnn" if _gpu(where) and _sixteen_bit(dtype) else "xla"
   if requested == "auto":
     if not _gpu(where):
       return Choice("xla") if where == "cpu" else _pallas(where)
@@ -124,12 +129,13 @@ def _glue(op, requested, where, *, head_dim, width) -> Choice:
 
 def choose(op: str, requested: str = "auto", *, dtype=None, head_dim: int | None = None,
            seq_len: int | None = None, packed: bool = False, width: int | None = None,
-           checkpoint_rows: int | None = None) -> Choice:
+           checkpoint_rows: int | None = None, window: int | None = None) -> Choice:
   """The implementation of `op` for this call (see the module docstring's table).
 
   dtype, head_dim, seq_len, packed (segment ids present): the attention call's; width: d_model
   for add_norm; checkpoint_rows: dilution_attention's demand checkpoints (validated in
-  focaljax.config), replacing the kernels' default `BlockSizes.ckpt_rows`.
+  focaljax.config), replacing the kernels' default `BlockSizes.ckpt_rows`; window: the focal
+  call's sliding window (None: none).
   """
   where = platform()
   if op in ATTENTION:
@@ -137,7 +143,7 @@ def choose(op: str, requested: str = "auto", *, dtype=None, head_dim: int | None
       raise ValueError(f"{op}: implementation must be one of {list(IMPLEMENTATIONS)}; got "
                        f"{requested!r}")
   if op == "focal_attention":
-    return _focal(requested, where, dtype=dtype, seq_len=seq_len, packed=packed)
+    return _focal(requested, where, dtype=dtype, seq_len=seq_len, packed=packed, window=window)
   if op in ATTENTION:
     return _dilution(op, requested, where, dtype=dtype, head_dim=head_dim,
                      checkpoint_rows=checkpoint_rows)
@@ -147,9 +153,12 @@ def choose(op: str, requested: str = "auto", *, dtype=None, head_dim: int | None
     if requested == "auto":
       return Choice("explicit" if _gpu(where) else "optax")
     return Choice(requested)
-  if op == "condense":   # FocusLLM's candidate and local attentions: xla or pallas
-    if requested not in ("xla", "pallas"):
-      raise ValueError(f"condense: implementation must be 'xla' or 'pallas'; got {requested!r}")
+  if op == "condense":   # FocusLLM's candidate and local attentions: the kernels win on GPUs
+    if requested not in ("auto", "xla", "pallas"):
+      raise ValueError(f"condense: implementation must be 'auto', 'xla' or 'pallas'; got "
+                       f"{requested!r}")
+    if requested == "auto":
+      requested = "pallas" if _gpu(where) else "xla"
     if requested == "pallas" and where == "tpu":
       raise NotImplementedError("the condense kernels are Triton-only (GPU); use "
                                 "implementation='xla' on TPU")

@@ -6,6 +6,7 @@ Shapes: q [B, T, Hq, D]; k, v [B, S, Hkv, D] (Hq % Hkv == 0); outputs [B, T, Hq,
 also "cudnn" (`jax.nn.dot_product_attention`, NVIDIA GPUs) and "tokamax"
 (`tokamax.dot_product_attention`, an optional GPU/TPU extra), both with an array temperature
 folded into q; "auto", whatever `focaljax.dispatch.choose` picks for this platform and call.
+A sliding window (focal only) runs on the reference or cuDNN: `choose` routes it there.
 """
 
 from __future__ import annotations
@@ -36,12 +37,23 @@ def _per_device(kernel, q, k, v, scale, segment_ids):
 # ------------------------------------------------------------------ focal / softmax attention
 
 
-def _focal_xla(q, k, v, *, scale, causal, segment_ids, choice):
+def _focal_xla(q, k, v, *, scale, causal, segment_ids, window, choice):
   del choice
-  return reference.attention(q, k, v, scale=scale, causal=causal, segment_ids_BT=segment_ids)
+  if window is None:
+    return reference.attention(q, k, v, scale=scale, causal=causal, segment_ids_BT=segment_ids)
+  # The reference with its visibility narrowed to keys t - window < s <= t (HF's sliding window).
+  B, T, S, N, K, D = reference.check_qkv(q, k, v)
+  vis_BTS = reference.visible_BTS(B, T, S, causal=causal, segment_ids_BT=segment_ids)
+  vis_BTS &= (jnp.arange(T)[:, None] - jnp.arange(S)[None] < window)[None]
+  logits_BKGTS = jnp.einsum("BTKGD,BSKD->BKGTS", q.reshape(B, T, K, N // K, D), k,
+                            preferred_element_type=jnp.float32)
+  logits_BKGTS *= reference.scale_BNT(scale, B, N, T).reshape(B, K, N // K, T, 1)
+  logits_BKGTS = jnp.where(vis_BTS[:, None, None], logits_BKGTS, reference.MASK_VALUE)
+  return reference.combine(jax.nn.softmax(logits_BKGTS, axis=-1), v, q.dtype)
 
 
-def _focal_pallas(q, k, v, *, scale, causal, segment_ids, choice):
+def _focal_pallas(q, k, v, *, scale, causal, segment_ids, window, choice):
+  del window   # dispatch.choose never sends a window here
   from pallas_kernels import focal  # pylint: disable=import-outside-toplevel
 
   def kernel(q, k, v, s, seg):
@@ -68,15 +80,16 @@ def _segment_mask(segment_ids):
   return (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
 
 
-def _focal_cudnn(q, k, v, *, scale, causal, segment_ids, choice):
+def _focal_cudnn(q, k, v, *, scale, causal, segment_ids, window, choice):
   del choice
   q, s = _fold_scale(q, scale)
-  return jax.nn.dot_product_attention(q, k, v, scale=s, is_causal=causal,
-                                      mask=_segment_mask(segment_ids), implementation="cudnn")
+  return jax.nn.dot_product_attention(
+      q, k, v, scale=s, is_causal=causal, mask=_segment_mask(segment_ids), implementation="cudnn",
+      local_window_size=None if window is None else (window - 1, 0))
 
 
-def _focal_tokamax(q, k, v, *, scale, causal, segment_ids, choice):
-  del choice
+def _focal_tokamax(q, k, v, *, scale, causal, segment_ids, window, choice):
+  del choice, window   # dispatch.choose never sends a window here
   try:
     import tokamax  # pylint: disable=import-outside-toplevel
   except ImportError as e:
@@ -95,21 +108,27 @@ def _default_scale(q, scale):
   return q.shape[-1] ** -0.5 if scale is None else scale
 
 
-def _choose(op, implementation, q, *, packed=False, checkpoint_rows=None):
+def _choose(op, implementation, q, *, packed=False, checkpoint_rows=None, window=None):
   return dispatch.choose(op, implementation, dtype=q.dtype, head_dim=q.shape[-1],
-                         seq_len=q.shape[1], packed=packed, checkpoint_rows=checkpoint_rows)
+                         seq_len=q.shape[1], packed=packed, checkpoint_rows=checkpoint_rows,
+                         window=window)
 
 
-def focal_attention(q, k, v, *, scale, causal=True, segment_ids=None, implementation="xla"):
+def focal_attention(q, k, v, *, scale, causal=True, segment_ids=None, implementation="xla",
+                    window=None):
   """softmax(scale · q·kᵀ) over the visible keys, times v.
 
   `scale`: a Python float, or an array broadcastable to [B, Hq, T] (per sequence, head or query);
-  gradients flow to an array scale (this is how a learned temperature trains).
+  gradients flow to an array scale (this is how a learned temperature trains). `window`: causal
+  only, query t sees at most the `window` keys t-window < s <= t (itself included).
   """
   reference.check_qkv(q, k, v)
-  choice = _choose("focal_attention", implementation, q, packed=segment_ids is not None)
+  if window is not None and not (causal and window > 0):
+    raise ValueError(f"window={window}: a sliding window needs causal=True and window > 0")
+  choice = _choose("focal_attention", implementation, q, packed=segment_ids is not None,
+                   window=window)
   return _FOCAL[choice.implementation](q, k, v, scale=scale, causal=causal,
-                                       segment_ids=segment_ids, choice=choice)
+                                       segment_ids=segment_ids, window=window, choice=choice)
 
 
 def dilution_attention(q, k, v, *, scale=None, eps=1e-9, segment_ids=None, implementation="xla",

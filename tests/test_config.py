@@ -56,7 +56,7 @@ def test_size_presets_build_abstractly(size):
     ("model.attention.tau_mean", "global", "model.attention.tau_mean"),
     ("model.attention.checkpoint_rows", 96, "model.attention.checkpoint_rows: must be a power"),
     ("model.attention.checkpoint_rows", 32, "model.attention.checkpoint_rows"),
-    ("optim.grad_accum", 3, "optim.grad_accum"),
+    ("train.micro_batch", -1, "train.micro_batch"),
     ("train.nonfinite", "ignore", "train.nonfinite"),
     ("optim.no_decay", "norm,bias", "optim.no_decay"),
     ("mesh.tensor", 3, "mesh.tensor"),

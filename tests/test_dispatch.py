@@ -53,6 +53,21 @@ def test_focal_auto_sends_long_packed_rows_past_cudnn(on):
   assert _focal(dtype=BF16, seq_len=8192, packed=True) == ("cudnn", None)
 
 
+def test_sliding_window_never_reaches_a_kernel_without_one(on):
+  """The Pallas and tokamax focal kernels have no window: cuDNN takes it (16-bit, GPU), else the
+  reference, whatever else was requested."""
+  for where in ("hopper", "gpu"):
+    on(where)
+    for requested in ("auto", "pallas", "tokamax", "cudnn"):
+      assert _focal(requested=requested, dtype=BF16, window=16) == ("cudnn", None)
+    assert _focal(dtype=F32, window=16) == ("xla", None)
+    assert _focal(dtype=BF16, seq_len=16384, packed=True, window=16) == ("cudnn", None)
+  for where in ("tpu", "cpu"):
+    on(where)
+    for requested in ("auto", "pallas", "tokamax", "xla"):
+      assert _focal(requested=requested, dtype=BF16, window=16) == ("xla", None)
+
+
 def test_forced_implementations(on):
   on("gpu")
   assert _focal(requested="xla", dtype=F32) == ("xla", None)

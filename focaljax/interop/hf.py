@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
+
+from etils import epath
 
 from focaljax import config as config_lib
 from focaljax.data import tokenizer as tokenizer_lib
@@ -28,12 +29,16 @@ _ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
 
 
 # (HF name under model.layers.<i>., our path under blocks.<i>., leading "in" dims of ours).
-# n_in = None: copied as is; otherwise ours = hf.T reshaped, hf = ours reshaped to [in, out].T.
+# n_in = None: copied as is (reshaped: a bias [N·D] is our [N, D]); otherwise ours = hf.T
+# reshaped, hf = ours reshaped to [in, out].T.
 _LAYER = (
     ("input_layernorm.weight", "attn_norm.scale", None),
     ("self_attn.q_proj.weight", "attn.wq", 1),
     ("self_attn.k_proj.weight", "attn.wk", 1),
     ("self_attn.v_proj.weight", "attn.wv", 1),
+    ("self_attn.q_proj.bias", "attn.bq", None),
+    ("self_attn.k_proj.bias", "attn.bk", None),
+    ("self_attn.v_proj.bias", "attn.bv", None),
     ("self_attn.o_proj.weight", "attn.wo", 2),
     ("self_attn.q_norm.weight", "attn.q_norm.scale", None),
     ("self_attn.k_norm.weight", "attn.k_norm.scale", None),
@@ -56,34 +61,35 @@ def _name_map(num_layers: int):
 
 
 def _tokenizer_file(workdir: str, run: config_lib.Config) -> str:
-  path = os.path.join(workdir, checkpoint.TOKENIZER_FILE)
-  if not os.path.isfile(path) and run.data.tokenizer == "bundled":
+  path = epath.Path(workdir) / checkpoint.TOKENIZER_FILE
+  if not path.is_file() and run.data.tokenizer == "bundled":
     return str(tokenizer_lib.BUNDLED_FILE)
-  return path
+  return str(path)
 
 
 def _eos(src_dir: str) -> str:
   """The eos named by HF's tokenizer_config.json (LLaMA's "</s>"), else focaljax's."""
-  path = os.path.join(src_dir, "tokenizer_config.json")
-  eos = _read_json(path).get("eos_token") if os.path.isfile(path) else None
+  path = epath.Path(src_dir) / "tokenizer_config.json"
+  eos = _read_json(path).get("eos_token") if path.is_file() else None
   return (eos.get("content") if isinstance(eos, dict) else eos) or tokenizer_lib.EOS_TOKEN
 
 
 def _copy_tokenizer(src: str, out_dir: str, eos: str):
-  if not os.path.isfile(src):
+  src, out_dir = epath.Path(src), epath.Path(out_dir)
+  if not src.is_file():
     raise FileNotFoundError(f"{src} not found: a fast tokenizer (tokenizer.json) is required")
-  shutil.copyfile(src, os.path.join(out_dir, checkpoint.TOKENIZER_FILE))
+  src.copy(out_dir / checkpoint.TOKENIZER_FILE, overwrite=True)
   # HF's own file for naming the eos; a LLaMA tokenizer's is "</s>", not <|endoftext|>.
-  with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
-    json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos}, f, indent=2)
+  (out_dir / "tokenizer_config.json").write_text(json.dumps(
+      {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos}, indent=2))
 
 
 def _read_json(path: str):
-  if not os.path.isfile(path):
+  path = epath.Path(path)
+  if not path.is_file():
     raise FileNotFoundError(f"{path} not found")
   try:
-    with open(path) as f:
-      return json.load(f)
+    return json.loads(path.read_text())
   except ValueError as e:
     raise ValueError(f"{path} is not valid JSON: {e}") from None
 
@@ -91,14 +97,16 @@ def _read_json(path: str):
 def _out_dir(out_dir: str, source: str, replace: bool, *, clear: bool = False) -> None:
   """Refuses a non-empty out_dir unless `replace`; `clear` then empties it (once the input has
   been checked, so a refused conversion deletes nothing). Never the source's own directory."""
-  if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+  path = epath.Path(out_dir)
+  if path.exists() and not path.is_dir():
     raise ValueError(f"{out_dir} exists and is not a directory")
-  if not os.path.isdir(out_dir) or not os.listdir(out_dir):
+  if not path.is_dir() or not any(path.iterdir()):
     return
   if not replace:
     raise ValueError(f"{out_dir} exists and is not empty: pass --replace to overwrite it")
-  out, src = os.path.realpath(out_dir), os.path.realpath(source)
-  if src == out or src.startswith(out + os.sep):
+  real = lambda p: str(p) if "://" in str(p) else os.path.realpath(p)   # URLs have no links
+  out, src = real(out_dir).rstrip("/"), real(source).rstrip("/")
+  if src == out or src.startswith(out + "/"):
     raise ValueError(f"{out_dir} holds the source {source}: choose another output directory")
   if clear:
-    shutil.rmtree(out_dir)
+    path.rmtree()

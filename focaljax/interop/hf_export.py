@@ -1,31 +1,38 @@
 """focaljax -> HF (`python -m focaljax.convert focaljax-to-hf CKPT OUT_DIR`).
 
-Writes config.json (LlamaConfig fields, Qwen3's for qk_norm, plus a "focaljax" entry recording
-the pattern), model.safetensors (sharded past --max_shard_gb), the tokenizer files and a
-README.md, such that stock `transformers` computes focaljax's logits: a constant focal
-temperature t is folded into the weights (q scaled by 1/t turns HF's 1/√d into our 1/(t·√d); in
-the q-norm gain under qk_norm, which would undo a q_proj scale), and layers a stock model cannot
-compute (dilution, learned τ, no RoPE) are refused. Our NTK scaling past the trained context is
-HF's rope "dynamic", factor 1.
+Writes config.json, model.safetensors (sharded past --max_shard_gb), the tokenizer files and a
+README.md. A model whose every layer is softmax or constant-temperature focal attention with RoPE
+exports as a stock class: LLaMA, or Qwen3 with qk_norm, Qwen2 with q/k/v biases, Mistral with a
+sliding window (one of the three at most). The temperature t is folded into the weights (q scaled
+by 1/t turns HF's 1/√d into our 1/(t·√d); into the q-norm gain under qk_norm, which would undo a
+q_proj scale), and our NTK scaling past the trained context is HF's rope "dynamic", factor 1
+(Llama 3's rope bands replace it). Any other model (learned τ, dilution, layers without RoPE,
+mixes) exports with its own modeling code, `modeling_focaljax.py` (focaljax/interop/
+hf_modeling.py) and `configuration_focaljax.py`, named in config.json's auto_map: load it with
+`AutoModelForCausalLM.from_pretrained(OUT_DIR, trust_remote_code=True)`. Either way config.json's
+"focaljax" entry records the pattern. A layer neither can compute is refused, naming it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import shutil
 
 import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
 import tokenizers
 from etils import epath
-from flax import traverse_util
+from flax import nnx, traverse_util
 
 from focaljax import config as config_lib
 from focaljax.interop import safetensors_file
 from focaljax.interop.hf import (_ARCHS, _copy_tokenizer, _eos, _name_map, _out_dir,
                                  _tokenizer_file)
 from focaljax.model import attention as attn_lib
+from focaljax.model import decoder as model_lib
 from focaljax.train import checkpoint
 
 _EXPORT_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
@@ -54,24 +61,50 @@ def _param_reader(workdir: str, step: int | None):
   return step, flat, read
 
 
-def _q_scales(cfg) -> list[float]:
-  """Per layer, the factor on q that makes HF's 1/√d scores ours: 1 for softmax, 1/t for a
-  constant focal temperature. A layer a stock softmax + RoPE model cannot compute is refused."""
-  a, scales = cfg.attention, []
+def _layer_plan(cfg) -> dict:
+  """Per layer: RoPE or not, dilution or not, learned τ or not, and the constant score scale
+  (1/√d, or 1/(t·√d) for focal; unused under learned τ). A layer neither export can compute is
+  refused."""
+  a = cfg.attention
+  plan = {"layer_rope": [], "layer_dilution": [], "layer_learned_tau": [], "layer_scale": []}
   for i, spec in enumerate(a.layers):
-    name, why = f"{spec.variant.value}:{spec.position.value}", None
-    if attn_lib.FAMILY[spec.variant].demand:
-      why = "dilution attention is not softmax attention"
-    elif attn_lib.uses_learned_tau(a, spec):
-      why = "its learned τ (model.attention.learned=true) depends on the input"
-    elif spec.position is not attn_lib.Position.ROPE:
-      why = "it has no RoPE, which transformers applies in every layer"
-    if why:
-      raise ValueError(f"layer {i} ({name}) cannot be exported: {why}, and stock transformers "
-                       "has no equivalent")
-    scales.append(float(attn_lib.FAMILY[spec.variant].scale(a, cfg.head_dim, None)
-                        * cfg.head_dim**0.5))
-  return scales
+    learned = attn_lib.uses_learned_tau(a, spec)
+    if learned and a.tau_mean is attn_lib.TauMean.SEQUENCE:
+      raise ValueError(f"layer {i} ({spec.variant.value}:{spec.position.value}) cannot be "
+                       "exported: model.attention.tau_mean='sequence' averages τ over the whole "
+                       "document, future tokens included, which cached generation cannot see "
+                       "(tau_mean causal or token export)")
+    plan["layer_rope"].append(spec.position is attn_lib.Position.ROPE)
+    plan["layer_dilution"].append(attn_lib.FAMILY[spec.variant].demand)
+    plan["layer_learned_tau"].append(learned)
+    plan["layer_scale"].append(
+        cfg.head_dim**-0.5 if learned
+        else float(attn_lib.FAMILY[spec.variant].scale(a, cfg.head_dim, None)))
+  return plan
+
+
+# (qk_norm, q/k/v biases, sliding window) -> the stock class whose layers are ours.
+_STOCK = {(False, False, False): "LlamaForCausalLM", (True, False, False): "Qwen3ForCausalLM",
+          (False, True, False): "Qwen2ForCausalLM", (False, False, True): "MistralForCausalLM"}
+
+
+def _stock_arch(cfg, plan) -> str | None:
+  """The stock transformers class that computes the model, or None: every layer softmax (any
+  constant scale) with RoPE, and at most one of QK-norm, q/k/v biases and a sliding window."""
+  if (not all(plan["layer_rope"]) or any(plan["layer_dilution"])
+      or any(plan["layer_learned_tau"])):
+    return None
+  return _STOCK.get((cfg.qk_norm, cfg.qkv_bias, bool(cfg.attention.sliding_window)))
+
+
+def _q_scales(cfg, plan) -> list[float]:
+  """Per layer, the factor on q that makes HF's 1/√d scores ours (stock export only): 1 for
+  softmax, 1/t for a constant focal temperature."""
+  if _stock_arch(cfg, plan) is None:
+    return [1.0] * cfg.num_layers
+  factors = [s * cfg.head_dim**0.5 for s in plan["layer_scale"]]
+  # 1/√d·√d can round off 1: softmax layers must stay bit for bit.
+  return [1.0 if abs(f - 1.0) < 1e-12 else f for f in factors]
 
 
 def _focaljax_entry(cfg, q_scales) -> dict:
@@ -82,37 +115,80 @@ def _focaljax_entry(cfg, q_scales) -> dict:
   folded = [i for i, f in enumerate(q_scales) if f != 1.0]
   return {"pattern": ",".join(names[:period]),
           **({"temperature": cfg.attention.temperature, "folded_layers": folded,
-              "folded_into": _FOLD_INTO[cfg.qk_norm]} if folded else {})}
+              "folded_into": ", ".join(_fold_into(cfg))} if folded else {})}
 
 
-# Where 1/t goes: q_proj, or the q-norm gain under qk_norm (the norm would undo a q_proj scale).
-_FOLD_INTO = {False: "self_attn.q_proj.weight", True: "self_attn.q_norm.weight"}
+def _fold_into(cfg) -> tuple[str, ...]:
+  """Where 1/t goes: q_proj (and its bias), or the q-norm gain under qk_norm (the norm would
+  undo a q_proj scale)."""
+  if cfg.qk_norm:
+    return ("self_attn.q_norm.weight",)
+  return ("self_attn.q_proj.weight",) + (("self_attn.q_proj.bias",) if cfg.qkv_bias else ())
+
+# The custom export's modeling code (copied) and its configuration module (re-exports the config).
+_MODELING_SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_modeling.py")
+_CONFIGURATION_PY = ('"""FocaljaxConfig, defined next to the model in modeling_focaljax.py."""\n\n'
+                     "from .modeling_focaljax import FocaljaxConfig  # noqa: F401\n")
+_AUTO_MAP = {"AutoConfig": "configuration_focaljax.FocaljaxConfig",
+             "AutoModelForCausalLM": "modeling_focaljax.FocaljaxForCausalLM"}
 
 
-def focaljax_hf_config(cfg, eos_id: int | None, dtype: str, q_scales) -> dict:
-  """LlamaConfig fields (Qwen3's for qk_norm: its per-head q/k RMSNorm is ours)."""
-  arch = "Qwen3ForCausalLM" if cfg.qk_norm else "LlamaForCausalLM"
-  return {
-      "architectures": [arch], "model_type": _ARCHS[arch], "vocab_size": cfg.vocab_size,
-      "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff,
+def focaljax_hf_config(cfg, eos_id: int | None, dtype: str, q_scales, plan) -> dict:
+  """The stock class's config fields (Llama's, Qwen3's for qk_norm, Qwen2's for q/k/v biases,
+  Mistral's for a sliding window), or where none computes the model FocaljaxConfig's
+  (hf_modeling.py): the same shape fields plus the per-layer plan."""
+  shape = {
+      "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff,
       "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
-      "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
+      "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
       "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
-      "rope_theta": cfg.rope_theta,
-      # focaljax NTK-scales θ past the trained context: HF's "dynamic" with factor 1 is the same.
-      "rope_scaling": {"rope_type": "dynamic", "factor": 1.0},
-      "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, "mlp_bias": False,
-      "bos_token_id": None, "eos_token_id": eos_id, "torch_dtype": dtype, "dtype": dtype,
-      "focaljax": _focaljax_entry(cfg, q_scales),
+      "rope_theta": cfg.rope_theta, "tie_word_embeddings": cfg.tie_embeddings,
+      "eos_token_id": eos_id, "torch_dtype": dtype, "dtype": dtype,
   }
+  fj, a = _focaljax_entry(cfg, q_scales), cfg.attention
+  llama3 = dataclasses.asdict(cfg.rope_scaling) if cfg.rope_scaling else None
+  arch = _stock_arch(cfg, plan)
+  if arch is None:
+    return {"architectures": ["FocaljaxForCausalLM"], "model_type": "focaljax",
+            "auto_map": _AUTO_MAP, **shape, "qk_norm": cfg.qk_norm, "qkv_bias": cfg.qkv_bias,
+            "sliding_window": a.sliding_window, "rope_llama3": llama3, **plan,
+            "tau_min": a.tau_min, "tau_max": a.tau_max, "tau_init": a.tau_init,
+            "tau_per_token": a.tau_mean is attn_lib.TauMean.TOKEN, "dilution_eps": a.eps,
+            "focaljax": fj}
+  # Past the trained context focaljax NTK-scales θ: HF's "dynamic" with factor 1 is the same.
+  # Llama 3's bands replace it (focaljax applies both past max_position_embeddings).
+  rope = {"rope_type": "llama3", **llama3} if llama3 else {"rope_type": "dynamic", "factor": 1.0}
+  extra = ({"use_sliding_window": False, "sliding_window": None} if cfg.qkv_bias else
+           {"sliding_window": a.sliding_window, "attention_bias": False, "mlp_bias": False})
+  return {"architectures": [arch], "model_type": _ARCHS[arch], **shape, "hidden_act": "silu",
+          "rope_scaling": rope, **extra, "bos_token_id": None, "focaljax": fj}
 
 
-def _readme(fj: dict, source: str) -> str:
-  return (f"# Exported from focaljax ({source})\n\nAttention pattern `{fj['pattern']}`. Stock "
-          "`transformers` computes focaljax's logits from these weights.\n" +
+def _readme(hf_config: dict, source: str) -> str:
+  fj = hf_config["focaljax"]
+  text = f"# Exported from focaljax ({source})\n\nAttention pattern `{fj['pattern']}`. "
+  if "auto_map" in hf_config:
+    return text + (
+        "Stock `transformers` has no layer that computes it: the model is "
+        "`modeling_focaljax.py`, shipped here.\n\n```python\nmodel = transformers."
+        "AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)\n```\n")
+  return (text + "Stock `transformers` computes focaljax's logits from these weights.\n" +
           (f"\nThe focal temperature t={fj['temperature']} of layers {fj['folded_layers']} is "
            f"folded into `{fj['folded_into']}` (scaled by 1/t).\n"
            if "folded_layers" in fj else ""))
+
+
+def _names(num_layers: int):
+  """_name_map's tensors plus each learned-τ layer's w_τ (custom export only)."""
+  return _name_map(num_layers) + [(f"model.layers.{i}.self_attn.w_tau",
+                                   ("blocks", i, "attn", "w_tau"), None)
+                                  for i in range(num_layers)]
+
+
+def _expected_params(cfg) -> set[tuple[str, ...]]:
+  """The key paths of the params a model of `cfg` has (abstract: nothing is allocated)."""
+  state = model_lib.abstract_model(cfg)[1]
+  return {tuple(map(str, k)) for k in traverse_util.flatten_dict(nnx.to_pure_dict(state))}
 
 
 def focaljax_to_hf(path: str, out_dir: str, *, dtype: str | None = None,
@@ -121,28 +197,35 @@ def focaljax_to_hf(path: str, out_dir: str, *, dtype: str | None = None,
   workdir, step = checkpoint.resolve(path)
   _out_dir(out_dir, workdir, replace)
   run = config_lib.parse(config_lib.read_run_config(workdir))
-  q_scales = _q_scales(run.model)
+  plan = _layer_plan(run.model)
+  q_scales = _q_scales(run.model, plan)
   tok_file, eos = _tokenizer_file(workdir, run), _eos(workdir)
   # The raw HF tokenizer: its eos may be "</s>", which focaljax's Tokenizer does not require here.
   hf_tok = tokenizers.Tokenizer.from_file(tok_file)
   cfg = run.with_vocab(hf_tok.get_vocab_size(with_added_tokens=True)).model
   step, tree, read = _param_reader(workdir, step)
+  missing = sorted(_expected_params(cfg) - set(tree))
+  if missing:
+    raise ValueError(f"checkpoint has no param {'.'.join(missing[0])}, which the model its "
+                     "config.json describes needs")
   stored = {str(meta.dtype) for meta in tree.values()}
   dtype = dtype or (stored.pop() if len(stored) == 1 else "float32")
   if dtype not in _EXPORT_DTYPES:
     raise ValueError(f"--dtype {dtype!r} is not one of {list(_EXPORT_DTYPES)}")
   out_dtype = np.dtype(_EXPORT_DTYPES[dtype])
   specs, exported = [], set()
-  for hf_name, our_path, n_in in _name_map(cfg.num_layers):
+  for hf_name, our_path, n_in in _names(cfg.num_layers):
     keys = tuple(map(str, our_path))
     if keys not in tree:
       continue
     shape = tuple(tree[keys].shape)
     hf_shape = shape if n_in is None else (int(np.prod(shape[n_in:])), int(np.prod(shape[:n_in])))
     # Read when written (default arguments bind this tensor's keys); HF's [out, in] is a transpose.
-    make = ((lambda k=keys: read(k)) if n_in is None else
+    if hf_name.endswith(".bias"):   # our [N, D] is HF's [N·D]
+      hf_shape = (int(np.prod(shape)),)
+    make = ((lambda k=keys, s=hf_shape: read(k).reshape(s)) if n_in is None else
             (lambda k=keys, s=hf_shape: read(k).reshape(s[::-1]).T))
-    factor = q_scales[our_path[1]] if hf_name.endswith(_FOLD_INTO[cfg.qk_norm]) else 1.0
+    factor = q_scales[our_path[1]] if hf_name.endswith(_fold_into(cfg)) else 1.0
     if factor != 1.0:
       make = lambda m=make, f=factor: m().astype(np.float32) * np.float32(f)
     specs.append((hf_name, hf_shape, out_dtype, make))
@@ -153,10 +236,14 @@ def focaljax_to_hf(path: str, out_dir: str, *, dtype: str | None = None,
   _out_dir(out_dir, workdir, replace, clear=True)
   os.makedirs(out_dir, exist_ok=True)
   safetensors_file.write_dir(out_dir, specs, int(max_shard_gb * 2**30))
-  hf_config = focaljax_hf_config(cfg, hf_tok.token_to_id(eos), str(out_dtype), q_scales)
+  hf_config = focaljax_hf_config(cfg, hf_tok.token_to_id(eos), str(out_dtype), q_scales, plan)
   with open(os.path.join(out_dir, "config.json"), "w") as f:
     json.dump(hf_config, f, indent=2)
+  if "auto_map" in hf_config:
+    shutil.copyfile(_MODELING_SRC, os.path.join(out_dir, "modeling_focaljax.py"))
+    with open(os.path.join(out_dir, "configuration_focaljax.py"), "w") as f:
+      f.write(_CONFIGURATION_PY)
   _copy_tokenizer(tok_file, out_dir, eos)
   with open(os.path.join(out_dir, "README.md"), "w") as f:
-    f.write(_readme(hf_config["focaljax"], f"{workdir} step {step}"))
+    f.write(_readme(hf_config, f"{workdir} step {step}"))
   return out_dir

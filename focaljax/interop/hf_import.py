@@ -1,10 +1,12 @@
 """HF -> focaljax (`python -m focaljax.convert hf-to-focaljax HF_DIR OUT_DIR [--replace]`).
 
 Reads config.json and model.safetensors (or the shards of model.safetensors.index.json) of a
-LlamaForCausalLM, MistralForCausalLM without a sliding window, or Qwen3ForCausalLM (its per-head
-q/k RMSNorm is our qk_norm), and writes a workdir for `focaljax.load`: config.json
-(configs/base.py's layout; data.seq_len = max_position_embeddings), the tokenizer files and an
-Orbax `params` item at checkpoints/0 in the source dtype.
+LlamaForCausalLM (Llama 3.1/3.2's "llama3" RoPE scaling is our model.rope_scaling),
+MistralForCausalLM (its sliding_window is ours), Qwen2ForCausalLM (its q/k/v biases are our
+qkv_bias) or Qwen3ForCausalLM (its per-head q/k RMSNorm is our qk_norm), and writes a workdir
+for `focaljax.load`: config.json (configs/base.py's layout; data.seq_len =
+max_position_embeddings), the tokenizer files and an Orbax `params` item at checkpoints/0 in the
+source dtype.
 """
 
 from __future__ import annotations
@@ -28,47 +30,85 @@ from focaljax.model import decoder as model_lib
 from focaljax.train import checkpoint
 
 
-def _rope(hf: dict) -> float:
-  """rope_theta, accepting transformers 4 (rope_theta/rope_scaling) and 5 (rope_parameters)."""
+_LLAMA3 = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def _rope(hf: dict) -> tuple[float, dict | None]:
+  """(rope_theta, the "llama3" scaling fields or None), accepting transformers 4
+  (rope_theta/rope_scaling) and 5 (rope_parameters)."""
   params = hf.get("rope_parameters") or {}
   theta = hf.get("rope_theta", params.get("rope_theta", 10000.0))
   scaling = hf.get("rope_scaling") or params
   kind = scaling.get("rope_type", scaling.get("type", "default"))
   field = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+  llama3 = None
   if kind == "dynamic":
     # Ours: θ·(L/T)^(D/(D-2)) past T; HF's dynamic NTK is the same formula when factor == 1.
     if scaling.get("factor", 1.0) != 1.0:
       warnings.warn(f"config.json {field}.factor={scaling['factor']}: focaljax's dynamic NTK "
                     "uses factor 1; logits past max_position_embeddings will differ")
+  elif kind == "llama3":
+    for key in _LLAMA3:
+      if not isinstance(scaling.get(key), (int, float)) or scaling[key] <= 0:
+        raise ValueError(f"config.json {field}.{key}={scaling.get(key)!r}: rope_type 'llama3' "
+                         "needs a number > 0")
+    llama3 = {k: (int if k.startswith("original") else float)(scaling[k]) for k in _LLAMA3}
   elif kind not in (None, "default"):
-    raise ValueError(f"config.json {field}.rope_type={kind!r}: only 'default' and 'dynamic' "
-                     "map onto focaljax's RoPE")
+    raise ValueError(f"config.json {field}.rope_type={kind!r}: only 'default', 'dynamic' and "
+                     "'llama3' map onto focaljax's RoPE")
   if hf.get("partial_rotary_factor", 1.0) != 1.0:
     raise ValueError(f"config.json partial_rotary_factor={hf['partial_rotary_factor']}: "
                      "focaljax rotates the whole head dimension")
-  return float(theta)
+  return float(theta), llama3
 
 
-def _check_hf(hf: dict) -> None:
+def _window(hf: dict, arch: str) -> int:
+  """The sliding window of every layer (0: none). Mistral's is on unless null; Qwen's only with
+  use_sliding_window, in the layers layer_types (or max_window_layers) makes sliding; LlamaConfig
+  has none, so transformers ignores the field."""
+  window = hf.get("sliding_window")
+  if not window or arch == "llama" or (arch != "mistral" and not hf.get("use_sliding_window")):
+    return 0
+  kinds = set(hf.get("layer_types") or [
+      "sliding_attention" if arch == "mistral" or i >= hf.get("max_window_layers", 28)
+      else "full_attention" for i in range(hf["num_hidden_layers"])])
+  if kinds == {"full_attention"}:
+    return 0
+  if kinds != {"sliding_attention"}:
+    raise ValueError(f"config.json layer_types={sorted(kinds)}: focaljax applies sliding_window="
+                     f"{window} to every layer or to none")
+  if not isinstance(window, int) or window < 0:
+    raise ValueError(f"config.json sliding_window={window!r}: a positive integer or null")
+  return window
+
+
+def _arch(hf: dict) -> str:
+  """_ARCHS's short name of the model class config.json names."""
   if not isinstance(hf, dict):
     raise ValueError("config.json is not a JSON object")
   arch = (hf.get("architectures") or ["LlamaForCausalLM"])[0]
   if arch not in _ARCHS:
     raise ValueError(f"config.json architectures={arch!r} is not one of {list(_ARCHS)}")
+  return _ARCHS[arch]
+
+
+def _check_hf(hf: dict) -> str:
+  """Refuses what cannot be imported, naming the field; returns _arch(hf)."""
+  arch = _arch(hf)
   for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                 "num_attention_heads", "max_position_embeddings"):
     if not isinstance(hf.get(field), int) or hf[field] <= 0:
       raise ValueError(f"config.json {field}={hf.get(field)!r}: a positive integer is required")
-  for field in ("attention_bias", "mlp_bias"):
-    if hf.get(field):
-      raise ValueError(f"config.json {field}=true: focaljax layers have no biases")
+  if hf.get("attention_bias"):
+    raise ValueError("config.json attention_bias=true: focaljax has q/k/v biases (Qwen2's) but "
+                     "none on o_proj")
+  if hf.get("mlp_bias"):
+    raise ValueError("config.json mlp_bias=true: focaljax's MLP has no biases")
   if hf.get("hidden_act", "silu") != "silu":
     raise ValueError(f"config.json hidden_act={hf['hidden_act']!r}: our MLP is SwiGLU (silu)")
-  # Mistral's window is on unless sliding_window is null; Qwen's only with use_sliding_window.
-  window = hf.get("sliding_window") if hf.get("use_sliding_window") is not False else None
-  if window and "sliding_attention" in (hf.get("layer_types") or ["sliding_attention"]):
-    raise ValueError(f"config.json sliding_window={window}: focaljax attends to the full prefix "
-                     "and has no sliding window, so logits past the window would differ")
+  _window(hf, arch)
+  _rope(hf)
+  return arch
 
 
 def _base_config():
@@ -87,8 +127,7 @@ def _base_config():
 
 def hf_config_to_focaljax(hf: dict, tensors=()):
   """A full run ConfigDict (configs/base.py layout) for the HF model config `hf`."""
-  _check_hf(hf)
-  c = _base_config()
+  arch, (theta, llama3), c = _check_hf(hf), _rope(hf), _base_config()
   heads = hf["num_attention_heads"]
   tied = hf.get("tie_word_embeddings", "lm_head.weight" not in tensors)
   if not tied and tensors and "lm_head.weight" not in tensors:
@@ -98,7 +137,10 @@ def hf_config_to_focaljax(hf: dict, tensors=()):
       num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
       head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, d_ff=hf["intermediate_size"],
       tie_embeddings=bool(tied), qk_norm="model.layers.0.self_attn.q_norm.weight" in tensors,
-      rope_theta=_rope(hf), norm_eps=float(hf.get("rms_norm_eps", 1e-6))))
+      qkv_bias=arch == "qwen2", sliding_window=_window(hf, arch), rope_theta=theta,
+      norm_eps=float(hf.get("rms_norm_eps", 1e-6))))
+  if llama3:
+    c.model.rope_scaling.update(llama3)
   c.model.attention.pattern = "softmax:rope"
   c.data.seq_len = hf["max_position_embeddings"]
   return c
@@ -110,12 +152,9 @@ def hf_to_focaljax(hf_dir: str, out_dir: str, *, replace: bool = False) -> str:
   hf = _read_json(os.path.join(hf_dir, "config.json"))
   _check_hf(hf)
   tensors = safetensors_file.read_dir(hf_dir)
-  biases = [n for n in tensors if n.endswith(".bias")]
-  if biases:
-    raise ValueError(f"tensor {biases[0]} (and {len(biases) - 1} more): focaljax's linear layers "
-                     "have no biases, so checkpoints with biases (e.g. Qwen2) are not supported")
   run_config = hf_config_to_focaljax(hf, tensors)
-  run_config.data.tokenizer = os.path.abspath(os.path.join(out_dir, checkpoint.TOKENIZER_FILE))
+  run_config.data.tokenizer = str(epath.Path(config_lib.absolute(out_dir)) /
+                                  checkpoint.TOKENIZER_FILE)
   cfg = config_lib.parse(run_config).with_vocab(hf["vocab_size"]).model
   # The exact tree load() restores into, as ShapeDtypeStructs: its keys and shapes are the spec.
   want = traverse_util.flatten_dict(nnx.to_pure_dict(model_lib.abstract_model(cfg)[1]))
@@ -144,7 +183,7 @@ def hf_to_focaljax(hf_dir: str, out_dir: str, *, replace: bool = False) -> str:
   if not os.path.isfile(tok_file):
     raise FileNotFoundError(f"{tok_file} not found: a fast tokenizer (tokenizer.json) is required")
   _out_dir(out_dir, hf_dir, replace, clear=True)
-  os.makedirs(out_dir, exist_ok=True)
+  epath.Path(out_dir).mkdir(parents=True, exist_ok=True)
   checkpoint.write_config(out_dir, run_config)
   # tokenizer_config.json names the eos (LLaMA's "</s>"); focaljax.load's Tokenizer reads it.
   _copy_tokenizer(tok_file, out_dir, eos)
@@ -161,7 +200,7 @@ def _save_params(out_dir: str, params: dict, meta: dict):
   registry = ocp.type_handlers.create_type_handler_registry(
       (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False)))
   manager = ocp.CheckpointManager(
-      epath.Path(out_dir).absolute() / "checkpoints",
+      epath.Path(config_lib.absolute(out_dir)) / "checkpoints",
       item_handlers={"params": ocp.PyTreeCheckpointHandler(type_handler_registry=registry,
                                                            use_compression=False),
                      "meta": ocp.JsonCheckpointHandler()},

@@ -71,6 +71,7 @@ class AttentionConfig:
   tau_mean: TauMean = TauMean.CAUSAL
   eps: float = 1e-9                 # dilution ε
   checkpoint_rows: int | None = None  # dilution, Pallas; None: the kernels' default
+  sliding_window: int | None = None   # softmax/focal: query t sees keys t-W < s <= t (Mistral)
 
 
 def parse_pattern(pattern: str, num_layers: int) -> tuple[LayerSpec, ...]:
@@ -116,7 +117,7 @@ def _scale_focal(cfg: AttentionConfig, head_dim: int, tau_BT):
 
 def _attend_softmax(cfg, q, k, v, scale, segment_ids):
   return ops.focal_attention(q, k, v, scale=scale, causal=True, segment_ids=segment_ids,
-                             implementation=cfg.implementation)
+                             implementation=cfg.implementation, window=cfg.sliding_window)
 
 
 def _attend_dilution(cfg, q, k, v, scale, segment_ids):
@@ -137,7 +138,10 @@ def _cached_softmax(cfg, q_BTND, cache, scale, start):
   if jnp.ndim(scale):  # a learned τ: [B, 1, 1] for this single query
     scale = jnp.broadcast_to(scale, (B, 1, 1))[..., None]
   logits = logits * scale
-  logits = jnp.where(jnp.arange(S) <= start, logits, -jnp.inf)
+  visible_S = jnp.arange(S) <= start
+  if cfg.sliding_window:
+    visible_S &= jnp.arange(S) > start - cfg.sliding_window
+  logits = jnp.where(visible_S, logits, -jnp.inf)
   probs = jax.nn.softmax(logits, axis=-1)
   out = jnp.einsum("BKGS,BSKD->BKGD", probs, v.astype(jnp.float32))
   return out.reshape(B, 1, N, D).astype(q_BTND.dtype), cache
@@ -165,12 +169,13 @@ class Family:
   attend: callable     # (cfg, q, k, v, scale, segment_ids) -> out        (training / full forward)
   cached: callable     # (cfg, q, cache, scale, start) -> (out, cache)   (generation)
   demand: bool         # the cache carries a float32 running demand per key and head
+  window: bool         # honours sliding_window (dilution's demand spans the whole prefix)
 
 
 FAMILY: dict[Variant, Family] = {
-    Variant.SOFTMAX: Family(_scale_softmax, _attend_softmax, _cached_softmax, demand=False),
-    Variant.FOCAL: Family(_scale_focal, _attend_softmax, _cached_softmax, demand=False),
-    Variant.DILUTION: Family(_scale_softmax, _attend_dilution, _cached_dilution, demand=True),
+    Variant.SOFTMAX: Family(_scale_softmax, _attend_softmax, _cached_softmax, False, True),
+    Variant.FOCAL: Family(_scale_focal, _attend_softmax, _cached_softmax, False, True),
+    Variant.DILUTION: Family(_scale_softmax, _attend_dilution, _cached_dilution, True, False),
 }
 
 _NATURAL_POSITION = {Variant.SOFTMAX: Position.ROPE, Variant.FOCAL: Position.ROPE,

@@ -3,13 +3,13 @@
 Einsum letters: B batch, T positions, S key positions, E d_model, F d_ff, N query heads,
 K kv heads, D head dim, V vocabulary.
 
-Pre-RMSNorm blocks, SwiGLU MLP, no biases, optional tied embeddings, grouped-query attention,
-optional QK-norm, rotary embeddings (per-layer `rope` or `none`) with dynamic NTK scaling past the
-trained context. Every parameter carries logical axis names in its `axes` metadata
-(`focaljax.sharding.RULES` maps them to mesh axes). The model knows no variant names: each layer
-gets its `attention.Family` from `attention.FAMILY`. `focaljax.dispatch` picks, per platform, the
-glue passes: QK-norm + RoPE, the SwiGLU activation (mlp.py), the residual add with the norm after
-it (add_norm.py).
+Pre-RMSNorm blocks, SwiGLU MLP, optional q/k/v biases (Qwen2), optional tied embeddings,
+grouped-query attention, optional QK-norm, rotary embeddings (per-layer `rope` or `none`,
+optionally Llama 3 scaled) with dynamic NTK scaling past the trained context. Every parameter
+carries logical axis names in its `axes` metadata (`focaljax.sharding.RULES` maps them to mesh
+axes). The model knows no variant names: each layer gets its `attention.Family` from
+`attention.FAMILY`. `focaljax.dispatch` picks, per platform, the glue passes: QK-norm + RoPE, the
+SwiGLU activation (mlp.py), the residual add with the norm after it (add_norm.py).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from focaljax.model import add_norm as add_norm_lib
 from focaljax.model import attention as attn_lib
 from focaljax.model import mlp as mlp_lib
 # Re-exported: focus, the tests and conversions call these as decoder.<name>.
-from focaljax.model.norm_rope import (_rms_norm, apply_rope, qk_norm_rope, rms_norm,  # noqa: F401
-                                      rope_tables)
+from focaljax.model.norm_rope import (Llama3Scaling, _rms_norm, apply_rope,  # noqa: F401
+                                      qk_norm_rope, rms_norm, rope_tables)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +43,9 @@ class ModelConfig:
   attention: attn_lib.AttentionConfig
   tie_embeddings: bool = False
   qk_norm: bool = False
+  qkv_bias: bool = False            # biases on q, k and v (Qwen2), none on o
   rope_theta: float = 10000.0
+  rope_scaling: Llama3Scaling | None = None
   norm_eps: float = 1e-5
   remat: bool = False
   # What each block's backward keeps when remat is on (REMAT_POLICIES); the rest is recomputed.
@@ -102,7 +104,6 @@ def rope_theta(cfg: ModelConfig, length: int | None) -> float:
   return cfg.rope_theta * (length / cfg.max_seq_len) ** (D / (D - 2))
 
 
-
 def _segment_bounds(segment_ids_BT, T):
   """Index of each token's document start and end within its row."""
   t = jnp.arange(T)
@@ -143,6 +144,10 @@ class Attention(nnx.Module):
     self.wk = _param(rngs, (E, K, D), E**-0.5, ("embed", "kv_heads", "head_dim"))
     self.wv = _param(rngs, (E, K, D), E**-0.5, ("embed", "kv_heads", "head_dim"))
     self.wo = _param(rngs, (N, D, E), std_out, ("heads", "head_dim", "embed"))
+    if cfg.qkv_bias:
+      self.bq = nnx.Param(jnp.zeros((N, D), jnp.float32), axes=("heads", "head_dim"))
+      self.bk = nnx.Param(jnp.zeros((K, D), jnp.float32), axes=("kv_heads", "head_dim"))
+      self.bv = nnx.Param(jnp.zeros((K, D), jnp.float32), axes=("kv_heads", "head_dim"))
     if cfg.qk_norm:
       self.q_norm = RMSNorm(D, cfg.norm_eps, ("head_dim",))
       self.k_norm = RMSNorm(D, cfg.norm_eps, ("head_dim",))
@@ -155,17 +160,19 @@ class Attention(nnx.Module):
     q = jnp.einsum("BTE,END->BTND", x_BTE, self.wq[...].astype(dt))
     k = jnp.einsum("BTE,EKD->BTKD", x_BTE, self.wk[...].astype(dt))
     v = jnp.einsum("BTE,EKD->BTKD", x_BTE, self.wv[...].astype(dt))
-    rope = self.spec.position is attn_lib.Position.ROPE
+    if self.cfg.qkv_bias:
+      q, k, v = (y + b[...].astype(dt) for y, b in ((q, self.bq), (k, self.bk), (v, self.bv)))
+    rope, scaling = self.spec.position is attn_lib.Position.ROPE, self.cfg.rope_scaling
     glue = dispatch.choose("qk_norm_rope", head_dim=self.cfg.head_dim)
     if self.cfg.qk_norm and rope and glue.implementation == "pallas":
-      cos_BTd, sin_BTd = rope_tables(positions_BT, theta, self.cfg.head_dim)
+      cos_BTd, sin_BTd = rope_tables(positions_BT, theta, self.cfg.head_dim, scaling)
       q = qk_norm_rope(q, self.q_norm.scale[...], cos_BTd, sin_BTd, self.q_norm.eps, glue.interpret)
       k = qk_norm_rope(k, self.k_norm.scale[...], cos_BTd, sin_BTd, self.k_norm.eps, glue.interpret)
       return q, k, v
     if self.cfg.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
     if rope:
-      q, k = apply_rope(q, positions_BT, theta), apply_rope(k, positions_BT, theta)
+      q, k = (apply_rope(y, positions_BT, theta, scaling) for y in (q, k))
     return q, k, v
 
   def _tau_a(self, x_BTE):
@@ -354,6 +361,7 @@ def param_count(cfg: ModelConfig) -> int:
   E, F, N, K, D, V, L = (cfg.d_model, cfg.d_ff, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                          cfg.vocab_size, cfg.num_layers)
   per_layer = E * D * (2 * N + 2 * K) + 3 * E * F + 2 * E + (2 * D if cfg.qk_norm else 0)
+  per_layer += (N + 2 * K) * D if cfg.qkv_bias else 0
   learned = sum(E for s in cfg.attention.layers if attn_lib.uses_learned_tau(cfg.attention, s))
   return V * E * (1 if cfg.tie_embeddings else 2) + L * per_layer + E + learned
 

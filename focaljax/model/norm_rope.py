@@ -7,6 +7,8 @@ Einsum letters as in decoder.py: B batch, T positions, N heads, D head dim, d = 
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -54,16 +56,35 @@ def _rms_norm_bwd(eps, res, g):
 rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 
 
-def rope_tables(positions_BT, theta, D: int):
-  """cos, sin [B, T, D/2] float32 of the angles p·θ^(-2i/D): the one place the formula lives."""
-  inv_freq = theta ** (-jnp.arange(0, D, 2, dtype=jnp.float32) / D)
-  angle_BTd = positions_BT[..., None].astype(jnp.float32) * inv_freq
+@dataclasses.dataclass(frozen=True)
+class Llama3Scaling:
+  """Llama 3.1's RoPE frequencies (HF rope_type "llama3"): wavelengths longer than
+  original_max_position_embeddings / low_freq_factor are stretched by `factor`, those shorter
+  than original_max_position_embeddings / high_freq_factor are kept, and the band between is
+  interpolated linearly in original_max_position_embeddings / wavelength."""
+  factor: float
+  low_freq_factor: float
+  high_freq_factor: float
+  original_max_position_embeddings: int
+
+
+def rope_tables(positions_BT, theta, D: int, scaling: Llama3Scaling | None = None):
+  """cos, sin [B, T, D/2] float32 of the angles p·f_i, f_i = θ^(-2i/D) (Llama 3 scaled with
+  `scaling`): the one place the formula lives."""
+  inv_freq_d = theta ** (-jnp.arange(0, D, 2, dtype=jnp.float32) / D)
+  if scaling is not None:
+    s = scaling
+    periods_d = s.original_max_position_embeddings * inv_freq_d / (2 * jnp.pi)
+    smooth_d = jnp.clip((periods_d - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor),
+                        0.0, 1.0)
+    inv_freq_d = inv_freq_d * ((1 - smooth_d) / s.factor + smooth_d)
+  angle_BTd = positions_BT[..., None].astype(jnp.float32) * inv_freq_d
   return jnp.cos(angle_BTd), jnp.sin(angle_BTd)
 
 
-def apply_rope(x_BTND, positions_BT, theta: float):
+def apply_rope(x_BTND, positions_BT, theta: float, scaling: Llama3Scaling | None = None):
   """Rotate-half RoPE (the LLaMA / Hugging Face convention, so imported weights agree)."""
-  cos_BTd, sin_BTd = rope_tables(positions_BT, theta, x_BTND.shape[-1])
+  cos_BTd, sin_BTd = rope_tables(positions_BT, theta, x_BTND.shape[-1], scaling)
   return nr.rotate_half(x_BTND.astype(jnp.float32), cos_BTd, sin_BTd).astype(x_BTND.dtype)
 
 

@@ -7,6 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from configs import base
+from focaljax import config as config_lib
 from focaljax.model import attention as A
 from focaljax.model import decoder as M
 from focaljax import ops
@@ -135,3 +137,29 @@ def test_pattern_parsing_and_errors():
   with pytest.raises(ValueError, match="unknown position mode 'alibi'"):
     A.parse_pattern("softmax:alibi", 2)
 
+
+
+def test_sliding_window_sees_the_last_w_keys_and_keeps_the_temperature():
+  """Query t sees keys t-W < s <= t: by gradient none further back; W >= T is plain causal; W = 1
+  is v itself. A per-query focal scale still applies inside the window."""
+  q, k, v = _qkv(3)
+  scale = jax.random.uniform(jax.random.key(4), (2, 1, 12), minval=0.1, maxval=0.5)
+  attend = functools.partial(ops.focal_attention, scale=scale)
+  t, W = 9, 4
+  for g in jax.grad(lambda k, v: attend(q, k, v, window=W)[:, t].sum(), argnums=(0, 1))(k, v):
+    np.testing.assert_array_equal(g[:, : t - W + 1], 0)
+    np.testing.assert_array_equal(g[:, t + 1:], 0)
+    assert np.abs(g[:, t - W + 1: t + 1]).min(axis=(0, 2, 3)).all()
+  np.testing.assert_allclose(attend(q, k, v, window=12), attend(q, k, v), rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(attend(q, k, v, window=1), jnp.repeat(v, 2, axis=2), rtol=1e-6)
+  assert np.abs(attend(q, k, v, window=W) - ops.focal_attention(q, k, v, scale=0.3, window=W)
+                ).max() > 1e-3
+
+
+def test_sliding_window_is_refused_for_dilution_layers():
+  c = base.get_config("pattern=softmax:rope,dilution:none")
+  c.model.sliding_window = 16
+  with pytest.raises(config_lib.ConfigError, match="model.sliding_window: 16 needs softmax/focal"):
+    config_lib.validate(c)
+  c.model.attention.pattern = "focal"
+  config_lib.validate(c)

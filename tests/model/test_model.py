@@ -3,6 +3,8 @@ the custom backward passes (RMSNorm, QK-norm + RoPE, the vocabulary projection) 
 and the model with the glue passes (QK-norm + RoPE, the residual add + RMSNorm) in Pallas against
 the plain XLA path (interpreted on CPU, compiled on a GPU: -m gpu)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,7 +29,7 @@ def _cfg(pattern="softmax", **kw):
   return M.ModelConfig(**base)
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(tie_embeddings=True, qk_norm=True),
+@pytest.mark.parametrize("kw", [dict(), dict(tie_embeddings=True, qk_norm=True, qkv_bias=True),
                                 dict(pattern="focal", learned=True, num_layers=3)])
 def test_param_count_matches_formula(kw):
   cfg = _cfg(**kw)
@@ -35,10 +37,18 @@ def test_param_count_matches_formula(kw):
   assert sum(x.size for x in jax.tree.leaves(params)) == M.param_count(cfg)
 
 
-@pytest.mark.parametrize("pattern,learned", [("softmax:rope", False), ("focal", True),
-                                             ("softmax:rope,dilution:none", False)])
-def test_cached_generation_reproduces_full_forward(pattern, learned):
-  cfg = _cfg(pattern, learned=learned, num_layers=2, qk_norm=True)
+_LLAMA3 = M.Llama3Scaling(factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=64)
+
+
+@pytest.mark.parametrize("pattern,learned,kw", [
+    ("softmax:rope", False, {}), ("focal", True, {}), ("softmax:rope,dilution:none", False, {}),
+    ("focal", True, dict(sliding_window=4, qkv_bias=True, rope_scaling=_LLAMA3))])
+def test_cached_generation_reproduces_full_forward(pattern, learned, kw):
+  window = kw.pop("sliding_window", None)
+  cfg = _cfg(pattern, learned=learned, num_layers=2, qk_norm=True, **kw)
+  cfg = dataclasses.replace(cfg, attention=dataclasses.replace(cfg.attention,
+                                                               sliding_window=window))
   model = M.Transformer(cfg, nnx.Rngs(1))
   tokens = jax.random.randint(jax.random.key(2), (2, 14), 0, 96)
   full = model(tokens, rope_length=14)
@@ -64,6 +74,23 @@ def test_remat_changes_nothing(policy):
   l1, g1 = jax.value_and_grad(lambda p: loss(graphdef_r, p))(params)
   np.testing.assert_allclose(l0, l1, rtol=1e-6)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), g0, g1)
+
+
+def test_llama3_scaling_keeps_short_wavelengths_and_stretches_long_ones():
+  """Wavelengths 2π/f under original/high_freq_factor (16 positions) keep f, those over
+  original/low_freq_factor (64) get f/factor, and factor 1 changes nothing."""
+  positions, D = jnp.ones((1, 1)), 64
+  plain = jnp.arctan2(*M.rope_tables(positions, 10000.0, D)[::-1])[0, 0]
+  scaled = jnp.arctan2(*M.rope_tables(positions, 10000.0, D, _LLAMA3)[::-1])[0, 0]
+  wavelength = 2 * np.pi / plain
+  np.testing.assert_allclose(scaled[wavelength < 16], plain[wavelength < 16], rtol=1e-6)
+  np.testing.assert_allclose(scaled[wavelength > 64], plain[wavelength > 64] / 4, rtol=1e-6)
+  middle = (wavelength > 16) & (wavelength < 64)
+  assert middle.any() and (scaled[middle] < plain[middle]).all()
+  assert (scaled[middle] > plain[middle] / 4).all()
+  unit = dataclasses.replace(_LLAMA3, factor=1.0)
+  np.testing.assert_allclose(M.rope_tables(positions, 10000.0, D, unit)[0],
+                             M.rope_tables(positions, 10000.0, D)[0], rtol=1e-6)
 
 
 def test_dynamic_ntk_only_past_trained_context():
