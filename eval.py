@@ -11,12 +11,11 @@
 Suites: val, longdoc, passkey, keyword, copy, attention, sample (default: all). Long documents:
 --books, else the validation split's documents concatenated (the output says which).
 
-FocusLLM suites (focaljax/focus/evaluate.py, passkey.py): focus_passkey, focus_longdoc, on the
-base --workdir with the adapter --focus_adapter (a FocusLLM run workdir: its latest checkpoint;
-or one of its checkpoints/<step>); the default suites with --focus_adapter are these two. Their
-JSON goes under the run's eval/ (eval/adapter_<step> for an explicit step). --max_multiplier
-(default 32 for them), --passkey_seeds (default 10 for them), --max_books and --books apply to
-them too. Runs from before Orbax adapter checkpoints: python -m focaljax.focus.adapter RUN.
+FocusLLM suites (focaljax/focus/evaluate.py): focus_passkey, focus_longdoc, on the base --workdir
+with the adapter --focus_adapter (a FocusLLM run workdir: its latest checkpoint; or one of its
+checkpoints/<step>); the default suites with --focus_adapter are these two. Their JSON goes under
+the run's eval/ (eval/adapter_<step> for an explicit step). --max_multiplier (default 32 for
+them), --passkey_seeds (default 10 for them), --max_books and --books apply to them too.
 
 Exit status: 0 done; 2 bad input (flags, a missing workdir or file, bad data): one line
 `error: ...`, no traceback.
@@ -59,14 +58,12 @@ _FOCUS_CHUNK_SIZE = flags.DEFINE_integer("focus_chunk_size", None,
 _FOCUS_PROMPT_LEN = flags.DEFINE_integer(
     "focus_prompt_len", None, "dynamic prompt: the last min(this, chunk size) window tokens "
     "appended to every chunk; default: the run's focus.eval_prompt_len, else the trained one")
-_FOCUS_IMPLEMENTATION = flags.DEFINE_enum("focus_implementation", None, ["xla", "pallas"],
+_FOCUS_IMPLEMENTATION = flags.DEFINE_enum("focus_implementation", None,
+                                          ["auto", "xla", "pallas"],
                                           "candidate/local attention; default: the adapter's")
 _FOCUS_PASSKEY_BATCH = flags.DEFINE_integer(
     "focus_passkey_batch", 1, "focus_passkey trials per generate call (each holds its own chunk "
     "caches: at 100x a 1K context, several GB in bfloat16 for a 100M base)")
-_FOCUS_PASSKEY_FILLER = flags.DEFINE_enum(
-    "focus_passkey_filler", "grass", ["grass", "books"], "focus_passkey filler: the official "
-    "grass/sky/sun sentences, or the first of --books (a diagnostic: varied filler chunks)")
 _FOCUS_DTYPE = flags.DEFINE_enum("focus_dtype", "float32", ["float32", "bfloat16"],
                                  "cast base and adapter for the FocusLLM suites")
 
@@ -123,8 +120,7 @@ def run():
         local_len=_FOCUS_LOCAL_LEN.value, chunk_size=_FOCUS_CHUNK_SIZE.value,
         prompt_len=_FOCUS_PROMPT_LEN.value, implementation=_FOCUS_IMPLEMENTATION.value,
         dtype=_FOCUS_DTYPE.value,
-        passkey_batch=_FOCUS_PASSKEY_BATCH.value, passkey_filler=_FOCUS_PASSKEY_FILLER.value,
-        out_dir=_OUT_DIR.value)
+        passkey_batch=_FOCUS_PASSKEY_BATCH.value, out_dir=_OUT_DIR.value)
 
 
 if __name__ == "__main__":

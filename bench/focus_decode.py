@@ -21,7 +21,7 @@ prefill, which also yields the first new token's logits) and tok_per_s = batch x
 / decode_s, the seconds of the new_tokens - 1 steps after it (block_until_ready at the end).
 peak_GiB is the device's peak_bytes_in_use (None on CPU); with --isolate (default unless --smoke)
 every entry runs in a fresh process so the peak is its own, otherwise it is the process peak so
-far. candidates.frozen_prefill allocates the chunk caches in the base's dtype (--dtype); the focus
+far. focus.frozen_prefill allocates the chunk caches in the base's dtype (--dtype); the focus
 modes' chunk prefill runs the base with --chunk_attention (default xla; cudnn needs 16-bit).
 """
 
@@ -42,7 +42,6 @@ from flax import nnx
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from configs import base as base_config  # pylint: disable=wrong-import-position
 from focaljax import config as config_lib  # pylint: disable=wrong-import-position
-from focaljax.focus import candidates as cand_lib  # pylint: disable=wrong-import-position
 from focaljax.focus import model as focus  # pylint: disable=wrong-import-position
 from focaljax.focus import evaluate as focus_eval  # pylint: disable=wrong-import-position
 from focaljax.focus import generate as focus_generate  # pylint: disable=wrong-import-position
@@ -109,10 +108,9 @@ def _seq_fns(graphdef, cfg, T, new):
   def step_one(base_state, adapter, caches, prev_B, token_B, pos):
     base = nnx.merge(graphdef, base_state)
     theta = base.cfg.rope_theta
-    caches = cand_lib.frozen_step(base, caches, prev_B, pos, theta)
-    _, kv = cand_lib.candidates(adapter, base, caches, token_B[:, None],
-                                jnp.full((token_B.shape[0], 1), pos + 1), theta,
-                                implementation=impl)
+    caches = focus.frozen_step(base, caches, prev_B[:, None], pos, theta)
+    _, kv = focus.candidates(adapter, base, caches, token_B[:, None],
+                             jnp.full((token_B.shape[0], 1), pos + 1), theta, implementation=impl)
     return caches, [(k[:, :1], v[:, :1]) for k, v in kv]
 
   @jax.jit

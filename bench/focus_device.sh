@@ -131,7 +131,7 @@ if [ "${INIT_LIMIT:-0}" != 0 ]; then
   rm -rf "$ROOT/focus_init"
   python3 -c "import sys
 from focaljax.evaluation import loading
-from focaljax.focus import adapter, model as focus
+from focaljax.focus import model as focus, train as adapter
 from focaljax.train import checkpoint
 m = loading.load(sys.argv[1])
 cfg = focus.FocusConfig(int(sys.argv[3]), prompt_len=int(sys.argv[4]), implementation=sys.argv[5],
@@ -221,7 +221,7 @@ for seed in ${FOCUS_SEEDS:-"${FOCUS_SEED:-}"}; do
       --books $C/longeval.jsonl.xz --focus_dtype "${DTYPE:-bfloat16}" \
       --focus_multipliers "${MULTS:-2,8,32,100}" --passkey_seeds "${SEEDS:-10}" \
       --max_multiplier "${MAXMULT:-32}" --max_books "${MAXBOOKS:-8}" \
-      --focus_passkey_batch "${PK_BATCH:-1}" --focus_passkey_filler "${FILLER:-grass}" \
+      --focus_passkey_batch "${PK_BATCH:-1}" \
       ${EVAL_SUITES:+--suites=$EVAL_SUITES} ${pargs[@]+"${pargs[@]}"} \
       2>&1 | quiet > "$OUT/eval_focus$sfx$ptag.log"
     tail -n 16 "$OUT/eval_focus$sfx$ptag.log" 2>/dev/null

@@ -37,14 +37,14 @@ def get_config(arg=None):
       local_len=512,            # local-window tokens the frozen decoder reads (<= base context)
       num_targets=16,           # supervised query points per sample: the window's last tokens
       retrieval_mix=0.0,        # share of continuation samples turned into passkey drills
-      implementation="xla",     # candidate/local attention: "xla" (einsum spec) | "pallas"
-                                # (pallas_kernels/condense: faster on GPUs; interpreted on CPU)
+      implementation="auto",    # candidate/local attention: "auto" (the kernels on GPUs, else
+                                # the einsum spec) | "xla" | "pallas" (interpreted on CPU)
       # The candidate's own forward: "adapter" (the paper's: its own q/k/v/o train) | "frozen"
       # (the base's; the adapter's wk/wv only map it to the local decoder's keys/values: over
-      # small bases it leaves the answer prior reliably, focaljax/focus/candidates.py).
+      # small bases it leaves the answer prior reliably, docs/focusllm.md).
       candidate_path="adapter",
       base_attention="xla",     # the frozen base's own attention: "xla" | "pallas", whatever it
-                                # was trained with (cuDNN wants 16-bit q/k/v; focus/adapter.py)
+                                # was trained with (cuDNN wants 16-bit q/k/v)
   ))
   c.data.global_batch = 8       # the paper's; the local decoder runs global_batch·num_targets rows
   c.train.eval_every = 0        # FocusLLM runs have no validation loop (eval.py evaluates them)

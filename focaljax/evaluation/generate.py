@@ -1,14 +1,6 @@
-"""Running a model outside training: full-forward logits and per-token NLL, and KV-cached decoding.
-
-Every function takes an nnx `Transformer` and splits it once into (graphdef, state); the jitted
-cores take the graphdef as a static argument, so each shape compiles once and is reused across
-calls and across models of the same architecture.
-
-Decoding: one jitted prefill of the prompt into `model.init_cache`, then one jitted
-`jax.lax.fori_loop` over the new tokens (`model.forward_cached` with T == 1). Dilution layers carry
-their running demand in the cache and learned-τ layers their prefix sum, so cached decoding equals
-recomputing the whole forward at every step (tests/evaluation/test_generate.py checks this).
-"""
+"""Running a model outside training: logits, per-token NLL and KV-cached decoding (which equals
+recomputing: dilution layers cache their running demand, learned-τ layers their prefix sum). The
+jitted cores take the graphdef as a static argument: one compile per shape and architecture."""
 
 from __future__ import annotations
 
@@ -19,57 +11,47 @@ import jax.numpy as jnp
 from flax import nnx
 
 
-def _split(model):
-  graphdef, state = nnx.split(model)
-  return graphdef, state
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "rope_length", "dtype"))
-def _logits(graphdef, state, tokens_BT, positions_BT, segment_ids_BT, rope_length, dtype):
+@functools.partial(jax.jit, static_argnames=("graphdef", "rope_length", "dtype", "tail"))
+def _apply(graphdef, state, tokens_BT, targets_BT, positions_BT, segment_ids_BT, rope_length,
+           dtype, tail):
+  """Logits; with targets their NLL; with `tail` the last positions' log-softmax (only what is
+  asked for leaves the device)."""
   model = nnx.merge(graphdef, state)
-  return model(tokens_BT, positions_BT=positions_BT, segment_ids_BT=segment_ids_BT,
-               rope_length=rope_length, dtype=dtype)
+  logits_BTV = model(tokens_BT, positions_BT=positions_BT, segment_ids_BT=segment_ids_BT,
+                     rope_length=rope_length, dtype=dtype)
+  if tail:
+    return jax.nn.log_softmax(logits_BTV[:, -tail:], axis=-1)
+  if targets_BT is None:
+    return logits_BTV
+  target_BT = jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
+  return jax.nn.logsumexp(logits_BTV, axis=-1) - target_BT
+
+
+def _run(model, tokens_BT, targets_BT=None, *, positions_BT=None, segment_ids_BT=None,
+         rope_length=None, dtype=jnp.float32, tail=0):
+  graphdef, state = nnx.split(model)
+  targets_BT = None if targets_BT is None else jnp.asarray(targets_BT, jnp.int32)
+  return _apply(graphdef, state, jnp.asarray(tokens_BT, jnp.int32), targets_BT, positions_BT,
+                segment_ids_BT, rope_length, dtype, tail)
 
 
 def logits(model, tokens_BT, *, positions_BT=None, segment_ids_BT=None, rope_length=None,
            dtype=jnp.float32) -> jax.Array:
   """float32 [B, T, V]. `rope_length` defaults to T: RoPE NTK-scales past the trained context."""
-  graphdef, state = _split(model)
-  return _logits(graphdef, state, jnp.asarray(tokens_BT, jnp.int32), positions_BT, segment_ids_BT,
-                 rope_length, dtype)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "rope_length", "dtype"))
-def _token_nll(graphdef, state, inputs_BT, targets_BT, positions_BT, segment_ids_BT, rope_length,
-               dtype):
-  model = nnx.merge(graphdef, state)
-  logits_BTV = model(inputs_BT, positions_BT=positions_BT, segment_ids_BT=segment_ids_BT,
-                     rope_length=rope_length, dtype=dtype)
-  # Only [B, T] leaves the device: long passes never copy [B, T, V] logits to the host.
-  target_BT = jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
-  return jax.nn.logsumexp(logits_BTV, axis=-1) - target_BT
+  return _run(model, tokens_BT, positions_BT=positions_BT, segment_ids_BT=segment_ids_BT,
+              rope_length=rope_length, dtype=dtype)
 
 
 def token_nll(model, inputs_BT, targets_BT, *, positions_BT=None, segment_ids_BT=None,
               rope_length=None, dtype=jnp.float32) -> jax.Array:
   """Teacher-forced negative log-likelihood of each target, float32 [B, T]."""
-  graphdef, state = _split(model)
-  return _token_nll(graphdef, state, jnp.asarray(inputs_BT, jnp.int32),
-                    jnp.asarray(targets_BT, jnp.int32), positions_BT, segment_ids_BT, rope_length,
-                    dtype)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "n", "rope_length", "dtype"))
-def _tail_logprobs(graphdef, state, tokens_BT, n, rope_length, dtype):
-  model = nnx.merge(graphdef, state)
-  logits_BTV = model(tokens_BT, rope_length=rope_length, dtype=dtype)
-  return jax.nn.log_softmax(logits_BTV[:, -n:], axis=-1)
+  return _run(model, inputs_BT, targets_BT, positions_BT=positions_BT,
+              segment_ids_BT=segment_ids_BT, rope_length=rope_length, dtype=dtype)
 
 
 def tail_logprobs(model, tokens_BT, n: int = 1, *, rope_length=None, dtype=jnp.float32):
   """log-softmax of the last `n` positions, float32 [B, n, V] (all a scorer of endings needs)."""
-  graphdef, state = _split(model)
-  return _tail_logprobs(graphdef, state, jnp.asarray(tokens_BT, jnp.int32), n, rope_length, dtype)
+  return _run(model, tokens_BT, rope_length=rope_length, dtype=dtype, tail=n)
 
 
 def _nucleus(logits_BV, top_p):
@@ -90,21 +72,15 @@ def _pick(logits_BV, key, temperature, top_p, greedy):
   return jax.random.categorical(key, logits_BV, axis=-1).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_len", "rope_length", "dtype"))
-def _prefill(graphdef, state, prompt_BT, max_len, rope_length, dtype):
-  model = nnx.merge(graphdef, state)
-  caches = model.init_cache(prompt_BT.shape[0], max_len, dtype)
-  logits_BTV, caches = model.forward_cached(prompt_BT, caches, 0, rope_length=rope_length,
-                                            dtype=dtype)
-  return logits_BTV[:, -1], caches
-
-
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new", "rope_length", "dtype",
                                              "greedy"))
-def _decode(graphdef, state, caches, logits_BV, prompt_BT, key, temperature, top_p, eos_id,
-            max_new, rope_length, dtype, greedy):
+def _generate(graphdef, state, prompt_BT, key, temperature, top_p, eos_id, max_new, rope_length,
+              dtype, greedy):
   model = nnx.merge(graphdef, state)
   B, T = prompt_BT.shape
+  caches = model.init_cache(B, T + max_new, dtype)
+  logits_BTV, caches = model.forward_cached(prompt_BT, caches, 0, rope_length=rope_length,
+                                            dtype=dtype)
   out_BL = jnp.concatenate([prompt_BT, jnp.zeros((B, max_new), jnp.int32)], axis=1)
 
   def step(i, carry):
@@ -119,36 +95,27 @@ def _decode(graphdef, state, caches, logits_BV, prompt_BT, key, temperature, top
                                                rope_length=rope_length, dtype=dtype)
     return out_BL, caches, step_logits[:, 0], done_B
 
-  done_B = jnp.zeros((B,), bool)
-  out_BL, *_ = jax.lax.fori_loop(0, max_new, step, (out_BL, caches, logits_BV, done_B))
-  return out_BL
+  carry = (out_BL, caches, logits_BTV[:, -1], jnp.zeros((B,), bool))
+  return jax.lax.fori_loop(0, max_new, step, carry)[0]
 
 
 def generate(model, prompt_tokens_BT, *, max_new_tokens: int, temperature: float = 0.0,
              top_p: float = 1.0, rng=None, eos_id: int | None = None,
              rope_length: int | None = None, dtype=jnp.float32) -> jax.Array:
-  """Continues same-length prompts; returns int32 [B, T + max_new_tokens] (prompt included).
-
-  temperature 0 is greedy; otherwise samples from softmax(logits / temperature) restricted to the
-  top-p nucleus, with `rng` (a PRNG key; default key 0). After a row emits `eos_id` it is padded
-  with `eos_id`. `rope_length` (the NTK length for RoPE layers) defaults to the final length, so
-  the prompt and the new tokens share one rotary base.
-  """
+  """Continues same-length prompts: int32 [B, T + max_new_tokens]. temperature 0 is greedy, else
+  top-p nucleus sampling with `rng` (default key 0); a row that emits `eos_id` is padded with it.
+  `rope_length` (RoPE's NTK length) defaults to the final length: one rotary base for all."""
   prompt_BT = jnp.asarray(prompt_tokens_BT, jnp.int32)
-  if prompt_BT.ndim != 2 or prompt_BT.shape[1] == 0:
-    raise ValueError(f"prompt_tokens_BT must be [B, T] with T >= 1, got shape {prompt_BT.shape}")
-  if max_new_tokens < 1:
-    raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-  if temperature < 0:
-    raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
-  if not 0 < top_p <= 1:
-    raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-  max_len = prompt_BT.shape[1] + max_new_tokens
-  rope_length = rope_length or max_len
-  key = jax.random.key(0) if rng is None else rng
-  graphdef, state = _split(model)
-  logits_BV, caches = _prefill(graphdef, state, prompt_BT, max_len, rope_length, dtype)
-  return _decode(graphdef, state, caches, logits_BV, prompt_BT, key,
-                 jnp.float32(max(temperature, 1e-6)), jnp.float32(top_p),
-                 jnp.int32(-1 if eos_id is None else eos_id), max_new_tokens, rope_length, dtype,
-                 temperature == 0.0)
+  for bad, message in (
+      (prompt_BT.ndim != 2 or prompt_BT.shape[-1] == 0,
+       f"prompt_tokens_BT must be [B, T] with T >= 1, got shape {prompt_BT.shape}"),
+      (max_new_tokens < 1, f"max_new_tokens must be >= 1, got {max_new_tokens}"),
+      (temperature < 0, f"temperature must be >= 0 (0 = greedy), got {temperature}"),
+      (not 0 < top_p <= 1, f"top_p must be in (0, 1], got {top_p}")):
+    if bad:
+      raise ValueError(message)
+  graphdef, state = nnx.split(model)
+  return _generate(graphdef, state, prompt_BT, jax.random.key(0) if rng is None else rng,
+                   jnp.float32(max(temperature, 1e-6)), jnp.float32(top_p),
+                   jnp.int32(-1 if eos_id is None else eos_id), max_new_tokens,
+                   rope_length or prompt_BT.shape[1] + max_new_tokens, dtype, temperature == 0.0)

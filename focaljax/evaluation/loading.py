@@ -1,17 +1,14 @@
-"""`load(path)`: a trained model, its tokenizer and config, ready for logits and generation.
-
-`path` is a training workdir (latest checkpoint) or one of its `checkpoints/<step>` directories.
-Only the params are restored (no optimizer state, no data iterator), onto the first local device.
-"""
+"""`load(path)`: a trained model's params (onto the first local device), tokenizer and config,
+from a training workdir (latest checkpoint) or one of its `checkpoints/<step>` directories."""
 
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from etils import epath
 from flax import nnx
 
 from focaljax.train import checkpoint
@@ -19,6 +16,11 @@ from focaljax import config as config_lib
 from focaljax.evaluation import generate as gen_lib
 from focaljax.model import decoder as model_lib
 from focaljax.data import tokenizer as tokenizer_lib
+
+
+def module(model) -> model_lib.Transformer:
+  """The Transformer of a LoadedModel, or `model` itself."""
+  return getattr(model, "model", model)
 
 
 @dataclasses.dataclass
@@ -36,26 +38,20 @@ class LoadedModel:
 
   def logits(self, tokens) -> jax.Array:
     """int32 [B, T] (or [T]) -> float32 [B, T, V]; RoPE layers NTK-scale when T > trained_len."""
-    tokens_BT = jnp.asarray(tokens, jnp.int32)
-    if tokens_BT.ndim == 1:
-      tokens_BT = tokens_BT[None]
-    return gen_lib.logits(self.model, tokens_BT)
+    return gen_lib.logits(self.model, jnp.atleast_2d(jnp.asarray(tokens, jnp.int32)))
 
   def generate(self, prompt, max_new_tokens: int = 64, temperature: float = 0.0,
                top_p: float = 1.0, seed: int = 0, stop_at_eos: bool = True):
-    """str -> continuation text; list[int] / [T] -> int32 [T + new]; [B, T] -> int32 [B, T + new].
-
-    Text generation stops at the tokenizer's eos (and cuts it off) unless stop_at_eos=False.
-    """
+    """str -> continuation text (cut at eos unless stop_at_eos=False); list[int] / [T] -> int32
+    [T + new]; [B, T] -> int32 [B, T + new]."""
     is_text = isinstance(prompt, str)
     tokens = np.asarray(self.tokenizer.encode(prompt) if is_text else prompt, np.int32)
     if tokens.size == 0:
       raise ValueError("generate: the prompt is empty (it must encode to at least one token)")
     tokens_BT = tokens[None] if tokens.ndim == 1 else tokens
-    out_BL = gen_lib.generate(self.model, tokens_BT, max_new_tokens=max_new_tokens,
-                              temperature=temperature, top_p=top_p, rng=jax.random.key(seed),
-                              eos_id=self.tokenizer.eos_id if stop_at_eos else None)
-    out_BL = np.asarray(out_BL)
+    out_BL = np.asarray(gen_lib.generate(
+        self.model, tokens_BT, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+        rng=jax.random.key(seed), eos_id=self.tokenizer.eos_id if stop_at_eos else None))
     if not is_text:
       return out_BL[0] if tokens.ndim == 1 else out_BL
     new = out_BL[0, tokens_BT.shape[1]:].tolist()
@@ -65,12 +61,12 @@ class LoadedModel:
 
 
 def _tokenizer(workdir: str, run: config_lib.Config) -> tokenizer_lib.Tokenizer:
-  if os.path.isfile(os.path.join(workdir, checkpoint.TOKENIZER_FILE)):
+  if (epath.Path(workdir) / checkpoint.TOKENIZER_FILE).exists():
     return tokenizer_lib.Tokenizer.load(workdir)
   if run.data.tokenizer == "bundled":
     return tokenizer_lib.bundled()
-  raise FileNotFoundError(f"{workdir} has no {checkpoint.TOKENIZER_FILE}, and its config's "
-                          f"data.tokenizer={run.data.tokenizer!r} is not 'bundled'")
+  raise FileNotFoundError(f"{workdir} has no {checkpoint.TOKENIZER_FILE} and data.tokenizer="
+                          f"{run.data.tokenizer!r} is not 'bundled'")
 
 
 def load(path: str) -> LoadedModel:
@@ -83,11 +79,9 @@ def load(path: str) -> LoadedModel:
   run = config_lib.parse(saved)
   tok = _tokenizer(workdir, run)
   run = run.with_vocab(tok.vocab_size)
-  cfg = run.model
-  graphdef, abstract_state = model_lib.abstract_model(cfg)
-  abstract_params = checkpoint.abstract_like(nnx.to_pure_dict(abstract_state))
-  params, step = checkpoint.restore_params(workdir, step, abstract_params)
-  nnx.replace_by_pure_dict(abstract_state, params)
-  model = nnx.merge(graphdef, abstract_state)
-  return LoadedModel(model=model, tokenizer=tok, config=cfg, run=run, workdir=workdir,
-                     step=int(step))
+  graphdef, state = model_lib.abstract_model(run.model)
+  params, step = checkpoint.restore_params(workdir, step,
+                                           checkpoint.abstract_like(nnx.to_pure_dict(state)))
+  nnx.replace_by_pure_dict(state, params)
+  return LoadedModel(model=nnx.merge(graphdef, state), tokenizer=tok, config=run.model, run=run,
+                     workdir=workdir, step=int(step))

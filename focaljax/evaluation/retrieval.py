@@ -1,8 +1,5 @@
-"""Retrieval suites: passkey and keyword accuracy of a model by length and depth.
-
-The prompts and the training drills live in `focaljax.data.retrieval`; this module runs a model
-over them (greedy decoding for the passkey, candidate log-likelihoods for the keyword).
-"""
+"""Passkey (greedy decoding) and keyword (candidate log-likelihoods) accuracy by length and depth,
+over the prompts of focaljax.data.retrieval."""
 
 from __future__ import annotations
 
@@ -13,30 +10,37 @@ import numpy as np
 from focaljax.data.retrieval import (CANDIDATES, DEFAULT_DEPTHS, PASSKEY_HEAD, PASSKEY_NEEDLE,
                                      PASSKEY_QUESTION, keyword_prompt, passkey_prompt)
 from focaljax.evaluation import generate as gen_lib
+from focaljax.evaluation import loading
+
+
+def leading_number(output: str) -> str:
+  """The digits an answer starts with (after spaces), or "": a trial is right when this is K."""
+  match = re.match(r"\s*(\d+)", output)
+  return match.group(1) if match else ""
+
+
+def passkey_budget(tokenizer, keys) -> tuple[int, int]:
+  """(new tokens to generate, the shortest prompt that holds the task text, needle and question)."""
+  max_new = max(len(tokenizer.encode(f" {k}")) for k in keys) + 1
+  return max_new, max(len(tokenizer.encode(PASSKEY_HEAD + PASSKEY_NEEDLE.format(key=k) +
+                                           PASSKEY_QUESTION)) for k in keys) + 8
 
 
 def _batches(rows: np.ndarray, batch_size: int):
-  """Yields (batch, n_real); the last batch is padded with copies of row 0 so that one compiled
-  shape serves every batch of a length."""
+  """Yields (batch, n_real), the last padded with row 0: one compiled shape for every batch."""
   for i in range(0, len(rows), batch_size):
     batch = rows[i:i + batch_size]
-    n = len(batch)
-    if n < batch_size:
-      batch = np.concatenate([batch, np.repeat(rows[:1], batch_size - n, 0)])
-    yield batch, n
+    yield np.concatenate([batch, np.repeat(rows[:1], batch_size - len(batch), 0)]), len(batch)
 
 
 def passkey(model, tokenizer, lengths, depths=DEFAULT_DEPTHS, seeds=range(5), *,
-            batch_size: int = 32, dtype=None) -> dict:
+            batch_size: int = 32) -> dict:
   """Passkey accuracy per (length, depth) over `seeds` (one random 5-digit key per seed)."""
-  module = getattr(model, "model", model)
+  module = loading.module(model)
   depths, seeds = [float(d) for d in depths], list(seeds)
   keys = [int(np.random.default_rng(s).integers(10_000, 100_000)) for s in seeds]
-  max_new = max(len(tokenizer.encode(f" {k}")) for k in keys) + 1
-  kw = {} if dtype is None else {"dtype": dtype}
+  max_new, overhead = passkey_budget(tokenizer, keys)
   accuracy, examples = [], []
-  overhead = max(len(tokenizer.encode(PASSKEY_HEAD + PASSKEY_NEEDLE.format(key=k) +
-                                      PASSKEY_QUESTION)) for k in keys) + 8
   for length in lengths:
     if length < overhead:
       # Too short for the task text, needle and question: reported as None, not as failures.
@@ -46,12 +50,9 @@ def passkey(model, tokenizer, lengths, depths=DEFAULT_DEPTHS, seeds=range(5), *,
     rows = np.array([passkey_prompt(tokenizer, length, d, k) for d, k in trials], np.int32)
     texts = []
     for batch, n in _batches(rows, min(batch_size, len(rows))):
-      out = np.asarray(gen_lib.generate(module, batch, max_new_tokens=max_new, **kw))
+      out = np.asarray(gen_lib.generate(module, batch, max_new_tokens=max_new))
       texts += [tokenizer.decode(row[length:].tolist()) for row in out[:n]]
-    correct = []
-    for (_, key), text in zip(trials, texts):
-      match = re.match(r"\s*(\d+)", text)
-      correct.append(bool(match) and match.group(1) == str(key))
+    correct = [leading_number(text) == str(key) for (_, key), text in zip(trials, texts)]
     accuracy.append(np.asarray(correct, float).reshape(len(depths), len(keys)).mean(1).tolist())
     examples.append({"length": length, "key": trials[0][1], "output": texts[0]})
   acc = np.asarray(accuracy, float)  # None -> nan
@@ -63,16 +64,11 @@ def passkey(model, tokenizer, lengths, depths=DEFAULT_DEPTHS, seeds=range(5), *,
 
 
 def candidate_loglik(model, prompts_BP: np.ndarray, candidates: list[list[int]], *,
-                     batch_size: int = 8, dtype=None) -> np.ndarray:
-  """log p(candidate tokens | prompt), float [B, C].
-
-  A multi-token candidate is teacher-forced after the prompt. The model is causal, so the first
-  such pass also yields every single-token candidate at the prompt's last position: a vocabulary
-  where one candidate splits into two tokens costs one forward, not two. All passes use the
-  prompt's length as the RoPE NTK length, so every candidate sees the same rotary base.
-  """
-  module = getattr(model, "model", model)
-  kw = {} if dtype is None else {"dtype": dtype}
+                     batch_size: int = 8) -> np.ndarray:
+  """log p(candidate tokens | prompt), float [B, C]. Multi-token candidates are teacher-forced;
+  the first such pass also scores every single-token one. Every pass takes the prompt's length as
+  RoPE's NTK length, so all candidates see one rotary base."""
+  module = loading.module(model)
   B, P = prompts_BP.shape
   out = np.zeros((B, len(candidates)))
   multi = [i for i, c in enumerate(candidates) if len(c) > 1] or [None]
@@ -81,8 +77,7 @@ def candidate_loglik(model, prompts_BP: np.ndarray, candidates: list[list[int]],
       cont = [] if i is None else candidates[i]
       inputs = np.concatenate([batch, np.broadcast_to(np.asarray(cont[:-1], np.int32),
                                                       (len(batch), max(len(cont) - 1, 0)))], 1)
-      logp = np.asarray(gen_lib.tail_logprobs(module, inputs, max(len(cont), 1), rope_length=P,
-                                              **kw))[:n]
+      logp = np.asarray(gen_lib.tail_logprobs(module, inputs, max(len(cont), 1), rope_length=P))[:n]
       if first == 0:
         for j, c in enumerate(candidates):
           if len(c) == 1:
@@ -93,12 +88,10 @@ def candidate_loglik(model, prompts_BP: np.ndarray, candidates: list[list[int]],
 
 
 def keyword_retrieval(model, tokenizer, lengths, depths=DEFAULT_DEPTHS, *,
-                      candidates=CANDIDATES, disqualify: int = 1, batch_size: int = 14,
-                      dtype=None) -> dict:
+                      candidates=CANDIDATES, disqualify: int = 1, batch_size: int = 14) -> dict:
   """Secret-keyword accuracy per (length, depth), with the control-prior disqualification."""
   depths = [float(d) for d in depths]
   cand_tokens = [tokenizer.encode(c) for c in candidates]
-  kw = dict(batch_size=batch_size, dtype=dtype)
   accuracy, gaps, disqualified, scored_names = [], [], [], []
   for length in lengths:
     # The control and every candidate as needle share the batches (one compiled shape per
@@ -107,7 +100,7 @@ def keyword_retrieval(model, tokenizer, lengths, depths=DEFAULT_DEPTHS, *,
     prompts = np.array([keyword_prompt(tokenizer, length, 0.0, None)] +
                        [keyword_prompt(tokenizer, length, d, candidates[i]) for i, d in rows],
                        np.int32)
-    ll_all = candidate_loglik(model, prompts, cand_tokens, **kw)
+    ll_all = candidate_loglik(model, prompts, cand_tokens, batch_size=batch_size)
     dropped = set(np.argsort(-ll_all[0])[:disqualify].tolist())
     scored = [i for i in range(len(candidates)) if i not in dropped]
     keep = np.array([i not in dropped for i, _ in rows])
@@ -123,9 +116,8 @@ def keyword_retrieval(model, tokenizer, lengths, depths=DEFAULT_DEPTHS, *,
     disqualified.append([candidates[i] for i in sorted(dropped)])
     scored_names.append([candidates[i] for i in scored])
   acc = np.asarray(accuracy)
-  depth_arr = np.asarray(depths)
-  bands = {"early": depth_arr < 0.34, "mid": (depth_arr >= 0.34) & (depth_arr < 0.67),
-           "late": depth_arr >= 0.67}
+  d = np.asarray(depths)
+  bands = {"early": d < 0.34, "mid": (d >= 0.34) & (d < 0.67), "late": d >= 0.67}
   return {
       "lengths": list(lengths), "depths": depths, "candidates": list(candidates),
       "candidate_tokens": cand_tokens, "disqualified": disqualified, "scored": scored_names,

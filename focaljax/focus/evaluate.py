@@ -1,60 +1,174 @@
-"""FocusLLM evaluation: passkey retrieval and loss by position far beyond the base's context.
+"""FocusLLM evaluation far beyond the base's context ("ctx"), and eval.py's entry point `run`.
+The window T defaults to the one the adapter trained on, else ctx // 2 (the official ratio).
 
-Lengths are multiples of the base's trained context (`base.cfg.max_seq_len`, "ctx" below). Every
-input is split into a local window (the last T tokens, the local decoder's input) and the memory
-(everything before it, cut into chunks of `cfg.chunk_size`). T defaults (in `run`) to the
-window the adapter trained on (focus.local_len), else ctx // 2, the official ratio (local_window
-2048 on LLaMA-2's 4K). The memory must be whole chunks (focus.chunk_sequences):
+passkey: the official protocol (data/retrieval.py's prompt; greedy decoding; right when the
+answer's leading number is the key), T the largest <= local_len leaving whole chunks before it.
+Per length also: accuracy with the needle in memory, digits right by place, needles in the window
+within / before the prompt every chunk repeats, a 95% Wilson interval, `candidate_readout` (the
+needle chunk's candidate alone predicts the key's first digit token), `candidate_mass` (the first
+answer token's attention on all candidates) and `needle_share` (the needle chunk's part of it).
 
-  passkey           keeps the requested total length exactly and takes the largest window
-                    T <= local_len with (length - T) % chunk_size == 0, or the smallest above it
-                    when that one would not hold the question (local_len_for; rows record T).
-  loss_by_position  keeps T and drops the oldest (p - T) % chunk_size tokens of the document (its
-                    beginning) from the memory of a window ending at p.
-
-passkey: focus/passkey.py (the official protocol; its module docstring).
-
-loss_by_position: NLL of long documents in doubling position ranges [0, ctx), [ctx, 2ctx),
-[2ctx, 4ctx), ... up to max_multiplier x ctx, through the leak-free `focus.target_nll`. A window
-ending at p scores the Q = num_targets targets at positions p-Q+1 .. p of the document (each
-predicted from its own candidates, module docstring of focus/model.py): local tokens doc[p-T .. p-1],
-memory the whole chunks before doc[p-T]. For each range, `windows` ends p are drawn uniformly
-(duplicates dropped) from the ends whose targets all lie in the range (and p >= T) and whose
-memory is the same whole number of chunks, that number drawn first: one memory length, so one
-compile, per range (one per window took minutes on the GPU at 32x). The ends are the same for
-every book and all books run as one batch. Per book and range the value is the mean
-NLL over those windows x Q targets; curves report mean and standard error over books. `base`
-scores the same targets with the frozen base alone on the same T-token local window (no memory),
-and `gain` = base - focus per book (positive: the memory helps). A range with no valid end
-(narrower than Q, or wholly before T) is None. The base's own long-context curve (full attention,
-NTK-scaled RoPE) on the same books is eval.py's `longdoc` suite.
+loss_by_position: `focus.target_nll` of windows ending in doubling ranges to max_multiplier x ctx,
+one memory length per range (one compile), all books in one batch; `base` is the frozen base alone
+on the same windows, `gain` = base - focus per book.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import json
-import math
-import os
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from etils import epath
 from flax import nnx
 
+from focaljax.data import retrieval
 from focaljax.evaluation import loading as loaded_lib
 from focaljax.evaluation import suites as evaluate
-from focaljax.focus import adapter as adapter_lib
+from focaljax.evaluation.retrieval import leading_number, passkey_budget
+from focaljax.focus import train as focus_train
+from focaljax.focus import generate as focus_generate
 from focaljax.focus import model as focus
-from focaljax.focus.passkey import DEFAULT_MULTIPLIERS, passkey
 
 FOCUS_SUITES = ("focus_passkey", "focus_longdoc")
+DEFAULT_MULTIPLIERS = (2, 8, 32, 100)   # the paper's Fig. 1 spans 2K..400K on a 4K base
 
 
-def _module(model):
-  return getattr(model, "model", model)
+def local_len_for(length: int, chunk_size: int, local_len: int, min_len: int = 1,
+                  max_len: int | None = None) -> int:
+  """The local window for a `length`-token input leaving whole chunks before it: the largest
+  <= local_len, or (below min_len) the next one up if <= max_len."""
+  if length <= local_len:
+    return length
+  below = local_len - (length - local_len) % chunk_size
+  if below >= min_len:
+    return below
+  if below + chunk_size <= min(length, max_len or length):
+    return below + chunk_size
+  raise ValueError(f"focus: no local window for {length} tokens leaves whole chunks of "
+                   f"chunk_size {chunk_size} before it with {min_len} <= window <= "
+                   f"{max_len or length} (local_len {local_len}); change local_len or chunk_size")
+
+
+def _tally(trials: list[dict]) -> list[int]:
+  return [sum(bool(t.get("correct")) for t in trials), len(trials)]
+
+
+def wilson_interval(right: int, n: int, z: float = 1.96) -> tuple[float, float] | None:
+  """The 95% Wilson score interval of a share right/n (8 of 10 right: 0.49-0.94)."""
+  if n == 0:
+    return None
+  p, z2 = right / n, z * z
+  mid, half = (p + z2 / (2 * n)), z * np.sqrt(p * (1 - p) / n + z2 / (4 * n * n))
+  return (float((mid - half) / (1 + z2 / n)), float((mid + half) / (1 + z2 / n)))
+
+
+def digit_places(output: str, key: int) -> list[bool]:
+  """Per place of the key, from its first digit: does the answer's leading number have it?"""
+  got, want = leading_number(output), str(key)
+  return [i < len(got) and got[i] == c for i, c in enumerate(want)]
+
+
+def _score(trial, new, top_SC, mass_LC, tokenizer, chunk_size) -> None:
+  """Fills one trial from its generated tokens and the readout."""
+  key, text, c = trial["key"], tokenizer.decode(new.tolist()), trial["needle_end"] // chunk_size
+  trial["candidate_mass"] = [round(float(x), 5) for x in mass_LC.sum(-1)]
+  if trial["needle_in_memory"]:
+    trial["needle_mass"] = [round(float(x), 5) for x in mass_LC[:, c]]
+    trial["needle_share"] = float(mass_LC[:, c].sum() / max(mass_LC.sum(), 1e-30))
+  trial.update(output=text, correct=leading_number(text) == str(key),
+               digit_places=digit_places(text, key))
+  # The key's first token with a digit: a tokenizer spelling " 86556" as " ", "8", ... puts a
+  # bare space first, which says nothing about the key.
+  key_ids = tokenizer.encode(f" {key}")
+  at = next(j for j, t in enumerate(key_ids) if any(c.isdigit() for c in tokenizer.decode([t])))
+  if trial["needle_in_memory"] and at < len(top_SC):
+    trial["candidate_reads_key"] = bool(top_SC[at, c] == key_ids[at])
+
+
+def passkey(adapter, base, cfg: focus.FocusConfig, tokenizer, multipliers=DEFAULT_MULTIPLIERS,
+            seeds=10, *, local_len: int | None = None, batch_size: int = 1, log=None) -> dict:
+  """Passkey accuracy per length m x ctx (module docstring) and every trial's generation. `seeds`:
+  a count or a list; `batch_size` trials share a generate call (their chunk caches add up)."""
+  if batch_size < 1:
+    raise ValueError(f"focus passkey: batch_size (eval.py --focus_passkey_batch) must be >= 1; "
+                     f"got {batch_size}")
+  base = getattr(base, "model", base)
+  ctx = base.cfg.max_seq_len
+  seeds = list(range(seeds)) if isinstance(seeds, int) else list(seeds)
+  local_len = local_len or ctx // 2
+  rngs = [np.random.default_rng(s) for s in seeds]   # the key, then the depth
+  draws = [(s, int(r.integers(10_000, 100_000)), float(r.random())) for s, r in zip(seeds, rngs)]
+  max_new, overhead = passkey_budget(tokenizer, [k for _, k, _ in draws])
+  question = len(tokenizer.encode(retrieval.PASSKEY_QUESTION))
+  rows = []
+  for m in multipliers:
+    L = int(m * ctx)
+    # The window holds the question (+1 token) and the answer stays inside the trained context.
+    T = local_len_for(L, cfg.chunk_size, local_len, question + 1, ctx - max_new + 1)
+    row = {"multiplier": m, "length": L, "local_len": T, "memory_len": L - T,
+           "num_chunks": (L - T) // cfg.chunk_size, "trials": []}
+    rows.append(row)
+    if L < overhead:
+      continue   # too short for the task text: reported as None, not as failures
+    P = cfg.prompt_tokens(T)
+    try:   # the candidates' positions bound the memory: this length only
+      focus.check_positions(base.cfg, cfg, T, P, max_new - 1, L - T)
+    except ValueError as e:
+      row["skipped"] = str(e)
+      continue
+    t0, row["prompt_tokens"], prompts = time.time(), P, []
+    for s, key, depth in draws:
+      prompts.append(np.asarray(retrieval.passkey_prompt(tokenizer, L, depth, key), np.int32))
+      needle = tokenizer.encode(retrieval.PASSKEY_NEEDLE.format(key=key))
+      hits = np.flatnonzero((np.lib.stride_tricks.sliding_window_view(
+          prompts[-1], len(needle)) == np.asarray(needle)).all(axis=1))
+      at = int(hits[0]) if hits.size else -1
+      row["trials"].append({"seed": s, "key": key, "depth": depth, "needle_at": at,
+                            "needle_end": at + len(needle) - 1,
+                            "needle_in_memory": 0 <= at and at + len(needle) <= L - T,
+                            "needle_in_prompt": at >= L - P})
+    for i in range(0, len(prompts), batch_size):
+      batch = np.stack(prompts[i:i + batch_size])
+      out, readout = focus_generate.generate(adapter, base, batch[:, :L - T], batch[:, L - T:],
+                                             cfg, max_new_tokens=max_new, readout=True)
+      for args in zip(row["trials"][i:i + batch_size], np.asarray(out)[:, T:],
+                      np.asarray(readout["candidate_top_steps"]),
+                      np.asarray(readout["candidate_mass"]).transpose(1, 0, 2)):
+        _score(*args, tokenizer, cfg.chunk_size)
+    row["seconds"] = round(time.time() - t0, 1)
+    if log:   # each row as it finishes: a run cut short by its wall limit still reports it
+      mem = [t for t in row["trials"] if t["needle_in_memory"]]
+      shares = [t["needle_share"] for t in mem]
+      log(f"  focus passkey {m}x ({L} tokens): {_tally(row['trials'])[0]}/{len(seeds)} in "
+          f"{row['seconds']} s; needle in memory {_tally(mem)[0]}/{len(mem)}, cand mass "
+          f"{np.mean([np.mean(t['candidate_mass']) for t in row['trials']]):.3f}, needle/cand "
+          + (f"{np.mean(shares):.3f}" if shares else "-"))
+
+  by_row = lambda f: [f(r["trials"]) for r in rows]
+  mean = lambda values: float(np.mean(values)) if values else None
+  share = lambda key, ts: mean([t[key] for t in ts if key in t])
+  memory = lambda ts: [t for t in ts if t["needle_in_memory"]]
+  by_length = by_row(lambda ts: share("correct", ts))
+  scored = [a for a in by_length if a is not None]
+  return {"context": ctx, "chunk_size": cfg.chunk_size, "prompt_len": cfg.prompt_len,
+          "seeds": seeds, "max_new_tokens": max_new, "min_length": overhead,
+          "multipliers": list(multipliers), "lengths": [r["length"] for r in rows],
+          "accuracy_by_length": by_length,
+          "accuracy_interval": by_row(lambda ts: wilson_interval(*_tally(ts))),
+          "accuracy_needle_in_memory": by_row(lambda ts: share("correct", memory(ts))),
+          "window_in_prompt": by_row(lambda ts: _tally([t for t in ts if t["needle_in_prompt"]])),
+          "window_before_prompt": by_row(lambda ts: _tally([
+              t for t in ts if not t["needle_in_memory"] and not t["needle_in_prompt"]])),
+          "digit_places": by_row(lambda ts: np.mean([t["digit_places"] for t in ts], axis=0)
+                                 .tolist() if ts else None),
+          "candidate_readout": by_row(lambda ts: share("candidate_reads_key", ts)),
+          "candidate_mass": by_row(lambda ts: mean([np.mean(t["candidate_mass"]) for t in ts])),
+          "needle_share": by_row(lambda ts: share("needle_share", ts)),
+          "overall": float(np.mean(scored)) if scored else None, "rows": rows}
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "num_targets"))
@@ -64,69 +178,52 @@ def _target_nll(graphdef, base_state, adapter, memory_BM, tokens_BT, cfg, num_ta
 
 
 def loss_by_position(adapter, base, cfg: focus.FocusConfig, token_docs, max_multiplier: int = 32,
-                     *, local_len: int | None = None, num_targets: int = 16, windows: int = 4,
-                     max_books: int | None = None, first_range: int | None = None,
-                     seed: int = 0) -> dict:
-  """Focus and base-alone NLL by doubling position range (module docstring says what is averaged).
-
-  Documents need >= max_multiplier x ctx tokens; shorter ones are skipped."""
-  base = _module(base)
+                     *, local_len: int | None = None, num_targets: int = 16,
+                     windows: int = 4) -> dict:
+  """Focus and base-alone NLL by doubling position range (module docstring) over the documents
+  of >= max_multiplier x ctx tokens."""
+  base = loaded_lib.module(base)
   ctx = base.cfg.max_seq_len
   T, Q, s = local_len or ctx // 2, num_targets, cfg.chunk_size
   if not 1 <= Q <= T:
     raise ValueError(f"focus loss_by_position: num_targets ({Q}) must be in [1, local_len={T}]")
   L = ctx * max_multiplier
   books = [np.asarray(d[:L], np.int32) for d in token_docs if len(d) >= L]
-  books = books[:max_books] if max_books else books
   if not books:
     raise ValueError(f"focus loss_by_position: no document has >= {L} tokens (context {ctx} x "
                      f"max_multiplier {max_multiplier}); lower max_multiplier or use longer books")
-  ranges = evaluate.position_ranges(ctx, L, first_range or ctx)
+  ranges = evaluate.position_ranges(ctx, L, ctx)
   graphdef, state = nnx.split(base)
   ends = []
   for r, (a, b) in enumerate(ranges):
-    lo, hi = max(a + Q - 1, T), b - 1
+    lo, hi = max(a + Q - 1, T), b - 1   # every target in the range, a whole window before it
     if lo > hi:
       ends.append([])
       continue
-    # One memory length per range (one compile, not one per window): draw the band of ends
-    # sharing k whole chunks of memory, then the ends inside it.
-    rng = np.random.default_rng([seed, r])
-    k = int(rng.integers((lo - T) // s, (hi - T) // s + 1))
+    rng = np.random.default_rng([0, r])
+    k = int(rng.integers((lo - T) // s, (hi - T) // s + 1))   # the range's whole memory chunks
     lo, hi = max(lo, T + k * s), min(hi, T + (k + 1) * s - 1)
     ends.append(sorted({int(p) for p in rng.integers(lo, hi + 1, windows)}))
   books_BL = np.stack(books)
   no_memory = np.zeros((len(books), 0), np.int32)
-  focus_nll = np.full((len(books), len(ranges)), np.nan)
-  base_nll = np.full((len(books), len(ranges)), np.nan)
+  nll = {name: np.full((len(books), len(ranges)), np.nan) for name in ("focus", "base")}
   for r, ps in enumerate(ends):
     if not ps:
       continue
-    f_sum, b_sum = np.zeros(len(books)), np.zeros(len(books))
-    for p in ps:   # every book in one batch
-      M = s * ((p - T) // s)
-      window, memory = books_BL[:, p - T:p + 1], books_BL[:, p - T - M:p - T]
-      f_sum += np.asarray(_target_nll(graphdef, state, adapter, memory, window, cfg, Q)).mean(1)
-      b_sum += np.asarray(_target_nll(graphdef, state, adapter, no_memory, window, cfg, Q)).mean(1)
-    focus_nll[:, r], base_nll[:, r] = f_sum / len(ps), b_sum / len(ps)
-
-  def summary(per_book):
-    n = per_book.shape[0]
-    mean = per_book.mean(0)
-    err = per_book.std(0, ddof=1) / math.sqrt(n) if n > 1 else np.zeros_like(mean)
-    clean = lambda x: [None if np.isnan(v) else float(v) for v in x]
-    return {"mean": clean(mean), "stderr": clean(err),
-            "per_book": [clean(row) for row in per_book]}
-
+    sums = {name: np.zeros(len(books)) for name in nll}
+    for p in ps:
+      window = books_BL[:, p - T:p + 1]
+      memory = {"focus": books_BL[:, p - T - s * ((p - T) // s):p - T], "base": no_memory}
+      for name in nll:
+        sums[name] += np.asarray(_target_nll(graphdef, state, adapter, memory[name], window, cfg,
+                                             Q)).mean(1)
+    for name in nll:
+      nll[name][:, r] = sums[name] / len(ps)
   return {"context": ctx, "max_len": L, "local_len": T, "num_targets": Q, "chunk_size": s,
           "prompt_len": cfg.prompt_len, "num_books": len(books), "ranges": ranges,
-          "window_ends": ends,
-          "memory_chunks": [[(p - T) // s for p in ps] for ps in ends],
-          "curves": {"focus": summary(focus_nll), "base": summary(base_nll),
-                     "gain": summary(base_nll - focus_nll)}}
-
-
-# ------------------------------------------------------------------------ eval.py entry point
+          "window_ends": ends, "memory_chunks": [[(p - T) // s for p in ps] for ps in ends],
+          "curves": {"focus": evaluate.summary(nll["focus"]), "base": evaluate.summary(
+              nll["base"]), "gain": evaluate.summary(nll["base"] - nll["focus"])}}
 
 
 def cast(tree, dtype):
@@ -135,70 +232,64 @@ def cast(tree, dtype):
                       tree)
 
 
-def _where(trial: dict) -> str:
-  if trial["needle_in_memory"]:
-    return "memory"
-  return "window, in prompt" if trial.get("needle_in_prompt") else "window"
+def _format_passkey(head: str, r: dict) -> list[str]:
+  fmt = lambda x: "     -" if x is None else f"{x:6.3f}"
+  col = lambda name, i: r[name][i]
+  lines = [head, f"  base context {r['context']}, chunk {r['chunk_size']}, prompt "
+           f"{r['prompt_len']}, {len(r['seeds'])} seeds",
+           "      x   length   memory  chunks  local   acc  in memory"
+           "  candidate reads key  cand mass  needle/cand"]
+  for i, row in enumerate(r["rows"]):
+    a, am, cr, cm, ns = (fmt(col(c, i)) for c in (
+        "accuracy_by_length", "accuracy_needle_in_memory", "candidate_readout", "candidate_mass",
+        "needle_share"))
+    lines.append(f"  {row['multiplier']:>5} {row['length']:>8} {row['memory_len']:>8} "
+                 f"{row['num_chunks']:>7} {row['local_len']:>6} {a}     {am}   {cr}"
+                 f"             {cm}       {ns}")
+  for i, row in enumerate(r["rows"]):
+    x, (inside, before) = f"  {row['multiplier']:>5}x", (col("window_in_prompt", i),
+                                                          col("window_before_prompt", i))
+    if "skipped" in row:
+      lines.append(f"  {row['multiplier']}x skipped: {row['skipped']}")
+    if inside[1] + before[1]:
+      lines.append(f"{x} needles in the window: {inside[0]}/{inside[1]} within the prompt's "
+                   f"last {row['prompt_tokens']} tokens, {before[0]}/{before[1]} before them")
+    if col("digit_places", i):
+      lines.append(f"{x} digits right by place (first to last): "
+                   + " ".join(f"{p:.2f}" for p in col("digit_places", i)))
+    # Every miss, so a cut-off log still says which keys and needles failed, and how.
+    where = lambda t: ("memory" if t["needle_in_memory"] else
+                       "window, in prompt" if t["needle_in_prompt"] else "window")
+    misses = [f"s{t['seed']} {t['key']} ({where(t)}) {t['output'][:12]!r}"
+              for t in row["trials"] if t.get("correct") is False]
+    lines += [f"{x} missed: " + " · ".join(misses)] if misses else []
+    if (ci := col("accuracy_interval", i)):
+      lines.append(f"{x} accuracy {_tally(row['trials'])[0]}/{len(row['trials'])}, "
+                   f"95% interval {ci[0]:.2f}-{ci[1]:.2f}")
+  return lines + [f"  overall {fmt(r['overall']).strip()}"]
 
 
 def format_suite(suite: str, r: dict) -> str:
   head = f"== {suite} ({r.get('seconds', 0)} s)"
   if "skipped" in r:
     return f"{head}: skipped: {r['skipped']}"
-  fmt = lambda x: "     -" if x is None else f"{x:6.3f}"
   if suite == "focus_passkey":
-    lines = [head, f"  base context {r['context']}, chunk {r['chunk_size']}, prompt "
-             f"{r['prompt_len']}, {len(r['seeds'])} seeds, {r.get('filler', 'grass')} filler",
-             "      x   length   memory  chunks  local   acc  in memory  digits"
-             "  candidate reads key  cand mass  needle/cand"]
-    none = [None] * len(r["rows"])
-    for row, a, am, dm, cr, cm, ns in zip(
-        r["rows"], r["accuracy_by_length"], r["accuracy_needle_in_memory"],
-        r.get("digits_in_memory", none), r.get("candidate_readout", none),
-        r.get("candidate_mass", none), r.get("needle_share", none)):
-      lines.append(f"  {row['multiplier']:>5} {row['length']:>8} {row['memory_len']:>8} "
-                   f"{row['num_chunks']:>7} {row['local_len']:>6} {fmt(a)}     {fmt(am)} "
-                   f"{fmt(dm)}   {fmt(cr)}             {fmt(cm)}       {fmt(ns)}")
-    lines += [f"  {row['multiplier']}x skipped: {row['skipped']}" for row in r["rows"]
-              if "skipped" in row]
-    for row, inside, before in zip(r["rows"], r.get("window_in_prompt", none),
-                                   r.get("window_before_prompt", none)):
-      if inside and inside[1] + before[1]:
-        lines.append(f"  {row['multiplier']:>5}x needles in the window: {inside[0]}/{inside[1]} "
-                     f"within the prompt's last {row['prompt_tokens']} tokens, "
-                     f"{before[0]}/{before[1]} before them")
-    lines += [f"  {row['multiplier']:>5}x digits right by place (first to last): "
-              + " ".join(f"{x:.2f}" for x in places)
-              for row, places in zip(r["rows"], r.get("digit_places", none)) if places]
-    # Every miss, so a cut-off log still says which keys and needles failed, and how.
-    lines += [f"  {row['multiplier']:>5}x missed: " + " · ".join(
-        f"s{t['seed']} {t['key']} ({_where(t)}) "
-        f"{t['output'][:12]!r}" for t in misses)
-        for row in r["rows"] if (misses := [t for t in row["trials"] if t.get("correct") is False])]
-    for row, ci in zip(r["rows"], r.get("accuracy_interval", none)):
-      if ci:
-        right = sum(t["correct"] for t in row["trials"])
-        lines.append(f"  {row['multiplier']:>5}x accuracy {right}/{len(row['trials'])}, "
-                     f"95% interval {ci[0]:.2f}-{ci[1]:.2f}")
-    lines.append(f"  overall {fmt(r['overall']).strip()}")
-    return "\n".join(lines)
+    return "\n".join(_format_passkey(head, r))
   if suite == "focus_longdoc":
+    fmt = lambda x: "     -" if x is None else f"{x:6.3f}"
     c = r["curves"]
     lines = [head, f"  {r['num_books']} books, NLL of the last {r['num_targets']} tokens of "
              f"{r['local_len']}-token windows (context {r['context']}, chunk {r['chunk_size']}), "
              f"source: {r.get('source', '-')}", "  range                   focus    base    gain"]
-    for i, (a, b) in enumerate(r["ranges"]):
-      lines.append(f"  [{a:>7},{b:>7}) " + "  ".join(
-          fmt(c[n]["mean"][i]) for n in ("focus", "base", "gain")))
-    lines.append("  base = the frozen base on the same local window without memory")
-    return "\n".join(lines)
+    lines += [f"  [{a:>7},{b:>7}) " + "  ".join(fmt(c[n]["mean"][i]) for n in c)
+              for i, (a, b) in enumerate(r["ranges"])]
+    return "\n".join(lines + ["  base = the frozen base on the same local window without memory"])
   return head
 
 
 def serving_config(cfg: focus.FocusConfig, meta: dict, *, chunk_size=None, prompt_len=None,
                    implementation=None, local_len=None):
-  """(FocusConfig, local_len) to evaluate an adapter with: the given values, else the adapter's
-  as its run serves it (`cfg`: focus.eval_prompt_len's prompt; the window it trained on)."""
+  """(FocusConfig, local_len) to serve an adapter with: the given values, else its run's."""
   keep = lambda given, own: own if given is None else given   # 0 reaches FocusConfig's check
   cfg = dataclasses.replace(cfg, chunk_size=keep(chunk_size, cfg.chunk_size),
                             prompt_len=keep(prompt_len, cfg.prompt_len),
@@ -211,45 +302,24 @@ def run(base_path: str, adapter_path: str, *, suites=FOCUS_SUITES, books: str | 
         seeds: int = 10, local_len: int | None = None, chunk_size: int | None = None,
         prompt_len: int | None = None, implementation: str | None = None,
         dtype: str = "float32", base_attention: str = "xla", passkey_batch: int = 1,
-        passkey_filler: str = "grass", out_dir: str | None = None, log=print) -> dict:
-  """eval.py's FocusLLM suites: loads the base (`base_path`, a workdir or checkpoints/<step>) and
-  the adapter (`adapter_path`: a FocusLLM run workdir, its latest checkpoint, or one of its
-  checkpoints/<step>), writes <suite>.json and focus_results.json under out_dir (default: the
-  run's eval/, or eval/adapter_<step> for an explicit step). `local_len` defaults to the window
-  the adapter trained on; `chunk_size` and `prompt_len` to the adapter's as its run serves it
-  (focus.eval_prompt_len, else the trained prompt). A longer prompt than trained lets every
-  candidate read more of the window: needles in the window but before the trained prompt are
-  missed otherwise. `dtype` casts base and adapter once (bfloat16: faster on GPU; the chunk
-  caches follow it). `base_attention` replaces the base's attention implementation
-  (adapter.with_attention says why). `passkey_batch` trials share one generate call;
-  `passkey_filler` "books" fills the passkey prompts with the first of `books` instead of the
-  official filler."""
-  unknown = set(suites) - set(FOCUS_SUITES)
-  if unknown:
-    raise ValueError(f"unknown focus suites {sorted(unknown)}; allowed: {list(FOCUS_SUITES)}")
-  if passkey_filler not in ("grass", "books") or (passkey_filler == "books" and not books):
-    raise ValueError(f"focus passkey filler {passkey_filler!r}: must be 'grass' or 'books' (books "
-                     "needs --books)")
+        out_dir: str | None = None, log=print) -> dict:
+  """eval.py's FocusLLM suites over the base `base_path` and the adapter `adapter_path` (a run
+  workdir or one of its checkpoints/<step>), written under out_dir (default: the run's eval/, or
+  eval/adapter_<step>). `dtype` casts base and adapter once."""
+  evaluate.check_suites(suites, FOCUS_SUITES)
   m = loaded_lib.load(base_path)
-  adapter, cfg, meta = adapter_lib.load(adapter_path, m.model)
-  graphdef, state = nnx.split(adapter_lib.with_attention(m.model, base_attention))
+  adapter, cfg, meta = focus_train.load(adapter_path, m.model)
+  graphdef, state = nnx.split(focus_train.with_attention(m.model, base_attention))
   base, adapter = nnx.merge(graphdef, cast(state, dtype)), cast(adapter, dtype)
   cfg, local_len = serving_config(cfg, meta, chunk_size=chunk_size, prompt_len=prompt_len,
                                   implementation=implementation, local_len=local_len)
-  explicit = os.path.basename(os.path.dirname(os.path.abspath(adapter_path))) == "checkpoints"
-  out_dir = out_dir or os.path.join(meta["workdir"], "eval",
-                                    f"adapter_{meta['step']}" if explicit else "")
-  os.makedirs(out_dir, exist_ok=True)
+  explicit = focus_train.resolve(adapter_path)[1] is not None
+  out_dir = out_dir or str(epath.Path(meta["workdir"]) / "eval" /
+                           (f"adapter_{meta['step']}" if explicit else ""))
   ctx = m.trained_len
-  log(f"focaljax focus eval: base {m.workdir} step {m.step} (context {ctx}; the adapter was "
-      f"trained on {meta['base_workdir']}), adapter {meta['workdir']} step {meta['step']}, {cfg}, "
-      f"local window "
-      f"{local_len or ctx // 2}, {dtype}, base attention {base_attention}")
-  results = {"meta": {"base": m.workdir, "base_step": m.step, "adapter": meta["workdir"],
-                      "adapter_step": meta["step"],
-                      "focus": dataclasses.asdict(cfg), "local_len": local_len or ctx // 2,
-                      "dtype": dtype, "context": ctx,
-                      "suites": list(suites)}}
+  log(f"focaljax focus eval: base {m.workdir} step {m.step} (context {ctx}), adapter "
+      f"{meta['workdir']} step {meta['step']} (trained on {meta['base_workdir']}), {cfg}, "
+      f"local window {local_len or ctx // 2}, {dtype}, base attention {base_attention}")
 
   def longdoc():
     if not books:
@@ -259,31 +329,14 @@ def run(base_path: str, adapter_path: str, *, suites=FOCUS_SUITES, books: str | 
     return {**loss_by_position(adapter, base, cfg, docs, max_multiplier, local_len=local_len),
             "source": books}
 
-  def passkey_suite():
-    filler_ids = None   # read only when the suite runs: a whole book takes seconds to tokenize
-    if passkey_filler == "books":
-      filler_ids = evaluate.load_books(books, m.tokenizer, 1,
-                                       max_tokens=ctx * max(multipliers))[0]
-    return passkey(adapter, base, cfg, m.tokenizer, multipliers, seeds, local_len=local_len,
-                   batch_size=passkey_batch, filler_ids=filler_ids, log=log)
-
-  tasks = {"focus_passkey": passkey_suite,
+  tasks = {"focus_passkey": lambda: passkey(adapter, base, cfg, m.tokenizer, multipliers, seeds,
+                                            local_len=local_len, batch_size=passkey_batch,
+                                            log=log),
            "focus_longdoc": longdoc}
-  for suite in FOCUS_SUITES:
-    if suite not in suites:
-      continue
-    t0 = time.time()
-    try:
-      result = tasks[suite]()
-    except (ValueError, FileNotFoundError) as e:
-      result = {"skipped": str(e)}   # one unusable suite must not lose the other
-    result["seconds"] = round(time.time() - t0, 1)
-    results[suite] = result
-    with open(os.path.join(out_dir, f"{suite}.json"), "w") as f:
-      json.dump(result, f, indent=1)
-    log(format_suite(suite, result))
-  path = os.path.join(out_dir, "focus_results.json")
-  with open(path, "w") as f:
-    json.dump(results, f, indent=1)
-  log(f"results: {path}")
+  results = {"meta": {"base": m.workdir, "base_step": m.step, "adapter": meta["workdir"],
+                      "adapter_step": meta["step"], "focus": dataclasses.asdict(cfg),
+                      "local_len": local_len or ctx // 2, "dtype": dtype, "context": ctx,
+                      "suites": list(suites)}}
+  evaluate.run_suites(tasks, suites, out_dir, results, "focus_results.json", format_suite, log)
+  log(f"results: {epath.Path(out_dir) / 'focus_results.json'}")
   return results

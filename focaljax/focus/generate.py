@@ -1,24 +1,6 @@
-"""Greedy FocusLLM generation: chunk caches built once at prefill, extended by one token per step.
-
-Prefill: every chunk sequence [chunk | last P prompt tokens] except its last token runs through the
-frozen base into a per-chunk KV cache with room for the new tokens; the last prompt token is
-condensed as the candidate against that cache. Each step:
-  1. the local decoder (frozen) over the local window + generated tokens, with the current
-     candidates prepended at every layer, gives the next token. It is recomputed every step:
-     every local token attends to the candidates, and those change every step;
-  2. every chunk cache is extended by the previous newest token (now an ordinary frozen token,
-     `candidates.frozen_step`), and the new token is condensed as the next candidate against it.
-So the dynamic prompt grows by one token per step (its start stays fixed: shifting it would
-invalidate every cached key), and step t equals `focus.logits` with prompt_len = P + t on the
-tokens so far (tests/focus/test_focus.py checks this against recomputation from scratch). All
-positions stay inside the base's trained context; `focus.check_positions` raises before
-generating if not.
-
-Shapes are fixed for the whole generation (a token buffer [B, T + new - 1] whose unwritten tail
-is causally invisible), so prefill and step each compile once; the graphdef is a static argument
-as in evaluation/generate.py. `cfg.implementation` and `cfg.candidate_path` ride in `state` as
-static values (outside the jitted arrays), so every step runs the prefill's code.
-"""
+"""Greedy FocusLLM generation: each step appends the previous token to every chunk cache (built
+once at prefill) as a frozen token, condenses the new one and reruns the local decoder. The prompt
+grows by one token a step (its start fixed), so step t equals `focus.logits` with prompt P + t."""
 
 from __future__ import annotations
 
@@ -28,7 +10,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from focaljax.focus import candidates as cand_lib
 from focaljax.focus import model as focus
 
 _STATIC = ("implementation", "candidate_path")   # not arrays
@@ -36,12 +17,10 @@ _READOUT = ("candidate_top", "candidate_mass")   # diagnostics, not generation's
 
 
 def _local_at(base, state, index, implementation, candidate_mass=False):
-  """Next-token logits float32 [B, V] read at buffer position `index` (a traced scalar); with
-  `candidate_mass`, also that position's attention on each candidate, [L, B, C]."""
+  """Next-token logits float32 [B, V] at buffer position `index` (local_logits)."""
   return focus.local_logits(base, state["tokens"], state["kv"], base.cfg.rope_theta,
-                            implementation=implementation,
-                            at_B=jnp.full((state["tokens"].shape[0],), index),
-                            candidate_mass=candidate_mass)
+                            implementation=implementation, candidate_mass=candidate_mass,
+                            at_B=jnp.full((state["tokens"].shape[0],), index))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "max_new_tokens", "readout"))
@@ -50,23 +29,19 @@ def _prefill(graphdef, base_state, adapter, memory_BM, prompt_BT, cfg, max_new_t
   B, T = prompt_BT.shape
   P = cfg.prompt_tokens(T)
   if memory_BM.shape[1] == 0:
-    kv, caches, n = focus.no_candidates(base, B, 1), None, 1
-    top_BC = jnp.zeros((B, 0), jnp.int32)
+    kv, caches, n, top_BC = focus.no_candidates(base, B, 1), None, 1, jnp.zeros((B, 0), jnp.int32)
   else:
     h_BCQE, kv, caches = focus.condense(adapter, base, memory_BM, prompt_BT[:, T - P:], 1, cfg,
                                         extra=max_new_tokens - 1)
     n = cfg.chunk_size + P                  # chunk sequence length; the candidate sits at n - 1
-    # Each chunk's own guess at the next token (its candidate through the LM head).
-    if readout:
-      top_BC = _tops(base, h_BCQE[:, :, 0])
+    top_BC = _tops(base, h_BCQE[:, :, 0]) if readout else None
   tokens_BL = jnp.zeros((B, T + max_new_tokens - 1), jnp.int32).at[:, :T].set(prompt_BT)
   state = {"tokens": tokens_BL, "length": jnp.int32(T), "caches": caches,
            "kv": [(k[:, :, 0], v[:, :, 0]) for k, v in kv], "candidate_pos": jnp.int32(n - 1)}
+  out = _local_at(base, state, T - 1, cfg.implementation, candidate_mass=readout)
   if not readout:
-    return state, _local_at(base, state, T - 1, cfg.implementation), {}
-  # The first answer token's attention on the candidates: [L, B, C] beside a [B, T] local pass.
-  logits_BV, mass_LBC = _local_at(base, state, T - 1, cfg.implementation, candidate_mass=True)
-  return state, logits_BV, {"candidate_top": top_BC, "candidate_mass": mass_LBC}
+    return state, out
+  return {**state, "candidate_top": top_BC, "candidate_mass": out[1]}, out[0]
 
 
 def _tops(base, h_BCE):
@@ -85,33 +60,27 @@ def _step(graphdef, base_state, adapter, state, token_B, implementation, candida
   tokens_BL = jax.lax.dynamic_update_slice(state["tokens"], token_B[:, None].astype(jnp.int32),
                                            (0, length))
   kv, top_BC = state["kv"], jnp.zeros((token_B.shape[0], 0), jnp.int32)
-  if caches is not None:
+  if caches is not None:   # the old candidate becomes a frozen token of every dynamic prompt
     B, C = kv[0][0].shape[0], caches[0]["k"].shape[0] // kv[0][0].shape[0]
-    # The old candidate token becomes an ordinary frozen token of every chunk's dynamic prompt.
-    caches = cand_lib.frozen_step(base, caches, jnp.repeat(prev_B, C), pos, theta)
+    caches = focus.frozen_step(base, caches, jnp.repeat(prev_B, C)[:, None], pos, theta)
     pos = pos + 1
-    h_R1E, kv_R = cand_lib.candidates(adapter, base, caches, jnp.repeat(token_B, C)[:, None],
-                                      jnp.full((B * C, 1), pos), theta,
-                                      implementation=implementation, path=candidate_path)
+    h_R1E, kv_R = focus.candidates(adapter, base, caches, jnp.repeat(token_B, C)[:, None],
+                                   jnp.full((B * C, 1), pos), theta,
+                                   implementation=implementation, path=candidate_path)
     split = lambda x: x[:, 0].reshape(B, C, *x.shape[2:])  # noqa: E731
     kv = [(split(k), split(v)) for k, v in kv_R]
-    if readout:
-      top_BC = _tops(base, split(h_R1E))
+    top_BC = _tops(base, split(h_R1E)) if readout else top_BC
   state = {"tokens": tokens_BL, "length": length + 1, "caches": caches, "kv": kv,
-           "candidate_pos": pos}
-  if readout:
-    state["candidate_top"] = top_BC
+           "candidate_pos": pos, **({"candidate_top": top_BC} if readout else {})}
   return state, _local_at(base, state, length, implementation)
 
 
 def prefill(adapter, base, memory_BM, prompt_BT, cfg: focus.FocusConfig, max_new_tokens: int,
             *, readout: bool = False):
-  """(state, next-token logits float32 [B, V]); `state` feeds `step`. `state["tokens"][:, :
-  state["length"]]` are the tokens so far. With `readout`, diagnostics (computed only then: they
-  are not generation's work): `state["candidate_top"]` int32 [B, C], each chunk's candidate's
-  own top next token (`step(readout=True)` renews it), and
-  `state["candidate_mass"]` float32 [L, B, C], the attention the last prompt token (the one that
-  predicts the first new token) puts on each candidate per layer, averaged over heads."""
+  """(state, next-token logits float32 [B, V]); `state` feeds `step`. With `readout`, also
+  diagnostics: `state["candidate_top"]` int32 [B, C], each chunk's candidate's own top next token
+  (`step(readout=True)` renews it), and `state["candidate_mass"]` float32 [L, B, C], the last
+  prompt token's head-averaged attention on each candidate per layer."""
   if max_new_tokens < 1:
     raise ValueError(f"focus generate: max_new_tokens must be >= 1; got {max_new_tokens}")
   focus.check_base(base)
@@ -120,17 +89,15 @@ def prefill(adapter, base, memory_BM, prompt_BT, cfg: focus.FocusConfig, max_new
   focus.check_positions(base.cfg, cfg, T, cfg.prompt_tokens(T), extra=max_new_tokens - 1,
                         memory_len=memory_BM.shape[1])
   graphdef, base_state = nnx.split(base)
-  state, logits_BV, diagnostics = _prefill(graphdef, base_state, adapter, memory_BM, prompt_BT,
-                                           cfg, max_new_tokens, readout)
-  return {**state, "implementation": cfg.implementation, "candidate_path": cfg.candidate_path,
-          **diagnostics}, logits_BV
+  state, logits_BV = _prefill(graphdef, base_state, adapter, memory_BM, prompt_BT, cfg,
+                              max_new_tokens, readout)
+  return {**state, "implementation": cfg.implementation,
+          "candidate_path": cfg.candidate_path}, logits_BV
 
 
 def step(adapter, base, state, token_B, *, readout: bool = False):
-  """Appends `token_B`: extends every chunk cache by the previous newest token, condenses the new
-  candidate, and returns (state, next-token logits float32 [B, V]). At most max_new_tokens - 1
-  steps follow one prefill (the buffer and the caches are sized for that). With `readout`,
-  `state["candidate_top"]` is the new candidates' own top next token, as after `prefill`."""
+  """Appends `token_B` and returns (state, next-token logits float32 [B, V]); at most
+  max_new_tokens - 1 steps follow one prefill."""
   if int(state["length"]) >= state["tokens"].shape[1]:
     raise ValueError("focus generate: more steps than prefill's max_new_tokens - 1")
   graphdef, base_state = nnx.split(base)
@@ -144,10 +111,7 @@ def step(adapter, base, state, token_B, *, readout: bool = False):
 def generate(adapter, base, memory_BM, prompt_BT, cfg: focus.FocusConfig, max_new_tokens: int,
              *, readout: bool = False):
   """Greedy decoding: int32 [B, T + max_new_tokens]; with `readout`, also prefill's diagnostics
-  {"candidate_top": [B, C], "candidate_mass": [L, B, C]} (see `prefill`) and
-  "candidate_top_steps" int32 [B, max_new_tokens, C]: at s, each chunk's candidate's own guess at
-  new token s (s = 0: prefill's "candidate_top"). A key spelled " ", "8", ... is read at its
-  first digit, s = 1 (focus/passkey.py)."""
+  and "candidate_top_steps" int32 [B, max_new_tokens, C], each chunk's guess at new token s."""
   state, logits_BV = prefill(adapter, base, memory_BM, prompt_BT, cfg, max_new_tokens,
                              readout=readout)
   diagnostics = {k: state[k] for k in _READOUT if k in state}

@@ -1,73 +1,148 @@
 """FocusLLM (arXiv 2408.11745) around a frozen focaljax `Transformer`: orchestration, not a variant.
 
-Einsum letters as in model/decoder.py (B batch, T positions, S key positions, E d_model, N query
-heads, K kv heads, D head dim, V vocabulary), plus C chunks, Q candidates per chunk (query
-points), R rows = B·C chunk sequences (or B·Q local rows), M memory tokens.
+Letters as in model/decoder.py, plus C chunks, Q candidates per chunk, R rows (B·C chunk sequences
+or B·Q local rows), M memory tokens. Each memory chunk runs through the frozen base as [chunk |
+dynamic prompt] (the window's last min(prompt_len, chunk_size) tokens), the prompt's last token
+(the candidate) through the adapter. The local decoder is the frozen base over the window with
+every chunk's candidate k/v prepended at every layer, candidate c at position c and the window at
+C..C+T-1 (the official layout; never NTK-scaled). The adapter is a dict apart from the base.
 
-The long input is memory (M tokens, split into C chunks of `chunk_size`) + a local window. Every
-chunk is run as the sequence [chunk | dynamic prompt], the dynamic prompt being the last
-min(prompt_len, chunk_size) local tokens. Every position runs through the frozen base, except the
-last prompt token (the candidate), whose own forward is the adapter's (focus/candidates.py,
-`FocusConfig.candidate_path`). The local decoder is the frozen base over the local window, with
-every chunk's candidate k/v prepended at every layer and visible to every local token. All chunks
-run as one batch (rows = B·C). The adapter is a pure dict apart from the base; differentiate
-w.r.t. it alone (close over the base params): the frozen stream then keeps no residuals.
+Leak-free objective (`target_nll`): the dynamic prompt ends at the last local token, so scoring
+every position (the paper) lets position i see x_{i+1}. We score the last Q positions, each with
+its own candidates: candidate q is x_{i_q} at its own position over [chunk | x_a .. x_{i_Q - 1}],
+seeing the frozen keys before it, exactly what generation sees when x_{i_q} is newest.
 
-Position ids (no RoPE position ever exceeds the base's trained context; never NTK-scaled):
-  chunk sequence   chunk tokens 0..s-1, prompt tokens from s; the candidate is the last prompt
-                   token (position s+P-1, then +1 per generated token): every chunk is positioned
-                   as if it started the document.
-  local decoder    candidate c (chunk order) at position c, local tokens at C..C+T-1 (+1 per
-                   generated token), as in the official code: the candidates read as an ordinary
-                   preceding context. C + T must fit the base's context, which bounds the memory
-                   (1K context, 512 local tokens, chunk 512: up to ~260K memory tokens).
-  `check_positions` raises (naming the field) unless every position stays below max_seq_len.
-
-Leak-free objective (`target_nll`): the paper's Eq. 6 scores every local token, but the candidates
-are condensed with a dynamic prompt that ends at the LAST local token, so the prediction at
-position i would see x_{i+1}.. through the candidates. We score the last Q input positions
-i_1 < ... < i_Q (query points) and give each its own candidates. The chunk sequence is
-[chunk | x_a .. x_{i_Q - 1}] (frozen, causal, one batched pass; a = i_1 - P + 1), and candidate q
-is x_{i_q} at its own position, attending to the frozen keys strictly before it and to itself. So
-candidate q sees exactly the dynamic prompt x_a..x_{i_q} that generation uses when x_{i_q} is the
-newest token. Local row q is the frozen decoder over the local window with candidates_q; its
-logits at i_q score the target x_{i_q+1}: every target is predicted as generation would predict
-it, nothing at or after it reaches its prediction (tests/focus/test_focus.py checks the gradient
-is exactly zero), and one chunk pass serves all Q targets.
-
-Supported bases: softmax and focal (constant temperature) layers, RoPE or no positions, QK-norm.
-Dilution layers (their running demand has no candidate analogue) and learned-τ focal layers raise
-NotImplementedError. Generation lives in focus/generate.py.
+`implementation` ("auto" | "xla" | "pallas") goes through dispatch.choose("condense"): "xla" runs
+the einsum references of pallas_kernels.condense (the spec), "pallas" its kernels, per device
+under a mesh. Bases: softmax and constant-temperature focal layers, RoPE or none, QK-norm.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 
+from focaljax import dispatch
 from focaljax import sharding
-from focaljax.focus import attention as focus_attention
-from focaljax.focus import candidates as cand_lib
+from focaljax.model import attention as attn_lib
 from focaljax.model import decoder as model_lib
+from pallas_kernels.condense import api as kernels
+
+IMPLEMENTATIONS = ("auto", "xla", "pallas")
+_PROJ = ("wq", "wk", "wv", "wo")
+
+
+# The adapter's projections per layer. "adapter" (the paper's): the candidate's own forward runs on
+# them. "frozen": it is the base's, and the adapter's wk/wv only map it to the k/v the local decoder
+# sees. Over small bases training the candidate's own projections can unlearn its reading.
+CANDIDATE_PATHS = {"adapter": _PROJ, "frozen": ("wk", "wv")}
+
+
+def cache_len(implementation: str, length: int) -> int:
+  # Multiples of 16 for the kernels: they would otherwise pad (copy) the cache at every call.
+  m = 16 if dispatch.choose("condense", implementation).implementation == "pallas" else 1
+  return -(-length // m) * m
+
+
+def scale(attn) -> float:
+  # check_base admits constant-temperature layers only, so this is a Python float.
+  return float(attn.family.scale(attn.cfg.attention, attn.cfg.head_dim, None))
+
+
+def _attend(kernel, reference, implementation, attn, *args):
+  choice = dispatch.choose("condense", implementation)
+  if choice.implementation == "xla":
+    return reference(*args, scale=scale(attn))
+  rows = ("batch",)   # every operand and output is [R, ...]: each device takes its rows
+  fn = functools.partial(kernel, scale=scale(attn), interpret=choice.interpret)
+  return sharding.per_device(fn, (rows,) * len(args), rows)(*args)
+
+
+def attend_candidates(implementation, attn, q_RQND, cache_k_RSKD, cache_v_RSKD, k_RQKD, v_RQKD,
+                      positions_RQ):
+  """Candidate q sees the cached keys at positions < positions_RQ[r, q] and its own k/v."""
+  return _attend(kernels.candidate_attention, kernels.candidate_attention_reference,
+                 implementation, attn, q_RQND, cache_k_RSKD.astype(k_RQKD.dtype),
+                 cache_v_RSKD.astype(v_RQKD.dtype), positions_RQ, k_RQKD, v_RQKD)
+
+
+def attend_local(implementation, attn, q_RTND, k_RTKD, v_RTKD, cand_k_RCKD, cand_v_RCKD):
+  """Local token t sees every candidate and the local tokens s <= t."""
+  return _attend(kernels.local_attention, kernels.local_attention_reference, implementation,
+                 attn, q_RTND, k_RTKD, v_RTKD, cand_k_RCKD.astype(k_RTKD.dtype),
+                 cand_v_RCKD.astype(v_RTKD.dtype))
+
+
+def rope(attn, x_RTKD, positions_RT, theta):
+  if attn.spec.position is attn_lib.Position.ROPE:
+    return model_lib.apply_rope(x_RTKD, positions_RT, theta, attn.cfg.rope_scaling)
+  return x_RTKD
+
+
+def _candidate_kv(attn, w, x_RQE):
+  """k (QK-normed, before RoPE) and v of x through w's wk/wv."""
+  dt = x_RQE.dtype
+  k = jnp.einsum("RQE,EKD->RQKD", x_RQE, w["wk"].astype(dt))
+  v = jnp.einsum("RQE,EKD->RQKD", x_RQE, w["wv"].astype(dt))
+  return (attn.k_norm(k) if attn.cfg.qk_norm else k), v
+
+
+def frozen_step(base, caches, tokens_RT, position, theta: float):
+  """The chunk caches with tokens_RT run through the frozen blocks from `position` on."""
+  x_RTE, new = base.embed[...][tokens_RT], []
+  for block, cache in zip(base.blocks, caches):
+    x_RTE, cache = block.cached(x_RTE, cache, position, theta)
+    new.append(cache)
+  return new
+
+
+def frozen_prefill(base, tokens_RT, max_len: int, theta: float):
+  """Frozen K/V caches of the chunk sequences with room for `max_len`, in the activations' dtype."""
+  caches = base.init_cache(tokens_RT.shape[0], max_len, base.embed[...].dtype)
+  return frozen_step(base, caches, tokens_RT, 0, theta)
+
+
+def candidates(adapter, base, caches, tokens_RQ, positions_RQ, theta: float, *,
+               implementation: str = "auto", path: str = "adapter"):
+  """Q candidates per chunk row, each seeing the cached frozen keys before it and itself: (h [R, Q,
+  E], per layer the adapter's (k before RoPE, v) [R, Q, K, D]). `path`: whose q/k/v/o it runs."""
+  own_from_adapter = path == "adapter"
+  x_RQE = base.embed[...][tokens_RQ]
+  kv = []
+  for i, (block, cache) in enumerate(zip(base.blocks, caches)):
+    attn, w = block.attn, adapter[i]
+    own = w if own_from_adapter else {n: getattr(attn, n)[...] for n in _PROJ}
+    xn_RQE = block.attn_norm(x_RQE)
+    q = jnp.einsum("RQE,END->RQND", xn_RQE, own["wq"].astype(xn_RQE.dtype))
+    q = attn.q_norm(q) if attn.cfg.qk_norm else q
+    k_pre, v = _candidate_kv(attn, own, xn_RQE)
+    out = attend_candidates(implementation, attn, rope(attn, q, positions_RQ, theta),
+                            cache["k"], cache["v"], rope(attn, k_pre, positions_RQ, theta), v,
+                            positions_RQ)
+    x_RQE = x_RQE + jnp.einsum("RQND,NDE->RQE", out, own["wo"].astype(out.dtype))
+    x_RQE = x_RQE + block.mlp(block.mlp_norm(x_RQE))
+    kv.append((k_pre, v) if own_from_adapter else _candidate_kv(attn, w, xn_RQE))
+  return x_RQE, kv
 
 
 @dataclasses.dataclass(frozen=True)
 class FocusConfig:
-  chunk_size: int                   # memory tokens per chunk (s); memory length must divide by it
+  chunk_size: int                   # memory tokens per chunk; the memory is whole chunks
   prompt_len: int = 512             # dynamic prompt: the last min(prompt_len, chunk_size) tokens
-  implementation: str = "xla"       # candidate/local attention: "xla" | "pallas" (focus/attention.py)
-  candidate_path: str = "adapter"   # the candidate's own forward (focus/candidates.py)
+  implementation: str = "auto"      # candidate/local attention: auto | xla | pallas
+  candidate_path: str = "adapter"   # the candidate's own forward (CANDIDATE_PATHS)
 
   def __post_init__(self):
     if self.chunk_size < 1 or self.prompt_len < 1:
       raise ValueError(f"FocusConfig: chunk_size ({self.chunk_size}) and prompt_len "
                        f"({self.prompt_len}) must be >= 1")
-    focus_attention.check(self.implementation)
-    if self.candidate_path not in cand_lib.CANDIDATE_PATHS:
-      raise ValueError(f"FocusConfig.candidate_path must be one of "
-                       f"{sorted(cand_lib.CANDIDATE_PATHS)}; got {self.candidate_path!r}")
+    for name, allowed in (("implementation", IMPLEMENTATIONS), ("candidate_path", CANDIDATE_PATHS)):
+      if getattr(self, name) not in allowed:
+        raise ValueError(f"FocusConfig.{name} must be one of {list(allowed)}; got "
+                         f"{getattr(self, name)!r}")
 
   def prompt_tokens(self, available: int) -> int:
     return min(self.prompt_len, self.chunk_size, available)
@@ -84,21 +159,19 @@ def check_base(base: model_lib.Transformer) -> None:
 
 
 def init_adapter(base: model_lib.Transformer, candidate_path: str = "adapter") -> dict:
-  """{layer: {wq, wk, wv, wo}} ({wk, wv} for the "frozen" path): copies (not ties) of the frozen
-  projections."""
+  """{layer: {wq, wk, wv, wo}} ({wk, wv}: "frozen"), copies (not ties) of the base's."""
   check_base(base)
-  if candidate_path not in cand_lib.CANDIDATE_PATHS:
-    raise ValueError(f"focus.init_adapter: candidate_path must be one of "
-                     f"{sorted(cand_lib.CANDIDATE_PATHS)}; got {candidate_path!r}")
-  leaves = cand_lib.CANDIDATE_PATHS[candidate_path].adapter_leaves
+  if candidate_path not in CANDIDATE_PATHS:
+    raise ValueError(f"focus.init_adapter: candidate_path {candidate_path!r} is not one of "
+                     f"{list(CANDIDATE_PATHS)}")
+  leaves = CANDIDATE_PATHS[candidate_path]
   return {i: {n: jnp.array(getattr(b.attn, n)[...]) for n in leaves}
           for i, b in enumerate(base.blocks)}
 
 
 def check_positions(base_cfg: model_lib.ModelConfig, cfg: FocusConfig, local_len: int,
                     prompt_len: int, extra: int = 0, memory_len: int = 0) -> None:
-  """Raises unless every RoPE position (module docstring) is < base max_seq_len. `memory_len`
-  gives the number of chunks, whose candidates sit before the window."""
+  """Raises unless every position (module docstring) is < the base's max_seq_len."""
   limit = base_cfg.max_seq_len
   chunk_max = cfg.chunk_size + prompt_len - 1 + extra
   if chunk_max >= limit:
@@ -113,14 +186,13 @@ def check_positions(base_cfg: model_lib.ModelConfig, cfg: FocusConfig, local_len
                      "local window")
 
 
-def local_logits(base, tokens_BT, cand_kv, theta: float, *, implementation: str = "xla",
+def local_logits(base, tokens_BT, cand_kv, theta: float, *, implementation: str = "auto",
                  at_B=None, candidate_mass: bool = False):
-  """The frozen decoder over the local window with the C candidates of each row (per layer (k
-  before RoPE, v) [B, C, K, D], chunk order) prepended at positions 0..C-1 and visible to every
-  token, the local tokens at C..C+T-1. Logits [B, T, V], or with `at_B` (int [B]) only row b's
-  position at_B[b]: [B, V] (training and decoding read one position per row; the head matmul over
-  every [B·Q, T] row would cost a tenth of a step). `candidate_mass` (with `at_B`) also returns,
-  per layer, the attention that position puts on each candidate, head-averaged float32 [L, B, C]."""
+  """The frozen decoder over the window, the C candidates of each row (per layer (k before RoPE,
+  v) [B, C, K, D]) at positions 0..C-1 and visible to every token. Logits [B, T, V], or with
+  `at_B` only row b's position at_B[b]: [B, V] (the head over every position would cost a tenth
+  of a step). `candidate_mass` (with `at_B`) also returns that position's head-averaged
+  attention on each candidate per layer, float32 [L, B, C]."""
   if candidate_mass and at_B is None:
     raise ValueError("focus.local_logits: candidate_mass needs at_B (the positions it reads)")
   B, T = tokens_BT.shape
@@ -133,11 +205,12 @@ def local_logits(base, tokens_BT, cand_kv, theta: float, *, implementation: str 
     attn = block.attn
     q, k, v = attn._project(  # pylint: disable=protected-access
         block.attn_norm(x_BTE), positions_BT, theta)
-    kc_BCKD = cand_lib.rope(attn, kc_BCKD.astype(k.dtype), cand_BC, theta)
+    kc_BCKD = rope(attn, kc_BCKD.astype(k.dtype), cand_BC, theta)
     if candidate_mass:
       q_BND = jnp.take_along_axis(q, jnp.asarray(at_B)[:, None, None, None], axis=1)[:, 0]
-      mass.append(focus_attention.candidate_mass(attn, q_BND, k, kc_BCKD, at_B).mean(axis=1))
-    out = focus_attention.local(implementation, attn, q, k, v, kc_BCKD, vc_BCKD)
+      mass.append(kernels.candidate_mass_reference(q_BND, k, kc_BCKD, at_B,
+                                                    scale=scale(attn)).mean(axis=1))
+    out = attend_local(implementation, attn, q, k, v, kc_BCKD, vc_BCKD)
     x_BTE = x_BTE + jnp.einsum("BTND,NDE->BTE", out, attn.wo[...].astype(out.dtype))
     x_BTE = x_BTE + block.mlp(block.mlp_norm(x_BTE))
   if at_B is not None:
@@ -147,15 +220,12 @@ def local_logits(base, tokens_BT, cand_kv, theta: float, *, implementation: str 
   return base._logits(x_BTE)  # pylint: disable=protected-access
 
 
-def chunk_sequences(memory_BM, span_BP, cfg: FocusConfig):
-  """[chunk | span] for every chunk: int32 [B·C, s + P] (B-major)."""
-  B, M = memory_BM.shape
-  if M % cfg.chunk_size:
-    raise ValueError(f"focus: memory length {M} is not a multiple of chunk_size "
-                     f"{cfg.chunk_size}; drop or pad the oldest tokens")
-  C = M // cfg.chunk_size
-  chunks_RS = memory_BM.reshape(B * C, cfg.chunk_size)
-  return jnp.concatenate([chunks_RS, jnp.repeat(span_BP.astype(chunks_RS.dtype), C, axis=0)], 1)
+def _candidates_kv(adapter, base, memory_BM, span_BP, Q: int, cfg: FocusConfig):
+  """Per layer (k, v) [B, C, Q, K, D] of the last Q tokens of `span_BP`; C = 0 without memory."""
+  B = memory_BM.shape[0]
+  if memory_BM.shape[1] == 0:
+    return no_candidates(base, B, Q)
+  return condense(adapter, base, memory_BM, span_BP, Q, cfg)[1]
 
 
 def condense(adapter, base, memory_BM, span_BP, num_candidates: int, cfg: FocusConfig,
@@ -163,19 +233,21 @@ def condense(adapter, base, memory_BM, span_BP, num_candidates: int, cfg: FocusC
   """Candidates for the last `num_candidates` tokens of the dynamic prompt span, all chunks in one
   batch. Returns (h [B, C, Q, E], per layer (k, v) [B, C, Q, K, D], caches [B·C rows])."""
   B, M = memory_BM.shape
-  if M == 0:
-    raise ValueError("focus.condense: the memory is empty; use no_candidates(base, B, Q)")
-  Q = num_candidates
+  s, Q = cfg.chunk_size, num_candidates
+  if M == 0 or M % s:
+    raise ValueError(f"focus.condense: memory length {M} must be a positive multiple of "
+                     f"chunk_size {s}; drop or pad the oldest tokens")
   theta = base.cfg.rope_theta   # positions stay inside the trained context: no NTK scaling
-  # Rows (B·C chunk sequences) split over every data-like mesh axis, so even one long document
-  # (B = 1) spreads its chunks across devices; a no-op without an ambient mesh.
-  seq_RN = sharding.constrain(chunk_sequences(memory_BM, span_BP, cfg), ("batch", "seq"))
+  C = M // s
+  seq_RN = jnp.concatenate([memory_BM.reshape(B * C, s),
+                            jnp.repeat(span_BP.astype(memory_BM.dtype), C, axis=0)], 1)
+  # Rows split over the data-like mesh axes, so even one long document spreads its chunks.
+  seq_RN = sharding.constrain(seq_RN, ("batch", "seq"))
   R, n = seq_RN.shape
-  C = R // B
-  cache_len = focus_attention.cache_len(cfg.implementation, n - 1 + extra)
-  caches = cand_lib.frozen_prefill(base, seq_RN[:, :-1], cache_len, theta)
+  caches = frozen_prefill(base, seq_RN[:, :-1],
+                                   cache_len(cfg.implementation, n - 1 + extra), theta)
   positions_RQ = jnp.broadcast_to(jnp.arange(n - Q, n), (R, Q))
-  h_RQE, kv = cand_lib.candidates(adapter, base, caches, seq_RN[:, n - Q:], positions_RQ, theta,
+  h_RQE, kv = candidates(adapter, base, caches, seq_RN[:, n - Q:], positions_RQ, theta,
                                   implementation=cfg.implementation, path=cfg.candidate_path)
   split = lambda x: x.reshape(B, C, *x.shape[1:])
   return split(h_RQE), [(split(k), split(v)) for k, v in kv], caches
@@ -183,28 +255,23 @@ def condense(adapter, base, memory_BM, span_BP, num_candidates: int, cfg: FocusC
 
 def no_candidates(base, B: int, Q: int):
   """Zero-chunk candidate k/v per layer, [B, 0, Q, K, D] (no memory: the plain base)."""
-  c = base.cfg
-  z = jnp.zeros((B, 0, Q, c.num_kv_heads, c.head_dim), jnp.float32)
+  z = jnp.zeros((B, 0, Q, base.cfg.num_kv_heads, base.cfg.head_dim), jnp.float32)
   return [(z, z) for _ in base.blocks]
 
 
 def logits(adapter, base, memory_BM, local_BT, cfg: FocusConfig):
-  """Inference forward: float32 [B, T, V]. Only the last position is a FocusLLM prediction (the
-  candidates were condensed with a prompt ending at the last token; earlier positions see it)."""
-  B, T = local_BT.shape
+  """float32 [B, T, V]; only the last position is a FocusLLM prediction (the candidates were
+  condensed with a prompt ending there)."""
+  T = local_BT.shape[1]
   P = cfg.prompt_tokens(T)
   check_positions(base.cfg, cfg, T, P, memory_len=memory_BM.shape[1])
-  if memory_BM.shape[1] == 0:
-    kv = no_candidates(base, B, 1)
-  else:
-    _, kv, _ = condense(adapter, base, memory_BM, local_BT[:, T - P:], 1, cfg)
+  kv = _candidates_kv(adapter, base, memory_BM, local_BT[:, T - P:], 1, cfg)
   return local_logits(base, local_BT, [(k[:, :, 0], v[:, :, 0]) for k, v in kv],
                       base.cfg.rope_theta, implementation=cfg.implementation)
 
 
 def target_nll(adapter, base, memory_BM, tokens_BT, cfg: FocusConfig, num_targets: int):
-  """Leak-free per-target NLL, float32 [B, Q]: the last Q tokens of `tokens_BT` are the targets,
-  each predicted from its own candidates (module docstring)."""
+  """Leak-free NLL of the last Q tokens of `tokens_BT`, float32 [B, Q] (module docstring)."""
   B, T1 = tokens_BT.shape
   T, Q = T1 - 1, num_targets
   if not 1 <= Q <= T:
@@ -213,14 +280,10 @@ def target_nll(adapter, base, memory_BM, tokens_BT, cfg: FocusConfig, num_target
   first = T - Q                                   # index of the first query point
   P = cfg.prompt_tokens(first + 1)
   check_positions(base.cfg, cfg, first + 1, P, extra=Q - 1, memory_len=memory_BM.shape[1])
-  if memory_BM.shape[1] == 0:
-    kv = no_candidates(base, B, Q)
-  else:
-    _, kv, _ = condense(adapter, base, memory_BM, inputs_BT[:, first - P + 1:], Q, cfg)
+  kv = _candidates_kv(adapter, base, memory_BM, inputs_BT[:, first - P + 1:], Q, cfg)
   C = kv[0][0].shape[1]
-  # Row (b, q) carries candidates_q of every chunk; B-major like the repeated local tokens.
+  # Row (b, q) carries candidates_q of every chunk and is read only at its query point first + q.
   rows = lambda x: x.transpose(0, 2, 1, 3, 4).reshape(B * Q, C, *x.shape[3:])
-  # Row (b, q) is read only at its own query point first + q.
   at_RV = local_logits(base, jnp.repeat(inputs_BT, Q, axis=0),
                        [(rows(k), rows(v)) for k, v in kv], base.cfg.rope_theta,
                        implementation=cfg.implementation,

@@ -1,36 +1,197 @@
-"""FocusLLM training (configs/focus.py): the candidate adapter learns, the base stays frozen.
-
-The task train/loop.py runs, as it runs the language model's: the trained params are the adapter
-(replicated; a copy of the base's projections at step 0), the frozen params the base's (cast once
-to train.compute_dtype and sharded like a model's; the loss closes over them, so they are never
-differentiated, in the optimizer or saved), the batches focus/samples.py's (one chunk size per
-step, one compile per chunk size; a pure function of (seed, step, process), so a resumed run
-replays the same stream without iterator state). The loss is `focus.target_nll`'s leak-free
-objective over the last `num_targets` local tokens. Checkpoints hold the adapter, its optimizer
-state and focus/adapter.py's meta; the base workdir is only read.
+"""FocusLLM training (configs/focus.py) through train/loop.py: the adapter trains (replicated,
+copied from the base's projections), the base is frozen (closed over by the loss, never saved).
+Samples are a pure function of (seed, step, process); each step draws a chunk size and a memory
+length (whole chunks; one compile per pair) and, per sample, a continuation (memory, then the
+window), a reconstruction (p_reconstruction: the window copies a span of the memory) or a passkey
+drill (retrieval_mix: a needle in the memory, the question and key ending the window).
 """
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
+import dataclasses
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from etils import epath
 from flax import nnx
 
 from focaljax import config as config_lib
 from focaljax import sharding
+from focaljax.data import pipeline as data_lib
+from focaljax.data import retrieval
 from focaljax.evaluation import loading
-from focaljax.focus import adapter as adapter_lib
 from focaljax.focus import model as focus
-from focaljax.focus import samples as samples_lib
+from focaljax.model import decoder as model_lib
 from focaljax.train import checkpoint
 from focaljax.train import loop
 from focaljax.train import optim
 
+_MAX_DRAWS = 1000   # document draws per sample before concluding the source has no long documents
+_CACHE_BYTES = 512 << 20   # token ids kept per process: the corpus's long documents fit
+# Batches built ahead on worker threads (0: on the training thread). The tokenizer releases the
+# GIL, so until the cache holds the documents the threads tokenize in parallel.
+_CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
+PREFETCH = max(2, min(8, _CORES - 1))
+
+
+class Sampler:
+  """Batches as a pure function of (seed, step, process): resumable without iterator state."""
+
+  def __init__(self, f: config_lib.FocusTrainConfig, data, seed: int, tokenizer,
+               process_index: int, local_batch: int):
+    self.f, self.seed, self.pidx, self.local_batch = f, seed, process_index, local_batch
+    self.tok = tokenizer
+    self._question_len = len(tokenizer.encode(retrieval.PASSKEY_QUESTION))
+    self.docs = data_lib.documents(data, "train")
+    # Token ids of re-drawn documents, text cut first (books run to 1M tokens).
+    n = f.doc_max_tokens
+    self._tokens = functools.lru_cache(maxsize=max(64, _CACHE_BYTES // (4 * n)))(
+        lambda i: np.asarray(tokenizer.encode(self.docs[i][:16 * n])[:n], np.int32))
+    # Too-short documents are not tokenized again; a skip still consumes its draw.
+    self._short: set[int] = set()
+
+  def shape(self, step: int) -> tuple[int, int]:
+    """(chunk size, memory length) of the step, the same on every process; the memory draw has
+    its own stream, so adding lengths leaves every step's chunk size as it was."""
+    sizes, memories = self.f.chunk_sizes, self.f.memory_tokens
+    s = sizes[np.random.default_rng([self.seed, step]).integers(len(sizes))]
+    m = memories[np.random.default_rng([self.seed, step, 2]).integers(len(memories))]
+    return s, s * (m // s)   # whole chunks
+
+  def _document(self, rng) -> np.ndarray:
+    for _ in range(_MAX_DRAWS):
+      i = int(rng.integers(len(self.docs)))
+      if i in self._short:
+        continue
+      ids = self._tokens(i)
+      if len(ids) >= self.f.doc_min_tokens:
+        return ids
+      self._short.add(i)
+    raise config_lib.ConfigError(
+        f"config field focus.doc_min_tokens: {_MAX_DRAWS} random documents of data.source were "
+        f"all shorter than {self.f.doc_min_tokens} tokens; lower it or use a source with longer "
+        "documents")
+
+  def _drill(self, memory, local, rng) -> tuple[np.ndarray, np.ndarray, int]:
+    """A needle over a random stretch of the memory, the window ending with the question and " K."
+    -> (memory, local tokens, key_at: where the answer starts among the num_targets targets)."""
+    needle, tail = retrieval.drill_pieces(self.tok, rng)
+    answer = len(tail) - self._question_len
+    if len(needle) > len(memory) or len(tail) > len(local) or answer > self.f.num_targets:
+      raise config_lib.ConfigError(
+          f"config field focus.retrieval_mix: a drill needs a memory of >= {len(needle)} tokens, "
+          f"a local window of >= {len(tail)} (question and key) and focus.num_targets >= "
+          f"{answer} (the key)")
+    memory = memory.copy()
+    at = int(rng.integers(len(memory) - len(needle) + 1))
+    memory[at:at + len(needle)] = needle
+    context = local[:len(local) - len(tail)]
+    return (memory, np.concatenate([context, np.asarray(tail, np.int32)]),
+            self.f.num_targets - answer)
+
+  def batch(self, step: int) -> dict[str, np.ndarray]:
+    """memory int32 [b, M], tokens int32 [b, local_len + 1], reconstruction float32 [b],
+    key_at int32 [b]: where a drill's answer " K." starts among the last num_targets, or -1."""
+    _, M = self.shape(step)
+    T = self.f.local_len
+    rng = np.random.default_rng([self.seed, step, self.pidx, 1])
+    memory, tokens, recon, key_at = [], [], [], []
+    for _ in range(self.local_batch):
+      ids = self._document(rng)
+      is_recon, at = rng.random() < self.f.p_reconstruction, -1
+      n = M if is_recon else M + T + 1
+      window = ids[(o := rng.integers(len(ids) - n + 1)):o + n]
+      memory.append(window[:M])
+      if is_recon:
+        tokens.append(window[(r := rng.integers(M - T)):r + T + 1])
+      elif rng.random() < self.f.retrieval_mix:
+        memory[-1], local, at = self._drill(window[:M], window[M:], rng)
+        tokens.append(local)
+      else:
+        tokens.append(window[M:])
+      recon.append(float(is_recon))
+      key_at.append(at)
+    return {"memory": np.stack(memory), "tokens": np.stack(tokens),
+            "reconstruction": np.asarray(recon, np.float32),
+            "key_at": np.asarray(key_at, np.int32)}
+
+
+def prefetch(sampler: Sampler, start: int, stop: int, depth: int | None = None):
+  """Yields (step, sampler.batch(step)) for steps [start, stop), `depth` batches ahead on worker
+  threads (batches are pure functions of the step). Close the generator to stop the workers."""
+  depth = PREFETCH if depth is None else depth
+  if depth == 0:
+    yield from ((step, sampler.batch(step)) for step in range(start, stop))
+    return
+  with concurrent.futures.ThreadPoolExecutor(depth, thread_name_prefix="focus-sampler") as pool:
+    ahead = collections.deque(pool.submit(sampler.batch, s)
+                              for s in range(start, min(start + depth, stop)))
+    try:
+      for step in range(start, stop):
+        if step + depth < stop:
+          ahead.append(pool.submit(sampler.batch, step + depth))
+        yield step, ahead.popleft().result()
+    finally:
+      for future in ahead:
+        future.cancel()
+
+
+def meta(cfg: focus.FocusConfig, *, trained_prompt_len: int, local_len: int,
+         base_workdir: str) -> dict:
+  """A checkpoint's meta; `cfg` is the adapter as served (largest chunk, focus.eval_prompt_len)."""
+  return {"focus": dataclasses.asdict(cfg), "trained_prompt_len": trained_prompt_len,
+          "local_len": local_len, "base_workdir": base_workdir}
+
+
+def with_attention(model, implementation: str):
+  """The same weights with the base's attention implementation replaced: cuDNN refuses chunk
+  caches with room for later tokens, so FocusLLM runs the base's as "xla" or "pallas"."""
+  cfg = dataclasses.replace(model.cfg, attention=dataclasses.replace(
+      model.cfg.attention, implementation=implementation))
+  graphdef, _ = model_lib.abstract_model(cfg)
+  return nnx.merge(graphdef, nnx.state(model))
+
+
+def resolve(path: str) -> tuple[str, int | None]:
+  """(run workdir, step) of a FocusLLM run workdir (None: latest) or a checkpoints/<step> in it."""
+  p = epath.Path(config_lib.absolute(path))
+  if p.parent.name == "checkpoints" and p.name.isdigit():
+    return str(p.parent.parent), int(p.name)
+  if checkpoint.latest_step(str(p)) is not None:
+    return str(p), None
+  if (p / "adapter").is_dir():   # the layout before Orbax checkpoints (focus/legacy.py)
+    raise FileNotFoundError(f"{path} keeps its adapter in the old .npz layout; convert it with: "
+                            f"python -m focaljax.focus.legacy {path}")
+  raise FileNotFoundError(f"{path} is neither a FocusLLM run workdir (no checkpoints/<step>) nor "
+                          "a checkpoints/<step> directory inside one")
+
+
+def load(path: str, base) -> tuple[dict, focus.FocusConfig, dict]:
+  """(adapter, FocusConfig, meta + {"workdir", "step"}) of a run workdir (latest checkpoint) or
+  one of its checkpoints/<step>, restored onto the shapes of `base`."""
+  workdir, step = resolve(path)
+  saved, step = checkpoint.read_meta(workdir, step)
+  if "focus" not in saved:
+    raise ValueError(f"{workdir}: its checkpoints hold no FocusLLM adapter (a language model's "
+                     "workdir?)")
+  cfg = focus.FocusConfig(**saved["focus"])
+  like = checkpoint.abstract_like(jax.eval_shape(
+      lambda: focus.init_adapter(base, cfg.candidate_path)))
+  try:
+    adapter, step = checkpoint.restore_params(workdir, step, like)
+  except ValueError as e:
+    raise ValueError(f"{workdir}: the adapter does not fit this base ({e}); is the base the "
+                     f"adapter's, {saved['base_workdir']}?") from None
+  return adapter, cfg, {**saved, "workdir": workdir, "step": step}
+
 
 def answer_nll_sum(nll_BQ, key_at_B):
-  """Σ over drills of the NLL of targets key_at.. (the answer " K."); rows with key_at = -1 add 0."""
+  """Σ of the NLL of targets key_at.. (a drill's answer " K."); rows with key_at = -1 add 0."""
   in_answer_BQ = (jnp.arange(nll_BQ.shape[1])[None] >= key_at_B[:, None]) & (key_at_B[:, None] >= 0)
   return jnp.where(in_answer_BQ, nll_BQ, 0.0).sum()
 
@@ -40,9 +201,8 @@ def loss(adapter, base_params, batch, *, graphdef, cfg: focus.FocusConfig, num_t
   base = nnx.merge(graphdef, base_params)
   nll_BQ = focus.target_nll(adapter, base, batch["memory"], batch["tokens"], cfg, num_targets)
   nll_B, r_B = nll_BQ.mean(axis=1), batch["reconstruction"]
-  # Per task (a batch may hold none of one). loss_key, the drills' NLL summed over the answer,
-  # says whether the memory reaches the local decoder: about ln(90000) ≈ 11.4 is knowing only
-  # that a 5-digit key comes, ~0 is reading it.
+  # loss_key, the drills' answer NLL, says whether the memory reaches the local decoder: about
+  # ln(90000) ≈ 11.4 is knowing only that a 5-digit key comes, ~0 is reading it.
   sums = {"loss_continuation": ((nll_B * (1 - r_B)).sum(), (1 - r_B).sum()),
           "loss_reconstruction": ((nll_B * r_B).sum(), r_B.sum()),
           "loss_key": (answer_nll_sum(nll_BQ, batch["key_at"]),
@@ -51,9 +211,7 @@ def loss(adapter, base_params, batch, *, graphdef, cfg: focus.FocusConfig, num_t
 
 
 def _check_resume(f: config_lib.FocusTrainConfig, workdir: str) -> None:
-  """A workdir with saved adapters must be resumed over the same base, on the same path."""
   if checkpoint.latest_step(workdir) is None:
-    adapter_lib.check_not_legacy(workdir)
     return
   saved, step = checkpoint.read_meta(workdir, None)
   where = f"the adapter in {workdir}/checkpoints/{step}"
@@ -71,27 +229,26 @@ def task(cfg: config_lib.Config, workdir: str, mesh) -> loop.Task:
   f = cfg.focus
   _check_resume(f, workdir)
   base = loading.load(f.base_workdir)
-  graphdef, base_state = nnx.split(adapter_lib.with_attention(base.model, f.base_attention))
+  graphdef, base_state = nnx.split(with_attention(base.model, f.base_attention))
   base_sh = sharding.param_shardings(base_state, mesh)
   dtype = jnp.dtype(cfg.train.compute_dtype)
   base_params = jax.device_put(jax.tree.map(lambda p: jnp.asarray(p, dtype),
                                             nnx.to_pure_dict(base_state)), base_sh)
   adapter = focus.init_adapter(base.model, f.candidate_path)
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  adapter_sh = jax.tree.map(lambda _: replicated, adapter)
   rows = jax.sharding.NamedSharding(mesh, sharding.spec(("batch",)))
   batch_sh = {"memory": sharding.batch_sharding(mesh), "tokens": sharding.batch_sharding(mesh),
               "reconstruction": rows, "key_at": rows}
   B, T = cfg.data.global_batch, f.local_len
-  sampler = samples_lib.Sampler(f, cfg.data, cfg.seed, base.tokenizer, jax.process_index(),
-                                B // jax.process_count())
+  sampler = Sampler(f, cfg.data, cfg.seed, base.tokenizer, jax.process_index(),
+                    B // jax.process_count())
 
   def focus_cfg(chunk: int, prompt_len: int) -> focus.FocusConfig:
     return focus.FocusConfig(chunk, prompt_len=prompt_len, implementation=f.implementation,
                              candidate_path=f.candidate_path)
 
   def batches(start):
-    ahead = samples_lib.prefetch(sampler, start, cfg.train.steps)
+    ahead = prefetch(sampler, start, cfg.train.steps)
     try:
       for step, local in ahead:
         chunk, M = sampler.shape(step)
@@ -101,7 +258,7 @@ def task(cfg: config_lib.Config, workdir: str, mesh) -> loop.Task:
 
   def abstract_batches():   # each chunk size's longest memory: the peak
     longest = max(f.memory_tokens)
-    shapes = lambda s: {"memory": (B, samples_lib.memory_len(s, longest)), "tokens": (B, T + 1),
+    shapes = lambda s: {"memory": (B, s * (longest // s)), "tokens": (B, T + 1),
                         "reconstruction": (B,), "key_at": (B,)}
     return {s: {k: jax.ShapeDtypeStruct(v, jnp.float32 if k == "reconstruction" else jnp.int32,
                                         sharding=batch_sh[k]) for k, v in shapes(s).items()}
@@ -109,15 +266,16 @@ def task(cfg: config_lib.Config, workdir: str, mesh) -> loop.Task:
 
   served = focus_cfg(max(f.chunk_sizes), f.eval_prompt_len or f.prompt_len)
   return loop.Task(
-      params=jax.device_put(adapter, replicated), param_sh=adapter_sh,
+      params=jax.device_put(adapter, replicated),
+      param_sh=jax.tree.map(lambda _: replicated, adapter),
       tx=optim.make(cfg.optim, adapter),
       loss=lambda chunk: functools.partial(loss, graphdef=graphdef,
                                            cfg=focus_cfg(chunk, f.prompt_len),
                                            num_targets=f.num_targets),
       batch_sh=batch_sh, batches=batches, abstract_batches=abstract_batches,
       frozen=base_params, frozen_sh=base_sh,
-      meta=adapter_lib.meta(served, trained_prompt_len=f.prompt_len, local_len=f.local_len,
-                            base_workdir=f.base_workdir),
+      meta=meta(served, trained_prompt_len=f.prompt_len, local_len=f.local_len,
+                base_workdir=f.base_workdir),
       evaluate_with=f"python eval.py --workdir {f.base_workdir} --focus_adapter {workdir}")
 
 

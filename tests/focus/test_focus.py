@@ -16,8 +16,8 @@ from flax import nnx
 
 from focaljax.model import attention as attn_lib
 from focaljax.focus import model as focus
-from focaljax.focus import adapter as focus_adapter
 from focaljax.focus import generate as focus_generate
+from focaljax.focus import train as focus_train
 from focaljax.evaluation import generate as gen_lib
 from focaljax.model import decoder as model_lib
 from focaljax.train import checkpoint
@@ -95,11 +95,11 @@ def test_positions_stay_inside_trained_context(monkeypatch):
   seen = []
   rope = model_lib.apply_rope
 
-  def recording_rope(x, positions, theta):
+  def recording_rope(x, positions, theta, *scaling):
     # Runs inside jit: the callback reports the traced positions' maximum at run time.
     jax.debug.callback(lambda m: seen.append(int(m)), jnp.max(positions))
     assert theta == base.cfg.rope_theta   # never NTK-scaled
-    return rope(x, positions, theta)
+    return rope(x, positions, theta, *scaling)
 
   monkeypatch.setattr(model_lib, "apply_rope", recording_rope)
   cfg = focus.FocusConfig(chunk_size=16, prompt_len=8)
@@ -231,61 +231,18 @@ def test_adapter_round_trip_and_unsupported_layers(tmp_path):
   base = tiny_base()
   adapter = perturbed(focus.init_adapter(base))
   cfg = focus.FocusConfig(chunk_size=8, prompt_len=4, candidate_path="adapter")
-  meta = focus_adapter.meta(cfg, trained_prompt_len=2, local_len=16, base_workdir="/base")
+  meta = focus_train.meta(cfg, trained_prompt_len=2, local_len=16, base_workdir="/base")
   checkpoint.save_params(str(tmp_path), 3, adapter, meta)
   for path in (tmp_path, tmp_path / "checkpoints" / "3"):
-    loaded, cfg2, meta2 = focus_adapter.load(str(path), base)
+    loaded, cfg2, meta2 = focus_train.load(str(path), base)
     assert cfg2 == cfg and meta2["base_workdir"] == "/base" and meta2["step"] == 3
     jax.tree.map(np.testing.assert_array_equal, loaded, adapter)
   with pytest.raises(ValueError, match="does not fit this base.*/base"):
-    focus_adapter.load(str(tmp_path), tiny_base(head_dim=16))
+    focus_train.load(str(tmp_path), tiny_base(head_dim=16))
   with pytest.raises(FileNotFoundError, match="neither a FocusLLM run"):
-    focus_adapter.load(str(tmp_path / "nowhere"), base)
+    focus_train.load(str(tmp_path / "nowhere"), base)
   with pytest.raises(NotImplementedError, match="dilution"):
     focus.init_adapter(tiny_base("softmax:rope,dilution:none"))
-
-
-def test_old_npz_adapters_convert(tmp_path):
-  """A run from before Orbax adapter checkpoints (adapter/<step>/ with adapter.npz, focus.json,
-  opt_state.npz) converts in place, optimizer state included, served with its eval prompt; an
-  adapter of a removed arm is refused naming it."""
-  from configs import focus as focus_config  # pylint: disable=import-outside-toplevel
-  from focaljax import config as config_lib  # pylint: disable=import-outside-toplevel
-  from focaljax.train import optim  # pylint: disable=import-outside-toplevel
-  base = tiny_base()
-  adapter = perturbed(focus.init_adapter(base))
-  c = focus_config.get_config()
-  c.focus.update(base_workdir="/base", local_len=16, eval_prompt_len=6)
-  checkpoint.write_config(str(tmp_path), c)
-  tx = optim.make(config_lib.optim_config(c), adapter)
-  opt_state = tx.init(adapter)
-  old = {"chunk_size": 8, "prompt_len": 4, "sep_id": None, "implementation": "xla",
-         "candidate_positions": "sequential", "candidate_bias": "none", "sink": "none",
-         "candidate_path": "adapter"}
-  d = tmp_path / "adapter" / "2"
-  d.mkdir(parents=True)
-  np.savez(d / "adapter.npz", **{f"{i}/{n}": np.asarray(w) for i, ws in adapter.items()
-                                 for n, w in ws.items()})
-  np.savez(d / "opt_state.npz", *[np.asarray(x) for x in jax.tree.leaves(opt_state)])
-  (d / "focus.json").write_text(json.dumps({"config": old, "base_workdir": "/base"}))
-  with pytest.raises(FileNotFoundError, match="python -m focaljax.focus.adapter"):
-    focus_adapter.load(str(tmp_path), base)
-  out = subprocess.run([sys.executable, "-m", "focaljax.focus.adapter", str(tmp_path)],
-                       capture_output=True, text=True, cwd=REPO, timeout=300,
-                       env={**os.environ, "JAX_PLATFORMS": "cpu"})
-  assert out.returncode == 0, out.stderr[-2000:]
-  loaded, cfg, meta = focus_adapter.load(str(tmp_path), base)
-  jax.tree.map(np.testing.assert_array_equal, loaded, adapter)
-  assert cfg == focus.FocusConfig(chunk_size=8, prompt_len=6) and meta["local_len"] == 16
-  assert meta["trained_prompt_len"] == 4 and meta["step"] == 2
-  restored = checkpoint.Checkpointer(str(tmp_path)).restore(
-      2, checkpoint.abstract_like(adapter), checkpoint.abstract_like(opt_state), None)[1]
-  jax.tree.map(np.testing.assert_array_equal, restored, opt_state)
-  # Written before candidate_positions existed: the "shared" layout, which is gone.
-  del old["candidate_positions"]
-  (d / "focus.json").write_text(json.dumps({"config": old, "base_workdir": "/base"}))
-  with pytest.raises(ValueError, match="candidate_positions='shared'"):
-    focus_adapter.convert(str(tmp_path))
 
 
 _SHARDED = """

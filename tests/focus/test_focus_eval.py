@@ -20,10 +20,9 @@ import test_focus_train  # tests/ is on sys.path under pytest: its hand-made bas
 from focaljax.model import attention as attn_lib
 from focaljax.train import checkpoint
 from focaljax.focus import model as focus
-from focaljax.focus import adapter as focus_adapter
 from focaljax.focus import evaluate as focus_eval
 from focaljax.focus import generate as focus_generate
-from focaljax.focus import passkey as focus_passkey
+from focaljax.focus import train as focus_train
 from focaljax.model import decoder as model_lib
 from focaljax.data import retrieval
 from focaljax.data import tokenizer as tokenizer_lib
@@ -54,19 +53,19 @@ def tiny(tok):
 
 
 def test_local_window_leaves_whole_chunks():
-  assert focus_passkey.local_len_for(4096, 1024, 1024) == 1024
-  assert focus_passkey.local_len_for(200, 16, 32) == 24 and (200 - 24) % 16 == 0
-  assert focus_passkey.local_len_for(20, 16, 32) == 20   # all local, no memory
+  assert focus_eval.local_len_for(4096, 1024, 1024) == 1024
+  assert focus_eval.local_len_for(200, 16, 32) == 24 and (200 - 24) % 16 == 0
+  assert focus_eval.local_len_for(20, 16, 32) == 20   # all local, no memory
   # 2x a 2K context with 1K chunks and a 512-token window: only 1024 leaves whole chunks.
-  assert focus_passkey.local_len_for(4096, 1024, 512, min_len=12, max_len=2042) == 1024
+  assert focus_eval.local_len_for(4096, 1024, 512, min_len=12, max_len=2042) == 1024
   with pytest.raises(ValueError, match="chunk_size 1024"):
-    focus_passkey.local_len_for(4096, 1024, 512, min_len=12, max_len=1000)
+    focus_eval.local_len_for(4096, 1024, 512, min_len=12, max_len=1000)
 
 
 def test_with_attention_swaps_the_implementation_only(tiny):
   base = tiny[0]
   own = base.blocks[0].attn.cfg.attention.implementation
-  swapped = focus_adapter.with_attention(base, "cudnn")
+  swapped = focus_train.with_attention(base, "cudnn")
   assert swapped.blocks[0].attn.cfg.attention.implementation == "cudnn" != own
   assert base.blocks[0].attn.cfg.attention.implementation == own
   jax.tree.map(np.testing.assert_array_equal, nnx.state(swapped), nnx.state(base))
@@ -114,7 +113,6 @@ def test_passkey_feeds_the_official_prompt_and_scores_exact_keys(tiny, tok, monk
       assert t["correct"] == t["needle_in_memory"], t
   assert r["seeds"] == list(range(8)) and any(t["needle_in_memory"] for t in r["rows"][1]["trials"])
   assert all(a in (None, 1.0) for a in r["accuracy_needle_in_memory"])
-  assert r["digits_in_memory"] == r["accuracy_needle_in_memory"]
   assert all(p is None or len(p) == 5 for p in r["digit_places"])
   # The diagnostic: every needle-in-memory trial reads the needle chunk's guess at the key's
   # first token with a digit; the others do not. This tokenizer spells some keys " ", "8", ...:
@@ -200,32 +198,6 @@ def test_passkey_with_a_model_is_well_formed(tiny, tok):
       t["output"] for t in single["rows"][0]["trials"]]
 
 
-def test_passkey_filler_from_a_book(tiny, tok, monkeypatch):
-  base, adapter, cfg = tiny
-  book = tok.encode("It was a bright cold day in April, and the clocks were striking thirteen.")
-  seen = []
-  def record(adapter, base, memory_BM, local_BT, cfg, max_new_tokens, readout):
-    seen.append(np.concatenate([memory_BM, local_BT], 1))
-    out = jnp.zeros((memory_BM.shape[0], local_BT.shape[1] + max_new_tokens), jnp.int32)
-    B, C = memory_BM.shape[0], memory_BM.shape[1] // cfg.chunk_size
-    return out, {"candidate_top": np.zeros((B, C), np.int32),
-                 "candidate_top_steps": np.zeros((B, max_new_tokens, C), np.int32),
-                 "candidate_mass": np.zeros((1, B, C), np.float32)}
-  monkeypatch.setattr(focus_generate, "generate", record)
-  r = focus_eval.passkey(adapter, base, cfg, tok, multipliers=(2,), seeds=2, filler_ids=book)
-  assert r["filler"] == "text" and "text filler" in focus_eval.format_suite("focus_passkey", r)
-  for prompt, t in zip(seen, r["rows"][0]["trials"]):
-    text = tok.decode(prompt[0].tolist())
-    assert "the clocks were striking thirteen" in text and retrieval.PASSKEY_FILLER not in text
-    assert text.count(retrieval.PASSKEY_NEEDLE.format(key=t["key"])) == 1
-    assert prompt.shape[1] == r["rows"][0]["length"]
-  # Refused before anything loads, naming the allowed values.
-  with pytest.raises(ValueError, match="filler 'books'.*needs --books"):
-    focus_eval.run("no-base", "no-adapter", passkey_filler="books")
-  with pytest.raises(ValueError, match="filler 'sky'.*'grass' or 'books'"):
-    focus_eval.run("no-base", "no-adapter", passkey_filler="sky", books="b.txt")
-
-
 def test_loss_by_position_ranges(tiny):
   base, adapter, cfg = tiny
   rng = np.random.default_rng(0)
@@ -263,7 +235,7 @@ def test_eval_py_focus_adapter_end_to_end(tmp_path, tiny):
   # the flag says 4.
   served = dataclasses.replace(tiny[2], prompt_len=6)
   checkpoint.save_params(str(run), 1, focus.init_adapter(
-      loaded.load(str(tmp_path / "base")).model), focus_adapter.meta(
+      loaded.load(str(tmp_path / "base")).model), focus_train.meta(
           served, trained_prompt_len=8, local_len=16, base_workdir=str(tmp_path / "base")))
   books = tmp_path / "books.jsonl"
   text = "It was the best of times, it was the worst of times, it was the age of wisdom. " * 40
@@ -310,21 +282,13 @@ def test_decode_bench_smoke(tmp_path):
 
 
 def test_wilson_interval():
-  lo, hi = focus_passkey.wilson_interval(8, 10)
+  lo, hi = focus_eval.wilson_interval(8, 10)
   assert lo == pytest.approx(0.490, abs=1e-3) and hi == pytest.approx(0.943, abs=1e-3)
-  assert focus_passkey.wilson_interval(10, 10)[1] == pytest.approx(1.0)
-  assert focus_passkey.wilson_interval(0, 0) is None
+  assert focus_eval.wilson_interval(10, 10)[1] == pytest.approx(1.0)
+  assert focus_eval.wilson_interval(0, 0) is None
 
 
 def test_digit_places_count_from_the_first_digit():
-  assert focus_passkey.digit_places(" 36566.", 86556) == [False, True, True, False, True]
-  assert focus_passkey.digit_places(" 8655", 86556) == [True] * 4 + [False]   # cut short
-  assert focus_passkey.digit_places("\n     1\n", 86556) == [False] * 5
-
-
-def test_key_digits_counts_partial_reads_from_the_last_digit():
-  assert focus_passkey.key_digits(" 85381.", 85381) == 1.0
-  assert focus_passkey.key_digits(" 75381.", 85381) == 0.8     # the first token missed
-  assert focus_passkey.key_digits(" 7379.<|endoftext|>", 75379) == 0.6   # a digit dropped
-  assert focus_passkey.key_digits(" 5:1.", 83035) == 0.2 and focus_passkey.key_digits(" The", 1) == 0.0
-
+  assert focus_eval.digit_places(" 36566.", 86556) == [False, True, True, False, True]
+  assert focus_eval.digit_places(" 8655", 86556) == [True] * 4 + [False]   # cut short
+  assert focus_eval.digit_places("\n     1\n", 86556) == [False] * 5

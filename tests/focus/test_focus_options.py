@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from focaljax import dispatch
 from focaljax.model import attention as attn_lib
 from focaljax.focus import model as focus
-from focaljax.focus import candidates as cand_lib
 from focaljax.focus import generate as focus_generate
 from focaljax.model import decoder as model_lib
 from test_focus import jitted, perturbed, split, tiny_base, tokens
@@ -22,7 +22,7 @@ def test_candidates_read_as_a_preceding_context():
   base = tiny_base(qk_norm=True)
   theta = base.cfg.rope_theta
   prefix, local = tokens(20, (2, 5)), tokens(21, (2, 9))
-  caches = cand_lib.frozen_prefill(base, prefix, 5, theta)
+  caches = focus.frozen_prefill(base, prefix, 5, theta)
   # The caches hold rotated keys: rotating back by -position gives the pre-RoPE keys.
   back = -jnp.broadcast_to(jnp.arange(5), (2, 5))
   kv = [(model_lib.apply_rope(c["k"], back, theta) if b.attn.spec.position is
@@ -87,3 +87,13 @@ def test_the_frozen_candidate_path_keeps_the_base_s_candidate():
     focus.FocusConfig(chunk_size=8, candidate_path="frozen_q")
   with pytest.raises(ValueError, match="candidate_path"):
     focus.init_adapter(base, "none")
+
+
+def test_condense_auto_is_the_reference_off_gpus_and_explicit_choices_stay():
+  assert focus.FocusConfig(chunk_size=8).implementation == "auto"
+  assert dispatch.choose("condense", "auto").implementation == (
+      "pallas" if dispatch.platform() in ("gpu", "hopper") else "xla")
+  assert dispatch.choose("condense", "xla").implementation == "xla"
+  assert dispatch.choose("condense", "pallas").implementation == "pallas"
+  with pytest.raises(ValueError, match="'auto', 'xla' or 'pallas'"):
+    dispatch.choose("condense", "triton")

@@ -18,9 +18,7 @@ from configs import focus as focus_config
 from focaljax import config as config_lib
 from focaljax.data import tokenizer as tokenizer_lib
 from focaljax.evaluation import loading as loaded
-from focaljax.focus import adapter as focus_adapter
 from focaljax.focus import model as focus
-from focaljax.focus import samples as focus_samples
 from focaljax.focus import train as focus_train
 from focaljax.model import decoder as model_lib
 from focaljax.train import checkpoint
@@ -57,7 +55,7 @@ def focus_cfg(base_wd, **focus_overrides):
 
 def sampler(c, local_batch, tok=None):
   cfg = config_lib.parse(c)
-  return focus_samples.Sampler(cfg.focus, cfg.data, cfg.seed, tok or tokenizer_lib.bundled(), 0,
+  return focus_train.Sampler(cfg.focus, cfg.data, cfg.seed, tok or tokenizer_lib.bundled(), 0,
                                local_batch)
 
 
@@ -135,14 +133,14 @@ def test_prefetched_batches_are_the_steps_own(tmp_path):
   make_base(tmp_path / "base")
   s = sampler(focus_cfg(tmp_path / "base", p_reconstruction=0.5), 4)
   fresh = sampler(focus_cfg(tmp_path / "base", p_reconstruction=0.5), 4)
-  ahead = focus_samples.prefetch(s, 3, 9, depth=2)
+  ahead = focus_train.prefetch(s, 3, 9, depth=2)
   got = [next(ahead) for _ in range(4)]
   ahead.close()   # stopping early (SIGTERM, stop_at) leaves no worker behind
   assert [s for s, _ in got] == [3, 4, 5, 6]
   for step, b in got:   # worker threads and the short-document skip change no sample
     for k, v in fresh.batch(step).items():
       np.testing.assert_array_equal(b[k], v)
-  assert list(focus_samples.prefetch(s, 5, 5)) == []
+  assert list(focus_train.prefetch(s, 5, 5)) == []
 
 
 def _contains(hay, needle):
@@ -181,18 +179,18 @@ def test_train_saves_adapter_keeps_base_and_resumes(tmp_path, monkeypatch):
 
   # SIGTERM while step 2's batch is built: the loop saves step 2 and exits. Batches are built on
   # the training thread here, so the signal lands at a known step.
-  monkeypatch.setattr(focus_samples, "PREFETCH", 0)
-  batch = focus_samples.Sampler.batch
+  monkeypatch.setattr(focus_train, "PREFETCH", 0)
+  batch = focus_train.Sampler.batch
   def batch_then_sigterm(self, step):
     if step == 1:
       os.kill(os.getpid(), signal.SIGTERM)
     return batch(self, step)
-  monkeypatch.setattr(focus_samples.Sampler, "batch", batch_then_sigterm)
+  monkeypatch.setattr(focus_train.Sampler, "batch", batch_then_sigterm)
   first = train(cfg, wd)
-  monkeypatch.setattr(focus_samples.Sampler, "batch", batch)
+  monkeypatch.setattr(focus_train.Sampler, "batch", batch)
   assert first["preempted"] and first["step"] == 2 and np.isfinite(first["loss"])
   assert saved_steps(wd) == [2]
-  monkeypatch.setattr(focus_samples, "PREFETCH", 2)   # the resumed run samples on worker threads
+  monkeypatch.setattr(focus_train, "PREFETCH", 2)   # the resumed run samples on worker threads
   second = train(cfg, wd)
   assert second["start_step"] == 2 and second["step"] == 4 and np.isfinite(second["loss"])
   assert saved_steps(wd) == [2, 4]
@@ -210,7 +208,7 @@ def test_train_saves_adapter_keeps_base_and_resumes(tmp_path, monkeypatch):
                nnx.to_pure_dict(nnx.split(before.model)[1]))
 
   # The adapter: saved under the workdir, reloadable, trained away from its copy-init.
-  adapter, saved_cfg, meta = focus_adapter.load(str(wd), after.model)
+  adapter, saved_cfg, meta = focus_train.load(str(wd), after.model)
   assert meta["step"] == 4 and meta["base_workdir"] == str(base_wd) and meta["local_len"] == 16
   assert saved_cfg == focus.FocusConfig(chunk_size=16, prompt_len=8)
   changed = jax.tree.map(lambda a, b: bool(np.any(np.asarray(a) != np.asarray(b))), adapter, init)
@@ -221,7 +219,7 @@ def test_train_saves_adapter_keeps_base_and_resumes(tmp_path, monkeypatch):
   del changed[last]["wq"], changed[last]["wo"]
   assert all(jax.tree.leaves(changed)), changed
   # Resume continued from step 2's adapter, not from the copy: step 2's save differs from both.
-  at_2 = focus_adapter.load(str(wd / "checkpoints" / "2"), after.model)[0]
+  at_2 = focus_train.load(str(wd / "checkpoints" / "2"), after.model)[0]
   assert any(jax.tree.leaves(jax.tree.map(lambda a, b: bool(np.any(a != b)), at_2, adapter)))
 
 
@@ -256,7 +254,7 @@ def test_base_attention_replaces_the_trained_implementation(tmp_path):
   c.model.attention.implementation = "cudnn"
   checkpoint.write_config(str(tmp_path / "base"), c)
   plain = loaded.load(str(tmp_path / "base")).model
-  swapped = focus_adapter.with_attention(plain, "xla")
+  swapped = focus_train.with_attention(plain, "xla")
   assert plain.blocks[0].attn.cfg.attention.implementation == "cudnn"
   assert swapped.blocks[0].attn.cfg.attention.implementation == "xla"
   jax.tree.map(np.testing.assert_array_equal, nnx.state(swapped), nnx.state(plain))
@@ -272,7 +270,7 @@ def test_the_frozen_candidate_path_trains_only_the_window_s_keys_and_values(tmp_
   cfg = focus_cfg(base_wd, candidate_path="frozen")
   cfg.train.steps = 2
   train(cfg, wd)
-  adapter, saved_cfg, _ = focus_adapter.load(str(wd), base)
+  adapter, saved_cfg, _ = focus_train.load(str(wd), base)
   assert saved_cfg.candidate_path == "frozen"
   assert all(sorted(w) == ["wk", "wv"] for w in adapter.values())
   changed = jax.tree.map(lambda a, b: bool(np.any(np.asarray(a) != np.asarray(b))), adapter, init)

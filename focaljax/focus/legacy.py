@@ -1,0 +1,72 @@
+"""Runs saved before FocusLLM trained through the shared loop kept adapter/<step>/ with
+adapter.npz, focus.json and opt_state.npz. Convert one in place (then evaluate or resume it as any
+other run; the old directories stay) with
+  python -m focaljax.focus.legacy RUN_WORKDIR
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+
+import jax
+import numpy as np
+from etils import epath
+
+from focaljax import config as config_lib
+from focaljax.focus import model as focus
+from focaljax.focus import train as focus_train
+from focaljax.train import checkpoint
+from focaljax.train import optim
+
+DIR = "adapter"
+# focus.json fields of the .npz layout whose arms were removed, with the only value kept.
+_REMOVED_ARMS = {"candidate_positions": "sequential", "candidate_bias": "none", "sink": "none",
+                 "sep_id": None}
+
+
+def convert(run: str) -> list[int]:
+  """Rewrites every adapter/<step>/ of `run` as checkpoints/<step>/ (adapter, optimizer state,
+  meta); returns the steps."""
+  root = epath.Path(run) / DIR
+  steps = sorted(int(d.name) for d in root.iterdir() if d.name.isdigit()) if root.is_dir() else []
+  if not steps:
+    raise FileNotFoundError(f"{root} holds no adapter/<step>/ to convert")
+  c = config_lib.read_run_config(run)
+  for step in steps:
+    d = root / str(step)
+    saved = json.loads((d / "focus.json").read_text())
+    # Written before candidate_positions existed: the then only layout, "shared".
+    old = {"candidate_positions": "shared", **saved["config"]}
+    for name, kept in _REMOVED_ARMS.items():
+      if old.pop(name, kept) != kept:
+        raise ValueError(f"{d}: trained with {name}={saved['config'].get(name, 'shared')!r}, "
+                         f"an arm this version no longer has ({name}={kept!r} only)")
+    with (d / "adapter.npz").open("rb") as f, np.load(f) as z:
+      adapter = {}
+      for key in z.files:
+        layer, name = key.split("/")
+        adapter.setdefault(int(layer), {})[name] = z[key]
+    adapter = dict(sorted(adapter.items()))
+    opt_state = None
+    if (d / "opt_state.npz").exists():
+      structure = jax.tree.structure(jax.eval_shape(
+          optim.make(config_lib.optim_config(c), adapter).init, adapter))
+      with (d / "opt_state.npz").open("rb") as f, np.load(f) as z:
+        opt_state = jax.tree.unflatten(structure, [z[f"arr_{i}"] for i in range(len(z.files))])
+    served = dataclasses.replace(focus.FocusConfig(**old),
+                                 prompt_len=c.focus.eval_prompt_len or old["prompt_len"])
+    checkpoint.save_params(run, step, adapter, {"step": step, **focus_train.meta(
+        served, trained_prompt_len=old["prompt_len"], local_len=c.focus.local_len,
+        base_workdir=saved["base_workdir"])}, opt_state)
+  return steps
+
+
+if __name__ == "__main__":
+  if len(sys.argv) != 2:
+    sys.exit("usage: python -m focaljax.focus.legacy RUN_WORKDIR   (converts adapter/<step>/)")
+  try:
+    print(f"converted steps {convert(sys.argv[1])} of {sys.argv[1]} to checkpoints/<step>/")
+  except (FileNotFoundError, ValueError) as e:
+    sys.exit(f"error: {e}")
