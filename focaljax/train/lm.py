@@ -43,23 +43,32 @@ def train_step(params, opt_state, batch, *, graphdef, tx, cfg: loop.StepConfig):
       loss, graphdef=graphdef, dtype=cfg.compute_dtype))
 
 
-def init_params(model_cfg, param_sh, mesh, key):
-  """Fresh params in `param_sh`. The key is an argument: a jit with no inputs lets XLA
-  constant-fold the whole RNG, which takes minutes for a 400M model."""
-  init_fn = lambda k: nnx.to_pure_dict(nnx.split(
-      model_lib.Transformer(model_cfg, nnx.Rngs(params=k)))[1])
+def init_state(model_cfg, tx, param_sh, mesh, key, *, abstract: bool = False):
+  """(params, opt_state, opt_shardings), the optimizer state sharded like the params, made by one
+  jit with both outputs' shardings (the moments never pass through the host or a replicated
+  layout). The key is an argument: a jit with no inputs lets XLA constant-fold the whole RNG,
+  which takes minutes for a 400M model. `abstract`: their ShapeDtypeStructs, sharded, allocating
+  nothing (a dry run)."""
+  def init_fn(k):
+    params = nnx.to_pure_dict(nnx.split(model_lib.Transformer(model_cfg, nnx.Rngs(params=k)))[1])
+    return params, tx.init(params)
+  abstract_params = jax.eval_shape(lambda k: init_fn(k)[0], key)
   with jax.set_mesh(mesh):
-    return jax.jit(init_fn, out_shardings=param_sh)(key)
+    opt_sh = sharding.opt_state_shardings(tx, abstract_params, param_sh, mesh)
+    fn = jax.jit(init_fn, out_shardings=(param_sh, opt_sh))
+    if abstract:
+      shapes = jax.eval_shape(fn, key)
+      params, opt_state = jax.tree.map(
+          lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes,
+          (param_sh, opt_sh))
+    else:
+      params, opt_state = fn(key)
+  return params, opt_state, opt_sh
 
 
-def init_state(model_cfg, tx, param_sh, mesh, key):
-  """(params, opt_state, opt_shardings), the optimizer state sharded like the params."""
-  params = init_params(model_cfg, param_sh, mesh, key)
-  return (params, *loop.init_opt(tx, params, param_sh, mesh))
-
-
-def task(cfg: config_lib.Config, workdir: str, mesh) -> loop.Task:
-  """The loop.Task of a language-model run: tokenizer, params, data, validation."""
+def task(cfg: config_lib.Config, workdir: str, mesh, *, abstract: bool = False) -> loop.Task:
+  """The loop.Task of a language-model run: tokenizer, params, data, validation. `abstract`: the
+  params and optimizer state as sharded ShapeDtypeStructs (a dry run allocates nothing)."""
   # Bad data (no text, an empty split, malformed files) stops here, before anything compiles
   # or is written: sources.DataError, one line naming the file or source.
   data_lib.documents(cfg.data, "train")
@@ -76,13 +85,18 @@ def task(cfg: config_lib.Config, workdir: str, mesh) -> loop.Task:
   dtype = jnp.dtype(cfg.train.compute_dtype)
   # Dispatched, not waited for: the init's device work overlaps the data set-up below.
   t_init = time.perf_counter()
-  params = init_params(cfg.model, param_sh, mesh, jax.random.key(cfg.seed))
+  params, opt_state, opt_sh = init_state(cfg.model, tx, param_sh, mesh,
+                                         jax.random.key(cfg.seed), abstract=abstract)
   t_init = time.perf_counter() - t_init
   pidx, pcount = jax.process_index(), jax.process_count()
   t_data = time.perf_counter()
   train_iter = data_lib.make_iterator(cfg.data, tokenizer, split="train", process_index=pidx,
                                       process_count=pcount, num_shards=cfg.data_shards or None)
   t_data = time.perf_counter() - t_data
+  t_wait = time.perf_counter()
+  if not abstract:
+    jax.block_until_ready((params, opt_state))
+  t_init += time.perf_counter() - t_wait
   tokens = cfg.data.global_batch * cfg.data.seq_len
   loss_fn = functools.partial(loss, graphdef=graphdef, dtype=dtype)
 
@@ -99,9 +113,11 @@ def task(cfg: config_lib.Config, workdir: str, mesh) -> loop.Task:
     while True:
       yield loop.Batch(next(train_iter), tokens=tokens)
 
-  def abstract_batches():
-    return {None: jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-        (cfg.data.global_batch, *x.shape[1:]), x.dtype, sharding=batch_sh), next(train_iter))}
+  def abstract_batches():   # data/pipeline.py's batch, without reading one
+    shape = (cfg.data.global_batch, cfg.data.seq_len)
+    return {None: {name: jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sh) for name, dtype in
+                   (("inputs", jnp.int32), ("targets", jnp.int32), ("segment_ids", jnp.int32),
+                    ("positions", jnp.int32), ("weights", jnp.float32))}}
 
   def evaluate(params) -> dict:
     """Mean validation loss over the first train.eval_batches batches of the valid split."""
@@ -118,16 +134,17 @@ def task(cfg: config_lib.Config, workdir: str, mesh) -> loop.Task:
     return {"val_loss": l_sum / max(w_sum, 1.0)}
 
   return loop.Task(
-      params=params, param_sh=param_sh, tx=tx, loss=lambda key: loss_fn, batch_sh=batch_sh,
+      params=params, param_sh=param_sh, opt_state=opt_state, opt_sh=opt_sh, tx=tx,
+      loss=lambda key: loss_fn, batch_sh=batch_sh,
       batches=batches, abstract_batches=abstract_batches, data_iter=train_iter,
       evaluate=evaluate if cfg.train.eval_every else None,
       flops_per_token=metrics.flops_per_token(cfg.model),
-      notes=f"of it the train data {t_data:.1f} s (data.tokenize={cfg.data.tokenize}) and the "
-            f"parameter init {t_init:.1f} s",
+      notes=f"data.tokenize={cfg.data.tokenize}", seconds={"data": t_data, "init": t_init},
       evaluate_with=f"python eval.py --workdir {workdir}")
 
 
 def train(cfg: config_lib.Config, workdir: str, *, dry_run: bool = False,
           stop_at: int | None = None) -> dict:
   """Trains the language model `cfg` describes in `workdir` (loop.run)."""
-  return loop.run(cfg, workdir, task, dry_run=dry_run, stop_at=stop_at)
+  return loop.run(cfg, workdir, functools.partial(task, abstract=dry_run), dry_run=dry_run,
+                  stop_at=stop_at)
