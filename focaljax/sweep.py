@@ -1,13 +1,15 @@
 """Expand a grid of config overrides into runs, each with its own workdir.
 
   python -m focaljax.sweep --config configs/focal.py --root runs/temp \\
-      --grid model.attention.temperature=0.3,0.4,0.5,0.6 [--grid seed=0,1] [--print] \\
+      --grid model.attention.temperature=0.3,0.4,0.5,0.6 [--grid seed=0,1] [--print [slurm]] \\
       [-- --config.train.steps=2000]
 
 Runs one after another locally (each a `train.py` subprocess, so one run's failure does not stop
-the rest), or with --print writes one launch line per run for a cluster scheduler (prefix each with
-your `srun`/`gcloud ... ssh` as usual). The cartesian product of all --grid flags is taken.
-Workdirs are named after the overrides: root/temperature=0.3,seed=1.
+the rest). --print writes one launch line per run for a cluster scheduler (prefix each with your
+`srun`/`gcloud ... ssh` as usual); --print slurm writes a SLURM array job, one array task per run
+on one node (edit its #SBATCH lines, then sbatch it; see launch/slurm.sbatch). The cartesian
+product of all --grid flags is taken. Workdirs are named after the overrides:
+root/temperature=0.3,seed=1; root may be a URL (gs://bucket/sweep).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import os
 import shlex
 import subprocess
 import sys
+
+from etils import epath
 
 _TRAIN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train.py")
 
@@ -39,11 +43,40 @@ def expand(config: str, root: str, grid, extra: list[str]) -> list[tuple[str, li
   keys = [k for k, _ in grid]
   for values in itertools.product(*(v for _, v in grid)):
     name = ",".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in zip(keys, values)) or "run"
-    workdir = os.path.join(root, name)
+    workdir = str(epath.Path(root) / name)   # gs://bucket/sweep stays a URL
     argv = [sys.executable, _TRAIN, f"--config={config}", f"--workdir={workdir}"]
     argv += [f"--config.{k}={v}" for k, v in zip(keys, values)] + list(extra)
     runs.append((workdir, argv))
   return runs
+
+
+def slurm_array(runs: list[tuple[str, list[str]]]) -> str:
+  """An sbatch script running `runs` as one array job: task i trains run i on one node, one
+  process per GPU (jax's SLURM detection gives each process the GPU of its SLURM_LOCALID)."""
+  cases = "\n".join(f"  {i}) srun {shlex.join(['python'] + argv[1:])} || rc=$? ;;"
+                    for i, (_, argv) in enumerate(runs))
+  return f"""#!/bin/bash
+# {len(runs)} focaljax runs (python -m focaljax.sweep --print slurm); edit the resources, then sbatch.
+#SBATCH --job-name=focaljax-sweep
+#SBATCH --array=0-{len(runs) - 1}
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=8
+#SBATCH --gpus-per-node=8
+#SBATCH --cpus-per-task=12
+#SBATCH --time=24:00:00
+#SBATCH --signal=TERM@300
+#SBATCH --output=slurm-%A_%a.out
+set -uo pipefail
+cd "${{SLURM_SUBMIT_DIR:-.}}"
+rc=0
+case "$SLURM_ARRAY_TASK_ID" in
+{cases}
+esac
+if [ "$rc" -eq 75 ]; then   # saved on SIGTERM: run again from the checkpoint
+  scontrol requeue "${{SLURM_ARRAY_JOB_ID}}_${{SLURM_ARRAY_TASK_ID}}"
+fi
+exit "$rc"
+"""
 
 
 def main(argv=None) -> int:
@@ -51,11 +84,15 @@ def main(argv=None) -> int:
   p.add_argument("--config", required=True, help="config file, e.g. configs/focal.py[:arg]")
   p.add_argument("--root", required=True, help="parent directory of the runs' workdirs")
   p.add_argument("--grid", action="append", default=[], help="field=v1,v2,... (repeatable)")
-  p.add_argument("--print", dest="print_only", action="store_true",
-                 help="print launch lines instead of running")
+  p.add_argument("--print", dest="print_only", nargs="?", const="lines",
+                 choices=("lines", "slurm"),
+                 help="print launch lines (or, with 'slurm', a SLURM array job) instead of running")
   args, extra = p.parse_known_args(argv)
   extra = [e for e in extra if e != "--"]
   runs = expand(args.config, args.root, parse_grid(args.grid), extra)
+  if args.print_only == "slurm":
+    print(slurm_array(runs), end="")
+    return 0
   if args.print_only:
     for _, run_argv in runs:
       print(shlex.join(["python"] + run_argv[1:]))

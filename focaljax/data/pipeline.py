@@ -54,11 +54,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import io
 import os
 from typing import Any
 
 import grain
 import numpy as np
+from etils import epath
 
 from focaljax.data import retrieval
 from focaljax.data import sources
@@ -130,7 +132,7 @@ def _train_spec(spec: str) -> tuple[int, str] | None:
 
 
 def _check_tokenizer_spec(spec: str) -> None:
-  if spec == "bundled" or spec.endswith(".json") or os.path.isdir(spec) or _train_spec(spec):
+  if spec == "bundled" or spec.endswith(".json") or epath.Path(spec).is_dir() or _train_spec(spec):
     return
   raise ValueError(
       f"DataConfig.tokenizer={spec!r}: expected 'bundled', 'train:<vocab_size> (> 256)', "
@@ -152,7 +154,7 @@ def load_tokenizer(cfg: DataConfig, workdir: str | None) -> tokenizer_lib.Tokeni
   train = _train_spec(spec)
   if train is None:
     return tokenizer_lib.Tokenizer.load(spec)
-  if workdir is not None and os.path.isfile(os.path.join(workdir, tokenizer_lib.FILENAME)):
+  if workdir is not None and (epath.Path(workdir) / tokenizer_lib.FILENAME).is_file():
     return tokenizer_lib.Tokenizer.load(workdir)
   docs = documents(cfg, "train")
   size, digits = train
@@ -169,7 +171,7 @@ class _Tokenize(grain.transforms.Map):
     self._tok = tok
 
   def map(self, text: str) -> dict[str, np.ndarray]:
-    ids = self._tok.encode(text)
+    ids = self._tok.encode(text)   # a long text in pieces (tokenizer.PIECE_CHARS)
     ids.append(self._tok.eos_id)
     return {"tokens": np.asarray(ids, dtype=np.int32)}
 
@@ -190,9 +192,9 @@ def _tokenize_ahead(ds: grain.MapDataset, tok: tokenizer_lib.Tokenizer,
     h = hashlib.sha256(tok.fingerprint().encode())
     for t in texts:
       h.update(t.encode("utf-8", "surrogatepass") + b"\0")
-    path = os.path.join(cfg.token_cache, f"tokens-{h.hexdigest()[:20]}.npz")
-    if os.path.isfile(path):
-      with np.load(path) as z:
+    path = epath.Path(cfg.token_cache) / f"tokens-{h.hexdigest()[:20]}.npz"
+    if path.is_file():
+      with path.open("rb") as f, np.load(f) as z:
         flat, ends = z["tokens"].astype(np.int32), z["ends"]
       return grain.MapDataset.source([{"tokens": t} for t in np.split(flat, ends[:-1])])
   # encode_batch runs in Rust on every core; one chunk of documents at a time bounds the copies.
@@ -201,12 +203,15 @@ def _tokenize_ahead(ds: grain.MapDataset, tok: tokenizer_lib.Tokenizer,
     tokens += [{"tokens": np.asarray(ids + [tok.eos_id], np.int32)}
                for ids in tok.encode_batch(texts[start:start + chunk])]
   if path:
-    os.makedirs(cfg.token_cache, exist_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
     flat = np.concatenate([t["tokens"] for t in tokens])
     small = np.uint16 if tok.vocab_size <= 1 << 16 else np.int32  # half the disk for 16-bit vocabs
-    tmp = f"{path}.{os.getpid()}.tmp.npz"  # concurrent runs (one per GPU) race; rename is atomic
-    np.savez(tmp, tokens=flat.astype(small), ends=np.cumsum([len(t["tokens"]) for t in tokens]))
-    os.replace(tmp, path)
+    buf = io.BytesIO()
+    np.savez(buf, tokens=flat.astype(small), ends=np.cumsum([len(t["tokens"]) for t in tokens]))
+    # Concurrent runs (one per GPU) race: a rename is atomic locally, an object write on GCS.
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(buf.getvalue())
+    tmp.replace(path)
   return grain.MapDataset.source(tokens)
 
 

@@ -7,6 +7,7 @@ a source's split into a TFDS dataset) both read documents through `documents`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import glob
 import gzip
@@ -18,6 +19,7 @@ from typing import Any
 
 import grain
 import numpy as np
+from etils import epath
 
 BUNDLED_TEXT = pathlib.Path(__file__).parents[1] / "assets" / "bundled.jsonl.xz"
 SPLITS = ("train", "valid")
@@ -42,12 +44,23 @@ class DataError(ValueError):
   line or source."""
 
 
+@contextlib.contextmanager
 def _open_bytes(path: str):
-  opener = lzma.open if path.endswith(".xz") else gzip.open if path.endswith(".gz") else open
-  return opener(path, "rb")
+  """A binary reader of a local file or a URL (gs://...), .xz and .gz decompressed."""
+  opener = lzma.open if path.endswith(".xz") else gzip.open if path.endswith(".gz") else None
+  with epath.Path(path).open("rb") as raw:
+    if opener is None:
+      yield raw
+    else:
+      with opener(raw, "rb") as f:
+        yield f
 
 
 def _decode(path: str, data: bytes, first_line: int = 1) -> str:
+  nul = data.find(b"\0")
+  if nul >= 0:   # UTF-8 text never holds NUL: a binary file, whatever its name
+    line = first_line + data[:nul].count(b"\n")
+    raise DataError(f"{path}:{line}: binary data (a NUL byte), not text")
   try:
     return data.decode("utf-8")
   except UnicodeDecodeError as e:
@@ -56,7 +69,7 @@ def _decode(path: str, data: bytes, first_line: int = 1) -> str:
 
 
 def read_text_files(paths: list[str], jsonl_field: str = "text") -> list[str]:
-  """Documents of local files, in the given order.
+  """Documents of files (local paths or URLs), in the given order.
 
   .jsonl: one document per line, from `jsonl_field`. .txt: the whole file is one document (the
   packer splits long documents over rows anyway, so a book needs no pre-chunking). A malformed
@@ -85,6 +98,9 @@ def read_text_files(paths: list[str], jsonl_field: str = "text") -> list[str]:
           have = sorted(record) if isinstance(record, dict) else type(record).__name__
           raise DataError(f"{path}:{lineno}: no field {jsonl_field!r} (DataConfig.jsonl_field); "
                           f"have {have}")
+        if not isinstance(record[jsonl_field], str):
+          raise DataError(f"{path}:{lineno}: field {jsonl_field!r} is "
+                          f"{json.dumps(record[jsonl_field])[:40]}, not a string")
         docs.append(record[jsonl_field])
   return docs
 
@@ -92,7 +108,11 @@ def read_text_files(paths: list[str], jsonl_field: str = "text") -> list[str]:
 def _glob_files(pattern: str, field: str) -> list[str]:
   paths = []
   for part in pattern.split(","):
-    matches = sorted(glob.glob(os.path.expanduser(part)))
+    if "://" in part:   # a bucket: wildcards in the file name only (gs://b/data/*.jsonl)
+      url = epath.Path(part)
+      matches = sorted(str(p) for p in url.parent.glob(url.name))
+    else:
+      matches = sorted(glob.glob(os.path.expanduser(part)))
     if not matches:
       raise DataError(f"data.{field}: {part!r} matches no files")
     paths.extend(matches)

@@ -4,6 +4,12 @@ Byte-level pre-tokenization maps every byte to a symbol before merging, so any
 string (any unicode, any whitespace) encodes and `decode(encode(s)) == s`
 exactly; there is no unknown token and no normalization. One special token,
 `<|endoftext|>`, separates documents when they are packed into rows (pipeline.py).
+
+Long texts are encoded in pieces of about PIECE_CHARS characters, a batch of pieces at a time:
+the Rust encoder's per-token bookkeeping (offsets, strings) is then bounded by a batch, not by
+the document, and the pieces encode in parallel. A piece ends before a space that starts a word,
+where the byte-level pre-tokenizer splits anyway, so the ids equal a whole-text encode (a text
+with no such space for PIECE_CHARS characters is cut where it must be, at a character).
 """
 
 from __future__ import annotations
@@ -14,13 +20,41 @@ import json
 import os
 import pathlib
 
+import numpy as np
 import tokenizers
+from etils import epath
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 EOS_TOKEN = "<|endoftext|>"
 FILENAME = "tokenizer.json"
 CONFIG_FILENAME = "tokenizer_config.json"
 BUNDLED_FILE = pathlib.Path(__file__).parents[1] / "assets" / FILENAME  # see bundled()
+PIECE_CHARS = 1 << 16
+_PIECES_PER_CALL = 16
+
+
+def pieces(text: str, size: int | None = None) -> list[str]:
+  """`text` cut into consecutive pieces of about `size` (default PIECE_CHARS) characters, each
+  (but the last) ending just before a space that follows a non-space and precedes one: a
+  pre-token boundary."""
+  size = size or PIECE_CHARS
+  out, start = [], 0
+  while len(text) - start > size:
+    end = start + size
+    cut = end
+    while cut > start + size // 2:
+      cut = text.rfind(" ", start + size // 2, cut)
+      if cut <= start:
+        cut = end
+        break
+      if not text[cut - 1].isspace() and cut + 1 < len(text) and not text[cut + 1].isspace():
+        break
+    else:
+      cut = end
+    out.append(text[start:cut])
+    start = cut
+  out.append(text[start:])
+  return out
 
 
 class Tokenizer:
@@ -49,41 +83,60 @@ class Tokenizer:
   def encode(self, text: str) -> list[int]:
     # Through encode_batch: it releases the GIL while Rust tokenizes (encode holds it), so the
     # FocusLLM sampler's prefetch threads tokenize documents in parallel; the ids are the same.
+    if len(text) > PIECE_CHARS:
+      return self.encode_array(text).tolist()
     return self._hf.encode_batch([text], add_special_tokens=False)[0].ids
 
+  def encode_array(self, text: str) -> np.ndarray:
+    """encode(text) as int32, in bounded memory for any length (module docstring)."""
+    parts, batch = [], []
+    for piece in pieces(text) + [None]:
+      if piece is not None:
+        batch.append(piece)
+      if batch and (piece is None or len(batch) == _PIECES_PER_CALL):
+        parts += [np.asarray(e.ids, np.int32)
+                  for e in self._hf.encode_batch(batch, add_special_tokens=False)]
+        batch = []
+    return np.concatenate(parts)
+
   def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-    return [e.ids for e in self._hf.encode_batch(list(texts), add_special_tokens=False)]
+    texts = list(texts)
+    long = [i for i, t in enumerate(texts) if len(t) > PIECE_CHARS]
+    short = [("" if len(t) > PIECE_CHARS else t) for t in texts] if long else texts
+    out = [e.ids for e in self._hf.encode_batch(short, add_special_tokens=False)]
+    for i in long:
+      out[i] = self.encode_array(texts[i]).tolist()
+    return out
 
   def decode(self, ids: Sequence[int]) -> str:
     return self._hf.decode(list(ids), skip_special_tokens=False)
 
   def save(self, directory: str | os.PathLike) -> str:
     """Writes `directory/tokenizer.json` atomically (hosts may race) and returns its path."""
-    directory = pathlib.Path(directory)
+    directory = epath.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / FILENAME
     tmp = directory / f".{FILENAME}.{os.getpid()}.tmp"
-    self._hf.save(str(tmp))
-    os.replace(tmp, path)
+    tmp.write_text(self._hf.to_str(pretty=True))
+    tmp.replace(path)
     if self.eos_token != EOS_TOKEN:  # imported tokenizers (LLaMA's </s>) name their own eos
-      with open(directory / CONFIG_FILENAME, "w") as f:
-        json.dump({"eos_token": self.eos_token}, f)
+      (directory / CONFIG_FILENAME).write_text(json.dumps({"eos_token": self.eos_token}))
     return str(path)
 
   @classmethod
   def load(cls, path_or_dir: str | os.PathLike) -> Tokenizer:
     """Loads a tokenizer.json, or `dir/tokenizer.json` when given a directory."""
-    path = pathlib.Path(path_or_dir)
+    path = epath.Path(path_or_dir)
     if path.is_dir():
       path = path / FILENAME
     if not path.is_file():
       raise FileNotFoundError(f"no tokenizer file at {path}")
-    hf = tokenizers.Tokenizer.from_file(str(path))
+    hf = tokenizers.Tokenizer.from_str(path.read_text())
     eos = EOS_TOKEN
     config = path.parent / CONFIG_FILENAME
     if hf.token_to_id(EOS_TOKEN) is None and config.is_file():
       # A Hugging Face tokenizer: its tokenizer_config.json names the end-of-text token.
-      eos = json.load(open(config)).get("eos_token", EOS_TOKEN)
+      eos = json.loads(config.read_text()).get("eos_token", EOS_TOKEN)
       eos = eos.get("content", EOS_TOKEN) if isinstance(eos, dict) else eos
     return cls(hf, eos_token=eos)
 

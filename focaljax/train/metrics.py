@@ -1,17 +1,29 @@
-"""Training metrics: a progress bar (loss, tokens/s, MFU), JSONL, and TensorBoard event files.
+"""Training metrics: a progress bar (loss, tokens/s, MFU), JSONL, TensorBoard event files and,
+with train.wandb_project set, Weights & Biases.
 
-Only process 0 writes. MFU = model FLOPs per second / peak FLOPs of the devices in use
-(`focaljax.dispatch.peak_flops`: dense bf16 datasheet numbers; MFU is not shown for a chip it
-does not know).
+Only process 0 writes. Every file goes through `etils.epath`, so a workdir may be a local
+directory or a URL (gs://bucket/run). Object stores cannot append: there metrics.jsonl and the
+TensorBoard event file are rewritten whole at each flush (a few MB over a long run).
+MFU = model FLOPs per second / peak FLOPs of the devices in use (`focaljax.dispatch.peak_flops`:
+dense bf16 datasheet numbers; MFU is not shown for a chip it does not know).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-import os
 import time
 
+from etils import epath
+
 from focaljax import dispatch
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def is_local(path) -> bool:
+  return "://" not in str(path)
+
 
 def peak_flops_per_device() -> float | None:
   return dispatch.peak_flops()
@@ -27,21 +39,75 @@ def flops_per_token(cfg) -> float:
   return 6 * matmul_params + attn
 
 
-class Writer:
-  """Progress bar + metrics.jsonl + TensorBoard; a no-op on processes other than 0."""
+class _WholeFile:
+  """An appendable file on storage that cannot append (object stores): what was there, plus
+  every write, rewritten whole at each flush."""
 
-  def __init__(self, workdir: str, total_steps: int, start_step: int, *, enabled: bool):
+  def __init__(self, path):
+    self.path = epath.Path(path)
+    self.data = bytearray(self.path.read_bytes() if self.path.exists() else b"")
+    self.dirty = False
+
+  def write(self, b):
+    self.data += b.encode() if isinstance(b, str) else b
+    self.dirty = True
+    return len(b)
+
+  def flush(self):
+    if self.dirty:
+      self.path.write_bytes(bytes(self.data))
+      self.dirty = False
+
+  def close(self):
+    self.flush()
+
+
+class _EpathEventFiles:
+  """tensorboardX's writer factory for a URL scheme: event files through epath."""
+
+  def open(self, path):
+    return _WholeFile(path)
+
+  def directory_check(self, path):
+    epath.Path(path).mkdir(parents=True, exist_ok=True)
+
+
+def _tensorboard(logdir: epath.Path):
+  try:
+    from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
+    from tensorboardX import record_writer  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    return None
+  if not is_local(logdir):
+    record_writer.register_writer_factory(str(logdir).split("://")[0], _EpathEventFiles())
+  return SummaryWriter(str(logdir))
+
+
+def _wandb(project: str, workdir: epath.Path, config_json: str):
+  """A W&B run that a resumed workdir continues (its id is derived from the workdir)."""
+  import wandb  # pylint: disable=import-outside-toplevel  (config.parse checked it is there)
+  run_id = hashlib.sha256(str(workdir).encode()).hexdigest()[:16]
+  return wandb.init(project=project, id=run_id, resume="allow", name=workdir.name,
+                    config=json.loads(config_json) if config_json else None,
+                    dir=str(workdir) if is_local(workdir) else None)
+
+
+class Writer:
+  """Progress bar + metrics.jsonl + TensorBoard (+ W&B); a no-op on processes other than 0."""
+
+  def __init__(self, workdir, total_steps: int, start_step: int, *, enabled: bool,
+               wandb_project: str = "", config_json: str = ""):
     self.enabled = enabled
-    self.bar = self.tb = self.jsonl = None
+    self.bar = self.tb = self.jsonl = self.wandb = None
     if not enabled:
       return
-    os.makedirs(workdir, exist_ok=True)
-    self.jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
-    try:
-      from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
-      self.tb = SummaryWriter(os.path.join(workdir, "tb"))
-    except ImportError:
-      self.tb = None
+    workdir = epath.Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    path = workdir / METRICS_FILE
+    self.jsonl = path.open("a") if is_local(workdir) else _WholeFile(path)
+    self.tb = _tensorboard(workdir / "tb")
+    if wandb_project:
+      self.wandb = _wandb(wandb_project, workdir, config_json)
     from tqdm import tqdm  # pylint: disable=import-outside-toplevel
     self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
     self._last = (start_step, time.perf_counter())
@@ -55,6 +121,8 @@ class Writer:
     if self.tb is not None:
       for k, v in scalars.items():
         self.tb.add_scalar(k, v, step)
+    if self.wandb is not None:
+      self.wandb.log(scalars, step=step)
 
   def progress(self, step: int, scalars: dict) -> None:
     if not self.enabled:
@@ -78,3 +146,5 @@ class Writer:
     self.jsonl.close()
     if self.tb is not None:
       self.tb.close()
+    if self.wandb is not None:
+      self.wandb.finish()

@@ -44,3 +44,24 @@ def test_local_sweep_runs_each_point(tmp_path):
   assert rc == 0
   for t in ("0.3", "0.6"):
     assert os.path.exists(tmp_path / f"temperature={t}" / "checkpoints" / "2")
+
+
+def test_print_slurm_writes_an_array_job():
+  out = subprocess.run([sys.executable, "-m", "focaljax.sweep", "--config", "configs/focal.py",
+                        "--root", "gs://bucket/sweep", "--grid", "seed=0,1,2", "--print", "slurm",
+                        "--", "--config.train.steps=20"],
+                       cwd=ROOT, capture_output=True, text=True, check=True).stdout
+  assert out.startswith("#!/bin/bash\n") and "#SBATCH --array=0-2\n" in out
+  for i in range(3):   # one case per run, the URL root kept as a URL
+    line = next(l for l in out.splitlines() if l.strip().startswith(f"{i}) srun python "))
+    assert f"--workdir=gs://bucket/sweep/seed={i}" in line and "--config.train.steps=20" in line
+  syntax = subprocess.run(["bash", "-n"], input=out, text=True, capture_output=True)
+  assert syntax.returncode == 0, syntax.stderr
+
+
+def test_print_before_double_dash_still_prints_lines():
+  out = subprocess.run([sys.executable, "-m", "focaljax.sweep", "--config", "configs/focal.py",
+                        "--root", "runs/t", "--grid", "seed=0", "--print", "--",
+                        "--config.train.steps=2"],
+                       cwd=ROOT, capture_output=True, text=True, check=True).stdout
+  assert out.startswith("python ") and out.rstrip().endswith("--config.train.steps=2")
