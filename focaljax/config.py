@@ -112,7 +112,6 @@ def validate(c: ml_collections.ConfigDict, *, process_count: int = 1) -> None:
   _require(o.clip_norm > 0, "optim.clip_norm", f"must be > 0, got {o.clip_norm}")
   for item in filter(None, o.no_decay.split(",")):
     _require(item in _NO_DECAY, "optim.no_decay", f"{item!r} is not one of {list(_NO_DECAY)}")
-  _require(t.steps > 0, "train.steps", f"must be > 0, got {t.steps}")
   for f in ("log_every", "ckpt_every", "keep_ckpts"):
     _require(t[f] > 0, f"train.{f}", f"must be > 0, got {t[f]}")
   _require(t.eval_every >= 0, "train.eval_every", f"must be >= 0, got {t.eval_every}")

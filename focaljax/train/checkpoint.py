@@ -15,14 +15,26 @@ params, opt_state and the iterator into them -> cut metrics.jsonl back to that s
 step+1. Only a step whose loss, gradient norm and parameters are finite is ever saved. Saving is
 asynchronous unless train.async_ckpt is off; every process calls save/restore (Orbax coordinates
 multi-host writes).
+
+Integrity: meta records a checksum of every params and opt_state array (`checksums`: a weighted
+sum of the array's bits, computed on device from the arrays being saved, so a save moves a few
+bytes per array to the host, not the model). `Checkpointer.restore_latest` verifies it and falls
+back, one warning line each, past any step that fails to restore or to match (a truncated or
+missing file, a deleted item, garbage meta, flipped bytes); such a step is moved aside to
+checkpoints/<step>.corrupt, never deleted. With no intact step it raises CorruptCheckpoint and
+moves nothing.
 """
 
 from __future__ import annotations
 
+import gc
 import os
+import sys
 
 import grain
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
@@ -30,6 +42,74 @@ from etils import epath
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.json"
 ITEMS = ("params", "opt_state", "data", "meta")
+CORRUPT_SUFFIX = ".corrupt"
+
+
+class CorruptCheckpoint(ValueError):
+  """No checkpoint of a workdir restores intact; the message lists what was wrong with each."""
+
+
+def _fingerprint(x):
+  """sum(bits_i * w_i) mod 2**32 with odd weights w_i: any change of one element changes it."""
+  if x.dtype == jnp.bool_:
+    bits = x.astype(jnp.uint32)
+  else:
+    bits = jax.lax.bitcast_convert_type(
+        x, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]).astype(jnp.uint32)
+  bits = bits.ravel()
+  w = jnp.arange(bits.size, dtype=jnp.uint32) * jnp.uint32(2654435762) + jnp.uint32(1)
+  return jnp.sum(bits * w, dtype=jnp.uint32)
+
+
+_fingerprints = jax.jit(lambda tree: jax.tree.map(_fingerprint, tree))
+
+
+def checksums(tree) -> dict[str, str]:
+  """{array path: hex checksum} of a pytree of arrays (jax or numpy)."""
+  fps = _fingerprints(tree)
+  flat = jax.tree_util.tree_flatten_with_path(fps)[0]
+  # Scalars come back replicated: this process's shard holds the value (also multi-host).
+  return {jax.tree_util.keystr(path): f"{int(np.asarray(fp.addressable_shards[0].data)):08x}"
+          for path, fp in flat}
+
+
+def _verify(meta, params, opt_state) -> None:
+  want = meta.get("checksums") if isinstance(meta, dict) else None
+  if not isinstance(meta, dict):
+    raise ValueError(f"meta is {type(meta).__name__}, not a JSON object")
+  if want is None:   # written before checksums existed
+    return
+  for item, tree in (("params", params), ("opt_state", opt_state)):
+    have = checksums(tree)
+    bad = [k for k in have if want.get(item, {}).get(k) != have[k]]
+    if bad:
+      raise ValueError(f"{item}{bad[0]} does not match its checksum"
+                       + (f" (and {len(bad) - 1} more arrays)" if len(bad) > 1 else ""))
+
+
+def _collect_quietly() -> None:
+  """A failed restore leaves Orbax's other reads of the step to fail whenever they are collected;
+  their errors are the damage already reported, not tracebacks for the user: from now on the
+  unraisable-exception hook drops those reads' errors (and passes on any other)."""
+  previous = sys.unraisablehook
+  if getattr(previous, "_drops_failed_reads", False):
+    return
+
+  def hook(unraisable):
+    if getattr(unraisable.object, "__qualname__", "") != "_read_array_index_and_device_put":
+      previous(unraisable)
+
+  hook._drops_failed_reads = True
+  sys.unraisablehook = hook
+  gc.collect()
+
+
+def _describe(e: BaseException) -> str:
+  """The root cause's first line: Orbax wraps the storage error in a page of TensorStore spec."""
+  while (e.__cause__ or e.__context__) is not None:
+    e = e.__cause__ or e.__context__
+  lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+  return f"{type(e).__name__}: {lines[0] if lines else ''}"[:240]
 
 
 def to_str_keys(tree):
@@ -46,7 +126,7 @@ def from_str_keys(tree, like):
 
 
 def _manager(workdir: str, **options) -> ocp.CheckpointManager:
-  directory = epath.Path(os.path.abspath(workdir)) / "checkpoints"   # Orbax wants absolute
+  directory = _path(workdir) / "checkpoints"   # Orbax wants absolute
   return ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(**options),
                                item_names=ITEMS)
 
@@ -63,7 +143,9 @@ class Checkpointer:
 
   def save(self, step: int, params, opt_state, data_iter, meta: dict) -> bool:
     """`data_iter`: a Grain iterator saved with the state, or None (batches a function of the
-    step)."""
+    step). meta gains the arrays' checksums."""
+    meta = {**meta, "checksums": {"params": checksums(to_str_keys(params)),
+                                  "opt_state": checksums(opt_state)}}
     items = dict(params=ocp.args.StandardSave(to_str_keys(params)),
                  opt_state=ocp.args.StandardSave(opt_state), meta=ocp.args.JsonSave(meta))
     if data_iter is not None:
@@ -81,35 +163,77 @@ class Checkpointer:
     out = self.manager.restore(step, args=ocp.args.Composite(**items))
     return from_str_keys(out.params, abstract_params), out.opt_state, out.meta
 
+  def restore_latest(self, abstract_params, abstract_opt_state, data_iter, warn=None):
+    """(step, params, opt_state, meta) of the newest checkpoint that restores and matches its
+    checksums; (0, None, None, None) when there is none. Each newer bad step is moved aside
+    with one `warn` line; when every step is bad, CorruptCheckpoint (and nothing is moved)."""
+    warn = warn or (lambda line: print(f"warning: {line}", file=sys.stderr))
+    root = epath.Path(self.manager.directory)
+    bad = []
+    for step in sorted(self.manager.all_steps(), reverse=True):
+      try:
+        params, opt_state, meta = self.restore(step, abstract_params, abstract_opt_state,
+                                               data_iter)
+        _verify(meta, to_str_keys(params), opt_state)
+      except Exception as e:  # pylint: disable=broad-except  (any failure: fall back)
+        bad.append((step, _describe(e)))
+        _collect_quietly()
+        continue
+      # Moved aside, not deleted: the next save of that step must not collide with it.
+      for b, why in bad:
+        aside, n = root / f"{b}{CORRUPT_SUFFIX}", 1
+        while aside.exists():   # damaged twice at one step: keep both
+          aside, n = root / f"{b}{CORRUPT_SUFFIX}.{n + 1}", n + 1
+        if jax.process_index() == 0 and (root / str(b)).exists():
+          (root / str(b)).rename(aside)
+        warn(f"checkpoint step {b} is damaged ({why}); kept as {aside}; resuming from step {step}")
+      if bad:
+        if jax.process_count() > 1:   # every host lists steps after process 0 has moved them
+          from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+          multihost_utils.sync_global_devices("focaljax_corrupt_moved")
+        self.manager.reload()
+      return step, params, opt_state, meta
+    if bad:
+      raise CorruptCheckpoint(f"no intact checkpoint under {root}: "
+                              + "; ".join(f"step {b} ({why})" for b, why in bad)
+                              + "; nothing was changed: repair or remove them, or train in "
+                              "another --workdir")
+    return 0, None, None, None
+
   def close(self):
     self.manager.wait_until_finished()
     self.manager.close()
 
 
+def _path(path) -> epath.Path:
+  """An epath of `path`: a local one absolute, a URL (gs://bucket/run) as given."""
+  return epath.Path(path if "://" in str(path) else os.path.abspath(path))
+
+
 def resolve(path: str) -> tuple[str, int | None]:
   """(workdir, step) from a workdir (latest step) or a checkpoints/<step> directory."""
-  path = os.path.abspath(path)
-  if os.path.exists(os.path.join(path, CONFIG_FILE)):
-    return path, None
-  parent = os.path.dirname(path)
-  if os.path.basename(parent) == "checkpoints" and os.path.basename(path).isdigit():
-    return os.path.dirname(parent), int(os.path.basename(path))
+  path = _path(path)
+  if (path / CONFIG_FILE).exists():
+    return str(path), None
+  if path.parent.name == "checkpoints" and path.name.isdigit():
+    return str(path.parent.parent), int(path.name)
   raise FileNotFoundError(f"{path} is neither a focaljax workdir (no {CONFIG_FILE}) nor a "
                           "checkpoints/<step> directory inside one")
 
 
 def latest_step(workdir: str) -> int | None:
   """The newest saved step under workdir/checkpoints (None: none), without opening Orbax."""
-  root = os.path.join(workdir, "checkpoints")
-  steps = [int(d) for d in os.listdir(root) if d.isdigit()] if os.path.isdir(root) else []
+  root = epath.Path(workdir) / "checkpoints"
+  steps = [int(d.name) for d in root.iterdir() if d.name.isdigit()] if root.is_dir() else []
   return max(steps, default=None)
 
 
 def write_config(workdir: str, config) -> None:
   """`config`: the JSON text (focaljax.config.Config.config_json) or a ConfigDict."""
-  os.makedirs(workdir, exist_ok=True)
-  with open(os.path.join(workdir, CONFIG_FILE), "w") as f:
-    f.write(config if isinstance(config, str) else config.to_json_best_effort(indent=2))
+  workdir = epath.Path(workdir)
+  workdir.mkdir(parents=True, exist_ok=True)
+  (workdir / CONFIG_FILE).write_text(
+      config if isinstance(config, str) else config.to_json_best_effort(indent=2))
 
 
 def _restore(workdir: str, step: int | None, **items):

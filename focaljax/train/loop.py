@@ -27,8 +27,10 @@ from focaljax import config as config_lib
 from focaljax import sharding
 from focaljax.train import checkpoint
 from focaljax.train import distributed
+from focaljax.train import memory
 from focaljax.train import metrics
 from focaljax.train import optim
+from focaljax.train import startup
 from focaljax.train import workdir as workdir_lib
 
 
@@ -76,6 +78,8 @@ class Task:
   batch_sh: Any                        # a global batch's shardings (one, or one per array)
   batches: Callable[[int], Iterator[Batch]]   # this process's batches from a step on
   abstract_batches: Callable[[], dict]        # key -> a global batch's ShapeDtypeStructs
+  opt_state: Any = None                # tx.init(params), made with them (None: the loop does)
+  opt_sh: Any = None
   frozen: Any = None                   # read by the loss; never trained, never saved
   frozen_sh: Any = None
   data_iter: Any = None                # a Grain iterator saved with the state (None: the
@@ -85,6 +89,7 @@ class Task:
   flops_per_token: float | None = None             # model FLOPs per token: MFU
   notes: str = ""                                  # set-up details for the log
   evaluate_with: str = ""                          # the command that evaluates the result
+  seconds: dict = dataclasses.field(default_factory=dict)   # data / init set-up, for the log
 
 
 def step(params, opt_state, frozen, batch, *, loss_fn: LossFn, tx, cfg: StepConfig):
@@ -207,47 +212,87 @@ def run(cfg: config_lib.Config, workdir: str, make_task, *, dry_run: bool = Fals
   """Trains `make_task(cfg, workdir, mesh)` in `workdir`, resuming from its latest checkpoint;
   returns a summary. `stop_at`: save and return after this step (the schedule still spans
   train.steps), for time-limited jobs that resume later. `dry_run`: compile each step (one per
-  batch key) on abstract inputs, report memory, train nothing."""
+  batch key) on abstract inputs and report its memory per device (memory.report), train
+  nothing. The micro-batch is train.micro_batch, or the largest that fits (memory.py)."""
   t_setup = time.perf_counter()
   distributed.initialize()
-  primary, t = distributed.is_primary(), cfg.train
   workdir_lib.check(workdir, cfg.config_json)   # before anything in the workdir is written
+  try:
+    sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+  except ValueError as e:   # the mesh does not fit the devices: the user's config
+    raise config_lib.ConfigError(f"config field {e}") from None
+  if distributed.is_primary():
+    workdir_lib.lock(workdir)   # one trainer per workdir; the kernel frees it if we die
+  known = {}   # what an out-of-memory error can report (memory.oom_as_error)
+  try:
+    with memory.oom_as_error(known):
+      return _run(cfg, workdir, make_task, dry_run=dry_run, stop_at=stop_at, t_setup=t_setup,
+                  known=known)
+  finally:
+    workdir_lib.unlock(workdir)
+
+
+def _run(cfg, workdir, make_task, *, dry_run, stop_at, t_setup, known) -> dict:
+  primary, t = distributed.is_primary(), cfg.train
+  done = checkpoint.latest_step(workdir)
+  if done and done >= t.steps and not dry_run:   # before anything is built or compiled
+    print(f"{workdir} holds the finished run (step {done} of train.steps={t.steps}): nothing "
+          "to train; raise train.steps to train on")
+    return {"start_step": done, "step": done, "saved_step": done, "finished": True}
   if primary:
     checkpoint.write_config(workdir, cfg.config_json)
   mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+  # A model whose state cannot fit the devices is refused before anything is allocated.
+  known["memory"] = memory.device_memory()
+  memory.check_fits(cfg, dict(mesh.shape), known["memory"])
   task = make_task(cfg, workdir, mesh)
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  step_cfg = StepConfig(jnp.dtype(t.compute_dtype), t.grad_accum, t.skip_nonfinite, MAX_LOSS)
-  params = task.params
-  opt_state, opt_sh = init_opt(task.tx, params, task.param_sh, mesh)
+  params, opt_state, opt_sh = task.params, task.opt_state, task.opt_sh
+  if opt_state is None:
+    opt_state, opt_sh = init_opt(task.tx, params, task.param_sh, mesh)
 
   @functools.cache
-  def step_fn(key):
+  def step_fn(key, accum):
+    step_cfg = StepConfig(jnp.dtype(t.compute_dtype), accum, t.skip_nonfinite, MAX_LOSS)
     with jax.set_mesh(mesh):
       return jax.jit(functools.partial(step, loss_fn=task.loss(key), tx=task.tx, cfg=step_cfg),
                      in_shardings=(task.param_sh, opt_sh, task.frozen_sh, task.batch_sh),
                      out_shardings=(task.param_sh, opt_sh, replicated), donate_argnums=(0, 1))
 
+  abstract_batches = task.abstract_batches()
+  rows = memory.rows_per_device(abstract_batches, task.batch_sh)
+
+  @functools.cache
+  def compiled(key, micro):
+    with jax.set_mesh(mesh):
+      return step_fn(key, rows // micro).lower(params, opt_state, task.frozen,
+                                               abstract_batches[key]).compile()
+
+  t_fit = time.perf_counter()
+  shape = dict(mesh.shape)
+  guess_at = lambda mb: memory.estimate(cfg, micro_batch=mb, accum=rows // mb, tensor=shape[
+      "tensor"], state_shards=shape["fsdp"] * shape["tensor"]).total
+  micro, peak = memory.resolve_micro_batch(
+      t.micro_batch, rows, lambda mb: max(memory.compiled_bytes(compiled(k, mb))
+                                          for k in abstract_batches), known["memory"], guess_at)
+  accum = rows // micro
+  known.update(micro_batch=micro, accum=accum, **({"peak": peak} if peak else {}))
   if dry_run:
-    memory = {}
-    for key, batch in task.abstract_batches().items():
-      with jax.set_mesh(mesh):
-        compiled = step_fn(key).lower(params, opt_state, task.frozen, batch).compile()
-      memory[key] = str(compiled.memory_analysis())
-      print(f"dry run: compiled the train step{'' if key is None else f' ({key})'}; memory "
-            f"analysis: {memory[key]}")
-    return {"dry_run": True, "memory": memory}
+    return memory.report(cfg, mesh, micro, accum,
+                         {k: compiled(k, micro) for k in abstract_batches}, params, opt_state)
+  t_fit = time.perf_counter() - t_fit
 
   ckpt = checkpoint.Checkpointer(workdir, keep=t.keep_ckpts, async_save=t.async_ckpt)
-  start = ckpt.latest_step() or 0
+  abstract = lambda tree: jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+  # The newest intact checkpoint: damaged newer ones are set aside with a warning.
+  start, *restored = ckpt.restore_latest(abstract(params), abstract(opt_state), task.data_iter)
   if start:
-    abstract = lambda tree: jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
-    params, opt_state, _ = ckpt.restore(start, abstract(params), abstract(opt_state),
-                                        task.data_iter)
+    params, opt_state, _ = restored
   if primary:
     workdir_lib.cut_metrics(workdir, start)
-  writer = metrics.Writer(workdir, t.steps, start, enabled=primary)
+  writer = metrics.Writer(workdir, t.steps, start, enabled=primary,
+                          wandb_project=t.wandb_project, config_json=cfg.config_json)
   if start:
     writer.message(f"resumed from step {start} in {workdir}")
   writer.message(f"set-up {time.perf_counter() - t_setup:.1f} s" +
@@ -281,22 +326,33 @@ def run(cfg: config_lib.Config, workdir: str, make_task, *, dry_run: bool = Fals
       skipped.clear()
     summary["loss"] = float(m["loss"])
     interval.add(m, batch)
+    lagging = pace.fetched(pstep)
+    if lagging:
+      writer.message(lagging)
     if pstep % t.log_every == 0 or pstep == t.steps:
       scalars = interval.scalars(pstep)
       writer.write(pstep, scalars)
       writer.progress(pstep, scalars)
     return not bad
 
-  batches = task.batches(start)
+  # The input alone, on a few batches the iterator then gives again: is it faster than the step?
+  batches, first_batch_s, input_rate = startup.probe(task.batches, start, task.data_iter)
+  pace, interval.t0 = startup.Pace(input_rate, start + 1), time.perf_counter()
   try:
     with jax.set_mesh(mesh):
       while step_no < t.steps:
         asked = time.perf_counter()
         batch = next(batches)
         interval.waited += time.perf_counter() - asked
-        params, opt_state, m = step_fn(batch.key)(params, opt_state, task.frozen,
-                                                  global_batch(batch.arrays, task.batch_sh))
+        pace.add_wait(time.perf_counter() - asked)
+        t_call = time.perf_counter()
+        # The program the fit compiled (or compiles now): no second compile of the step.
+        params, opt_state, m = compiled(batch.key, micro)(
+            params, opt_state, task.frozen, global_batch(batch.arrays, task.batch_sh))
         step_no += 1
+        if step_no == start + 1:   # the call returned once compiled: the rest runs async
+          writer.message(startup.first_step_line(t_setup, task.seconds, first_batch_s,
+                                                 t_fit + time.perf_counter() - t_call, micro, rows))
         if pending is not None:
           finish(pending)   # after dispatching this step: the device never waits for the host
         pending = (step_no, m, batch)

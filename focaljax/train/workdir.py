@@ -1,13 +1,24 @@
 """A run's workdir: what must hold before anything in it is written, and what a resume repairs.
 
-  check        refuses a workdir whose checkpoints hold another model (one line listing fields)
+  check        refuses a workdir that is a file, or whose checkpoints hold another run: another
+               model shape, data, tokenizer or global batch (one line listing the fields)
+  lock         one trainer per workdir (a second is refused naming the holder's pid and host)
   cut_metrics  drops metrics.jsonl rows past the resumed step (a resumed run writes them again)
+
+The lock is fcntl.flock on workdir/.lock: the kernel drops it when its process dies, SIGKILL
+included, so a stale lock file never blocks a later run. Storage without POSIX locks (gs://,
+other non-local paths) is not locked; a warning says so.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import socket
+import sys
+
+from etils import epath
 
 from focaljax import config as config_lib
 from focaljax.train import checkpoint
@@ -16,12 +27,28 @@ from focaljax.train import checkpoint
 SHAPE_FIELDS = ("model.vocab_size", "model.d_model", "model.num_layers", "model.num_heads",
                 "model.num_kv_heads", "model.head_dim", "model.d_ff", "model.tie_embeddings",
                 "model.qk_norm", "model.attention.pattern", "model.attention.learned")
+# What else makes a run the same run: its data, tokenizer and global batch.
+IDENTITY_FIELDS = SHAPE_FIELDS + ("data.source", "data.valid_source", "data.tokenizer",
+                                  "data.global_batch")
+LOCK_FILE = ".lock"
+_held: dict[str, int] = {}   # workdir -> the open lock file of this process
+
+
+def _is_local(workdir: str) -> bool:
+  return "://" not in str(workdir)
 
 
 def check(workdir: str, config_json: str) -> None:
-  """Refuses (ConfigError listing the fields) a workdir whose checkpoints hold another model."""
+  """Refuses (ConfigError, one line) a workdir that is a file or lies under one, or whose
+  checkpoints hold another run (listing the differing fields, old -> new). Writes nothing."""
+  path = epath.Path(workdir)
+  for parent in (path, *path.parents):
+    if parent.exists():
+      if not parent.is_dir():
+        raise config_lib.ConfigError(f"--workdir {workdir}: {parent} is a file, not a directory")
+      break
   step = checkpoint.latest_step(workdir)
-  if step is None or not os.path.exists(os.path.join(workdir, checkpoint.CONFIG_FILE)):
+  if step is None or not (path / checkpoint.CONFIG_FILE).exists():
     return
   old, new = config_lib.read_run_config(workdir).to_dict(), json.loads(config_json)
 
@@ -30,21 +57,55 @@ def check(workdir: str, config_json: str) -> None:
       tree = tree.get(part) if isinstance(tree, dict) else None
     return tree
 
-  diff = [f"{f} {get(old, f)!r} -> {get(new, f)!r}" for f in SHAPE_FIELDS
-          if get(old, f) != get(new, f)]
+  fields = [f for f in IDENTITY_FIELDS if get(old, f) != get(new, f)]
+  diff = [f"{f} {get(old, f)!r} -> {get(new, f)!r}" for f in fields]
   if diff:
+    what = "model" if set(fields) & set(SHAPE_FIELDS) else "run"
     raise config_lib.ConfigError(
-        f"workdir {workdir} holds a different model (checkpoint step {step}): {', '.join(diff)}; "
+        f"workdir {workdir} holds a different {what} (checkpoint step {step}): {', '.join(diff)}; "
         "resume it with its own config.json, or train in another --workdir")
+
+
+def lock(workdir: str) -> None:
+  """Takes workdir's lock for this process (again: a no-op); ConfigError naming the holder."""
+  if not _is_local(workdir):
+    print(f"warning: --workdir {workdir} is not on a local file system; not locked: make sure "
+          "no other trainer uses it", file=sys.stderr)
+    return
+  key = os.path.abspath(workdir)
+  if key in _held:
+    return
+  try:
+    os.makedirs(key, exist_ok=True)
+    fd = os.open(os.path.join(key, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+  except OSError as e:
+    raise config_lib.ConfigError(f"--workdir {workdir}: cannot write there ({e.strerror})") \
+        from None
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except OSError:
+    holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+    os.close(fd)
+    raise config_lib.ConfigError(f"--workdir {workdir} is in use by {holder} (its lock file "
+                                 f"{LOCK_FILE}); wait for it, or train in another --workdir") \
+        from None
+  os.ftruncate(fd, 0)
+  os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+  _held[key] = fd
+
+
+def unlock(workdir: str) -> None:
+  fd = _held.pop(os.path.abspath(workdir), None)
+  if fd is not None:
+    os.close(fd)   # closing the file releases the flock
 
 
 def cut_metrics(workdir: str, step: int) -> None:
   """Drops metrics.jsonl rows after `step`, where a resumed run writes them again."""
-  path = os.path.join(workdir, "metrics.jsonl")
-  if not os.path.exists(path):
+  path = epath.Path(workdir) / "metrics.jsonl"
+  if not path.exists():
     return
-  with open(path) as f:
-    lines = f.readlines()
+  lines = path.read_text().splitlines(keepends=True)
   keep = []
   for line in lines:
     try:
@@ -53,6 +114,6 @@ def cut_metrics(workdir: str, step: int) -> None:
     except (ValueError, KeyError, TypeError):   # a line cut short by a killed run
       pass
   if len(keep) < len(lines):
-    with open(path + ".tmp", "w") as f:
-      f.writelines(keep)
-    os.replace(path + ".tmp", path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(keep))
+    tmp.replace(path)

@@ -123,7 +123,7 @@ def test_skip_gives_up_after_consecutive_skips(trained, workdir, monkeypatch):
 def test_resume_finished_trains_nothing(trained, workdir):
   proc = _train_py(workdir)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  assert "nothing left to train" in proc.stdout
+  assert "holds the finished run (step 6 of train.steps=6): nothing to train" in proc.stdout
   assert _snapshot(workdir) == trained[1]
   assert _steps(workdir) == _steps(trained[0])
 
