@@ -1,33 +1,15 @@
 """FocusLLM condensing attention (Pallas, Triton lowering): candidates and the local decoder.
 
-Two attentions with explicit visibility that FocusLLM (arXiv 2408.11745; focaljax/focus/model.py)
-runs besides the base's causal one; their specs are in `condense.reference`, the kernel bodies in
-`condense.triton`. Letters: R rows (chunk sequences, or local rows), Q candidates per row, S
-cached keys per row, T local tokens, C candidates visible to a local row, N query heads, K kv
-heads (GQA, G = N // K), D head dim.
-
-candidate_attention  out[r, q] = softmax(scale·q·kᵀ) v over cached keys s < visible_len[r, q]
-  plus, when given, the candidate's own key (self_k, self_v), never another candidate's.
-  Split-K (flash-decoding). Grid (R, K, S / split_k): one program holds all Q·G queries of one kv
-  head as one tile, carrying acc [Mp, D] and m, l [Mp] in float32 over its split's key blocks
-  below max(visible_len) (a generation cache's unwritten tail is never read). XLA merges the
-  splits and the self key and keeps lse. Backward: one launch on the same grid rebuilds p from
-  lse and writes per-split dq (summed by XLA), and dk/dv of the cache only when the cache is
-  differentiated (`custom_vjp` with symbolic zeros; FocusLLM training closes over it). The self
-  term's gradients are XLA.
-local_attention  out[r, t] = softmax over [every candidate c < C | local keys s <= t].
-  FlashAttention-2 (arXiv 2307.08691 §3.1). Grid (T / block_q, R, N): one program visits the
-  candidate blocks unmasked, then the causal local blocks, carrying acc [block_q, D] and m, l;
-  it saves lse [R, N, T] f32. Backward (§3.2): a dq pass with the same two loops, and focal's
-  Triton dk/dv kernel once causal over the local keys and once over the candidates. A pass whose
-  inputs need no gradient is skipped.
-Memory: residuals are the inputs, out and lse; no [T, S] matrix is ever formed.
-
-Padding (layout only, results identical): the candidate tile is Q·G rows padded to a power of two
->= 16; S, T and C are padded to multiples of 16 (a copy per call, so callers that can, like the
-FocusLLM caches, allocate multiples of 16). Rows with no visible key give 0. Contracts
-(ValueError): one dtype among float32/bfloat16/float16; D a power of two in [16, 256]; N % K == 0;
-matching shapes. `interpret=True` runs the Pallas interpreter (CPU); compiled, Triton (GPU) only.
+Specs in `condense.reference`, kernel bodies in `condense.triton`. Letters: R rows, Q candidates
+per row, S cached keys, T local tokens, C visible candidates, N / K query / kv heads, D.
+candidate_attention  softmax over cached keys s < visible_len[r, q] plus the candidate's own key.
+  Split-K, grid (R, K, S / split_k): all Q·G queries of a kv head in one tile, carrying acc, m, l
+  f32; XLA merges the splits and the self key. Backward on the same grid: per-split dq, and dk/dv
+  only when the cache is differentiated.
+local_attention  softmax over [every candidate | local keys s <= t]. FlashAttention-2, grid
+  (T / block_q, R, N), carrying acc [block_q, D], m, l; saves lse. Backward: a dq pass and focal's
+  Triton dk/dv kernel (causal over the local keys, non-causal over the candidates).
+Memory: residuals are the inputs, out and lse. S, T, C are padded to multiples of 16 (a copy).
 """
 
 from __future__ import annotations
@@ -91,9 +73,6 @@ class _Static:
   n_cand: int = 0      # local: real candidates (C before padding)
 
 
-# ------------------------------------------------------------------------------------ checks
-
-
 def _check(q, kvs: dict, heads_axis: int = 2):
   N, D = q.shape[2], q.shape[3]
   for name, x in kvs.items():
@@ -133,15 +112,11 @@ def _read(flags):
   return tuple(s == 2 for s in flags.shape[:-1])
 
 
-# --------------------------------------------------------------------------- candidate attention
-
-
 def candidate_attention(q_RQND, k_RSKD, v_RSKD, visible_len_RQ, self_k_RQKD=None,
                         self_v_RQKD=None, *, scale: float, interpret: bool = False,
                         block_sizes: BlockSizes | None = None):
-  """Q candidate queries per row against the row's cache (module docstring). visible_len_RQ:
-  int [R, Q], candidate q sees cached keys s < visible_len[r, q] (values in [0, S]); self_k/v
-  [R, Q, K, D] optional, each candidate's own key. Returns [R, Q, N, D] in q.dtype."""
+  """Q candidate queries per row against its cache: candidate q sees keys s < visible_len_RQ[r, q]
+  and its own optional self_k/v [R, Q, K, D]; [R, Q, N, D]."""
   kvs = {"k_RSKD": k_RSKD, "v_RSKD": v_RSKD}
   if (self_k_RQKD is None) != (self_v_RQKD is None):
     raise ValueError("self_k_RQKD and self_v_RQKD must be given together")
@@ -260,13 +235,10 @@ def _candidate_bwd(st: _Static, res, do):
 _candidate.defvjp(_candidate_fwd, _candidate_bwd, symbolic_zeros=True)
 
 
-# ------------------------------------------------------------------------------- local attention
-
-
 def local_attention(q_RTND, k_RTKD, v_RTKD, cand_k_RCKD, cand_v_RCKD, *, scale: float,
                     interpret: bool = False, block_sizes: BlockSizes | None = None):
-  """Every local token t attends to all C candidates and to local tokens s <= t (module
-  docstring); C may be 0. Returns [R, T, N, D] in q.dtype; differentiable in all five inputs."""
+  """Local token t attends to all C candidates (C may be 0) and local tokens s <= t; [R, T, N,
+  D]."""
   _check(q_RTND, {"k_RTKD": k_RTKD, "v_RTKD": v_RTKD, "cand_k_RCKD": cand_k_RCKD,
                   "cand_v_RCKD": cand_v_RCKD})
   if k_RTKD.shape != v_RTKD.shape or k_RTKD.shape[1] != q_RTND.shape[1]:

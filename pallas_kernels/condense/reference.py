@@ -1,7 +1,4 @@
-"""The pure-JAX specs of `condense.api`'s kernels (FocusLLM's candidate and local attention) and
-a diagnostic. Letters as in `condense.api`. Float32 logits and probabilities; every [T, S] matrix
-is materialised (short contexts and tests only).
-"""
+"""Pure-JAX specs of `condense.api` (f32, materialises every [T, S] matrix) and a diagnostic."""
 
 from __future__ import annotations
 
@@ -12,8 +9,7 @@ _MASKED = -1e30   # logits: finite, so masked entries get exactly zero probabili
 
 
 def _probs_reference(q_RTND, k_RSKD, visible_RTS, scale):
-  """softmax(scale·q·kᵀ) over an explicit visibility, float32 [R, K, G, T, S] (G query heads per
-  kv head)."""
+  """softmax(scale·q·kᵀ) over an explicit visibility, float32 [R, K, G, T, S]."""
   R, T, N, D = q_RTND.shape
   K = k_RSKD.shape[2]
   logits_RKGTS = jnp.einsum("RTKGD,RSKD->RKGTS", q_RTND.reshape(R, T, K, N // K, D), k_RSKD,
@@ -23,8 +19,7 @@ def _probs_reference(q_RTND, k_RSKD, visible_RTS, scale):
 
 
 def _attend_reference(q_RTND, k_RSKD, v_RSKD, visible_RTS, scale):
-  """softmax(scale·q·kᵀ) v over an explicit visibility: float32 logits and probabilities, cast
-  back to q's dtype; rows with no visible key give 0."""
+  """softmax(scale·q·kᵀ) v over an explicit visibility in q.dtype; rows seeing nothing give 0."""
   R, T, N, D = q_RTND.shape
   probs_RKGTS = _probs_reference(q_RTND, k_RSKD, visible_RTS, scale)
   out_RTKGD = jnp.einsum("RKGTS,RSKD->RTKGD", probs_RKGTS, v_RSKD.astype(jnp.float32))
@@ -56,9 +51,7 @@ def local_attention_reference(q_RTND, k_RTKD, v_RTKD, cand_k_RCKD, cand_v_RCKD, 
 
 
 def candidate_mass_reference(q_RND, k_RTKD, cand_k_RCKD, at_R, *, scale):
-  """A diagnostic, not a kernel's spec: the probability that `local_attention`'s query at local
-  position at_R[r] (q_RND, already at that position) puts on each candidate, float32 [R, N, C];
-  the rest goes to the local keys s <= at_R[r]."""
+  """Diagnostic: the probability local query at_R[r] puts on each candidate, float32 [R, N, C]."""
   R, N, _ = q_RND.shape
   T, C = k_RTKD.shape[1], cand_k_RCKD.shape[1]
   keys_RSKD = jnp.concatenate([cand_k_RCKD.astype(k_RTKD.dtype), k_RTKD], 1)

@@ -1,22 +1,11 @@
-"""Kernel bodies and launches of `pallas_kernels.condense.api` (the public API and layouts live
-there, the spec in `condense.reference`). Logits are in base-2 units: log2(e) rides on the
-static scale so loops use exp2.
+"""Kernel bodies and launches of `condense.api`; logits in base-2 units (exp2 loops).
 
-Candidate attention works on rows M = (candidate q, group head g) of one kv head, padded to Mp (a
-power of two >= 16) so one tensor-core tile holds every query of a (chunk row, kv head): GQA costs
-no group sum and K/V of a chunk are read once per kv head, not once per query head.
-  `candidate_fwd`  grid (R, K, splits): carries acc [Mp, D], m, l [Mp] f32 over the split's key
-                   blocks below max(visible_len); writes them unnormalised (the combine is XLA).
-  `candidate_bwd`  same grid: rebuilds p from the global lse; carries dq [Mp, D] f32 (written per
-                   split, summed by XLA) and, only when the cache is differentiated, writes the
-                   split's dk/dv (zeros past visible_len) into a per-split tile.
-Local attention (grid (T/block, R, N) as in focal.triton; q blocks last-first):
-  `local_fwd`      carries acc [bq, D], m, l [bq]; visits the candidate blocks (every one visible;
-                   the zero padding past C masked), then the causal local blocks (only the
-                   diagonal pays for the mask). Writes out and lse [R, N, T] f32 (base 2).
+Candidate rows M = (candidate, group head) of one kv head, padded to Mp (power of two >= 16):
+  `candidate_fwd`  grid (R, K, splits): carries acc [Mp, D], m, l [Mp] f32, written unnormalised.
+  `candidate_bwd`  same grid: carries dq [Mp, D] f32 per split; per-split dk/dv when asked.
+Local attention, grid (T/block, R, N), q blocks last-first:
+  `local_fwd`      carries acc [bq, D], m, l [bq]: candidate blocks, then causal local blocks.
   `local_dq`       the same two loops, carrying dq [bq, D] f32.
-  dk/dv            `focal.triton_bwd._dkv_kernel` with a constant row scale: causal over the local
-                   keys, non-causal over the candidates (one pass each, k/v tile resident).
 """
 
 from __future__ import annotations
@@ -53,9 +42,6 @@ def _init(rows: int, d: int):
 def _blocks_below(start, length, split: int, block: int):
   """Key blocks of the split starting at `start` that hold a key < length."""
   return jnp.clip(lax.div(length - start + block - 1, block), 0, split // block)
-
-
-# ------------------------------------------------------------------------- candidate attention
 
 
 def _cand_fwd_kernel(q_ref, k_ref, v_ref, len_ref, acc_ref, m_ref, l_ref, *, c2, split, block):
@@ -163,9 +149,6 @@ def candidate_bwd(q_RKMD, k_RSKD, v_RSKD, len_RM, lse_RKM, delta_RKM, do_RKMD, *
   return (out[0], out[1], out[2]) if with_dkv else (out[0], None, None)
 
 
-# ----------------------------------------------------------------------------- local attention
-
-
 def _cand_loop(step, carry, ck_ref, cv_ref, block_c, n_cand):
   """Visits every candidate block; only the zero padding past n_cand is masked."""
   if ck_ref is None:
@@ -271,8 +254,7 @@ def local_dq(q, k, v, ck, cv, lse_RNT, delta_RNT, do, *, scale, n_cand, bs, inte
 
 
 def local_dkv(q, k, v, s_RNT, lse_RNT, delta_RNT, do, *, causal, bs, interpret, name):
-  """dk, dv of one key set (local keys: causal; candidates: every query sees every key), via
-  focal's Triton dk/dv kernel; GQA: per query head, summed over the group in float32."""
+  """dk, dv of one key set via focal's Triton dk/dv kernel, GQA group summed in float32."""
   R, T, N, D = q.shape
   S, K = k.shape[1], k.shape[2]
   G = N // K

@@ -1,59 +1,24 @@
 """Dilution attention in Pallas: fused training forward + exact backward, prefill, cached decode.
 
-Operator, causal, per head (spec: `reference.py`):
-    p = causal_softmax(scale · q kᵀ);  committed_ij = Σ_{r<i} p_rj;
-    share = p / (committed + p + eps);  A = share / (rowsum(share) + eps);  out = A v.
-Layout q [B, T, Hq, D], k/v [B, T, Hkv, D] (GQA: query head h reads kv head h // (Hq/Hkv)),
-segment_ids int32 [B, T] (a query sees, and adds demand to, keys of its own segment only).
+Per head (spec `reference.py`): p = causal_softmax(scale·q kᵀ), committed_ij = Σ_{r<i} p_rj,
+share = p / (committed + p + eps), A = share / (rowsum(share) + eps), out = A v. GQA: query head
+h reads kv head h // (Hq/Hkv); a query sees, and adds demand to, keys of its own segment only.
 
-Training (`dilution_attention`, jax.custom_vjp), four passes; `backend` picks their kernels
-(blocks.py): "triton" (triton_fwd.py, triton_bwd.py) or "mosaic" (mosaic_fwd.py, mosaic_b1.py,
-mosaic_b2.py: Hopper, 16-bit inputs, D 64 or 128; other calls fall back to Triton).
-  F1 row stats      row-parallel flash loop: lse_i and pk_i = scale·Σ_j p_ij k_j  [QKᵀ, PK]
-                    (Mosaic: focal's flash forward with V := K)
-  F2 key sweep      key-parallel: a program owns a key block and its committed-demand carry
-                    (registers), walks the row tiles top-down; S_i = Σ_j σ_ij and
-                    N_i = Σ_j σ_ij v_j by float32 atomics (Mosaic: TMA reduce-adds); the carry
-                    is stored every R = ckpt_rows rows (checkpoints)            [QKᵀ, σV]
-  out = N / (S + eps)  (XLA)
-  B1 reverse sweep  key-parallel, R-row super-blocks bottom-up: a forward mini-sweep rebuilds
-                    the tile carries from the checkpoint, then the reverse pass carries the
-                    per-key g-suffix; dv, dk_main in registers; ĝ, dq_main by float32 atomics
-                    [2 QKᵀ, dO·Vᵀ, AᵀdO, W·K, Wᵀ·Q, in-tile prefix/suffix products]
-  B2 dk correction  key-parallel: corr_j = Σ_i p_ij ĝ_i q_i                    [QKᵀ, (PĝᵀQ)]
-  dq = dq_main − ĝ ⊙ pk,  dk = scale·(dk_main − corr),  GQA groups summed  (XLA).
-The Triton grids are (blocks, B, Hq) (CUDA caps grid axes 1-2 at 65,535), the Mosaic ones
-(Hq, blocks, B). The passes exchange only whole per-row / per-key buffers, so each tiles T its
-own way; T is padded to a multiple of all (`BlockSizes.pad_multiple`), padded rows in their own
-segment.
-The gradient is exact: it flows through the cumulative demand and the renormalisation. Carries
-are only rebuilt by forward summation from a checkpoint (never total − suffix, which cancels in
-float32 for heavy keys), and the in-tile g-suffix is a strictly-triangular product, not column
-total − cumsum (a key's first visible row has g ≈ −dσ/p, huge for tiny p).
-
-Precision: softmax, demand, share and every accumulator are float32; 16-bit types appear only as
-dot operands (float32 inputs use IEEE dots, Triton only). The in-tile triangular products split
-their float32 operand into bf16 pieces: three in the Triton B1 (float32-exact), two in the Mosaic
-B1 and F2 (~16 significant bits, relative error ≲ 2⁻¹⁶, below the 16-bit inputs' 8).
-Atomics make GPU results non-bitwise-deterministic (float32 summation order).
-
-Memory (no T×T tensor). Per (batch, query head), float32, T padded:
-  saved for backward: lse, S (2T) + out_f32, pk (2·T·D) + checkpoints ceil(T/R)·T
-  transient: forward N (T·D); backward dq, dk, dv, corr (4·T·D) + ĝ, dbar (2T)
-  → extra ≈ B·Hq·(6·T·D + 4·T + ceil(T/R)·T)·4 bytes, R = ckpt_rows (1024).
-  E.g. B2 Hq12 T16K D64: the 6·T·D terms 576 MiB, checkpoints 24 MiB per layer.
-  The Triton B1 with b1_carries="scratch" adds a transient B·Hq·T·R/block_q float32 (48 MiB at
-  B2 Hq12 T16K); with "registers" each program holds [R/block_q, b1_block_k] float32 instead.
-
-Prefill (`dilution_prefill`): F1 without pk + F2 without checkpoints; returns out and the demand
-totals (F2's final carries). Extra memory B·Hq·(2·T·D + 3T)·4 bytes, linear in T.
-
-Decode (`dilution_decode_step`, Triton on any GPU): flash-decoding over key splits
-(triton_decode.py); keys at or beyond `length` are never read. Extra memory O(B·Hq·S_max) float32
-logits. Keep S_max a multiple of block_k_decode (128), or every step pads (copies) the cache.
-
-`interpret=True` runs every kernel in Pallas interpret mode (CPU tests). The functions never query
-the hardware: the caller picks the backend (focaljax.dispatch).
+Training (custom_vjp), four passes; `backend` "triton" or "mosaic" (Hopper, 16-bit, D 64/128):
+  F1 row stats   row-parallel flash loop: lse_i, pk_i = scale·Σ_j p_ij k_j (Mosaic: V := K)
+  F2 key sweep   key-parallel, committed-demand carry per key in registers, rows top-down;
+                 S_i = Σ_j σ_ij, N_i = Σ_j σ_ij v_j by f32 atomics; carry stored every R = ckpt_rows
+                 rows; out = N / (S + eps) in XLA
+  B1 reverse     key-parallel, R-row super-blocks bottom-up: mini-sweep rebuilds the carries from
+                 the checkpoint, reverse pass carries the g-suffix; dv, dk_main in registers,
+                 ĝ, dq_main by f32 atomics
+  B2 dk corr     corr_j = Σ_i p_ij ĝ_i q_i; dq = dq_main − ĝ ⊙ pk, dk = scale·(dk_main − corr) (XLA)
+Triton grids (blocks, B, Hq), Mosaic (Hq, blocks, B); T is padded to `BlockSizes.pad_multiple`.
+Carries are only rebuilt by forward summation (never total − suffix), so the gradient is exact;
+accumulators are f32, atomics make results non-bitwise-deterministic.
+Memory (f32, per batch and query head): ≈ 6·T·D + 4·T + ceil(T/R)·T, no T×T tensor.
+Prefill: F1 + F2 without checkpoints, returns the demand totals. Decode: Triton flash-decoding
+over key splits (triton_decode.py), O(S_max) f32 logits.
 """
 
 from __future__ import annotations
@@ -87,8 +52,7 @@ def _check(q, k, v, scale, bs, mosaic):
 
 
 def _pad(q, k, v, seg, multiple):
-  """Pads T to a block multiple. Padded rows get their own segment id, so they neither see real
-  keys nor add demand to them (real rows never see them: they come later)."""
+  """Pads T to `multiple`; padded rows get their own segment, so they never touch real rows."""
   T = q.shape[1]
   pad = -T % multiple
   if not pad:
@@ -171,11 +135,8 @@ def _setup(q, k, v, scale, backend, block_sizes):
 def dilution_attention(q, k, v, *, scale, eps, segment_ids=None, backend="triton",
                        block_sizes=None, interpret=False):
   """Causal dilution attention with an exact custom VJP; out [B, T, Hq, D] in q.dtype.
-
-  scale, eps: Python floats (static). segment_ids: int32 [B, T] or None. backend: "triton" or
-  "mosaic" (falls back to "triton" where unsupported). block_sizes: None for
-  `default_block_sizes(backend, D, dtype)`.
-  """
+  scale, eps static floats; backend "triton" | "mosaic" (Triton where unsupported);
+  block_sizes None: `default_block_sizes(backend, D, dtype)`."""
   bs, mosaic, B, T = _setup(q, k, v, scale, backend, block_sizes)
   seg = (jnp.zeros((B, T), jnp.int32) if segment_ids is None
          else jnp.asarray(segment_ids, jnp.int32))
@@ -187,11 +148,7 @@ def dilution_attention(q, k, v, *, scale, eps, segment_ids=None, backend="triton
                                              "interpret"))
 def dilution_prefill(q, k, v, *, scale, eps, backend="triton", block_sizes=None,
                      interpret=False):
-  """Forward-only dilution over a prompt; returns (out [B,T,Hq,D], demand float32 [B,Hq,T]).
-
-  demand[b, h, j] = Σ_i p[i, j], the state `dilution_decode_step` continues from. Not
-  differentiable (use `dilution_attention` for training).
-  """
+  """Forward-only over a prompt: (out [B,T,Hq,D], demand f32 [B,Hq,T] = Σ_i p_ij)."""
   bs, mosaic, B, T = _setup(q, k, v, scale, backend, block_sizes)
   seg = jnp.zeros((B, T), jnp.int32)
   qp, kp, vp, segp = _pad(q, k, v, seg, bs.pad_multiple(mosaic, training=False))
@@ -203,11 +160,8 @@ def dilution_prefill(q, k, v, *, scale, eps, backend="triton", block_sizes=None,
 @functools.partial(jax.jit, static_argnames=("scale", "eps", "block_sizes", "interpret"))
 def dilution_decode_step(q, k_cache, v_cache, demand, length, *, scale, eps, block_sizes=None,
                          interpret=False):
-  """One cached step for the query at position length-1; returns (out [B,Hq,D], demand + p).
-
-  q [B, Hq, D]; k_cache, v_cache [B, S_max, Hkv, D] with positions < length filled (the new key
-  included); demand float32 [B, Hq, S_max] (zero beyond the filled part); length int or int32 [B].
-  """
+  """One cached step for the query at length-1 (q [B, Hq, D], caches [B, S_max, Hkv, D] filled
+  below length, demand f32 [B, Hq, S_max]); returns (out [B, Hq, D], demand + p)."""
   bs = block_sizes or BlockSizes()
   if q.ndim != 3:
     raise ValueError(f"q must be [B, Hq, D] for a decode step; got {q.shape}")

@@ -1,9 +1,5 @@
-"""Dilution attention's tile sizes (`BlockSizes`), their defaults and validation.
-
-Two backends run the four training passes (api.py's docstring): "triton" (any GPU, any float
-dtype) and "mosaic" (Hopper: wgmma, TMA, warpgroups; 16-bit inputs at D 64 or 128, where it is the
-faster). `backend="mosaic"` falls back to the Triton passes for a call it does not support
-(`runs_mosaic`). Each backend reads its own fields; the rest are inert for it.
+"""Dilution attention's tile sizes (`BlockSizes`), defaults and validation. "mosaic" falls back
+to the Triton passes where `runs_mosaic` is False; each backend reads only its own fields.
 """
 
 from __future__ import annotations
@@ -26,39 +22,29 @@ _TILES = ("block_q_stats", "block_k_stats", "block_q", "block_k", "block_k_fwd",
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-  """Tile sizes (powers of two >= 16) and the tuned per-head-dim choices.
-
-  The class defaults are the D <= 64 defaults; `default_block_sizes` sets the D > 64 ones.
-  """
+  """Tile sizes (powers of two >= 16); class defaults are the D <= 64 ones."""
   # Triton passes.
   block_q_stats: int = 64     # F1 rows per program
   block_k_stats: int = 64     # F1 keys per loop step
   block_q: int = 32           # row tile of the key-parallel sweeps F2, B1, B2
   block_k: int = 64           # keys owned by one B2 program
-  # F2's key block: a wider one cuts its float32 atomics (T²·D/block_k per head). Carries and
-  # checkpoints are per key, so F2, B1 and B2 tile the keys independently.
+  # F2's key block: wider cuts its float32 atomics; F2, B1 and B2 tile the keys independently.
   block_k_fwd: int = 128
-  # B1's key block and where its mini-sweep keeps the per-tile carries of a super-block:
-  # "scratch", an HBM slice per program (one row store and load per tile; frees the registers a
-  # 128-key block needs), or "registers", an [R/block_q, b1_block_k] array (one-hot selects).
-  # D <= 64: 128 keys, scratch; D > 64: 64 keys, registers (the faster at each).
+  # B1's key block and where its mini-sweep keeps the tile carries: "scratch" (an HBM slice per
+  # program) or "registers" ([R/block_q, b1_block_k], one-hot selects), the faster at each D.
   b1_block_k: int = 128
   b1_carries: str = "scratch"
-  # R: rows between F2's stored carry checkpoints (both backends): ceil(T/R)·T·4 bytes per
-  # (batch, head). 64 spares the Mosaic B1 its carry rebuild, at T/16 bytes per key.
+  # R: rows between F2's carry checkpoints, ceil(T/R)·T·4 bytes per (batch, head).
   ckpt_rows: int = 1024
   block_k_decode: int = 128   # keys per decode loop step
   split_k_decode: int = 2048  # keys per decode program (flash-decoding split)
-  # Mosaic passes. F2's 64-key tiles per CTA, summed before one float32 reduce-add of N and S
-  # per row tile: 2 at D = 64, 1 at D = 128.
+  # Mosaic passes. F2's 64-key tiles per CTA, summed before one reduce-add of N and S.
   f2_key_tiles: int = 2
-  # B1's and F2's in-tile mask products issue their bf16 pieces' wgmmas as one group, awaited
-  # once, instead of one wait per piece: faster at D = 64, slower at D = 128.
+  # In-tile mask products: the bf16 pieces' wgmmas as one group, awaited once.
   chain_pieces: bool = True
 
   def pad_multiple(self, mosaic: bool, training: bool = True) -> int:
-    """T is padded to this: a multiple of every row and key block the passes use (powers of two,
-    so the largest is a multiple of the rest); B1's and B2's only when training."""
+    """T's padding: a multiple of every block the passes use (B1's, B2's only when training)."""
     if mosaic:
       return max(MOSAIC_CTA_ROWS, MOSAIC_TILE * self.f2_key_tiles)
     fwd = max(self.block_q_stats, self.block_k_stats, self.block_q, self.block_k_fwd)

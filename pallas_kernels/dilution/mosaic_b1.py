@@ -1,32 +1,11 @@
-"""Dilution attention's B1 reverse sweep on Hopper (Pallas Mosaic GPU: wgmma, TMA, warpgroups).
+"""Dilution B1 reverse sweep on Hopper (Mosaic GPU); math and outputs of `triton_bwd.reverse_sweep`.
 
-The same math and outputs as `triton_bwd.reverse_sweep` (its docstring has the formulas): for a
-key block J, the super-blocks of `ckpt_rows` rows are visited last first; in each, a forward
-mini-sweep rebuilds the per-key carry at every row tile from F2's checkpoint, then a reverse pass
-walks the same tiles bottom-up, accumulates dv_J += Aᵀ dO, dk_J += Wᵀ Q (registers) and adds
-ĝ_I = rowsum(W) and dq_I = s·W K_J into float32 global accumulators (TMA reduce-adds).
-
-Grid (Hq, T / 64, B), two Pallas threads: warpgroup 0 computes (REGISTERS per thread: a
-256-thread CTA fills an SM anyway), warpgroup 1 TMA-streams each super-block's row tiles twice
-(top-down, then bottom-up: q, dO [64, D] and the rows lse, S, dbar, segment ids) through a ring
-of `steps` slots. One compute warpgroup, because ĝ is a cross-warp reduction and the lowering's
-reduction scratch is one region per CTA. Tiles are [keys, queries] (64 × 64), keys as wgmma M:
-  r = k·qᵀ;  p = exp2(log2e·(s·r − lse)), masked causal and by segment except on tiles below
-      the diagonal within one segment (`visible_all`);
-  mini-sweep: carry_K stored per tile (SMEM [ckpt_rows/64, 64]), carry_K += rowsum(p);
-  reverse:    c = carry + p·U (U strictly upper 0/1), inv = 1/(c + p + ε), A = p·inv/(S + ε);
-              dv += A·dO and dP = v·dOᵀ (issued together); t = (dP − dbar)/(S + ε)·inv,
-              g = −t·p·inv, W = p·(t·(c + ε)·inv + sufk + g·L) (L strictly lower);
-              sufk += rowsum(g);  dk += W·q;  dq += Wᵀ·k (W through SMEM, 16-bit);  ĝ += colsum(W).
-The products with U and L split their operand into two bf16 pieces (`mask_dot`, ~16 significant
-bits): 10 wgmmas per tile pair. approx_math, reciprocals as rsqrt² (`recip`), positions as [64]
-vectors (`positions`); XLA computes the per-query 1/(S + ε) and dbar/(S + ε) once.
-With ckpt_rows = 64 each super-block is one tile whose carry is F2's checkpoint: no mini-sweep.
-SMEM (D = 64, 16-bit, steps = 2): ~110 KB (k, v, U, L, the ring, W, the dq and dk/dv tiles,
-4·ckpt_rows bytes of carries). Registers: dk, dv plus the [64, 64] float32 tiles.
-
-On CPU pass interpret=True (GPU interpret mode; approx_math does not apply): TMA reductions are
-not interpreted, so dq and ĝ get one slab per key block and XLA sums them.
+Grid (Hq, T / 64, B): warpgroup 0 computes on [keys, queries] 64×64 tiles (one warpgroup: ĝ is a
+cross-warp reduction), warpgroup 1 TMA-streams each super-block's q, dO and rows twice (down for
+the mini-sweep, up for the reverse pass) through a `steps`-slot ring. Carries: the per-tile
+carry_K in SMEM [ckpt_rows/64, 64], the g-suffix sufk and dk, dv [64, D] f32 in registers; dq, ĝ
+leave by TMA reduce-adds (interpreted: one slab per key block, summed by XLA). Products with the
+triangular masks use two bf16 pieces (`mask_dot`). SMEM ≈ 110 KB at D = 64.
 """
 
 from __future__ import annotations
@@ -52,9 +31,7 @@ F32_TILE = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
 
 
 def mask_dot(x_KQ, mask_s, *, chain: bool, interpret):
-  """x·mask with x split into two bf16 pieces (hi + mid, ~16 significant bits, relative error
-  ≲ 2⁻¹⁶), the small one first. chain: the pieces' wgmmas in one group, awaited once
-  (BlockSizes.chain_pieces), instead of a wait after each."""
+  """x·mask with x as two bf16 pieces (~16 bits), small first; chain: one wgmma group, one wait."""
   small_first = list(reversed(triton_bwd.bf16_pieces(x_KQ, MASK_PIECES)))
   if chain:
     return mc.mma_sum(small_first, mask_s, interpret=interpret)
@@ -66,13 +43,9 @@ def mask_dot(x_KQ, mask_s, *, chain: bool, interpret):
 
 def tile_probs_kq(k_s, q_tile, lse_tile, segq_tile, segk_K, key_KQ, qry_KQ, i, *, scale,
                   interpret, unmasked=None):
-  """Causal softmax probabilities of one [keys, queries] tile, float32, exactly 0 where masked:
-  p = exp2(log2e·(s·k·qᵀ − lse)) for keys ≤ queries of one segment. key_KQ: the tile's key
-  positions; qry_KQ: 0..bq-1 along the queries (row tile i); the rest are SMEM refs. Given as
-  [keys] and [queries] vectors (`positions`: B1, F2) they are broadcast into the comparison, so
-  two full int32 tiles need not stay live across the loop; B2 passes full tiles.
-  unmasked: None, or a scalar bool, True where every pair of the tile is visible (`visible_all`):
-  then the mask's compares and select are skipped (a branch per tile)."""
+  """Causal softmax probabilities of a [keys, queries] tile, f32, exactly 0 where masked.
+  key_KQ / qry_KQ: positions (vectors are broadcast, full tiles pass through); unmasked: None or
+  a scalar bool, True when the whole tile is visible (the mask is then skipped)."""
   r_KQ = mc.mma(k_s, q_tile, transpose_b=True, interpret=interpret)
   shape_KQ = r_KQ.shape
   col_layout = plgpu.Layout.WGMMA.reduce(0)
@@ -101,32 +74,27 @@ def block_codes(seg):
 
 
 def visible_all(codes_ref, b, kb, i):
-  """True where key block kb (64 keys) and row tile i (64 queries) need no mask: the tile is
-  strictly below the diagonal and both blocks lie in one segment (codes: `block_codes`, in GMEM;
-  scalar loads, the same address for every thread of the warpgroup)."""
+  """Whether key block kb and row tile i need no mask (below the diagonal, one segment)."""
   kmin, kmax = codes_ref[b, kb, 0], codes_ref[b, kb, 1]
   qmin, qmax = codes_ref[b, i, 0], codes_ref[b, i, 1]
   return (i > kb) & (kmin == kmax) & (qmin == qmax) & (kmin == qmin)
 
 
 def positions(k0, *, interpret):
-  """The key positions (from k0) and the in-tile query offsets 0..63 that `tile_probs_kq`
-  compares, as [64] vectors in the WGMMA row / column layouts."""
+  """Key positions (from k0) and in-tile query offsets as [64] WGMMA row / column vectors."""
   wgmma = plgpu.Layout.WGMMA
   return (mc.iota(jnp.int32, (BKV,), 0, wgmma.reduce(1), interpret=interpret) + k0,
           mc.iota(jnp.int32, (BQ,), 0, wgmma.reduce(0), interpret=interpret))
 
 
 def recip(x):
-  """1/x for x > 0 (here always ≥ ε): rsqrt(x)², under approx_math one rsqrt.approx.f32 and a
-  multiply, ~2⁻²² relative."""
+  """1/x for x > 0 as rsqrt(x)² (one rsqrt.approx.f32 under approx_math)."""
   r = lax.rsqrt(x)
   return r * r
 
 
 def ring_slot(st, steps: int, q_free):
-  """The producer's ring slot for its step st, once the compute warpgroup released step
-  st - steps there (the first `steps` steps fill empty slots)."""
+  """The producer's slot for step st, once step st - steps released it."""
   slot = lax.rem(st, steps)
 
   @pl.when(st >= steps)
@@ -234,8 +202,7 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, ssum_ref, dbar_ref, do_ref, c
       if ckpt_tiles > 1:
         st, _ = lax.fori_loop(lo, hi, mini,
                               (st, mc.load(ck0_s, layout=row_layout, interpret=interpret)))
-      # ckpt_rows = 64: the checkpoint is the carry of the super-block's one tile, so there is
-      # nothing to rebuild (and the producer streams that tile once).
+      # ckpt_rows = 64: the checkpoint is the carry of the super-block's one tile.
       carries = ck_s if ckpt_tiles > 1 else None
 
       def reverse(u, c):
@@ -286,8 +253,7 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, ssum_ref, dbar_ref, do_ref, c
 
 
 def check_inputs(q, name: str, multiple: int = BQ):
-  """Raises ValueError unless the Mosaic passes take q: 16-bit, D 64 or 128, T a multiple of
-  `multiple` (api.py routes other calls to Triton and pads T)."""
+  """ValueError unless q is 16-bit, D 64 or 128, T a multiple of `multiple`."""
   B, T, N, D = q.shape
   if not blocks.runs_mosaic("mosaic", D, q.dtype):
     raise ValueError(f"{name}: 16-bit q/k/v at head dim 64 or 128 only; got {q.dtype}, D={D}")
@@ -299,10 +265,8 @@ def check_inputs(q, name: str, multiple: int = BQ):
                                              "interpret"))
 def reverse_sweep(q, k, v, seg, lse, ssum, dbar, do, ckpt, *, scale, eps, ckpt_rows, chain,
                   steps=2, interpret=False):
-  """B1 as `triton_bwd.reverse_sweep`: (dq_main [B,T,Hq,D], ĝ [B,Hq,T], dk_main, dv
-  [B,T,Hq,D] per query head), all float32. seg int32 [B, T]; lse, ssum, dbar float32 [B,Hq,T];
-  do in q.dtype; ckpt float32 [B, Hq, ceil(T / ckpt_rows), T] from F2 with the same ckpt_rows
-  (a multiple of 64). chain: BlockSizes.chain_pieces (`mask_dot`)."""
+  """B1 as `triton_bwd.reverse_sweep`: (dq_main, ĝ, dk_main, dv), all f32; ckpt from F2 with the
+  same ckpt_rows (a multiple of 64); chain: BlockSizes.chain_pieces."""
   check_inputs(q, "mosaic_b1.reverse_sweep")
   B, T, N, D = q.shape
   flag, params = mc.launch_params(interpret)

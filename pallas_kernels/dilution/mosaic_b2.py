@@ -1,26 +1,10 @@
-"""Dilution attention's B2 (the dk correction) on Hopper (Pallas Mosaic GPU).
+"""Dilution B2 (dk correction corr_j = Σ_i p_ij ĝ_i q_i) on Hopper (Mosaic GPU), as
+`triton_bwd.dk_correction`.
 
-The same math and output as `triton_bwd.dk_correction`: per key j and query head,
-    corr_j = Σ_i p_ij ĝ_i q_i        (float32 [B, T, Hq, D], unscaled; dk = s·(dk_main − corr))
-over the rows i that see key j, with p the causal softmax rebuilt from lse (exactly 0 where
-masked) and ĝ B1's row sums. It is a dv-shaped pass (ĝ-scaled P in place of P, Q in place of dO).
-
-Grid (Hq, T / 128, B), three Pallas threads:
-  wg 0, 1  compute: each owns one 64-key block of the CTA's 128 keys (its k tile in SMEM, corr
-           [64, D] float32 in registers) and walks the CTA's row tiles top-down:
-             r = k·qᵀ (wgmma, SMEM × SMEM);  p = exp2(log2e·(s·r − lse)), masked
-             (mosaic_b1.tile_probs_kq);  x = p·ĝ → 16-bit;  corr += x·q (register lhs).
-           Warpgroup 1's first row tile lies wholly above its keys: p = 0 there (one wasted tile
-           of the up to T/64 it walks). Each warpgroup's code is traced for its own static index,
-           so no SMEM address depends on the warpgroup id.
-  wg 2     producer (24 registers): TMA-streams each row tile's q [64, D], lse, ĝ and segment ids
-           through a ring of `steps` slots that both compute warpgroups release.
-Two compute warpgroups, because one tile's chain (wgmma wait, exp2, wgmma) leaves a lone
-warpgroup waiting most of the time: the other one's tile fills it.
-Per tile pair 2 wgmmas (k·qᵀ, x·q) and one exp2; no reduce-adds (corr stays in registers).
-SMEM (D = 64, 16-bit, steps = 2): k 2 × 8 KB, q ring 2 × 8 KB, rows and ids 2 KB, corr out tiles
-2 × 16 KB (float32): ~66 KB; D = 128: ~130 KB.
-On CPU pass interpret=True (GPU interpret mode).
+Grid (Hq, T / 128, B): compute warpgroups 0, 1 each own a 64-key block (k tile in SMEM, corr
+[64, D] f32 in registers) and walk the row tiles top-down: r = k·qᵀ, p masked, corr += (p·ĝ)·q;
+warpgroup 2 TMA-streams q, lse, ĝ and ids through a `steps`-slot ring. No reduce-adds.
+SMEM ≈ 66 KB at D = 64, 130 KB at D = 128.
 """
 
 from __future__ import annotations
@@ -107,9 +91,7 @@ def _kernel(q_ref, k_ref, seg_ref, lse_ref, gh_ref, corr_ref,
 
 @functools.partial(jax.jit, static_argnames=("scale", "steps", "interpret"))
 def dk_correction(q, k, seg, lse, ghat, *, scale, steps=2, interpret=False):
-  """B2 as `triton_bwd.dk_correction`: Σ_i p_ij ĝ_i q_i, float32 [B, T, Hq, D] (unscaled).
-  q [B, T, Hq, D], k [B, T, Hkv, D] 16-bit; seg int32 [B, T]; lse (natural log) and ĝ float32
-  [B, Hq, T]."""
+  """B2 as `triton_bwd.dk_correction`: Σ_i p_ij ĝ_i q_i, float32 [B, T, Hq, D] (unscaled)."""
   mosaic_b1.check_inputs(q, "mosaic_b2.dk_correction", ROWS_PER_CTA)
   B, T, N, D = q.shape
   n_q = T // BQ

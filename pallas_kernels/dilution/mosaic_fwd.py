@@ -1,28 +1,11 @@
-"""Dilution attention's forward passes on Hopper (Pallas Mosaic GPU): the F2 key sweep, the heavy
-pass, and F1's row statistics (`row_stats`: focal's flash forward with V := K, at the end).
+"""Dilution forward passes on Hopper (Mosaic GPU): the F2 key sweep and F1's `row_stats`.
 
-F2: the same math and outputs as `triton_fwd.key_sweep` (its docstring): a key block J walks the
-row tiles that can see it top-down with its per-key committed demand `carry`:
-    inclusive = carry + p·U≤ (U≤[r, i] = r ≤ i: the in-tile inclusive prefix over queries),
-    σ = p / (inclusive + ε);  S_I += colsum(σ);  N_I += σᵀ V_J;  carry += rowsum(p),
-storing the incoming carry at every super-block of `ckpt_rows` rows (the backward's checkpoints)
-and the final carry (the column total, the decode demand).
-
-Grid (Hq, T / 64G, B), two Pallas threads (as mosaic_b1's B1): warpgroup 0 computes on
-[keys, queries] tiles (64 × 64), warpgroup 1 TMA-streams q, lse and segment ids through a ring
-of `steps` slots. A CTA owns G = BlockSizes.f2_key_tiles consecutive 64-key tiles (`key_tiles`)
-and walks the row tiles from its first key's. Per row tile and key tile: k·qᵀ and two bf16-piece
-products against U≤ (mosaic_b1.mask_dot) on wgmma, σ → SMEM (16-bit: σ ∈ [0, 1]); then one
-σᵀ·V over the G tiles (transposed SMEM lhs, one accumulator: mc.mma_t_sum) → float32 SMEM → TMA
-reduce-add into N, and colsum(σ) (a cross-warp reduction, hence one compute warpgroup) → TMA
-reduce-add into S: G times fewer reduce-adds, at G(G-1)/2 tile pairs above the diagonal that run
-with p = 0. Masks, positions and reciprocals as in B1 (`visible_all`, `positions`, `recip`,
-approx_math). Checkpoints and totals leave through a [64] SMEM vector and a TMA copy;
-checkpoints of super-blocks before the first visible one stay zero (XLA zero-fills the buffer).
+F2 as `triton_fwd.key_sweep`. Grid (Hq, T / 64G, B), G = f2_key_tiles: warpgroup 0 computes on
+64×64 [keys, queries] tiles with the per-key carry in registers (inclusive = carry + p·U≤,
+σ = p / (inclusive + ε)), warpgroup 1 TMA-streams q, lse and ids through a `steps`-slot ring.
+σᵀ·V over the G tiles and colsum(σ) leave by TMA reduce-adds into N and S (interpreted: one slab
+per CTA); checkpoints every ckpt_rows rows and the final totals by TMA copies.
 SMEM grows by G·(2·64·D·2 + 64·64·2) bytes.
-
-On CPU pass interpret=True: N and S then get one slab per CTA (TMA reductions are not
-interpreted), summed by XLA.
 """
 
 from __future__ import annotations
@@ -36,12 +19,10 @@ from jax.experimental import pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels import mosaic_common as mc
-from pallas_kernels.dilution import blocks
 from pallas_kernels.dilution import mosaic_b1 as dm
 from pallas_kernels.focal import mosaic as focal_mosaic
 
 BQ = BKV = dm.BQ
-F1_ROWS_PER_CTA = blocks.MOSAIC_CTA_ROWS   # row_stats: two 64-row tiles a CTA, T a multiple
 
 
 def _kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, incl_ref, codes_ref, n_acc, s_acc, ckpt_ref,
@@ -77,8 +58,7 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, incl_ref, codes_ref, n_acc, s
     key_KQ, qry_KQ = dm.positions(k0, interpret=interpret)
 
     def write_vecs(carries, dst):
-      """Per-key vectors to GMEM (dst(g): tile g's [64] keys): SMEM, then TMA (the last copies
-      out of vec_s have read it)."""
+      """Per-key [64] vectors to GMEM through SMEM and TMA."""
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       for g in range(G):
         at(vec_s, g)[...] = carries[g]
@@ -118,8 +98,7 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, incl_ref, codes_ref, n_acc, s
       if G == 1:
         n_QD = mc.mma_t(sig_s, v_s, interpret=interpret)
       else:
-        # One accumulator over the CTA's key tiles, so N gets one reduce-add per row tile
-        # instead of one per key tile (mma_t_sum: static tile views as wgmma operands).
+        # One accumulator over the CTA's key tiles: one reduce-add of N per row tile.
         n_QD = mc.mma_t_sum([(sig_s.at[g], v_s.at[g]) for g in range(G)], interpret=interpret)
       n_s[...] = n_QD
       s_s[...] = s_Q
@@ -152,10 +131,7 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, incl_ref, codes_ref, n_acc, s
                                              "key_tiles", "chain", "steps", "interpret"))
 def key_sweep(q, k, v, seg, lse, *, scale, eps, ckpt_rows, with_ckpt, key_tiles, chain, steps=2,
               interpret=False):
-  """F2 as `triton_fwd.key_sweep`: (N float32 [B,T,Hq,D], S, total float32 [B,Hq,T], ckpt
-  float32 [B, Hq, ceil(T / ckpt_rows), T] or None). seg int32 [B, T]; lse float32 [B, Hq, T];
-  ckpt_rows a multiple of 64. key_tiles: BlockSizes.f2_key_tiles (T must be a multiple of
-  64·key_tiles); chain: BlockSizes.chain_pieces (dm.mask_dot)."""
+  """F2: (N f32 [B,T,Hq,D], S, total f32 [B,Hq,T], ckpt or None); T a multiple of 64·key_tiles."""
   dm.check_inputs(q, "mosaic_fwd.key_sweep", key_tiles * BKV)
   B, T, N, D = q.shape
   flag, params = mc.launch_params(interpret)
@@ -200,13 +176,9 @@ def key_sweep(q, k, v, seg, lse, *, scale, eps, ckpt_rows, with_ckpt, key_tiles,
 
 
 def row_stats(q, k, seg, *, scale, with_pk, interpret=False):
-  """F1 as `triton_fwd.row_stats` (lse float32 [B, Hq, T], natural log; pk = scale·Σ_j p_ij k_j
-  float32 [B, T, Hq, D] or None) from focal's Mosaic forward with V := K and a constant scale:
-  F1's flash loop on wgmma (FA3's warp specialisation and ping-pong). Its output leaves in
-  q.dtype, so pk comes back as out + its rounding residual (`out_lo`: ~16 significant bits). The
-  float32 pk matters: dq = dq_main − ĝ·pk subtracts two terms that can nearly cancel, so one bf16
-  rounding of pk (2⁻⁹) could dominate dq's error. Every row sees its own key (padding rows their
-  own segment), so no row is empty. Needs 16-bit q/k, D 64 or 128, T a multiple of 128."""
+  """F1 as `triton_fwd.row_stats` from focal's Mosaic forward with V := K. pk comes back as out
+  plus its rounding residual (~16 bits): dq = dq_main − ĝ·pk may nearly cancel, so pk must not be
+  rounded to bf16. Needs 16-bit q/k, D 64 or 128, T a multiple of 128."""
   B, T, N, _ = q.shape
   s_BNT = jnp.full((B, N, T), scale, jnp.float32)
   outs = focal_mosaic.forward(q, k, k, s_BNT, causal=True, blocks=None, interpret=interpret,

@@ -1,8 +1,4 @@
-"""Pure-JAX reference for dilution attention: the specification its kernels are tested against.
-
-Einsum letters as in `pallas_kernels.focal.reference`. Everything is float32 and materialises
-[B, K, G, T, S]: the spec and the CPU path, not the fast path.
-"""
+"""Pure-JAX dilution attention, the spec (f32, materialises [B, K, G, T, S])."""
 
 from __future__ import annotations
 
@@ -13,22 +9,14 @@ from pallas_kernels.focal import reference as ref
 
 
 def dilution_weights(p_BKGTS, eps: float):
-  """Dilution of causal softmax probabilities along the query axis.
-
-  committed[i, j] = Σ_{r<i} p[r, j] (demand key j already absorbed from earlier queries);
-  share = p / (committed + p + eps); A = share / (rowsum(share) + eps).
-  """
+  """committed = Σ_{r<i} p_rj; share = p / (committed + p + eps); A = share / (rowsum + eps)."""
   committed = jnp.cumsum(p_BKGTS, axis=-2) - p_BKGTS
   share = p_BKGTS / (committed + p_BKGTS + eps)
   return share / (share.sum(-1, keepdims=True) + eps)
 
 
 def dilution_attention(q_BTND, k_BSKD, v_BSKD, *, scale=None, eps=1e-9, segment_ids_BT=None):
-  """Causal dilution attention (T == S); returns (out [B,T,N,D], demand float32 [B,N,S]).
-
-  With segment ids a key's demand comes only from queries of its own segment (p is zero across
-  segments, so the column cumsum never mixes documents).
-  """
+  """Causal dilution attention (T == S): (out [B,T,N,D], demand f32 [B,N,S])."""
   out, demand, _ = _dilution(q_BTND, k_BSKD, v_BSKD, scale, eps, segment_ids_BT)
   return out, demand
 

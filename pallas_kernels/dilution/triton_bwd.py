@@ -1,38 +1,16 @@
 """Dilution attention's exact backward on Triton: B1 reverse sweep, B2 dk correction.
 
-Notation per head: p softmax probabilities, c_ij = Σ_{r<i} p_rj the committed demand,
-inv = 1/(c + p + eps), σ = p·inv, S_i = Σ_j σ_ij, A = σ/(S+eps), dbar_i = dO_i·O_i.
-    dσ_ij = (dO_i·v_j − dbar_i)/(S_i + eps)
-    g_ij  = −dσ_ij p_ij inv_ij²                     (what σ_ij pushes into every earlier row's p_rj)
-    W_ij  = p_ij (dσ_ij (c_ij + eps) inv_ij² + Σ_{r>i} g_rj)     (= p ⊙ dL/dp)
-    ĝ_i   = Σ_j W_ij;   dz = W − p ĝ   (softmax Jacobian)
-    dq_i  = s Σ_j W_ij k_j − ĝ_i pk_i;  dk_j = s Σ_i W_ij q_i − s Σ_i p_ij ĝ_i q_i;
-    dv_j  = Σ_i A_ij dO_i
+Per head: c = committed demand, inv = 1/(c + p + eps), σ = p·inv, A = σ/(S + eps),
+dσ = (dO·vᵀ − dbar)/(S + eps), g = −dσ p inv², W = p (dσ (c + eps) inv² + Σ_{r>i} g_rj),
+ĝ = rowsum(W); dq = s W K − ĝ pk, dk = s Wᵀ Q − s (p ĝ)ᵀ Q, dv = Aᵀ dO.
 
-B1 `reverse_sweep` (grid T/b1_block_k × B × Hq, key-parallel, B1_WARPS warps): a program owns key
-block J and walks its row tiles BOTTOM-UP, because the suffix Σ_{r>i} g_rj is a per-key running
-sum `sufk_J` of the rows already visited. The forward's carry c is needed in the opposite
-(top-down) direction, so rows are processed in super-blocks of `ckpt_rows` rows, last first:
-  1. forward mini-sweep: from F2's checkpoint rebuild the carry at every row tile of the
-     super-block and keep them (exact, bit for bit) per BlockSizes.b1_carries either
-       "registers": in a [ckpt_rows/block_q, b1_block_k] array, one-hot select writes and reads
-         (no dynamic register indexing): per tile 2 selects over the array and a cross-warp
-         reduction; or
-       "scratch": in the program's own [ckpt_rows/block_q, b1_block_k] slice of an HBM output
-         used as scratch (8 KiB, stays in L1/L2): one row store and load per tile, a CTA barrier
-         after the mini-sweep and after the reverse pass (other warps read what one stored);
-         B·Hq·T·(ckpt_rows/block_q) float32, transient. It frees the array's registers, which
-         double with the key block.
-  2. reverse pass over the same tiles: dv_J += Aᵀ dO_I, dk_J += Wᵀ Q_I (registers, stored once),
-     ĝ_I += rowsum(W) and dq_I += s W K_J (float32 atomics, shared by all key blocks).
-No subtraction ever reconstructs a carry or a suffix, so there is no cancellation; the in-tile
-suffix is a [block_q, block_q] strictly-triangular product kept at float32 accuracy on tensor
-cores (`exact_mask_dot`: three bf16 pieces instead of one IEEE product on CUDA cores).
-
-B2 `dk_correction` (grid T/block_k × B × Hq, top-down): needs the finished ĝ, so it is its own
-pass: corr_J = Σ_I (P_IJ ⊙ ĝ_I)ᵀ Q_I, a [block_k, D] float32 accumulator per program.
-api.py forms dk = s (dk_main − corr) and dq = dq_main − ĝ ⊙ pk. B1 and B2 share only whole
-buffers (ĝ, dk_main, dv, corr; F2's checkpoints are per key), so each tiles the keys its own way.
+B1 `reverse_sweep`, grid (T/b1_block_k, B, Hq): a program owns key block J and walks ckpt_rows
+super-blocks bottom-up, carrying the per-key g-suffix sufk_J; a forward mini-sweep first rebuilds
+the tile carries from F2's checkpoint, kept per b1_carries in "registers" (a [R/block_q, bk]
+array, one-hot selects) or "scratch" (the program's slice of an HBM buffer, transient
+B·Hq·T·R/block_q f32). dv, dk_main in registers; ĝ, dq_main by f32 atomics. In-tile suffixes are
+strictly-triangular products at f32 accuracy (`exact_mask_dot`).
+B2 `dk_correction`, grid (T/block_k, B, Hq): corr_J = Σ_I (P_IJ ⊙ ĝ_I)ᵀ Q_I, [block_k, D] f32.
 """
 
 from __future__ import annotations
@@ -52,9 +30,7 @@ NUM_STAGES_BWD = 1
 
 
 def bf16_pieces(x, n: int = 3):
-  """n bf16 arrays, largest first, each the bf16 rounding of what the earlier ones leave of
-  float32 x: (hi, mid, lo) sum to x exactly (exact_mask_dot); (hi, mid) keep ~16 significant
-  bits."""
+  """n bf16 pieces, largest first: (hi, mid, lo) sum to x exactly, (hi, mid) to ~16 bits."""
   pieces, res = [], x
   for i in range(n):
     pieces.append(res.astype(jnp.bfloat16))
@@ -64,15 +40,8 @@ def bf16_pieces(x, n: int = 3):
 
 
 def exact_mask_dot(mask_TT, x_TS):
-  """mask·x to fp32 accuracy with bf16 tensor-core products; mask entries must be exact in bf16.
-
-  Why: fp32 operands make `dot` a Precision.HIGHEST product, which the Triton lowering runs as
-  IEEE FMAs on CUDA cores. Instead x = hi + mid + lo, each piece a bf16 value: hi = bf16(x); the
-  residual x − hi is exact in fp32 with at most 16 significant bits, so mid = bf16(residual)
-  leaves an at most 8-bit remainder that lo holds exactly (barring underflow, |x| < ~1e-33).
-  A 0/1 mask times a bf16 value is exact and the products accumulate in fp32, so the only
-  rounding left is the fp32 accumulation that the IEEE product has too.
-  """
+  """mask·x to f32 accuracy from bf16 tensor-core products (x = hi + mid + lo, bf16 pieces; the
+  mask must be exact in bf16): an f32 dot would run as IEEE FMAs on CUDA cores."""
   hi_TS, mid_TS, lo_TS = bf16_pieces(x_TS)
   mask_TT = mask_TT.astype(jnp.bfloat16)
   # Small pieces first, so the big one is added to their already-combined sum.
@@ -111,8 +80,7 @@ def _reverse_sweep_kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, ssum_ref, dbar_
     hi = jnp.minimum((s + 1) * ckpt_tiles, n_tiles)
 
     if carry_ref:
-      # b1_carries="scratch": this program's own [ckpt_tiles, block_k] slice of an HBM buffer,
-      # written and re-read by this program only.
+      # b1_carries="scratch": this program's own [ckpt_tiles, block_k] slice of an HBM buffer.
       def mini_forward(i, carry_S):
         carry_ref[0][i - s * ckpt_tiles, :] = carry_S
         return carry_S + probs(i * block_q).sum(axis=0)
@@ -151,10 +119,8 @@ def _reverse_sweep_kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, ssum_ref, dbar_
       dv_SD = dv_SD + dot(a_TS.astype(do_TD.dtype), do_TD, ta=True)
       ds_TS = (dot(do_TD, v_SD, tb=True) - dbar_ref[rows][:, None]) * rnorm_T[:, None]
       g_TS = -ds_TS * p_TS * inv_TS * inv_TS
-      # Σ over later rows: later tiles (sufk) + later rows of this tile. The in-tile part is a
-      # strictly-upper-triangular product at fp32 accuracy, NOT column total − cumsum: g is
-      # ~ −dσ/p at a key's first visible row (c = 0, tiny p), and subtracting it back out of a
-      # total costs an ulp of it (1e-3 relative errors in dq/dk at T=96).
+      # Σ over later rows: later tiles (sufk) + a strictly-triangular in-tile product, never
+      # total − cumsum (g ~ −dσ/p is huge at a key's first visible row and would cancel).
       suffix_TS = sufk_S[None, :] + exact_mask_dot(later_TT, g_TS)
       w_TS = p_TS * (ds_TS * (c_TS + eps) * inv_TS * inv_TS + suffix_TS)
       pltriton.atomic_add(ghat_ref, (rows,), w_TS.sum(axis=1))
@@ -178,10 +144,7 @@ def _reverse_sweep_kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, ssum_ref, dbar_
 
 
 def reverse_sweep(q, k, v, seg, lse, ssum, dbar, do, ckpt, *, scale, eps, bs, interpret):
-  """B1: returns (dq_main [B,T,Hq,D], ghat [B,Hq,T], dk_main, dv [B,T,Hq,D] per query head).
-
-  dq_main already carries the scale; dk_main does not. All float32.
-  """
+  """B1: (dq_main (scaled), ghat [B,Hq,T], dk_main (unscaled), dv), f32, per query head."""
   B, T, N, D = q.shape
   G = N // k.shape[2]
   bq, bk = bs.block_q, bs.b1_block_k

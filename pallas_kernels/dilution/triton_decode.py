@@ -1,17 +1,7 @@
-"""Cached dilution decode on Triton, flash-decoding over key splits.
-
-One query per (batch, query head) against the KV cache and the float32 running demand c_j:
-    p_j = softmax_j(scale·q·k_j) over j < length;  σ_j = p_j / (c_j + p_j + eps);
-    out = Σ σ_j v_j / (Σ σ_j + eps);  c_j ← c_j + p_j.
-The softmax needs the global max/sum before any share, so two launches, each on
-grid (S_max/split_k_decode, B, Hq):
-  D1 `_logits_kernel`: logits of the split's keys (fp32, written to an O(S) scratch so D2 never
-     re-reads K) and the split's online (max, sum);  XLA merges the splits into lse.
-  D2 `_share_kernel`: p = exp(logit − lse), shares, the split's Σσv and Σσ, and the demand update
-     written in place (the demand buffer is aliased input → output).
-Loops stop at `length`: keys beyond it are never read and their demand is left untouched.
-The query is a single row, so products are fp32 broadcast-multiply-reduce (no tensor cores;
-decode is bandwidth-bound). K is streamed once, V once, the demand read and written once.
+"""Cached dilution decode on Triton (flash-decoding), two launches on grid (S_max/split_k, B, Hq):
+D1 `_logits_kernel` writes the split's f32 logits and online (max, sum), merged into lse by XLA;
+D2 `_share_kernel` forms p, the shares, Σσv, Σσ and updates the demand in place (aliased).
+Keys at or beyond `length` are never read; products are f32 broadcast-reduce (bandwidth-bound).
 """
 
 from __future__ import annotations
@@ -85,8 +75,8 @@ def decode_step(q, k_cache, v_cache, demand, length, *, scale, eps, bs, interpre
   S = k_cache.shape[1]
   G = N // k_cache.shape[2]
   block = bs.block_k_decode
-  # The largest split (≤ split_k_decode) dividing S_max, so the cache is never copied; only an
-  # S_max that is not a multiple of block_k_decode gets padded (a per-step copy: avoid it).
+  # The largest split (≤ split_k_decode) dividing S_max: the cache is copied only when S_max is
+  # not a multiple of block_k_decode.
   split = min(bs.split_k_decode, max(block, pl.next_power_of_2(S)))
   while split > block and S % split:
     split //= 2

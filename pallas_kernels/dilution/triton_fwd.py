@@ -1,23 +1,10 @@
-"""Dilution attention's forward passes on Triton: F1 row statistics, F2 demand sweep.
+"""Dilution forward passes on Triton.
 
-F1 `row_stats` (grid T/block_q_stats × B × Hq, row-parallel, flash-style): online causal softmax
-over the visible keys of a row block → lse_i = m_i + log l_i, and optionally
-pk_i = scale · Σ_j p_ij k_j (online, rescaled with the running max) for the backward's dq epilogue.
-
-F2 `key_sweep` (grid T/block_k_fwd × B × Hq, key-parallel): a program owns one key block J (K_J, V_J
-and the per-key committed demand `carry_J` stay in registers) and walks the row tiles I that can
-see it, top to bottom:
-    P = exp(scale·Q_I K_Jᵀ − lse_I)  (causal, same segment)
-    inclusive = carry_J + cumsum_rows(P);  σ = P / (inclusive + eps)
-    S_I += rowsum(σ),  N_I += σ V_J      (float32 atomics: every key block adds into the same rows)
-    carry_J += colsum(P)
-Every `ckpt_rows` rows the incoming carry is stored (checkpoint s = Σ_{r < s·ckpt_rows} p_rJ), so
-the backward can rebuild any carry by a short forward mini-sweep instead of a T×T buffer. At the
-end carry_J is the column total Σ_i p_iJ (the decode demand). api.py forms out = N / (S + eps).
-
-`tile_probs` is shared with the backward: the same code and tile shape rebuild P there, so the
-backward's carries agree with the forward's to rounding (no cancellation is ever involved).
-Launches: `warps(D)` warps (4 at D <= 64, else 8), NUM_STAGES_FWD pipeline stages.
+F1 `row_stats`, grid (T/block_q_stats, B, Hq): online causal softmax per row block → lse, and
+optionally pk = scale·Σ_j p_ij k_j. F2 `key_sweep`, grid (T/block_k_fwd, B, Hq): a program keeps
+K_J, V_J and the per-key carry in registers and walks rows top-down: σ = P / (carry + cumsum(P) +
+eps), S_I += rowsum(σ), N_I += σ V_J (f32 atomics), carry += colsum(P); the carry is stored every
+ckpt_rows rows and at the end (the decode demand). `tile_probs` is shared with the backward.
 """
 
 from __future__ import annotations
@@ -30,8 +17,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-# Large finite negative for masked logits in the online max: exp() underflows to exactly 0 and a
-# row block whose first key blocks are all masked (other segment) never computes inf - inf.
+# Finite start for the online max: a fully masked first block never computes inf - inf.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 NUM_STAGES_FWD = 2
 
@@ -47,11 +33,7 @@ def idiv(a, b):
 
 
 def dot(a, b, *, ta=False, tb=False):
-  """a·b with float32 accumulation; (ta, tb) contract a's rows / b's columns (transposes).
-
-  float32 operands use IEEE products (Triton's default would be tf32, which breaks the fp32 parity
-  tests); bf16/fp16 operands use tensor cores.
-  """
+  """a·b with f32 accumulation (ta, tb transpose); f32 operands use IEEE products, not tf32."""
   prec = lax.Precision.HIGHEST if a.dtype == jnp.float32 else lax.Precision.DEFAULT
   dims = (((0 if ta else 1,), (1 if tb else 0,)), ((), ()))
   return lax.dot_general(a, b, dims, precision=prec, preferred_element_type=jnp.float32)
@@ -172,10 +154,7 @@ def _key_sweep_kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, n0_ref, s0_ref,  # 
 
 
 def key_sweep(q, k, v, seg, lse, *, scale, eps, bs, with_ckpt, interpret):
-  """F2: returns (N float32 [B,T,Hq,D], S float32 [B,Hq,T], total float32 [B,Hq,T], ckpt).
-
-  ckpt: float32 [B, Hq, ceil(T / ckpt_rows), T] or None.
-  """
+  """F2: (N f32 [B,T,Hq,D], S, total f32 [B,Hq,T], ckpt [B, Hq, ceil(T/ckpt_rows), T] or None)."""
   B, T, N, D = q.shape
   G = N // k.shape[2]
   bq, bk = bs.block_q, bs.block_k_fwd

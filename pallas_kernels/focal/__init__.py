@@ -1,8 +1,4 @@
-"""Focal attention kernels: `focal_attention(..., backend="triton" | "mosaic" | "tpu")`.
-
-`BlockSizes` tiles the Triton kernels, `MosaicBlockSizes` the Hopper Mosaic GPU ones; the spec is
-`reference.attention`.
-"""
+"""Focal attention kernels: `focal_attention(..., backend="triton" | "mosaic" | "tpu")`."""
 
 from pallas_kernels.focal.api import BACKENDS, focal_attention
 from pallas_kernels.focal.mosaic import BlockSizes as MosaicBlockSizes

@@ -1,16 +1,7 @@
-"""Focal attention, the public entry: softmax(scale · q·kᵀ) · v with a differentiable per-query
-temperature, on one of three Pallas backends that the caller names (nothing here asks which
-hardware it runs on):
-
-  "triton"  `triton` / `triton_bwd` (FlashAttention-2; any GPU, and the CPU interpreter).
-  "mosaic"  `mosaic` (FlashAttention-3 on Hopper: wgmma, TMA, warp specialisation) for every call
-            `mosaic.supported` accepts (16-bit inputs, D 64 or 128, tile-aligned T and S, packed
-            segment ids included), the Triton kernels for the rest.
-  "tpu"     `tpu` (jax's Pallas TPU flash attention with the temperature folded into q).
-
-The spec is `reference.attention`. This module holds the Triton path's custom_vjp (the Mosaic one
-is `mosaic.focal_attention`): residuals q, k, v, the f32 scale [B, Hq, T], segment ids, out and
-the base-2 row log-sum-exp; a float `scale` gets no cotangent.
+"""Focal attention entry: softmax(scale · q·kᵀ) · v with a differentiable per-query temperature
+on the backend the caller names: "triton" (FlashAttention-2, any GPU), "mosaic" (FlashAttention-3
+on Hopper for calls `mosaic.supported` accepts, Triton otherwise) or "tpu". Holds the Triton
+custom_vjp; residuals q, k, v, scale [B, Hq, T] f32, segment ids, out and the base-2 lse.
 """
 
 from __future__ import annotations
@@ -32,14 +23,9 @@ BACKENDS = ("triton", "mosaic", "tpu")
 
 def focal_attention(q, k, v, *, scale, causal: bool = True, segment_ids=None,
                     backend: str = "triton", block_sizes=None, interpret: bool = False):
-  """softmax(scale · q·kᵀ) · v over the visible keys (causal: s <= t; segments: same segment).
-
-  q [B, T, Hq, D]; k, v [B, S, Hkv, D], one dtype; `scale` a float or an array broadcastable to
-  [B, Hq, T] (differentiable); `segment_ids` int [B, T] (needs T == S). `block_sizes`: None (the
-  backend's default) or the backend's own class, `triton.BlockSizes` ("triton") or
-  `mosaic.BlockSizes` ("mosaic"; its Triton fallback takes the Triton default); "tpu" picks its
-  own. `interpret=True` runs the "triton" / "mosaic" kernels in their interpreter on CPU (the TPU
-  kernel simulates under `pltpu.force_tpu_interpret_mode()`). Returns [B, T, Hq, D] in q.dtype.
+  """q [B, T, Hq, D]; k, v [B, S, Hkv, D]; `scale` float or broadcastable to [B, Hq, T];
+  `segment_ids` int [B, T] (T == S). `block_sizes`: None or the backend's class (the Mosaic
+  fallback uses the Triton default; "tpu" picks its own). Returns [B, T, Hq, D] in q.dtype.
   """
   if backend not in BACKENDS:
     raise ValueError(f"backend={backend!r}: expected one of {BACKENDS}")

@@ -1,41 +1,13 @@
-"""Hopper flash-attention forward with a fused per-query temperature (Pallas Mosaic GPU).
+"""Hopper flash-attention forward with a per-query temperature (Pallas Mosaic GPU, FA3 §3.1-3.2).
 
-  out[b, t, n] = Σ_s softmax_s(scale[b, n, t] · q[b, t, n]·k[b, s, n // G]) · v[b, s, n // G]
-
-over the visible keys (causal: s <= t; packed `segment_ids`: same segment), G = Hq // Hkv. Same
-math, layouts and lse convention as the Triton kernel (`triton`); the spec is
-`reference.attention`. FlashAttention-3 (Shah et al. 2024, arXiv 2407.08608) §3.1 warp
-specialization + §3.2 ping-pong scheduling, structured like jax's `pallas/ops/gpu/attention_mgpu`.
-
-Kernel `_kernel`, grid (Hq, T / (2·block_q), B), 3 warpgroups per CTA:
-  wg 0, 1  compute: each owns block_q query rows (TMA copies of its q tile, scale row and segment
-           ids) and loops over kv blocks: S = q·kᵀ (wgmma), x = S · c_t with c_t = scale_t·log2(e)
-           (so the loop uses exp2), online softmax, acc += p·v (wgmma, p from registers). Carries
-           acc [block_q, D] f32 and the running max m / sum l [block_q] f32 (base-2 units).
-           A schedule barrier alternates the two warpgroups: one runs softmax while the other's
-           matmuls hold the tensor cores.
-  wg 2     producer (24 registers): TMA-loads K (with its block's segment ids) and V into a ring of
-           `max_concurrent_steps` slots, refilling a slot once both compute warpgroups released it.
-Causal: blocks wholly below the diagonal run unmasked, blocks crossing it build the mask, blocks
-above it are never loaded; warpgroup 0 (fewer blocks) keeps arriving on the barriers for
-warpgroup 1's extra blocks so neither stalls. q tiles run last-first (heaviest CTAs first).
-Segment ids mask every visited block (no per-document skipping); without them (static None) the
-kernel has no extra loads, barrier arrivals or selects.
-
-Shared memory: q/out tile 2·block_q·D·2 B, K and V rings 2·stages·block_kv·D·2 B, scale/lse rows
-2·block_q·4 B (segment ids add 2·block_q·4 + stages·block_kv·4 B), barriers, and ~3 KiB Mosaic
-keeps, of the 227 KiB a Hopper block may use. Defaults: D=128 (64, 128, 2 stages) 32 + 128 KiB;
-D=64 (64, 128, 3 stages) 16 + 96 KiB. D=128 with 3 stages of 128 keys overflows (by 136 B), which
-Mosaic rejects at lowering time ("exceeds available shared memory").
-
-Outputs: out [B, T, Hq, D] in q.dtype; lse [B, Hq, T] f32 base 2, the backward's residual; with
-`forward(out_lo=True)` also out's rounding residual (dilution's F1 needs the float32 output). The
-backward is `mosaic_bwd.backward` (dq and dk/dv kernels), or `mosaic_bwd_fused.backward` when
-`BlockSizes.fused_backward` (the D=64 default). Not supported (`supported` says why;
-`api.focal_attention` then runs the Triton kernels): float32 inputs, head dims other than 64 and
-128, T not a multiple of 2·block_q, S not a multiple of block_kv. p is rounded to the input dtype
-for the p·v matmul (as in FA2/FA3). interpret=True runs GPU interpret mode on CPU, where
-`mosaic_common` stands in for the wgmma calls it cannot run.
+Grid (Hq, T / (2·block_q), B), 3 warpgroups per CTA. wg 0, 1 compute block_q rows each: S = q·kᵀ,
+x = S·scale·log2(e), online softmax, acc += p·v (p 16-bit from registers); carries acc
+[block_q, D] f32, m, l [block_q] f32 (base 2); a schedule barrier ping-pongs the two. wg 2 is the
+TMA producer of a K/V ring of `max_concurrent_steps` slots (K carries its segment ids). Causal:
+blocks below the diagonal run unmasked, blocks above are never loaded; q tiles run last-first.
+SMEM: q/out 2·block_q·D·2 B + K, V rings 2·stages·block_kv·D·2 B + rows (< 227 KiB).
+Outputs out [B, T, Hq, D], lse [B, Hq, T] f32 base 2 (optionally out's rounding residual).
+Backward: `mosaic_bwd` (two kernels) or `mosaic_bwd_fused` (`BlockSizes.fused_backward`).
 """
 
 from __future__ import annotations
@@ -57,8 +29,7 @@ from pallas_kernels.focal import reference
 from pallas_kernels.focal.mosaic_blocks import BlockSizes
 
 LOG2E = math.log2(math.e)
-# Finite start for the running max: a row whose first block is fully masked gives
-# exp2(-inf - MASK_VALUE) = 0 instead of exp2(-inf + inf) = nan.
+# Finite start for the running max: a fully masked first block gives 0, not nan.
 MASK_VALUE = reference.MASK_VALUE
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _HEAD_DIMS = (64, 128)
@@ -69,8 +40,7 @@ _COL = plgpu.Layout.WGMMA.reduce(0)  # a [block_kv] vector aligned with its colu
 
 
 def supported(q, k, v, segment_ids, causal, *, blocks: BlockSizes | None = None) -> str | None:
-  """None if this kernel handles the call, else why not (shapes and dtypes only, no device query).
-  `blocks` defaults to BlockSizes.default(D, dtype), what focal_attention would use."""
+  """None if this kernel handles the call, else why not (shapes and dtypes only)."""
   del causal  # both handled; causal with T != S means s <= t, as in reference.attention
   if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
     return f"q, k, v must be rank 4; got shapes {q.shape}, {k.shape}, {v.shape}"
@@ -129,8 +99,7 @@ def _kernel(q_ref, k_ref, v_ref, s_ref, out_ref, lse_ref, qo_smem2, k_smem, v_sm
     plgpu.barrier_arrive(schedule)
     plgpu.barrier_wait(schedule)
 
-  # seg: None, or (segment ids [B, T] int32 in GMEM, per-wg q ids [W, block_q], K-ring ids
-  # [stages, block_kv]); the ids travel on the scale / K barriers.
+  # seg: None or (ids [B, T] GMEM, per-wg q ids, K-ring ids); ids ride the scale / K barriers.
   seg_ref, segq_smem2, segk_smem = seg or (None, None, None)
 
   @pl.when(wg < _COMPUTE_WGS)
@@ -189,8 +158,7 @@ def _kernel(q_ref, k_ref, v_ref, s_ref, out_ref, lse_ref, qo_smem2, k_smem, v_sm
       # p is rounded to the input dtype for the tensor cores (FA2/FA3 do the same).
       p16_QK = p_QK.astype(qo_smem.dtype)
       l_Q = l_Q * alpha_Q + p_QK.sum(axis=1)
-      # The fence keeps the softmax ahead of the barrier below (jax's attention_mgpu measured
-      # the ordering to matter at D <= 128).
+      # The fence keeps the softmax ahead of the barrier below.
       acc_QD, l_Q, m_new, p16_QK = lax.optimization_barrier((acc_QD, l_Q, m_new, p16_QK))
       plgpu.barrier_arrive(schedule)  # softmax done: the other warpgroup may issue its matmuls
       plgpu.barrier_wait(v_barriers.at[slot])
@@ -211,8 +179,7 @@ def _kernel(q_ref, k_ref, v_ref, s_ref, out_ref, lse_ref, qo_smem2, k_smem, v_sm
     if causal:
       carry = lax.fori_loop(full_steps, kv_steps, functools.partial(step, masked=True), carry)
 
-      # Warpgroup 0's share of warpgroup 1's extra blocks: it waits for each block (so every
-      # barrier phase is observed in order), releases it and keeps the schedule in step.
+      # Warpgroup 0 waits for and releases warpgroup 1's extra blocks, keeping phases in step.
       @pl.loop(kv_steps, max_steps)
       def _(j):
         slot = slot_of(j)
@@ -279,11 +246,8 @@ def _kernel(q_ref, k_ref, v_ref, s_ref, out_ref, lse_ref, qo_smem2, k_smem, v_sm
 
 def forward(q_BTHD, k_BSKD, v_BSKD, s_BNT, *, causal: bool, blocks: BlockSizes | None,
             interpret: bool, segment_ids=None, out_lo: bool = False):
-  """(out [B, T, Hq, D] in q.dtype, lse [B, Hq, T] f32 base 2). s_BNT: f32 [B, Hq, T];
-  segment_ids: None or int32 [B, T] (T == S). blocks None: BlockSizes.default(D, dtype).
-  out_lo: also return out's rounding residual in q.dtype (out + lo carries ~16 significant bits,
-  for callers that need the float32 output: dilution's F1 row statistics). Raises ValueError
-  on calls `supported` rejects."""
+  """(out, lse [B, Hq, T] f32 base 2[, lo]). out_lo adds out's rounding residual in q.dtype
+  (dilution's F1 needs the float32 output). Raises ValueError on calls `supported` rejects."""
   blocks = blocks or BlockSizes.default(q_BTHD.shape[-1], q_BTHD.dtype)
   why = supported(q_BTHD, k_BSKD, v_BSKD, segment_ids, causal, blocks=blocks)
   if why:
@@ -373,14 +337,7 @@ _attend.defvjp(_attend_fwd, _attend_bwd)
 @functools.partial(jax.jit, static_argnames=("causal", "interpret", "block_sizes"))
 def focal_attention(q, k, v, *, scale, causal: bool = True, segment_ids=None,
                     interpret: bool = False, block_sizes: BlockSizes | None = None):
-  """softmax(scale · q·kᵀ) · v over the visible keys; see the module docstring.
-
-  q [B, T, Hq, D]; k, v [B, S, Hkv, D], one dtype (bf16/f16); `scale` a float or an array
-  broadcastable to [B, Hq, T] (differentiable); `segment_ids` None or int32 [B, T] (packed
-  documents, T == S: query t sees key s only within its own segment). Calls `supported` rejects
-  raise ValueError with its reason. `interpret=True` runs GPU interpret mode on CPU. Returns
-  [B, T, Hq, D] in q.dtype.
-  """
+  """As `api.focal_attention` with 16-bit inputs; ValueError for calls `supported` rejects."""
   blocks = block_sizes or BlockSizes.default(q.shape[-1], q.dtype)
   why = supported(q, k, v, segment_ids, causal, blocks=blocks)
   if why:

@@ -1,7 +1,4 @@
-"""Tiles and backward choice of the Hopper Mosaic GPU focal attention (`mosaic.BlockSizes`).
-
-Every field is validated on construction (ValueError naming the field and what it allows).
-"""
+"""Tiles and backward choice of the Mosaic focal attention, validated on construction."""
 
 from __future__ import annotations
 
@@ -12,8 +9,7 @@ import jax.numpy as jnp
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-  """Tiles of the forward (block_q rows per compute warpgroup, two warpgroups per CTA) and of the
-  backward kernels (the *_dq / *_dkv fields). Multiples of 64 (wgmma M)."""
+  """Forward tiles (block_q rows per compute warpgroup) and backward tiles; multiples of 64."""
   block_q: int = 64
   block_kv: int = 128
   max_concurrent_steps: int = 2  # K/V ring depth (pipeline stages)
@@ -21,9 +17,8 @@ class BlockSizes:
   block_kv_dq: int = 64
   block_q_dkv: int = 64
   block_kv_dkv: int = 64
-  # The backward as one FA3-style kernel (mosaic_bwd_fused: 5 matmuls per tile, dq by float32 TMA
-  # reduce-add, not bitwise reproducible) instead of the dq and dk/dv kernels (7 matmuls,
-  # deterministic): faster at D=64, where it is the default, slower at D=128.
+  # One-pass backward (mosaic_bwd_fused: 5 matmuls a tile, dq by f32 reduce-add, not bitwise
+  # reproducible) instead of the deterministic dq and dk/dv kernels: the faster at D = 64 only.
   fused_backward: bool = False
 
   def __post_init__(self):
@@ -42,8 +37,7 @@ class BlockSizes:
 
   @classmethod
   def default(cls, head_dim: int, dtype=jnp.bfloat16) -> "BlockSizes":
-    # (64, 128, 2 stages) is jax's attention_mgpu choice at D=128; D=64 halves every tile, so a
-    # third stage fits.
+    # D = 64 halves every tile, so a third stage fits.
     del dtype  # bf16 and fp16 have the same footprint
     if head_dim <= 64:
       return cls(max_concurrent_steps=3, fused_backward=True)

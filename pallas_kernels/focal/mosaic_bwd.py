@@ -1,42 +1,13 @@
-"""Backward of the Hopper (Mosaic GPU) focal flash attention: dq, dk, dv and d_scale.
+"""Two-kernel backward of the Hopper (Mosaic GPU) focal attention: dq, dk, dv and d_scale.
 
-Math (FlashAttention-2 §3.2 with a per-query temperature s_t; r = q·kᵀ raw float32 logits):
-  p_ts = exp2(LOG2E·s_t·r_ts − lse_t)   (lse from the forward, base 2)
-  dP = dO·vᵀ, delta_t = Σ_d dO_td·O_td (one fused XLA reduction), dx = p ⊙ (dP − delta)
-  dv_s = Σ_t p_ts dO_t;  dk_s = Σ_t s_t dx_ts q_t;  dq_t = s_t Σ_s dx_ts k_s;
-  d_scale_t = Σ_s dx_ts r_ts   (from the float32 r in registers: more accurate in bf16 than the
-  q_t·dq_t / s_t identity, which would reuse the 16-bit rounding of dx).
-Every matmul is a wgmma with a float32 accumulator; p and dx enter their second matmul as 16-bit
-register operands, and the two logits-sized products of a step are issued together and awaited
-once (`mosaic_common.mma_pair`). The dq pass does 3 matmuls per tile pair (q·kᵀ, dO·vᵀ, dx·k),
-the dk/dv pass 4 (k·qᵀ, pᵀ·dO, v·dOᵀ, dxᵀ·q): deterministic, no float32 dq buffer
-(`mosaic_bwd_fused` is the single pass with a TMA reduce-add of dq).
-
-Two kernels, each one CTA = W = 2 compute warpgroups (240 registers) + 1 TMA producer (24):
-  dk/dv `mosaic_dkv._dkv_kernel`, grid (Hkv, S / (W·block_kv_dkv), B). Warpgroup w keeps its k,
-        v tile [block_kv_dkv, D] in SMEM and dk, dv float32 in registers; the producer streams
-        q, dO [block_q_dkv, D] and the rows (LOG2E·s, lse, delta) through a ring of
-        `max_concurrent_steps` slots, for each of the G = Hq/Hkv query heads of this kv head,
-        from the first q block at or below the CTA's diagonal (causal). GQA needs no
-        [B, S, Hq, D] buffer: dk/dv are written once, in k.dtype. A q block wholly above one
-        warpgroup's tile only waits for and releases its slot; blocks crossing its diagonal mask.
-  dq    `_dq_kernel`, grid (Hq, T / (W·block_q_dq), B). Warpgroup w keeps its q, dO tile
-        [block_q_dq, D] and rows resident; the producer streams k, v [block_kv_dq, D] up to the
-        CTA's diagonal. Carries dq [block_q_dq, D] and d_scale [block_q_dq] float32. Causal CTAs
-        run heaviest-first.
-SMEM per CTA (16-bit inputs, C = max_concurrent_steps; 227 KB allowed):
-  dk/dv: W·2·bkv·D·2 (k, v) + C·(2·bq·D·2 + 3·bq·4)   e.g. D=128, bq=bkv=64, C=2: 130 KB
-  dq:    W·(2·bq·D·2 + 4·bq·4) + C·2·bkv·D·2          e.g. D=128, bq=64, bkv=128, C=2: 194 KB
-Outputs leave through the resident tiles' SMEM via TMA. Registers per compute warpgroup: dk + dv
-(2·bkv·D/128 per thread) or dq (bq·D/128) plus three logits-sized tiles; at D = 128 the dk/dv
-kernel spills a little, at D = 64 neither does.
-
-Contract (`check`, ValueError; no padding): one 16-bit dtype, D ∈ {64, 128}, block sizes
-multiples of 64, T divisible by 2·block_q_dq and block_q_dkv, S by 2·block_kv_dkv and block_kv_dq.
-Causal: key s visible to query t iff s <= t. Segment ids (optional int32 [B, T], T == S; static
-None traces none of it) mask every visited tile: the resident tile's ids stay in SMEM, the
-streamed blocks' ids travel with them. Deterministic (no atomics). interpret=True runs jax's GPU
-interpret mode on CPU (race detector on; `mosaic_common` stands in for what it cannot run).
+p = exp2(LOG2E·s_t·r_ts − lse_t), dP = dO·vᵀ, delta_t = Σ dO_t·O_t, dx = p ⊙ (dP − delta);
+dv = pᵀ·dO, dk = (s ⊙ dx)ᵀ·q, dq = s ⊙ (dx·k), d_scale_t = Σ_s dx_ts r_ts (from f32 r).
+Each CTA: W = 2 compute warpgroups + 1 TMA producer; deterministic, no atomics.
+  dk/dv `mosaic_dkv`, grid (Hkv, S / (W·block_kv_dkv), B): k, v resident in SMEM, dk, dv f32 in
+        registers; q, dO and rows streamed for the G query heads. SMEM W·2·bkv·D·2 + C·(2·bq·D·2).
+  dq    `_dq_kernel`, grid (Hq, T / (W·block_q_dq), B): q, dO resident, k, v streamed up to the
+        diagonal; carries dq [bq, D] and d_scale [bq] f32. SMEM W·2·bq·D·2 + C·2·bkv·D·2.
+Contract (`check`): one 16-bit dtype, D in {64, 128}, tile-aligned T and S.
 """
 
 from __future__ import annotations
@@ -202,17 +173,14 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, c_ref, lse_ref, delta_ref, dq_ref, d
 
 
 def backward_rows(s_BNT, out, do):
-  """The per-query float32 rows both kernels stream, [B, Hq, T] each: c = LOG2E·s (the kernels
-  work in base 2: x = c·r − lse, p = exp2(x)) and delta = rowsum(dO·O), one fused XLA reduction
-  (memory bound; no kernel needed)."""
+  """Per-query f32 rows [B, Hq, T]: c = LOG2E·s and delta = rowsum(dO·O)."""
   delta_BNT = jnp.einsum("BTND,BTND->BNT", out.astype(jnp.float32), do.astype(jnp.float32))
   return s_BNT * LOG2E, delta_BNT
 
 
 def dq_call(q, k, v, do, c_BNT, lse_BNT, delta_BNT, *, causal: bool, blocks, interpret,
             seg_BT=None):
-  """The dq kernel: (dq [B,T,Hq,D] q.dtype, d_scale [B,Hq,T] float32). Inputs as `backward`'s,
-  after `backward_rows`; do in q.dtype."""
+  """The dq kernel: (dq [B,T,Hq,D] q.dtype, d_scale [B,Hq,T] float32)."""
   B, T, N, D = q.shape
   S, K = k.shape[1], k.shape[2]
   flag, params = mc.launch_params(interpret)
@@ -249,14 +217,8 @@ def dq_call(q, k, v, do, c_BNT, lse_BNT, delta_BNT, *, causal: bool, blocks, int
 
 
 def backward(q, k, v, s_BNT, out, lse_BNT, do, *, causal: bool, blocks, interpret, seg_BT=None):
-  """Returns (dq [B,T,Hq,D] q.dtype, dk, dv [B,S,Hkv,D] k.dtype, d_scale [B,Hq,T] float32).
-
-  s_BNT: float32 per-query temperature; lse_BNT: float32 base-2 row log-sum-exp of the forward;
-  blocks: any object with block_q_dq, block_kv_dq, block_q_dkv, block_kv_dkv and
-  max_concurrent_steps (e.g. mosaic.BlockSizes). interpret: False (compiled, Hopper), True
-  (GPU interpret mode on CPU with `mosaic_common.interpret_params()`), or an InterpretGPUParams.
-  seg_BT: None or int32 segment ids [B, T] (T == S), as given to the forward.
-  """
+  """(dq [B,T,Hq,D], dk, dv [B,S,Hkv,D], d_scale [B,Hq,T] f32). lse_BNT: the forward's base-2
+  lse; blocks: mosaic.BlockSizes."""
   check(q, k, v, s_BNT, lse_BNT, do, blocks, seg_BT)
   c_BNT, delta_BNT = backward_rows(s_BNT, out, do)
   args = (q, k, v, do.astype(q.dtype), c_BNT, lse_BNT, delta_BNT)

@@ -1,15 +1,6 @@
-"""Pure-JAX reference for softmax / focal attention: the specification its kernels are tested
-against, and the shared masking and shape checks the dilution reference builds on.
-
-Einsum letters: B batch, T query positions, S key positions, N query heads, K kv heads,
-G query heads per kv head (N = K·G), D head dim.
-
-Layouts follow the public contract: q [B, T, N, D]; k, v [B, S, K, D]; outputs [B, T, N, D] in
-q.dtype. Logits, softmax and every demand/share quantity are float32 (bf16 softmax loses mass on
-long rows, and the dilution shares are ratios of small numbers).
-
-These functions materialise [B, K, G, T, S] tensors: they are the spec and the CPU path, not the
-fast path.
+"""Pure-JAX focal attention: the spec the kernels are tested against, plus the masking and shape
+checks the dilution reference builds on. Letters: B, T queries, S keys, N query heads, K kv heads,
+G = N / K, D. Logits and softmax in float32; materialises [B, K, G, T, S] (spec, not fast path).
 """
 
 from __future__ import annotations
@@ -17,8 +8,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-# Large finite negative: exp() underflows to exactly 0 in float32 and a fully masked row stays
-# finite (no inf - inf).
+# Large finite negative: exp() underflows to 0 and a fully masked row stays finite.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
@@ -49,8 +39,7 @@ def scale_BNT(scale, B: int, N: int, T: int) -> jax.Array:
 
 def visible_BTS(B: int, T: int, S: int, *, causal: bool, segment_ids_BT=None,
                 q_offset: int = 0) -> jax.Array:
-  """Boolean [B, T, S] visibility: causal (query t at absolute position q_offset + t sees keys
-  s <= q_offset + t) and same-segment (packed documents never see each other)."""
+  """Boolean [B, T, S]: causal (at offset q_offset) and same-segment."""
   vis = jnp.ones((B, T, S), bool)
   if causal:
     t = jnp.arange(T)[:, None] + q_offset

@@ -1,17 +1,6 @@
-"""TPU route of focal attention: jax's Pallas TPU flash attention with the temperature folded in.
-
-`jax.experimental.pallas.ops.tpu.flash_attention` takes a Python-float `sm_scale`, layout
-[B, H, T, D], equal q/kv head counts and `SegmentIds`. So:
-  * an array `scale` (broadcastable to [B, Hq, T]) is multiplied into q in float32 and cast back to
-    q.dtype (q·scale is rounded to q.dtype before the matmul, unlike the GPU kernels, which scale
-    the f32 logits); its gradient flows through plain JAX. A Python-float `scale` is passed as
-    `sm_scale` instead (exact, no cotangent).
-  * GQA: k/v are repeated over the G query heads of a group (`jnp.repeat`, whose transpose sums
-    dk/dv over the group): G× k/v memory traffic.
-  * Tiles are jax's defaults (128) clipped to the sequence lengths; S must be a multiple of 128.
-`api.focal_attention(backend="tpu")` calls this. The tests run it on CPU under
-`pltpu.force_tpu_interpret_mode()`: the glue (layout, scale folding, GQA, segments), not Mosaic TPU
-compilation.
+"""TPU focal attention: jax's Pallas TPU flash attention with the temperature folded into q
+(an array scale multiplies q in f32, rounded to q.dtype; a float goes in as sm_scale) and GQA by
+repeating k, v over the group. S must be a multiple of 128.
 """
 
 from __future__ import annotations

@@ -1,33 +1,9 @@
-"""Triton kernels of focal flash attention: the forward here, the backward in `triton_bwd`.
+"""Triton focal flash-attention forward (FlashAttention-2); the backward is `triton_bwd`.
 
-  out[b, t, n] = Σ_s softmax_s(scale[b, n, t] · q[b, t, n]·k[b, s, n // G]) · v[b, s, n // G]
-
-over the visible keys (causal: s <= t; packed `segment_ids`: same segment); the spec is
-`reference.attention`, the public entry `pallas_kernels.focal.focal_attention`. FlashAttention-2
-(Dao 2023, arXiv 2307.08691) §3.1 forward / §3.2 backward, with the temperature applied to the
-float32 logits row by row instead of folded into q (no bf16 rounding of q·scale; d_scale comes
-out of the dq pass).
-
-Passes (grids (sequence blocks, B, Hq); G = Hq // Hkv query heads share the kv head n // G):
-  forward  `_fwd_kernel`, grid (T/block_q, B, Hq): q tile resident, loop over kv blocks with the
-           online softmax; carries acc [block_q, D] f32, running max m and sum l [block_q] f32
-           (base-2 units: log2(e) rides on the row scale so the loop uses exp2). Writes out
-           (q.dtype) and lse [B, Hq, T] f32 (base 2).
-  delta    rowsum(dO·O) [B, Hq, T] f32, one fused XLA reduction.
-  dk/dv    `triton_bwd._dkv_kernel`, grid (S/block_kv_dkv, B, Hq): k/v tile resident, loop over q
-           blocks; carries dk, dv [block_kv_dkv, D] f32. GQA: per query head ([B, S, Hq, D] f32),
-           summed over the group outside the kernel (G == 1 writes k.dtype directly).
-  dq       `triton_bwd._dq_kernel`, grid (T/block_q_dq, B, Hq): q/dO tile resident, loop over kv
-           blocks; carries dq [block_q_dq, D] f32 and d_scale [block_q_dq] f32, summed from the
-           f32 raw logits r: d_scale_t = Σ_s dlogits_ts · r_ts (more accurate for bf16 than the
-           q_t·dq_t / s_t identity).
-Causal: a q block visits only kv blocks holding a key <= its last query, and only the blocks
-crossing the diagonal pay for the mask. Segment ids mask every visited block. Residuals: q, k, v,
-the f32 scale [B, Hq, T], segment ids, out and the row log-sum-exp, never the probabilities.
-
-`BlockSizes` (frozen): powers of two >= 16 dividing T (q blocks) and S (kv blocks) after clipping
-to the sequence length; head dims powers of two in [16, 256]; ValueError otherwise (no padding).
-First-order gradients only; Triton offsets are int32 (each operand < 2**31 elements).
+Grid (T/block_q, B, Hq): q tile resident, loop over kv blocks (kv head n // G) with the online
+softmax on f32 logits times the row scale·log2(e); carries acc [block_q, D], m, l [block_q] f32.
+Writes out (q.dtype) and lse [B, Hq, T] f32 base 2. Causal: only blocks crossing the diagonal
+mask. `BlockSizes`: powers of two >= 16 dividing T and S after clipping; no padding.
 """
 
 from __future__ import annotations
@@ -45,8 +21,7 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels.focal import reference
 
 LOG2E = math.log2(math.e)
-# The running max starts finite so a row whose first visited blocks are fully masked gives
-# exp2(-inf - MASK_VALUE) = 0 rather than exp2(-inf + inf) = nan.
+# Finite start for the running max: a fully masked first block gives 0, not nan.
 MASK_VALUE = reference.MASK_VALUE
 _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
@@ -67,8 +42,7 @@ class BlockSizes:
 
   @classmethod
   def default(cls, head_dim: int, dtype=jnp.bfloat16) -> "BlockSizes":
-    # The f32 accumulators live in registers ([block, D] each) and the tiles in shared memory:
-    # D=256 and 4-byte inputs get half-size tiles.
+    # f32 accumulators in registers, tiles in SMEM: D=256 and 4-byte inputs get half-size tiles.
     if head_dim > 128 or jnp.dtype(dtype).itemsize > 2:
       return cls(block_q=64, block_kv=32, block_q_dkv=32, block_kv_dkv=32, block_q_dq=32,
                  block_kv_dq=32, num_warps_fwd=4 if head_dim <= 64 else 8)
@@ -98,8 +72,7 @@ def visible(q_start, k_start, block_q: int, block_k: int, causal: bool, seg_q, s
 
 
 def q_block(pid, n_q: int, causal: bool):
-  """Causal grids visit q blocks last-first: the heaviest programs start early and the final,
-  partially filled wave of the GPU holds the light ones."""
+  """Causal grids visit q blocks last-first (heaviest programs start early)."""
   return n_q - 1 - pid if causal else pid
 
 
@@ -109,11 +82,7 @@ def cdiv(a, b: int):
 
 
 def kv_block_range(i, block_q: int, block_k: int, n_kv: int, causal: bool):
-  """For q block i: (first kv block needing the causal mask, end of visited kv blocks).
-
-  Blocks [0, n_full) are fully visible; [n_full, n_end) cross the diagonal. With power-of-two
-  blocks a q block start i·block_q is never ≡ -1 (mod block_k), so n_full = ⌊i·block_q/block_k⌋.
-  """
+  """For q block i: (first kv block that needs the causal mask, end of visited kv blocks)."""
   if not causal:
     return n_kv, n_kv
   n_end = jnp.minimum(cdiv((i + 1) * block_q, block_k), n_kv)
@@ -122,8 +91,7 @@ def kv_block_range(i, block_q: int, block_k: int, n_kv: int, causal: bool):
 
 
 def run_loops(body, carry, lo, mid, hi, *, causal: bool, segments: bool, masked_first: bool):
-  """Loops body(j, carry, masked=...) over blocks [lo, hi); with causal alone only the diagonal
-  part ([lo, mid) if masked_first else [mid, hi)) pays for the mask; segments mask everything."""
+  """body(j, carry, masked=...) over [lo, hi); causal alone masks only the diagonal part."""
   if segments:
     return lax.fori_loop(lo, hi, functools.partial(body, masked=True), carry)
   if not causal:
@@ -134,8 +102,7 @@ def run_loops(body, carry, lo, mid, hi, *, causal: bool, segments: bool, masked_
 
 
 def compiler_params(num_warps: int, num_stages: int):
-  # Explicit Triton params: on jax >= 0.9 GPUs this is what routes pallas_call through Triton
-  # rather than Mosaic GPU (the default).
+  # Explicit Triton params route pallas_call through Triton rather than Mosaic GPU.
   return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
@@ -178,8 +145,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, s_ref, seg_ref, o_ref, lse_ref, *, causal, 
 
 
 def forward(q, k, v, s_BNT, seg_BT, *, causal: bool, blocks: BlockSizes, interpret: bool):
-  """(out [B, T, Hq, D] q.dtype, lse [B, Hq, T] f32 base 2); inputs as `check` accepts them,
-  s_BNT the f32 per-query scale, seg_BT None or int32 [B, T]."""
+  """(out [B, T, Hq, D] q.dtype, lse [B, Hq, T] f32 base 2)."""
   B, T, N, D = q.shape
   S = k.shape[1]
   bq = clip_block(blocks.block_q, T, "block_q")

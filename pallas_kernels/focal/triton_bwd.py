@@ -1,15 +1,7 @@
-"""Backward kernels of the Triton focal attention (FlashAttention-2 §3.2: separate dk/dv and dq
-passes); the forward and the shared tile helpers are in `triton`.
-
-With x = s_t·r_ts (r = q·kᵀ raw, s the float32 temperature), p = exp(x − lse) rebuilt from the
-forward's base-2 lse, dP = dO·vᵀ, delta_t = Σ_d dO_td·O_td and dx = p ⊙ (dP − delta):
-  dv_s = Σ_t p_ts dO_t;  dk_s = Σ_t s_t dx_ts q_t;  dq_t = s_t Σ_s dx_ts k_s;
-  d_scale_t = Σ_s dx_ts r_ts.
-`_dkv_kernel` (grid (S/block_kv_dkv, B, Hq)) keeps a k/v tile and loops over q blocks from the
-first one that can see it; `_dq_kernel` (grid (T/block_q_dq, B, Hq)) keeps a q/dO tile and loops
-over kv blocks up to the diagonal, producing dq and d_scale. No atomics: both passes are
-deterministic. GQA: dk/dv are produced per query head and summed over the G heads of a group
-here, in float32 (extra B·S·Hq·D·8 bytes only when G > 1).
+"""Triton focal backward (FlashAttention-2 §3.2), deterministic, in two passes:
+`_dkv_kernel` grid (S/block_kv_dkv, B, Hq): k, v resident, carries dk, dv [bkv, D] f32 over q
+blocks (per query head, summed over the GQA group here); `_dq_kernel` grid (T/block_q_dq, B, Hq):
+q, dO resident, carries dq [bq, D] and d_scale [bq] f32 (d_scale_t = Σ_s dx_ts r_ts).
 """
 
 from __future__ import annotations
@@ -28,17 +20,13 @@ def _dkv_kernel(q_ref, k_ref, v_ref, s_ref, seg_ref, lse_ref, delta_ref, do_ref,
                 *, causal, block_q, block_k):
   j = pl.program_id(0)
   n_q = q_ref.shape[0] // block_q
-  # k_ref/v_ref are already this program's [block_k, D] tiles (BlockSpec), while seg_ref spans
-  # the whole row. (Indexing the tiles at j·block_k read past them when compiled; interpret mode
-  # clamps out-of-range slices, which hid it on CPU.)
+  # k_ref/v_ref are this program's [block_k, D] tiles (BlockSpec); seg_ref spans the whole row.
   k_KD, v_KD = k_ref[...], v_ref[...]
   seg_k = None if seg_ref is None else seg_ref[pl.ds(j * block_k, block_k)]
 
   def body(i, carry, *, masked):
-    # q-major tiles ([block_q, block_k]) as in jax's own Pallas flash backward: the per-query
-    # vectors (temperature, lse, delta) broadcast along columns, and the kv-side contractions
-    # contract over axis 0. (A kv-major variant matched in interpret mode but produced wrong
-    # dk/dv when compiled through Triton on Hopper.)
+    # q-major tiles [block_q, block_k]; kv-side contractions over axis 0 (kv-major tiles
+    # miscompile through Triton on Hopper).
     dk_KD, dv_KD = carry
     q_slice = pl.ds(i * block_q, block_q)
     q_QD, do_QD = q_ref[q_slice, :], do_ref[q_slice, :]
@@ -57,8 +45,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, s_ref, seg_ref, lse_ref, delta_ref, do_ref,
     return dk_KD, dv_KD
 
   if causal:
-    # q block i sees this kv block iff its last query (i+1)·bq − 1 >= j·bk; it sees all of it
-    # iff its first query i·bq >= (j+1)·bk − 1, i.e. i >= ⌈(j+1)·bk / bq⌉ (powers of two).
+    # q block i sees this kv block iff (i+1)·bq − 1 >= j·bk, all of it iff i >= ⌈(j+1)·bk / bq⌉.
     i_lo = jnp.minimum(lax.div(j * block_k, block_q), n_q)
     i_full = jnp.minimum(ff.cdiv((j + 1) * block_k, block_q), n_q)
   else:

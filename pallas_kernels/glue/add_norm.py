@@ -1,23 +1,9 @@
-"""The pre-norm block's residual add and RMSNorm as one Pallas pass each way (Triton on GPUs,
-interpreted on CPU).
+"""Residual add + RMSNorm (h = x + δ, y = rms_norm(h)·s) as one Pallas pass each way.
 
-A pre-norm block computes h = x + δ (the residual stream plus the previous sublayer's output)
-and y = rms_norm(h)·s, then feeds y to the next sublayer and keeps h as the stream. XLA runs each
-such pair as two forward fusions (the add with the statistics, then the normalising multiply) and
-two or three backward ones (statistics, then dh with the stream's cotangent added, plus the
-gain's column sum). One pass each way moves 4 row tensors: forward reads x, δ and writes h, y;
-backward reads h, g_h, g_y and writes dh.
-
-Forward (`add_norm_fwd`): grid (R / block_rows,), one program per block of rows. Blocks: x, δ,
-h, y [block_rows, E]; s [E]. h is rounded to x's dtype before the statistics, exactly as the
-separate add then norm do. No carries.
-
-Backward (`add_norm_bwd`): grid (P,), P = R / rows_per_program. Program p walks its rows in
-blocks of block_rows (a fori_loop), carrying the gain's gradient Σ_rows g_y·ĥ as a float32 [E]
-partial in registers; it leaves as one row of partials [P, E], which XLA sums.
-dh = g_h + r·(g_y·s − ĥ·mean(g_y·s·ĥ)), r = 1/rms(h), ĥ = h·r; statistics in float32.
-Blocks [block_rows, E]: E is whole (the statistics need whole rows) and must be a power of two
-compiled (Triton's block shapes).
+Forward `add_norm_fwd`, grid (R / block_rows,): reads x, δ, writes h, y; no carries.
+Backward `add_norm_bwd`, grid (P,): each program walks its rows in block_rows blocks carrying the
+gain gradient Σ g_y·ĥ as an f32 [E] partial ([P, E], summed by XLA);
+dh = g_h + r·(g_y·s − ĥ·mean(g_y·s·ĥ)). E is whole and, compiled, a power of two.
 """
 
 from __future__ import annotations
@@ -32,8 +18,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.glue.norm_rope import dividing_rows
 
-# Tiles timed with bench/add_norm.py (docs/performance.md): the tiles tried differ by less than
-# the run-to-run spread. 32 float32 values per thread per live [2, E] tile at E = 2048.
+# 32 float32 values per thread per live [2, E] tile at E = 2048 (bench/add_norm.py).
 FWD_BLOCK_ROWS, FWD_NUM_WARPS = 2, 4
 BWD_BLOCK_ROWS, BWD_NUM_WARPS = 2, 4
 ROWS_PER_PROGRAM = 64
@@ -112,8 +97,7 @@ def add_norm_fwd(x_RE, d_RE, scale_E, *, eps: float, block_rows: int = FWD_BLOCK
 def add_norm_bwd(h_RE, scale_E, gh_RE, gy_RE, *, eps: float, block_rows: int = BWD_BLOCK_ROWS,
                  num_warps: int = BWD_NUM_WARPS, rows_per_program: int = ROWS_PER_PROGRAM,
                  interpret: bool = False):
-  """(dh in h's dtype, d_scale float32 [E]) of `add_norm_reference` for the cotangents g_h, g_y
-  of (h, y); dh is also δ's and x's gradient."""
+  """(dh, d_scale float32 [E]) for the cotangents g_h, g_y of (h, y)."""
   R, E = h_RE.shape
   _check("add_norm_bwd", E, interpret, h=h_RE, g_h=gh_RE, g_y=gy_RE)
   rp = dividing_rows(R, rows_per_program)

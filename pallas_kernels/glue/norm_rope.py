@@ -1,29 +1,9 @@
-"""QK-norm then RoPE, forward and backward each as one Pallas pass (Triton backend on GPU,
-interpret mode on CPU).
+"""QK-norm then RoPE (x̂ = x·rsqrt(mean(x²) + ε), y = rotate_half(x̂·s)), one Pallas pass each way.
 
-Forward (the spec, `norm_rope_reference`), per row x of D values (one token's head):
-  x̂ = x·r, r = rsqrt(mean(x²) + ε);   y = rotate_half(x̂·s, cos, sin)   (LLaMA rotate-half RoPE)
-Backward (`norm_rope_bwd`) for the cotangent g of y:
-  u  = rotate_half(g, cos, −sin)                 the rotation's transpose
-  dx = r·(u·s − x̂·mean(u·s·x̂))                  RMSNorm's backward on u
-  ds = Σ_rows u·x̂                                the gain's gradient
-
-Why kernels: XLA fuses the un-rotation into the norm's two reductions and reads the cotangent
-there in attention's transposed [B, N, T, D] layout, far from the bandwidth floor, and an
-XLA-only split (un-rotate once behind a barrier) did not help. Forward, XLA writes the
-normalised rows in float32 and reads them back to rotate them (its reduction fusion does not take
-the concatenate): three times the traffic of one pass. Here every row is read once and written
-once.
-
-Grid (N, R / block_rows): one program per block of rows (tokens) of one head. Heads are the
-launch's fastest axis, so the N programs of a row block run together and read cos, sin from L2
-once fetched; with rows fastest, the tables were evicted between heads and re-read from HBM N
-times. Blocks: x, g, y, dx [block_rows, D] (16-bit or float32),
-cos, sin [block_rows, D/2] float32, s [D]. Passes: one each; no carries. Row statistics are
-in-register reductions over D, in float32. The backward's gain gradient leaves as one float32 [D]
-partial per program, [N, R / block_rows, D], which XLA sums. Memory moved per
-call: forward reads x, cos, sin and writes y; backward reads x, g, cos, sin and writes dx and the
-partials; no intermediate in HBM.
+Backward: u = rotate_half(g, cos, −sin), dx = r·(u·s − x̂·mean(u·s·x̂)), ds = Σ u·x̂.
+Grid (N, R / block_rows), heads fastest so cos, sin stay in L2; one pass each, no carries; the
+gain gradient leaves as f32 partials [N, R / block_rows, D], summed by XLA. Every row is read
+once and written once.
 """
 
 from __future__ import annotations
@@ -36,8 +16,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-# Tiles timed with bench/norm_rope.py (docs/performance.md). Both keep ≤ 16 float32 values per
-# thread for each of the ~10 live [rows, D/2] half-tiles at D = 128; 64 rows would spill.
+# ≤ 16 float32 values per thread for each of ~10 live [rows, D/2] half-tiles at D = 128.
 BLOCK_ROWS = 32
 NUM_WARPS = 8
 BWD_BLOCK_ROWS = 16
@@ -90,8 +69,7 @@ def _bwd_kernel(x_ref, g_ref, cos_ref, sin_ref, s_ref, dx_ref, ds_ref, *, eps, h
 
 
 def dividing_rows(R: int, block_rows: int) -> int:
-  """The largest power of two ≤ block_rows that divides R (rows are tokens: B·T); 1 if R is odd.
-  Also add_norm.py's row blocks."""
+  """The largest power of two ≤ block_rows dividing R (1 if R is odd)."""
   b = block_rows
   while b > 1 and R % b:
     b //= 2
@@ -107,8 +85,7 @@ def _check(name, x_RND, cos_Rd, sin_Rd, interpret):
 
 
 def _pad_rows(R: int, block_rows: int, *arrays):
-  """(block rows, padded row count, the arrays padded): zero rows give zero outputs and no gain
-  gradient, and are sliced off by the caller."""
+  """(block rows, padded row count, zero-padded arrays)."""
   br = dividing_rows(R, block_rows)
   if br >= 8:
     return br, R, arrays
@@ -146,12 +123,7 @@ def norm_rope_fwd(x_RND, scale_D, cos_Rd, sin_Rd, *, eps: float, block_rows: int
 def norm_rope_bwd(x_RND, scale_D, cos_Rd, sin_Rd, g_RND, *, eps: float,
                   block_rows: int = BWD_BLOCK_ROWS, num_warps: int = BWD_NUM_WARPS,
                   interpret: bool = False):
-  """(dx in x's dtype, d_scale float32 [D]) of `norm_rope_reference` for the cotangent g.
-
-  x, g [R, N, D] (R rows: flatten B·T first); cos, sin float32 [R, D/2]; scale [D]. D must be
-  even and, compiled, a power of two (Triton's block shapes); R is padded to a multiple of 8
-  rows when no power of two ≥ 8 up to block_rows divides it.
-  """
+  """(dx, d_scale f32 [D]) for the cotangent g; x, g [R, N, D]; cos, sin f32 [R, D/2]."""
   R, N, D = x_RND.shape
   _check("norm_rope_bwd", x_RND, cos_Rd, sin_Rd, interpret)
   if g_RND.shape != x_RND.shape:

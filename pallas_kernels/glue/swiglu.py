@@ -1,18 +1,7 @@
-"""SwiGLU's activation silu(gate)·up, forward and backward as Pallas (Triton) elementwise passes.
+"""SwiGLU's silu(gate)·up as Pallas (Triton) elementwise passes, f32 math, one rounding.
 
-Spec (`swiglu_reference`): h = g·σ(g)·u in float32, one rounding to the inputs' dtype. Backward
-for the cotangent dh: d_gate = dh·u·σ·(1 + g·(1 − σ)), d_up = dh·g·σ, σ recomputed from g.
-
-Why a kernel: XLA's fusions for this activation (a bf16 exp and a float32 divide) run well
-below the memory bandwidth, and an XLA-only custom VJP was slower still; a plain Triton
-elementwise pass streams near the bandwidth.
-
-Layout: elementwise, so the [..., F] arrays are viewed flat as [rows, LANES] (LANES = 1024; a
-bitcast of the row-major array whatever F is), zero-padded (a copy) only when the size is not a
-multiple of block_rows·LANES (never for B·T a multiple of 4096, e.g. 16 × 2048 or 8 × 2048 rows
-of a batch). Grid (rows / block_rows,): one program per [block_rows, LANES] tile. Passes: one
-each way; no carries, no reductions. Memory: forward reads g, u and writes h; backward reads g,
-u, dh and writes d_gate, d_up; nothing else in HBM.
+Arrays are viewed as [rows, LANES] (zero-padded only when needed); grid (rows / block_rows,);
+no carries. Backward: d_gate = dh·u·σ·(1 + g·(1 − σ)), d_up = dh·g·σ.
 """
 
 from __future__ import annotations
@@ -25,8 +14,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 LANES = 1024
-# 4 x 1024 elements over 4 warps: 32 float32 values per thread per array; the backward keeps ~6
-# such arrays live (g, u, dh, σ, and the two cotangents), inside the register file.
+# 4 x 1024 elements over 4 warps: 32 float32 values per thread for each of ~6 live arrays.
 BLOCK_ROWS = 4
 
 

@@ -21,7 +21,6 @@ import numpy as np
 import pytest
 
 import pallas_kernels.dilution as dilution
-from pallas_kernels import mosaic_common
 from pallas_kernels.dilution import api
 from pallas_kernels.dilution import mosaic_b1
 from pallas_kernels.dilution import mosaic_b2
@@ -29,6 +28,7 @@ from pallas_kernels.dilution import mosaic_fwd
 from pallas_kernels.dilution import reference as dilution_reference
 from pallas_kernels.dilution import triton_bwd
 from pallas_kernels.dilution import triton_fwd
+from tests.kernels import mosaic_interpret
 
 SLOW = pytest.mark.slow  # extra configurations: deselected unless -m slow (pyproject)
 
@@ -71,10 +71,10 @@ def _b1_both(T, N, K, *, segments, D=64, dtype=jnp.bfloat16, B=1, ckpt_rows=R, c
   dbar = jnp.einsum("BTND,BTND->BNT", do.astype(jnp.float32), out)
   args = (q, k, v, seg, lse, ssum, dbar, do, ckpt)
   want = triton_bwd.reverse_sweep(*args, scale=scale, eps=eps, bs=bs, interpret=True)
-  with mosaic_common.cached_interpreter_threads():
+  with mosaic_interpret.cached_interpreter_threads():
     got = jax.block_until_ready(mosaic_b1.reverse_sweep(
         *args, scale=scale, eps=eps, ckpt_rows=ckpt_rows, chain=chain, interpret=True))
-  assert not mosaic_common.interpret_races_found()
+  assert not mosaic_interpret.interpret_races_found()
   return got, want
 
 
@@ -125,11 +125,11 @@ def test_f2_matches_the_triton_f2_interpret(T, segments, D, dtype, B, N, K, tile
   lse, _ = triton_fwd.row_stats(q, k, seg, scale=0.125, bs=bs, with_pk=False, interpret=True)
   want = triton_fwd.key_sweep(q, k, v, seg, lse, scale=0.125, eps=1e-9, bs=bs, with_ckpt=True,
                               interpret=True)
-  with mosaic_common.cached_interpreter_threads():
+  with mosaic_interpret.cached_interpreter_threads():
     got = jax.block_until_ready(mosaic_fwd.key_sweep(
         q, k, v, seg, lse, scale=0.125, eps=1e-9, ckpt_rows=ckpt_rows, with_ckpt=True,
         key_tiles=tiles, chain=chain, interpret=True))
-  assert not mosaic_common.interpret_races_found()
+  assert not mosaic_interpret.interpret_races_found()
   # N contracts the 16-bit σ in both kernels, so a σ whose 16-bit rounding flips moves N by one
   # bf16 ulp (3.9e-3) of σ·v. Flips come from exp2 vs exp, the CPU's own exp and σ moving by
   # ~2⁻¹⁶ with two pieces (measured 1.3e-3 at D = 128). S, total and the checkpoints are float32
@@ -169,7 +169,7 @@ def test_the_mosaic_backend_through_the_op():
       return (out.astype(jnp.float32) * w).sum(), out
     return jax.grad(loss, (0, 1, 2), has_aux=True)(q, k, v)
 
-  with mosaic_common.cached_interpreter_threads():
+  with mosaic_interpret.cached_interpreter_threads():
     got, out = run("mosaic", bs)
   want = dilution_reference.dilution_attention(*(x.astype(jnp.float32) for x in (q, k, v)),
                                                scale=0.125, segment_ids_BT=seg)[0]
@@ -226,10 +226,10 @@ def test_f1_matches_the_triton_f1_interpret(T, segments, D, dtype, B, N, K):
   product on these inputs; bf16 pk alone would be up to 2⁻⁹ off)."""
   q, k, _, seg, _ = _qkv(T, N, K, segments=segments, D=D, dtype=dtype, B=B)
   want = triton_fwd.row_stats(q, k, seg, scale=D**-0.5, bs=BS, with_pk=True, interpret=True)
-  with mosaic_common.cached_interpreter_threads():
+  with mosaic_interpret.cached_interpreter_threads():
     got = jax.block_until_ready(mosaic_fwd.row_stats(q, k, seg, scale=D**-0.5, with_pk=True,
                                                      interpret=True))
-  assert not mosaic_common.interpret_races_found()
+  assert not mosaic_interpret.interpret_races_found()
   lse_err = np.abs(np.asarray(got[0]) - np.asarray(want[0])).max()
   assert lse_err < 1e-6 * max(1.0, float(np.abs(np.asarray(want[0])).max())) * 8, lse_err
   assert got[1].dtype == jnp.float32 and _rel(got[1], want[1]) < 3e-3, _rel(got[1], want[1])
@@ -243,10 +243,10 @@ def test_b2_matches_the_triton_b2_interpret(T, segments, D, dtype, B, N, K):
   lse, _ = triton_fwd.row_stats(q, k, seg, scale=D**-0.5, bs=BS, with_pk=False, interpret=True)
   ghat = jax.random.normal(jax.random.PRNGKey(3), lse.shape, jnp.float32)
   want = triton_bwd.dk_correction(q, k, seg, lse, ghat, scale=D**-0.5, bs=BS, interpret=True)
-  with mosaic_common.cached_interpreter_threads():
+  with mosaic_interpret.cached_interpreter_threads():
     got = jax.block_until_ready(mosaic_b2.dk_correction(q, k, seg, lse, ghat, scale=D**-0.5,
                                                         interpret=True))
-  assert not mosaic_common.interpret_races_found()
+  assert not mosaic_interpret.interpret_races_found()
   assert _rel(got, want) < 1e-3, _rel(got, want)
 
 

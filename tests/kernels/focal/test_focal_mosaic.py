@@ -24,13 +24,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import mosaic_common as mc
 import pallas_kernels.focal as focal
 from pallas_kernels.focal import api
 from pallas_kernels.focal import mosaic
 from pallas_kernels.focal import mosaic_bwd
 from pallas_kernels.focal import mosaic_bwd_fused
 from pallas_kernels.focal import reference
+from tests.kernels import mosaic_interpret
 
 ON_GPU = jax.default_backend() == "gpu"
 ON_HOPPER = ON_GPU and str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9")
@@ -46,7 +46,7 @@ def _strict_ranks():
 
 @pytest.fixture(scope="module")
 def _fast_interpreter():
-  with mc.cached_interpreter_threads():
+  with mosaic_interpret.cached_interpreter_threads():
     yield
 
 
@@ -99,7 +99,7 @@ def _compare(seed, *, causal, dtype, scale, B=1, T=256, S=None, N=4, K=2, D=64, 
       q, k, v, s_BNT, causal=causal, blocks=blocks, interpret=interpret, segment_ids=seg))
   out, lse = fwd(q, k, v, s_BNT, seg)
   if interpret:
-    assert not mc.interpret_races_found(), "GPU interpreter reported a data race"
+    assert not mosaic_interpret.interpret_races_found(), "GPU interpreter reported a data race"
   # The public entry point (jit + custom_vjp) must give the same forward.
   out_api = mosaic.focal_attention(q, k, v, scale=s, causal=causal, segment_ids=seg,
                                        interpret=interpret, block_sizes=blocks)

@@ -6,7 +6,7 @@ Invariant: given the forward's out and base-2 lse (computed here in XLA from the
 not, GQA, bf16 and fp16, D = 64 and 128, square and mixed tiles, with and without packed segment ids
 (three documents of uneven lengths per row; gradients never cross a document boundary). On CPU the
 kernels run in jax's GPU interpret mode (threads, SMEM, TMA, barriers simulated) with the race
-detector on, each kernel checked race-free separately; `mosaic_common.cached_interpreter_threads`
+detector on, each kernel checked race-free separately; `mosaic_interpret.cached_interpreter_threads`
 keeps the file near a minute on 2 cores. `TestCompiledGPU` repeats the comparison compiled at
 training-like shapes on a Hopper GPU (compute capability 9.x).
 
@@ -24,10 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import mosaic_common as mc
 from pallas_kernels.focal import mosaic_bwd as fb
 from pallas_kernels.focal import mosaic_dkv
 from pallas_kernels.focal import reference
+from tests.kernels import mosaic_interpret
 
 SLOW = pytest.mark.slow  # extra configurations: deselected unless -m slow (pyproject)
 
@@ -58,7 +58,7 @@ MIXED = Blocks(block_q_dq=64, block_kv_dq=128, block_q_dkv=128, block_kv_dkv=64,
 
 @pytest.fixture(autouse=True)
 def _strict_ranks_and_fast_interpreter():
-  with jax.numpy_rank_promotion("raise"), mc.cached_interpreter_threads():
+  with jax.numpy_rank_promotion("raise"), mosaic_interpret.cached_interpreter_threads():
     yield
 
 
@@ -112,9 +112,9 @@ def _interpreted(args, *, causal, blocks, seg_BT=None):
   kw = dict(causal=causal, blocks=blocks, interpret=True, seg_BT=seg_BT)
   rows = (q, k, v, do, c_BNT, lse_BNT, delta_BNT)
   dq, ds_BNT = jax.block_until_ready(fb.dq_call(*rows, **kw))
-  assert not mc.interpret_races_found(), "dq kernel: race detected"
+  assert not mosaic_interpret.interpret_races_found(), "dq kernel: race detected"
   dk, dv = jax.block_until_ready(mosaic_dkv.dkv_call(*rows, **kw))
-  assert not mc.interpret_races_found(), "dk/dv kernel: race detected"
+  assert not mosaic_interpret.interpret_races_found(), "dk/dv kernel: race detected"
   return dq, dk, dv, ds_BNT
 
 

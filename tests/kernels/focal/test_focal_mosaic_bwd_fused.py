@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels import mosaic_common as mc
 from pallas_kernels.focal import mosaic_bwd_fused as fused
+from tests.kernels import mosaic_interpret
 import test_focal_mosaic_bwd as base  # tests/ is on sys.path under pytest
 
 SLOW = pytest.mark.slow  # extra configurations: deselected unless -m slow (pyproject)
@@ -32,7 +32,7 @@ Blocks = base.Blocks
 
 @pytest.fixture(autouse=True)
 def _strict_ranks_and_fast_interpreter():
-  with jax.numpy_rank_promotion("raise"), mc.cached_interpreter_threads():
+  with jax.numpy_rank_promotion("raise"), mosaic_interpret.cached_interpreter_threads():
     yield
 
 
@@ -48,7 +48,7 @@ def _strict_ranks_and_fast_interpreter():
 def test_matches_reference(dtype, causal, N, K, D, blocks):
   args, want = base._problem(1, B=1, T=256, N=N, K=K, D=D, dtype=dtype, causal=causal)
   got = jax.block_until_ready(fused.backward(*args, causal=causal, blocks=blocks, interpret=True))
-  assert not mc.interpret_races_found(), "fused kernel: race detected"
+  assert not mosaic_interpret.interpret_races_found(), "fused kernel: race detected"
   base._assert_close(got, want, dtype)
 
 
@@ -65,7 +65,7 @@ def test_matches_reference_segments(dtype, causal, B, N, K, D, blocks):
                              seg_BT=seg_BT)
   got = jax.block_until_ready(fused.backward(*args, causal=causal, blocks=blocks, interpret=True,
                                              seg_BT=seg_BT))
-  assert not mc.interpret_races_found(), "fused kernel, segments: race detected"
+  assert not mosaic_interpret.interpret_races_found(), "fused kernel, segments: race detected"
   base._assert_close(got, want, dtype)
 
 
