@@ -31,6 +31,7 @@ from focaljax import config as config_lib
 from focaljax.data import sources
 from focaljax.evaluation import suites as evaluate
 from focaljax.focus import evaluate as focus_eval
+from focaljax.train import checkpoint
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "training workdir or its checkpoints/<step>",
                                required=True)
@@ -89,7 +90,8 @@ def main(argv):
   del argv
   try:
     run()
-  except (app.UsageError, config_lib.ConfigError, FileNotFoundError, sources.DataError) as e:
+  except (app.UsageError, config_lib.ConfigError, FileNotFoundError, sources.DataError,
+          checkpoint.CorruptCheckpoint) as e:
     fail(e)
 
 

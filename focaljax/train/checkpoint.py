@@ -249,14 +249,22 @@ def _restore(workdir: str, step: int | None, **items):
 def restore_params(workdir: str, step: int | None, abstract_params):
   """Params alone (no optimizer state) into `abstract_params` (ShapeDtypeStructs with shardings);
   returns (params, step)."""
-  out, step = _restore(workdir, step,
+  out, step = _restore(workdir, step, meta=ocp.args.JsonRestore(),
                        params=ocp.args.StandardRestore(to_str_keys(abstract_params)))
+  want = (out.meta or {}).get("checksums", {}).get("params")
+  if want:   # evaluation and export read only what training verified
+    have = checksums(out.params)
+    bad = [k for k in have if want.get(k) != have[k]]
+    if bad:
+      raise CorruptCheckpoint(f"{workdir}/checkpoints/{step}: params{bad[0]} does not match its "
+                              "checksum; evaluate an earlier step (checkpoints/<step>)")
   return from_str_keys(out.params, abstract_params), step
 
 
 def save_params(workdir: str, step: int, params, meta: dict, opt_state=None) -> None:
   """One checkpoint written outside training: params, meta and, when given, the optimizer state
   (a converted or copy-initialised FocusLLM adapter)."""
+  meta = {**meta, "checksums": {"params": checksums(to_str_keys(params))}}
   items = dict(params=ocp.args.StandardSave(to_str_keys(params)), meta=ocp.args.JsonSave(meta))
   if opt_state is not None:
     items["opt_state"] = ocp.args.StandardSave(opt_state)

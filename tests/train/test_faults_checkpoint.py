@@ -183,3 +183,14 @@ def test_damaged_twice_at_one_step_keeps_both(trained, workdir):
   assert step == 3 and len(warnings) == 1
   assert _files(os.path.join(root, "6" + checkpoint.CORRUPT_SUFFIX)) == first
   assert _files(os.path.join(root, "6" + checkpoint.CORRUPT_SUFFIX + ".2")) == damaged
+
+
+def test_eval_py_refuses_flipped_params_in_one_line(workdir):
+  """Evaluation restores params alone; it checks them against the training checksums too."""
+  _flip(os.path.join(workdir, "checkpoints", "6"))
+  before = _files(workdir)
+  proc = subprocess.run([sys.executable, os.path.join(ROOT, "eval.py"), "--workdir", workdir,
+                         "--suites", "val"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 2, proc.stderr[-3000:]
+  assert "does not match its checksum" in proc.stderr and "Traceback" not in proc.stderr
+  assert _files(workdir) == before
