@@ -15,7 +15,6 @@ import pytest
 from focaljax.data import pipeline as data
 from focaljax.data import retrieval
 from focaljax.data import sources
-from focaljax.data import tfds_text
 
 EOS = 1  # the fake tokenizer's <|endoftext|>; padding is 0 and document tokens are >= 10_000
 
@@ -338,6 +337,8 @@ def test_train_tokenizer_digits(tmp_path, style, pieces):
 
 
 def test_tfds_builder_roundtrip(corpus, tmp_path):
+  pytest.importorskip("tensorflow_datasets")   # a GPU image may lack it
+  from focaljax.data import tfds_text  # pylint: disable=import-outside-toplevel
   cfg, docs = corpus
   files = cfg.source.removeprefix("text:")
   tfds_text.build(files, str(tmp_path / "tfds"), name="tiny_text", valid_fraction=0.1)
