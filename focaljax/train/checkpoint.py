@@ -249,9 +249,13 @@ def _restore(workdir: str, step: int | None, **items):
 def restore_params(workdir: str, step: int | None, abstract_params):
   """Params alone (no optimizer state) into `abstract_params` (ShapeDtypeStructs with shardings);
   returns (params, step)."""
-  out, step = _restore(workdir, step, meta=ocp.args.JsonRestore(),
+  out, step = _restore(workdir, step,
                        params=ocp.args.StandardRestore(to_str_keys(abstract_params)))
-  want = (out.meta or {}).get("checksums", {}).get("params")
+  try:
+    meta = read_meta(workdir, step)[0] or {}
+  except KeyError:   # a params-only checkpoint: nothing to check against
+    meta = {}
+  want = meta.get("checksums", {}).get("params") if isinstance(meta, dict) else None
   if want:   # evaluation and export read only what training verified
     have = checksums(out.params)
     bad = [k for k in have if want.get(k) != have[k]]
