@@ -337,8 +337,7 @@ def test_train_tokenizer_digits(tmp_path, style, pieces):
 
 
 def test_tfds_builder_roundtrip(corpus, tmp_path):
-  pytest.importorskip("tensorflow_datasets")   # a GPU image may lack it
-  from focaljax.data import tfds_text  # pylint: disable=import-outside-toplevel
+  tfds_text = pytest.importorskip("focaljax.data.tfds_text")   # needs tensorflow_datasets
   cfg, docs = corpus
   files = cfg.source.removeprefix("text:")
   tfds_text.build(files, str(tmp_path / "tfds"), name="tiny_text", valid_fraction=0.1)

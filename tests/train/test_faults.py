@@ -15,7 +15,6 @@ import pytest
 
 from configs import smoke
 from focaljax import config as config_lib
-from focaljax.data import sources
 from focaljax.train import checkpoint
 from focaljax.train import lm
 from focaljax.train import loop
@@ -137,22 +136,6 @@ def test_empty_corpus_exits_2_before_compiling(tmp_path):
   _one_error_line(proc, r"^error: data.source='text:.*empty.txt': no text in .*empty.txt$")
   assert not os.path.exists(tmp_path / "run" / "checkpoints")
   assert not os.path.exists(tmp_path / "run" / "tokenizer.json")
-
-
-@pytest.mark.parametrize("name,content,match", [
-    ("one.txt", b"one document. " * 200, r"valid split .* is empty .* set data.valid_source"),
-    ("bad.jsonl", b'{"text": "a b"}\n{"text": oops}\n', r"bad.jsonl:2: malformed JSON"),
-    ("latin1.txt", b"line one\nna\xefve\n", r"latin1.txt:2: not UTF-8"),
-])
-def test_bad_data_is_one_line_before_training(tmp_path, name, content, match):
-  (tmp_path / name).write_bytes(content)
-  sources._file_documents.cache_clear()
-  c = _config()
-  c.data.source = f"text:{tmp_path}/{name}"
-  with pytest.raises(sources.DataError, match=match) as e:
-    lm.train(config_lib.parse(c), str(tmp_path / "run"))
-  assert "\n" not in str(e.value)
-  assert not os.path.exists(tmp_path / "run" / "checkpoints")
 
 
 # 4. Exit codes.

@@ -139,6 +139,9 @@ def test_bad_hf_checkpoint_is_one_line(tmp_path, config_text, safetensors, match
     ("latin1.jsonl", b'{"text": "a"}\n{"text": "na\xefve"}\n', r"latin1.jsonl:2: not UTF-8"),
     ("list.jsonl", b'["text"]\n', r"list.jsonl:1: no field 'text'"),
     ("blank.txt", b"  \n\n ", r"no text in .*blank.txt$"),
+    ("one.txt", b"one document. " * 200, r"valid split .* is empty .* set data.valid_source"),
+    ("bad.jsonl", b'{"text": "a b"}\n{"text": oops}\n', r"bad.jsonl:2: malformed JSON"),
+    ("latin1.txt", b"line one\nna\xefve\n", r"latin1.txt:2: not UTF-8"),
 ])
 def test_bad_data_names_file_and_line(tmp_path, name, content, match):
   (tmp_path / name).write_bytes(content)
