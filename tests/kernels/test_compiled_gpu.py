@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from focaljax import ops
 import pallas_kernels.dilution as dilution
 import pallas_kernels.focal as focal
 from pallas_kernels.condense import api as condense
@@ -79,6 +80,17 @@ class TestCompiledGPU:
     reference = lambda q, k, v, s: focal_ref.attention(  # noqa: E731
         q, k, v, scale=s, causal=True, segment_ids_BT=seg)
     _check_fn_and_grads(kernel, reference, [q, k, v, scale.astype(dtype)], dtype, 7)
+
+  @pytest.mark.parametrize("segments", [False, True])
+  def test_cudnn_sliding_window(self, segments):
+    """A sliding window runs on cuDNN (local_window_size), packed rows and a per-query scale too."""
+    B, T, N, K, D, W = 2, 1024, 4, 2, 64, 100
+    q, k, v = _qkv(81, B, T, N, K, D, BF16)
+    scale = D**-0.5 * (1 + 0.1 * jax.random.normal(jax.random.key(6), (B, N, T)))
+    seg = _segments(B, T, 4) if segments else None
+    attend = lambda impl: lambda q, k, v, s: ops.focal_attention(  # noqa: E731
+        q, k, v, scale=s, segment_ids=seg, implementation=impl, window=W)
+    _check_fn_and_grads(attend("cudnn"), attend("xla"), [q, k, v, scale.astype(BF16)], BF16, 12)
 
   @pytest.mark.parametrize("backend, dtype, D", [
       ("triton", F32, 64), ("triton", BF16, 128),
