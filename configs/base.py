@@ -83,8 +83,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       seq_len=128,               # trained context (tokens per packed row)
       global_batch=16,           # rows per optimizer step, across all hosts
       shuffle=True,
-      tokenize="stream",         # stream | ahead (whole split up front: fast GPUs, finite corpora)
-      token_cache="",            # with ahead: a directory that keeps tokenized splits for reuse
+      # auto: the whole split up front (ahead) for in-memory sources, per document (stream) for TFDS
+      tokenize="auto",           # auto | ahead | stream
+      token_cache="",            # with ahead/auto: a directory that keeps tokenized splits for reuse
       shards=0,                  # data shards (0: one per process); fix it to compare host counts
       retrieval_mix=0.0,         # share of train rows turned into passkey drills (data.py)
   ))

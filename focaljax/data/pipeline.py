@@ -86,8 +86,8 @@ class DataConfig:
   tfds_data_dir: str | None = None  # data_dir for "tfds:" sources (None: TFDS default)
   valid_source: str | None = None  # same syntax as source; None: hold out valid_fraction
   valid_fraction: float = 0.05  # share of source documents held out when valid_source is None
-  tokenize: str = "stream"  # "stream": per document in the pipeline; "ahead": see TOKENIZE
-  token_cache: str | None = None  # tokenize="ahead" only: a directory reusing tokenized splits
+  tokenize: str = "auto"  # "stream" | "ahead" | "auto": see TOKENIZE
+  token_cache: str | None = None  # tokenize="ahead"/"auto": a directory reusing tokenized splits
   retrieval_mix: float = 0.0  # share of train rows replaced by passkey drills (retrieval.py)
 
   def __post_init__(self):
@@ -105,7 +105,7 @@ class DataConfig:
     if self.tokenize not in TOKENIZE:
       raise ValueError(f"DataConfig.tokenize must be one of {sorted(TOKENIZE)}, got "
                        f"{self.tokenize!r}")
-    if self.token_cache is not None and self.tokenize != "ahead":
+    if self.token_cache is not None and self.tokenize == "stream":
       raise ValueError(f"DataConfig.token_cache={self.token_cache!r} needs tokenize='ahead', got "
                        f"tokenize={self.tokenize!r}")
     if not 0.0 <= self.retrieval_mix < 1.0:
@@ -222,7 +222,16 @@ def _tokenize_ahead(ds: grain.MapDataset, tok: tokenizer_lib.Tokenizer,
 #           token in memory); then free. With DataConfig.token_cache, later runs on the same
 #           documents and tokenizer load the result instead (a study's arms, a resumed run,
 #           every validation pass).
-TOKENIZE = {"stream": _tokenize_stream, "ahead": _tokenize_ahead}
+#   auto    ahead where the documents are in memory already (bundled text, local files), stream
+#           for TFDS sources (read lazily, any size): streaming leaves a GPU waiting on input at
+#           the presets' batch sizes.
+def _tokenize_auto(ds: grain.MapDataset, tok: tokenizer_lib.Tokenizer,
+                   cfg: DataConfig) -> grain.MapDataset:
+  lazy = cfg.source.startswith("tfds:")
+  return (_tokenize_stream if lazy else _tokenize_ahead)(ds, tok, cfg)
+
+
+TOKENIZE = {"stream": _tokenize_stream, "ahead": _tokenize_ahead, "auto": _tokenize_auto}
 
 
 def to_example(rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -158,7 +158,7 @@ def test_tokenize_ahead_gives_the_same_batches(corpus):
   cfg, _ = corpus
   cfg = dataclasses.replace(cfg, num_epochs=2)
   ahead = batches(dataclasses.replace(cfg, tokenize="ahead"))
-  want = batches(cfg)
+  want = batches(dataclasses.replace(cfg, tokenize="stream"))
   assert len(ahead) == len(want)
   for got, ref in zip(ahead, want):
     for key in ref:
@@ -168,7 +168,7 @@ def test_tokenize_ahead_gives_the_same_batches(corpus):
 def test_token_cache_reuses_ahead_tokenization_and_misses_on_other_tokens(corpus, tmp_path):
   cfg, _ = corpus
   cached = dataclasses.replace(cfg, tokenize="ahead", token_cache=str(tmp_path), num_epochs=1)
-  want = batches(dataclasses.replace(cfg, num_epochs=1))
+  want = batches(dataclasses.replace(cfg, num_epochs=1, tokenize="stream"))
   first = batches(cached)  # builds and writes the cache
   assert len(list(tmp_path.glob("tokens-*.npz"))) == 1
 
@@ -181,6 +181,9 @@ def test_token_cache_reuses_ahead_tokenization_and_misses_on_other_tokens(corpus
 
   second = list(data.make_iterator(cached, Counting()))
   assert Counting.calls == 0  # loaded, not tokenized
+  # auto (the default) tokenizes a local file source ahead: it finds the same cache.
+  list(data.make_iterator(dataclasses.replace(cached, tokenize="auto"), Counting()))
+  assert Counting.calls == 0
   for got in (first, second):
     assert len(got) == len(want)
     for g, w in zip(got, want):
@@ -194,7 +197,7 @@ def test_token_cache_reuses_ahead_tokenization_and_misses_on_other_tokens(corpus
   list(data.make_iterator(cached, Other()))  # another tokenizer: a miss, a second file
   assert Counting.calls > 0 and len(list(tmp_path.glob("tokens-*.npz"))) == 2
   with pytest.raises(ValueError, match="token_cache.*needs tokenize='ahead'"):
-    dataclasses.replace(cfg, token_cache=str(tmp_path))
+    dataclasses.replace(cfg, tokenize="stream", token_cache=str(tmp_path))
 
 
 @pytest.mark.parametrize("num_epochs, tokenize", [(3, "stream"), (None, "stream"), (3, "ahead")])
