@@ -1,0 +1,77 @@
+"""The size presets as a user launches them: train.py with only --workdir, steps and warm-up.
+
+  python bench/presets.py --out docs/results/presets.json          # 1.3b and 400m
+  python bench/presets.py --sizes 1.3b --steps 10
+
+Per size: a cold launch (an empty compilation cache of its own), then the same command in a fresh
+workdir with that cache now warm. Each row: the time to the first step and its split (data, init,
+compile) from train.py's "first step after" line, the micro-batch it chose, and the last logged
+tokens/s, MFU and share of time the device waited for input. No environment variables are set
+beyond the cache directory: the rows are what `python train.py` gives.
+"""
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIRST = re.compile(r"first step after ([\d.]+) s: data ([\d.]+) s, init ([\d.]+) s, compile "
+                   r"([\d.]+) s \(micro-batch (\d+) x (\d+)")
+PACE = re.compile(r"tok/s=(\d+), mfu=([\d.]+)%, wait=(\d+)%")
+
+
+def parse_log(text: str) -> dict:
+  """train.py's output -> the row's numbers (absent ones left out)."""
+  row = {}
+  if m := FIRST.search(text):
+    row.update(first_step_s=float(m[1]), data_s=float(m[2]), init_s=float(m[3]),
+               compile_s=float(m[4]), micro_batch=int(m[5]), accumulation=int(m[6]))
+  if paces := PACE.findall(text):
+    tok, mfu, wait = paces[-1]
+    row.update(tokens_per_s=int(tok), mfu=round(float(mfu) / 100, 4),
+               input_wait=round(float(wait) / 100, 4))
+  return row
+
+
+def launch(size: str, steps: int, workdir: str, cache: str, timeout: int) -> dict:
+  cmd = [sys.executable, "train.py", "--config", f"configs/focal.py:size={size}",
+         "--workdir", workdir, f"--config.train.steps={steps}", "--config.optim.warmup_steps=2"]
+  env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=cache)
+  try:
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    text, rc = done.stdout + done.stderr, done.returncode
+  except subprocess.TimeoutExpired as e:
+    text, rc = (e.stdout or b"").decode() + (e.stderr or b"").decode(), "timeout"
+  return {"command": " ".join(cmd[1:]), "rc": rc, **parse_log(text.replace("\r", "\n"))}
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--sizes", default="1.3b,400m")
+  ap.add_argument("--steps", type=int, default=10)
+  ap.add_argument("--timeout", type=int, default=300, help="seconds per launch")
+  ap.add_argument("--out", default="presets.json")
+  args = ap.parse_args()
+  rows = []
+  with tempfile.TemporaryDirectory() as tmp:
+    for size in args.sizes.split(","):
+      cache = os.path.join(tmp, f"cache_{size}")
+      for run in ("cold", "warm"):
+        row = {"size": size, "cache": run,
+               **launch(size, args.steps, os.path.join(tmp, f"{size}_{run}"), cache, args.timeout)}
+        rows.append(row)
+        print(f"{size:>5} {run}: first step {row.get('first_step_s', '-')} s (data "
+              f"{row.get('data_s', '-')}, init {row.get('init_s', '-')}, compile "
+              f"{row.get('compile_s', '-')}), MFU {row.get('mfu', '-')}, input wait "
+              f"{row.get('input_wait', '-')}, rc {row['rc']}", flush=True)
+  with open(args.out, "w") as f:
+    json.dump({"rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()
