@@ -1,8 +1,5 @@
-"""Hugging Face LLaMA-family checkpoints <-> focaljax workdirs: what both directions share.
-
-  python -m focaljax.convert hf-to-focaljax HF_DIR OUT_DIR [--replace]          (hf_import)
-  python -m focaljax.convert focaljax-to-hf CKPT OUT_DIR [--dtype bfloat16] [--max_shard_gb 5]
-                                            [--replace]                          (hf_export)
+"""Hugging Face LLaMA-family checkpoints <-> focaljax workdirs: what both directions share
+(hf_import and hf_export each do one).
 
 Layout: HF stores a linear layer [out, in]; ours is [in, out] with heads split out (q_proj
 [N·D, E] -> wq [E, N, D], o_proj [E, N·D] -> wo [N, D, E]). Both sides apply rotate-half RoPE
@@ -19,11 +16,9 @@ import os
 
 from etils import epath
 
-from focaljax import config as config_lib
 from focaljax.data import tokenizer as tokenizer_lib
 from focaljax.train import checkpoint
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
           "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 
@@ -46,6 +41,7 @@ _LAYER = (
     ("mlp.gate_proj.weight", "mlp.w_gate", 1),
     ("mlp.up_proj.weight", "mlp.w_up", 1),
     ("mlp.down_proj.weight", "mlp.w_down", 1),
+    ("self_attn.w_tau", "attn.w_tau", None),   # learned-τ layers: the custom export only
 )
 _TOP = (("model.embed_tokens.weight", "embed", None),
         ("model.norm.weight", "final_norm.scale", None), ("lm_head.weight", "lm_head", 1))
@@ -60,25 +56,24 @@ def _name_map(num_layers: int):
   return out
 
 
-def _tokenizer_file(workdir: str, run: config_lib.Config) -> str:
-  path = epath.Path(workdir) / checkpoint.TOKENIZER_FILE
-  if not path.is_file() and run.data.tokenizer == "bundled":
-    return str(tokenizer_lib.BUNDLED_FILE)
-  return str(path)
-
-
-def _eos(src_dir: str) -> str:
-  """The eos named by HF's tokenizer_config.json (LLaMA's "</s>"), else focaljax's."""
-  path = epath.Path(src_dir) / "tokenizer_config.json"
-  eos = _read_json(path).get("eos_token") if path.is_file() else None
-  return (eos.get("content") if isinstance(eos, dict) else eos) or tokenizer_lib.EOS_TOKEN
+def _tokenizer(src_dir: str, bundled: bool = False) -> tuple[str, str]:
+  """(src_dir's tokenizer.json, or the bundled one if `bundled` and it has none; the eos named by
+  its tokenizer_config.json (LLaMA's "</s>"), else focaljax's)."""
+  src = epath.Path(src_dir)
+  path = src / checkpoint.TOKENIZER_FILE
+  if not path.is_file() and bundled:
+    path = tokenizer_lib.BUNDLED_FILE
+  if not path.is_file():
+    raise FileNotFoundError(f"{path} not found: a fast tokenizer (tokenizer.json) is required")
+  config = src / "tokenizer_config.json"
+  eos = _read_json(config).get("eos_token") if config.is_file() else None
+  eos = (eos.get("content") if isinstance(eos, dict) else eos) or tokenizer_lib.EOS_TOKEN
+  return str(path), eos
 
 
 def _copy_tokenizer(src: str, out_dir: str, eos: str):
-  src, out_dir = epath.Path(src), epath.Path(out_dir)
-  if not src.is_file():
-    raise FileNotFoundError(f"{src} not found: a fast tokenizer (tokenizer.json) is required")
-  src.copy(out_dir / checkpoint.TOKENIZER_FILE, overwrite=True)
+  out_dir = epath.Path(out_dir)
+  epath.Path(src).copy(out_dir / checkpoint.TOKENIZER_FILE, overwrite=True)
   # HF's own file for naming the eos; a LLaMA tokenizer's is "</s>", not <|endoftext|>.
   (out_dir / "tokenizer_config.json").write_text(json.dumps(
       {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos}, indent=2))
@@ -94,19 +89,22 @@ def _read_json(path: str):
     raise ValueError(f"{path} is not valid JSON: {e}") from None
 
 
-def _out_dir(out_dir: str, source: str, replace: bool, *, clear: bool = False) -> None:
-  """Refuses a non-empty out_dir unless `replace`; `clear` then empties it (once the input has
-  been checked, so a refused conversion deletes nothing). Never the source's own directory."""
+def _out_dir(out_dir: str, source: str, replace: bool, *, create: bool = False) -> epath.Path:
+  """Refuses a non-empty out_dir unless `replace`, and never the source's own directory; `create`
+  then empties and creates it (once the input has been checked, so a refused conversion deletes
+  nothing)."""
   path = epath.Path(out_dir)
   if path.exists() and not path.is_dir():
     raise ValueError(f"{out_dir} exists and is not a directory")
-  if not path.is_dir() or not any(path.iterdir()):
-    return
-  if not replace:
-    raise ValueError(f"{out_dir} exists and is not empty: pass --replace to overwrite it")
-  real = lambda p: str(p) if "://" in str(p) else os.path.realpath(p)   # URLs have no links
-  out, src = real(out_dir).rstrip("/"), real(source).rstrip("/")
-  if src == out or src.startswith(out + "/"):
-    raise ValueError(f"{out_dir} holds the source {source}: choose another output directory")
-  if clear:
-    path.rmtree()
+  if path.is_dir() and any(path.iterdir()):
+    if not replace:
+      raise ValueError(f"{out_dir} exists and is not empty: pass --replace to overwrite it")
+    real = lambda p: str(p) if "://" in str(p) else os.path.realpath(p)   # URLs have no links
+    out, src = real(out_dir).rstrip("/"), real(source).rstrip("/")
+    if src == out or src.startswith(out + "/"):
+      raise ValueError(f"{out_dir} holds the source {source}: choose another output directory")
+    if create:
+      path.rmtree()
+  if create:
+    path.mkdir(parents=True, exist_ok=True)
+  return path

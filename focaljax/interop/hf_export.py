@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import shutil
 
 import ml_dtypes
 import numpy as np
@@ -29,8 +27,7 @@ from flax import nnx, traverse_util
 
 from focaljax import config as config_lib
 from focaljax.interop import safetensors_file
-from focaljax.interop.hf import (_ARCHS, _copy_tokenizer, _eos, _name_map, _out_dir,
-                                 _tokenizer_file)
+from focaljax.interop.hf import _ARCHS, _copy_tokenizer, _name_map, _out_dir, _tokenizer
 from focaljax.model import attention as attn_lib
 from focaljax.model import decoder as model_lib
 from focaljax.train import checkpoint
@@ -41,10 +38,7 @@ _EXPORT_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float1
 def _param_reader(workdir: str, step: int | None):
   """(step, {key path: metadata}, read(keys) -> np.ndarray): one stored tensor per read, in its
   stored dtype (no device copy, no float32 cast), so an export holds one tensor at a time."""
-  manager = ocp.CheckpointManager(epath.Path(workdir) / "checkpoints",
-                                  item_names=checkpoint.ITEMS)
-  step = manager.latest_step() if step is None else step
-  manager.close()
+  step = checkpoint.latest_step(workdir) if step is None else step
   if step is None:
     raise FileNotFoundError(f"no checkpoint under {workdir}/checkpoints")
   path = epath.Path(workdir) / "checkpoints" / str(step) / "params"
@@ -126,7 +120,7 @@ def _fold_into(cfg) -> tuple[str, ...]:
   return ("self_attn.q_proj.weight",) + (("self_attn.q_proj.bias",) if cfg.qkv_bias else ())
 
 # The custom export's modeling code (copied) and its configuration module (re-exports the config).
-_MODELING_SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_modeling.py")
+_MODELING_SRC = epath.Path(__file__).parent / "hf_modeling.py"
 _CONFIGURATION_PY = ('"""FocaljaxConfig, defined next to the model in modeling_focaljax.py."""\n\n'
                      "from .modeling_focaljax import FocaljaxConfig  # noqa: F401\n")
 _AUTO_MAP = {"AutoConfig": "configuration_focaljax.FocaljaxConfig",
@@ -134,9 +128,8 @@ _AUTO_MAP = {"AutoConfig": "configuration_focaljax.FocaljaxConfig",
 
 
 def focaljax_hf_config(cfg, eos_id: int | None, dtype: str, q_scales, plan) -> dict:
-  """The stock class's config fields (Llama's, Qwen3's for qk_norm, Qwen2's for q/k/v biases,
-  Mistral's for a sliding window), or where none computes the model FocaljaxConfig's
-  (hf_modeling.py): the same shape fields plus the per-layer plan."""
+  """config.json: the fields of _stock_arch's class, or where none computes the model those of
+  FocaljaxConfig (hf_modeling.py): the same shape fields plus the per-layer plan."""
   shape = {
       "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff,
       "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
@@ -178,19 +171,6 @@ def _readme(hf_config: dict, source: str) -> str:
            if "folded_layers" in fj else ""))
 
 
-def _names(num_layers: int):
-  """_name_map's tensors plus each learned-τ layer's w_τ (custom export only)."""
-  return _name_map(num_layers) + [(f"model.layers.{i}.self_attn.w_tau",
-                                   ("blocks", i, "attn", "w_tau"), None)
-                                  for i in range(num_layers)]
-
-
-def _expected_params(cfg) -> set[tuple[str, ...]]:
-  """The key paths of the params a model of `cfg` has (abstract: nothing is allocated)."""
-  state = model_lib.abstract_model(cfg)[1]
-  return {tuple(map(str, k)) for k in traverse_util.flatten_dict(nnx.to_pure_dict(state))}
-
-
 def focaljax_to_hf(path: str, out_dir: str, *, dtype: str | None = None,
                    max_shard_gb: float = 5.0, replace: bool = False) -> str:
   """Exports a focaljax workdir (latest step) or checkpoints/<step> dir as an HF directory."""
@@ -199,12 +179,15 @@ def focaljax_to_hf(path: str, out_dir: str, *, dtype: str | None = None,
   run = config_lib.parse(config_lib.read_run_config(workdir))
   plan = _layer_plan(run.model)
   q_scales = _q_scales(run.model, plan)
-  tok_file, eos = _tokenizer_file(workdir, run), _eos(workdir)
+  tok_file, eos = _tokenizer(workdir, bundled=run.data.tokenizer == "bundled")
   # The raw HF tokenizer: its eos may be "</s>", which focaljax's Tokenizer does not require here.
   hf_tok = tokenizers.Tokenizer.from_file(tok_file)
   cfg = run.with_vocab(hf_tok.get_vocab_size(with_added_tokens=True)).model
   step, tree, read = _param_reader(workdir, step)
-  missing = sorted(_expected_params(cfg) - set(tree))
+  # The params a model of cfg has (abstract: nothing is allocated).
+  state = model_lib.abstract_model(cfg)[1]
+  want = {tuple(map(str, k)) for k in traverse_util.flatten_dict(nnx.to_pure_dict(state))}
+  missing = sorted(want - set(tree))
   if missing:
     raise ValueError(f"checkpoint has no param {'.'.join(missing[0])}, which the model its "
                      "config.json describes needs")
@@ -214,7 +197,7 @@ def focaljax_to_hf(path: str, out_dir: str, *, dtype: str | None = None,
     raise ValueError(f"--dtype {dtype!r} is not one of {list(_EXPORT_DTYPES)}")
   out_dtype = np.dtype(_EXPORT_DTYPES[dtype])
   specs, exported = [], set()
-  for hf_name, our_path, n_in in _names(cfg.num_layers):
+  for hf_name, our_path, n_in in _name_map(cfg.num_layers):
     keys = tuple(map(str, our_path))
     if keys not in tree:
       continue
@@ -233,17 +216,13 @@ def focaljax_to_hf(path: str, out_dir: str, *, dtype: str | None = None,
   missed = sorted(set(tree) - exported)
   if missed:
     raise ValueError(f"checkpoint param {'.'.join(missed[0])} has no Hugging Face counterpart")
-  _out_dir(out_dir, workdir, replace, clear=True)
-  os.makedirs(out_dir, exist_ok=True)
+  out = _out_dir(out_dir, workdir, replace, create=True)
   safetensors_file.write_dir(out_dir, specs, int(max_shard_gb * 2**30))
   hf_config = focaljax_hf_config(cfg, hf_tok.token_to_id(eos), str(out_dtype), q_scales, plan)
-  with open(os.path.join(out_dir, "config.json"), "w") as f:
-    json.dump(hf_config, f, indent=2)
+  (out / "config.json").write_text(json.dumps(hf_config, indent=2))
   if "auto_map" in hf_config:
-    shutil.copyfile(_MODELING_SRC, os.path.join(out_dir, "modeling_focaljax.py"))
-    with open(os.path.join(out_dir, "configuration_focaljax.py"), "w") as f:
-      f.write(_CONFIGURATION_PY)
+    _MODELING_SRC.copy(out / "modeling_focaljax.py", overwrite=True)
+    (out / "configuration_focaljax.py").write_text(_CONFIGURATION_PY)
   _copy_tokenizer(tok_file, out_dir, eos)
-  with open(os.path.join(out_dir, "README.md"), "w") as f:
-    f.write(_readme(hf_config, f"{workdir} step {step}"))
+  (out / "README.md").write_text(_readme(hf_config, f"{workdir} step {step}"))
   return out_dir

@@ -11,7 +11,7 @@ source dtype.
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import os
 import sys
 import warnings
@@ -24,12 +24,12 @@ from flax import traverse_util
 
 from focaljax import config as config_lib
 from focaljax.interop import safetensors_file
-from focaljax.interop.hf import (_ARCHS, _ROOT, _copy_tokenizer, _eos, _name_map, _out_dir,
-                                 _read_json)
+from focaljax.interop.hf import _ARCHS, _copy_tokenizer, _name_map, _out_dir, _read_json, _tokenizer
 from focaljax.model import decoder as model_lib
 from focaljax.train import checkpoint
 
 
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _LLAMA3 = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
@@ -82,19 +82,14 @@ def _window(hf: dict, arch: str) -> int:
   return window
 
 
-def _arch(hf: dict) -> str:
-  """_ARCHS's short name of the model class config.json names."""
+def _check_hf(hf: dict) -> str:
+  """Refuses what cannot be imported, naming the field; returns _ARCHS's short name of the
+  model class config.json names."""
   if not isinstance(hf, dict):
     raise ValueError("config.json is not a JSON object")
   arch = (hf.get("architectures") or ["LlamaForCausalLM"])[0]
   if arch not in _ARCHS:
     raise ValueError(f"config.json architectures={arch!r} is not one of {list(_ARCHS)}")
-  return _ARCHS[arch]
-
-
-def _check_hf(hf: dict) -> str:
-  """Refuses what cannot be imported, naming the field; returns _arch(hf)."""
-  arch = _arch(hf)
   for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                 "num_attention_heads", "max_position_embeddings"):
     if not isinstance(hf.get(field), int) or hf[field] <= 0:
@@ -106,28 +101,23 @@ def _check_hf(hf: dict) -> str:
     raise ValueError("config.json mlp_bias=true: focaljax's MLP has no biases")
   if hf.get("hidden_act", "silu") != "silu":
     raise ValueError(f"config.json hidden_act={hf['hidden_act']!r}: our MLP is SwiGLU (silu)")
-  _window(hf, arch)
-  _rope(hf)
-  return arch
+  return _ARCHS[arch]
 
 
 def _base_config():
-  """configs/base.py's full layout: the file train.py reads (configs/ is not a package import
-  of focaljax, so it is loaded by path, as config files are)."""
-  path = os.path.join(_ROOT, "configs", "base.py")
-  if not os.path.isfile(path):
-    raise FileNotFoundError(f"{path} not found: run from a focaljax checkout")
+  """configs/base.py's full layout: the file train.py reads (configs/ sits next to focaljax/, so
+  the checkout root goes on sys.path)."""
+  if not os.path.isfile(os.path.join(_ROOT, "configs", "base.py")):
+    raise FileNotFoundError(f"{_ROOT}/configs/base.py not found: run from a focaljax checkout")
   if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)   # base.py imports configs.sizes
-  spec = importlib.util.spec_from_file_location("focaljax_base_config", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config()
+    sys.path.insert(0, _ROOT)
+  return importlib.import_module("configs.base").get_config()
 
 
 def hf_config_to_focaljax(hf: dict, tensors=()):
   """A full run ConfigDict (configs/base.py layout) for the HF model config `hf`."""
-  arch, (theta, llama3), c = _check_hf(hf), _rope(hf), _base_config()
+  arch = _check_hf(hf)
+  window, (theta, llama3), c = _window(hf, arch), _rope(hf), _base_config()
   heads = hf["num_attention_heads"]
   tied = hf.get("tie_word_embeddings", "lm_head.weight" not in tensors)
   if not tied and tensors and "lm_head.weight" not in tensors:
@@ -137,7 +127,7 @@ def hf_config_to_focaljax(hf: dict, tensors=()):
       num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
       head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, d_ff=hf["intermediate_size"],
       tie_embeddings=bool(tied), qk_norm="model.layers.0.self_attn.q_norm.weight" in tensors,
-      qkv_bias=arch == "qwen2", sliding_window=_window(hf, arch), rope_theta=theta,
+      qkv_bias=arch == "qwen2", sliding_window=window, rope_theta=theta,
       norm_eps=float(hf.get("rms_norm_eps", 1e-6))))
   if llama3:
     c.model.rope_scaling.update(llama3)
@@ -150,7 +140,6 @@ def hf_to_focaljax(hf_dir: str, out_dir: str, *, replace: bool = False) -> str:
   """Converts an HF checkpoint directory into a focaljax workdir; returns out_dir."""
   _out_dir(out_dir, hf_dir, replace)
   hf = _read_json(os.path.join(hf_dir, "config.json"))
-  _check_hf(hf)
   tensors = safetensors_file.read_dir(hf_dir)
   run_config = hf_config_to_focaljax(hf, tensors)
   run_config.data.tokenizer = str(epath.Path(config_lib.absolute(out_dir)) /
@@ -158,7 +147,7 @@ def hf_to_focaljax(hf_dir: str, out_dir: str, *, replace: bool = False) -> str:
   cfg = config_lib.parse(run_config).with_vocab(hf["vocab_size"]).model
   # The exact tree load() restores into, as ShapeDtypeStructs: its keys and shapes are the spec.
   want = traverse_util.flatten_dict(nnx.to_pure_dict(model_lib.abstract_model(cfg)[1]))
-  params, used = {}, set()
+  params = {}
   for hf_name, path, n_in in _name_map(cfg.num_layers):
     if path not in want:
       continue
@@ -171,19 +160,15 @@ def hf_to_focaljax(hf_dir: str, out_dir: str, *, replace: bool = False) -> str:
                        f"makes {list(want[path].shape)} (ours, as [in, heads..., out])")
     params[path] = np.ascontiguousarray(src if n_in is None else src.T).reshape(want[path].shape)
     del src
-    used.add(hf_name)
   if cfg.tie_embeddings:
-    used.add("lm_head.weight")   # tie_word_embeddings=true: HF ignores a stored lm_head too
-  unused = sorted(n for n in set(tensors) - used if not n.endswith("rotary_emb.inv_freq"))
+    tensors.pop("lm_head.weight", None)   # tie_word_embeddings=true: HF ignores a stored one too
+  unused = sorted(n for n in tensors if not n.endswith("rotary_emb.inv_freq"))
   if unused:
     raise ValueError(f"{hf_dir}: tensor {unused[0]} (and {len(unused) - 1} more) has no focaljax "
                      "counterpart")
   del tensors
-  tok_file, eos = os.path.join(hf_dir, checkpoint.TOKENIZER_FILE), _eos(hf_dir)
-  if not os.path.isfile(tok_file):
-    raise FileNotFoundError(f"{tok_file} not found: a fast tokenizer (tokenizer.json) is required")
-  _out_dir(out_dir, hf_dir, replace, clear=True)
-  epath.Path(out_dir).mkdir(parents=True, exist_ok=True)
+  tok_file, eos = _tokenizer(hf_dir)
+  _out_dir(out_dir, hf_dir, replace, create=True)
   checkpoint.write_config(out_dir, run_config)
   # tokenizer_config.json names the eos (LLaMA's "</s>"); focaljax.load's Tokenizer reads it.
   _copy_tokenizer(tok_file, out_dir, eos)

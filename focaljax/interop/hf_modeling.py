@@ -58,15 +58,14 @@ class FocaljaxConfig(PretrainedConfig):
     self.head_dim, self.max_position_embeddings = head_dim, max_position_embeddings
     self.rms_norm_eps, self.rope_theta, self.qk_norm = rms_norm_eps, rope_theta, qk_norm
     L = num_hidden_layers
-    self.layer_rope = list(layer_rope if layer_rope is not None else [True] * L)
-    self.layer_dilution = list(layer_dilution if layer_dilution is not None else [False] * L)
-    self.layer_learned_tau = list(layer_learned_tau if layer_learned_tau is not None
-                                  else [False] * L)
-    self.layer_scale = list(layer_scale if layer_scale is not None else [head_dim**-0.5] * L)
-    for name in ("layer_rope", "layer_dilution", "layer_learned_tau", "layer_scale"):
-      if len(getattr(self, name)) != L:
-        raise ValueError(f"config.json: {name} has {len(getattr(self, name))} entries for "
-                         f"num_hidden_layers={L}")
+    for name, value, default in (("layer_rope", layer_rope, True),
+                                 ("layer_dilution", layer_dilution, False),
+                                 ("layer_learned_tau", layer_learned_tau, False),
+                                 ("layer_scale", layer_scale, head_dim**-0.5)):
+      value = list(value if value is not None else [default] * L)
+      if len(value) != L:
+        raise ValueError(f"config.json: {name} has {len(value)} entries for num_hidden_layers={L}")
+      setattr(self, name, value)
     self.tau_min, self.tau_max, self.tau_init = tau_min, tau_max, tau_init
     self.tau_per_token, self.dilution_eps = tau_per_token, dilution_eps
     self.qkv_bias, self.sliding_window = qkv_bias, sliding_window
@@ -76,8 +75,8 @@ class FocaljaxConfig(PretrainedConfig):
 
 
 class FocaljaxCache:
-  """Per layer: k, v [B, S, K, D]; demand float32 [B, N, S] (dilution); tau_sum float32 [B]
-  (learned τ). Greedy search and sampling only: nothing here reorders beams."""
+  """Per layer: k, v [B, S, K, D]; demand float32 [B, N, S] (dilution layers; None on others);
+  tau_sum float32 [B] (learned τ). Greedy search and sampling only: nothing reorders beams."""
 
   def __init__(self, num_layers: int):
     self.layers = [{} for _ in range(num_layers)]
@@ -85,13 +84,6 @@ class FocaljaxCache:
   def get_seq_length(self, layer_idx: int = 0) -> int:
     k = self.layers[layer_idx].get("k")
     return 0 if k is None else k.shape[1]
-
-
-def rms_norm(x, weight, eps: float):
-  """Statistics in float32, as focaljax computes them; the result in x's dtype."""
-  x32 = x.float()
-  y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-  return (y * weight.float()).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -102,7 +94,10 @@ class RMSNorm(nn.Module):
     self.eps = eps
 
   def forward(self, x):
-    return rms_norm(x, self.weight, self.eps)
+    """Statistics in float32, as focaljax computes them; the result in x's dtype."""
+    x32 = x.float()
+    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+    return (y * self.weight.float()).to(x.dtype)
 
 
 def rope_theta(config: FocaljaxConfig, length: int) -> float:
@@ -211,13 +206,11 @@ class Attention(nn.Module):
     v_BSKD = torch.cat([state["v"], v_BTKD], dim=1) if past else v_BTKD
     state["k"], state["v"] = k_BSKD, v_BSKD
     scale = self._scale(x_BTE, state, past)
-    demand_BNS = None
-    if self.dilution:
-      demand_BNS = state.get("demand", x_BTE.new_zeros((B, N, 0), dtype=torch.float32))
-    out_BTND, demand_BNS = attend(q_BTND, k_BSKD, v_BSKD, scale, past, demand_BNS,
-                                  self.config.dilution_eps, self.config.sliding_window)
-    if self.dilution:
-      state["demand"] = demand_BNS
+    # Softmax layers carry no demand: attend takes and returns None.
+    demand_BNS = (state.get("demand", x_BTE.new_zeros((B, N, 0), dtype=torch.float32))
+                  if self.dilution else None)
+    out_BTND, state["demand"] = attend(q_BTND, k_BSKD, v_BSKD, scale, past, demand_BNS,
+                                       self.config.dilution_eps, self.config.sliding_window)
     return self.o_proj(out_BTND.reshape(B, T, N * D))
 
 
@@ -291,17 +284,15 @@ class FocaljaxForCausalLM(PreTrainedModel, GenerationMixin):
     if cache is not None and not isinstance(cache, FocaljaxCache):
       raise ValueError(f"cache is a {type(cache).__name__}; this model builds its own "
                        "FocaljaxCache (k, v, dilution demand, τ sums): pass none")
-    use_cache = True if use_cache is None else use_cache
-    if cache is None and use_cache:
+    if cache is None:
       cache = FocaljaxCache(self.config.num_hidden_layers)
-    states = cache.layers if cache is not None else [{} for _ in self.model.layers]
     B, T = input_ids.shape
-    past = cache.get_seq_length() if cache is not None else 0
+    past = cache.get_seq_length()
     if position_ids is None:
       position_ids = (past + torch.arange(T, device=input_ids.device))[None].expand(B, T)
     theta = rope_theta(self.config, rope_length or past + T)
     x_BTE = self.model.embed_tokens(input_ids)
-    for block, state in zip(self.model.layers, states):
+    for block, state in zip(self.model.layers, cache.layers):
       x_BTE = block(x_BTE, position_ids, theta, state)
     x_BTE = self.model.norm(x_BTE)
     if logits_to_keep:
@@ -314,4 +305,4 @@ class FocaljaxForCausalLM(PreTrainedModel, GenerationMixin):
       loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(),
                              ignore_index=-100)
     return CausalLMOutputWithPast(loss=loss, logits=logits,
-                                  **{_CACHE_FIELD: cache if use_cache else None})
+                                  **{_CACHE_FIELD: cache if use_cache in (None, True) else None})

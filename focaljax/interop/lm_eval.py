@@ -8,16 +8,15 @@ discovery, so `--model focaljax` is only known once this module is imported (in 
 `import focaljax.interop.lm_eval` before `lm_eval.simple_evaluate(model="focaljax", ...)`).
 
 model_args: path (required); batch_size (default 8; on the command line use --batch_size, which
-lm_eval always passes itself); max_length (the context requests are
-left-truncated to; default the trained context, data.seq_len, so RoPE never NTK-scales unless
-asked to).
+lm_eval always passes itself); max_length (the context requests are left-truncated to; default
+the trained context, data.seq_len, so RoPE never NTK-scales unless asked to).
 
 Scoring right-pads each batch to a length bucket (powers of two up to max_length): the model is
 causal, so padding after a request cannot change its scores, and few shapes are compiled. (With
-max_length above the trained context, RoPE NTK-scales for the bucket's length.)
-Generation cannot pad (there is no attention mask), so it batches requests of equal prompt length
-and runs one compiled decode per (batch, prompt length, max_gen_toks); stop strings are applied
-to the decoded text after `max_gen_toks` tokens (or eos).
+max_length above the trained context, RoPE NTK-scales for the bucket's length.) Generation
+cannot pad (there is no attention mask), so it batches requests of equal prompt length and runs
+one compiled decode per (batch, prompt length, max_gen_toks); stop strings are applied to the
+decoded text after `max_gen_toks` tokens (or eos).
 """
 
 from __future__ import annotations

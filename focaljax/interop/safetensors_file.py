@@ -80,20 +80,19 @@ def write_dir(out_dir: str, specs, max_shard_bytes: int) -> list[str]:
   """Streams `specs` [(name, shape, dtype, make() -> array)] into model.safetensors, or into
   shards of at most `max_shard_bytes` plus model.safetensors.index.json; one tensor in memory."""
   shards, size = [[]], 0
-  for spec in specs:
-    nbytes = int(np.prod(spec[1])) * np.dtype(spec[2]).itemsize
+  for name, shape, dtype, make in specs:
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
     if shards[-1] and size + nbytes > max_shard_bytes:
       shards.append([])
       size = 0
-    shards[-1].append(spec)
+    shards[-1].append((name, shape, dtype, make, nbytes))
     size += nbytes
   names = (["model.safetensors"] if len(shards) == 1 else
            [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
   weight_map, total = {}, 0
   for fname, shard in zip(names, shards):
     header, offset = {"__metadata__": {"format": "pt"}}, 0
-    for name, shape, dtype, _ in shard:
-      nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    for name, shape, dtype, _, nbytes in shard:
       header[name] = {"dtype": _NAMES[np.dtype(dtype)], "shape": list(shape),
                       "data_offsets": [offset, offset + nbytes]}
       offset += nbytes
@@ -103,7 +102,7 @@ def write_dir(out_dir: str, specs, max_shard_bytes: int) -> list[str]:
     raw += b" " * (-len(raw) % 8)   # the format pads the header so tensor data stays aligned
     with open(os.path.join(out_dir, fname), "wb") as f:
       f.write(struct.pack("<Q", len(raw)) + raw)
-      for name, shape, dtype, make in shard:
+      for name, shape, dtype, make, _ in shard:
         arr = np.ascontiguousarray(make(), dtype=dtype)
         if arr.shape != tuple(shape):
           raise ValueError(f"tensor {name}: made shape {arr.shape}, declared {tuple(shape)}")
