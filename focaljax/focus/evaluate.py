@@ -57,6 +57,10 @@ def _tally(trials: list[dict]) -> list[int]:
   return [sum(bool(t.get("correct")) for t in trials), len(trials)]
 
 
+def _fmt(x) -> str:
+  return "     -" if x is None else f"{x:6.3f}"
+
+
 def wilson_interval(right: int, n: int, z: float = 1.96) -> tuple[float, float] | None:
   """The 95% Wilson score interval of a share right/n (8 of 10 right: 0.49-0.94)."""
   if n == 0:
@@ -96,7 +100,7 @@ def passkey(adapter, base, cfg: focus.FocusConfig, tokenizer, multipliers=DEFAUL
   if batch_size < 1:
     raise ValueError(f"focus passkey: batch_size (eval.py --focus_passkey_batch) must be >= 1; "
                      f"got {batch_size}")
-  base = getattr(base, "model", base)
+  base = loaded_lib.module(base)
   ctx = base.cfg.max_seq_len
   seeds = list(range(seeds)) if isinstance(seeds, int) else list(seeds)
   local_len = local_len or ctx // 2
@@ -104,6 +108,10 @@ def passkey(adapter, base, cfg: focus.FocusConfig, tokenizer, multipliers=DEFAUL
   draws = [(s, int(r.integers(10_000, 100_000)), float(r.random())) for s, r in zip(seeds, rngs)]
   max_new, overhead = passkey_budget(tokenizer, [k for _, k, _ in draws])
   question = len(tokenizer.encode(retrieval.PASSKEY_QUESTION))
+  mean = lambda values: float(np.mean(values)) if values else None
+  share = lambda key, ts: mean([t[key] for t in ts if key in t])
+  memory = lambda ts: [t for t in ts if t["needle_in_memory"]]
+  cand_mass = lambda ts: mean([np.mean(t["candidate_mass"]) for t in ts])
   rows = []
   for m in multipliers:
     L = int(m * ctx)
@@ -141,17 +149,12 @@ def passkey(adapter, base, cfg: focus.FocusConfig, tokenizer, multipliers=DEFAUL
         _score(*args, tokenizer, cfg.chunk_size)
     row["seconds"] = round(time.time() - t0, 1)
     if log:   # each row as it finishes: a run cut short by its wall limit still reports it
-      mem = [t for t in row["trials"] if t["needle_in_memory"]]
-      shares = [t["needle_share"] for t in mem]
-      log(f"  focus passkey {m}x ({L} tokens): {_tally(row['trials'])[0]}/{len(seeds)} in "
-          f"{row['seconds']} s; needle in memory {_tally(mem)[0]}/{len(mem)}, cand mass "
-          f"{np.mean([np.mean(t['candidate_mass']) for t in row['trials']]):.3f}, needle/cand "
-          + (f"{np.mean(shares):.3f}" if shares else "-"))
+      ts, mem = row["trials"], memory(row["trials"])
+      log(f"  focus passkey {m}x ({L} tokens): {_tally(ts)[0]}/{len(seeds)} in {row['seconds']} "
+          f"s; needle in memory {_tally(mem)[0]}/{len(mem)}, cand mass {cand_mass(ts):.3f}, "
+          f"needle/cand {_fmt(share('needle_share', ts)).strip()}")
 
   by_row = lambda f: [f(r["trials"]) for r in rows]
-  mean = lambda values: float(np.mean(values)) if values else None
-  share = lambda key, ts: mean([t[key] for t in ts if key in t])
-  memory = lambda ts: [t for t in ts if t["needle_in_memory"]]
   by_length = by_row(lambda ts: share("correct", ts))
   scored = [a for a in by_length if a is not None]
   return {"context": ctx, "chunk_size": cfg.chunk_size, "prompt_len": cfg.prompt_len,
@@ -166,7 +169,7 @@ def passkey(adapter, base, cfg: focus.FocusConfig, tokenizer, multipliers=DEFAUL
           "digit_places": by_row(lambda ts: np.mean([t["digit_places"] for t in ts], axis=0)
                                  .tolist() if ts else None),
           "candidate_readout": by_row(lambda ts: share("candidate_reads_key", ts)),
-          "candidate_mass": by_row(lambda ts: mean([np.mean(t["candidate_mass"]) for t in ts])),
+          "candidate_mass": by_row(cand_mass),
           "needle_share": by_row(lambda ts: share("needle_share", ts)),
           "overall": float(np.mean(scored)) if scored else None, "rows": rows}
 
@@ -205,20 +208,16 @@ def loss_by_position(adapter, base, cfg: focus.FocusConfig, token_docs, max_mult
     lo, hi = max(lo, T + k * s), min(hi, T + (k + 1) * s - 1)
     ends.append(sorted({int(p) for p in rng.integers(lo, hi + 1, windows)}))
   books_BL = np.stack(books)
-  no_memory = np.zeros((len(books), 0), np.int32)
-  nll = {name: np.full((len(books), len(ranges)), np.nan) for name in ("focus", "base")}
+  # The memory before the window ending at p: its whole chunks, or none for the base alone.
+  memory = {"focus": lambda p: books_BL[:, p - T - s * ((p - T) // s):p - T],
+            "base": lambda p: books_BL[:, :0]}
+  nll = {name: np.full((len(books), len(ranges)), np.nan) for name in memory}
   for r, ps in enumerate(ends):
-    if not ps:
-      continue
-    sums = {name: np.zeros(len(books)) for name in nll}
-    for p in ps:
-      window = books_BL[:, p - T:p + 1]
-      memory = {"focus": books_BL[:, p - T - s * ((p - T) // s):p - T], "base": no_memory}
-      for name in nll:
-        sums[name] += np.asarray(_target_nll(graphdef, state, adapter, memory[name], window, cfg,
-                                             Q)).mean(1)
-    for name in nll:
-      nll[name][:, r] = sums[name] / len(ps)
+    for name, memory_at in memory.items():
+      per_window = [_target_nll(graphdef, state, adapter, memory_at(p), books_BL[:, p - T:p + 1],
+                                cfg, Q).mean(1) for p in ps]
+      if per_window:
+        nll[name][:, r] = np.mean(per_window, axis=0)
   return {"context": ctx, "max_len": L, "local_len": T, "num_targets": Q, "chunk_size": s,
           "prompt_len": cfg.prompt_len, "num_books": len(books), "ranges": ranges,
           "window_ends": ends, "memory_chunks": [[(p - T) // s for p in ps] for ps in ends],
@@ -233,40 +232,38 @@ def cast(tree, dtype):
 
 
 def _format_passkey(head: str, r: dict) -> list[str]:
-  fmt = lambda x: "     -" if x is None else f"{x:6.3f}"
-  col = lambda name, i: r[name][i]
   lines = [head, f"  base context {r['context']}, chunk {r['chunk_size']}, prompt "
            f"{r['prompt_len']}, {len(r['seeds'])} seeds",
            "      x   length   memory  chunks  local   acc  in memory"
            "  candidate reads key  cand mass  needle/cand"]
   for i, row in enumerate(r["rows"]):
-    a, am, cr, cm, ns = (fmt(col(c, i)) for c in (
+    a, am, cr, cm, ns = (_fmt(r[c][i]) for c in (
         "accuracy_by_length", "accuracy_needle_in_memory", "candidate_readout", "candidate_mass",
         "needle_share"))
     lines.append(f"  {row['multiplier']:>5} {row['length']:>8} {row['memory_len']:>8} "
                  f"{row['num_chunks']:>7} {row['local_len']:>6} {a}     {am}   {cr}"
                  f"             {cm}       {ns}")
   for i, row in enumerate(r["rows"]):
-    x, (inside, before) = f"  {row['multiplier']:>5}x", (col("window_in_prompt", i),
-                                                          col("window_before_prompt", i))
+    x = f"  {row['multiplier']:>5}x"
+    inside, before = r["window_in_prompt"][i], r["window_before_prompt"][i]
     if "skipped" in row:
       lines.append(f"  {row['multiplier']}x skipped: {row['skipped']}")
     if inside[1] + before[1]:
       lines.append(f"{x} needles in the window: {inside[0]}/{inside[1]} within the prompt's "
                    f"last {row['prompt_tokens']} tokens, {before[0]}/{before[1]} before them")
-    if col("digit_places", i):
+    if r["digit_places"][i]:
       lines.append(f"{x} digits right by place (first to last): "
-                   + " ".join(f"{p:.2f}" for p in col("digit_places", i)))
+                   + " ".join(f"{p:.2f}" for p in r["digit_places"][i]))
     # Every miss, so a cut-off log still says which keys and needles failed, and how.
     where = lambda t: ("memory" if t["needle_in_memory"] else
                        "window, in prompt" if t["needle_in_prompt"] else "window")
     misses = [f"s{t['seed']} {t['key']} ({where(t)}) {t['output'][:12]!r}"
               for t in row["trials"] if t.get("correct") is False]
     lines += [f"{x} missed: " + " · ".join(misses)] if misses else []
-    if (ci := col("accuracy_interval", i)):
+    if (ci := r["accuracy_interval"][i]):
       lines.append(f"{x} accuracy {_tally(row['trials'])[0]}/{len(row['trials'])}, "
                    f"95% interval {ci[0]:.2f}-{ci[1]:.2f}")
-  return lines + [f"  overall {fmt(r['overall']).strip()}"]
+  return lines + [f"  overall {_fmt(r['overall']).strip()}"]
 
 
 def format_suite(suite: str, r: dict) -> str:
@@ -276,12 +273,11 @@ def format_suite(suite: str, r: dict) -> str:
   if suite == "focus_passkey":
     return "\n".join(_format_passkey(head, r))
   if suite == "focus_longdoc":
-    fmt = lambda x: "     -" if x is None else f"{x:6.3f}"
     c = r["curves"]
     lines = [head, f"  {r['num_books']} books, NLL of the last {r['num_targets']} tokens of "
              f"{r['local_len']}-token windows (context {r['context']}, chunk {r['chunk_size']}), "
              f"source: {r.get('source', '-')}", "  range                   focus    base    gain"]
-    lines += [f"  [{a:>7},{b:>7}) " + "  ".join(fmt(c[n]["mean"][i]) for n in c)
+    lines += [f"  [{a:>7},{b:>7}) " + "  ".join(_fmt(c[n]["mean"][i]) for n in c)
               for i, (a, b) in enumerate(r["ranges"])]
     return "\n".join(lines + ["  base = the frozen base on the same local window without memory"])
   return head

@@ -28,20 +28,17 @@ def _prefill(graphdef, base_state, adapter, memory_BM, prompt_BT, cfg, max_new_t
   base = nnx.merge(graphdef, base_state)
   B, T = prompt_BT.shape
   P = cfg.prompt_tokens(T)
-  if memory_BM.shape[1] == 0:
-    kv, caches, n, top_BC = focus.no_candidates(base, B, 1), None, 1, jnp.zeros((B, 0), jnp.int32)
-  else:
-    h_BCQE, kv, caches = focus.condense(adapter, base, memory_BM, prompt_BT[:, T - P:], 1, cfg,
-                                        extra=max_new_tokens - 1)
-    n = cfg.chunk_size + P                  # chunk sequence length; the candidate sits at n - 1
-    top_BC = _tops(base, h_BCQE[:, :, 0]) if readout else None
+  h_BCQE, kv, caches = focus.condense(adapter, base, memory_BM, prompt_BT[:, T - P:], 1, cfg,
+                                      extra=max_new_tokens - 1)
   tokens_BL = jnp.zeros((B, T + max_new_tokens - 1), jnp.int32).at[:, :T].set(prompt_BT)
+  # The candidate sits last in its chunk sequence [chunk | dynamic prompt].
   state = {"tokens": tokens_BL, "length": jnp.int32(T), "caches": caches,
-           "kv": [(k[:, :, 0], v[:, :, 0]) for k, v in kv], "candidate_pos": jnp.int32(n - 1)}
+           "kv": [(k[:, :, 0], v[:, :, 0]) for k, v in kv],
+           "candidate_pos": jnp.int32(cfg.chunk_size + P - 1)}
   out = _local_at(base, state, T - 1, cfg.implementation, candidate_mass=readout)
   if not readout:
     return state, out
-  return {**state, "candidate_top": top_BC, "candidate_mass": out[1]}, out[0]
+  return {**state, "candidate_top": _tops(base, h_BCQE[:, :, 0]), "candidate_mass": out[1]}, out[0]
 
 
 def _tops(base, h_BCE):
@@ -114,14 +111,14 @@ def generate(adapter, base, memory_BM, prompt_BT, cfg: focus.FocusConfig, max_ne
   and "candidate_top_steps" int32 [B, max_new_tokens, C], each chunk's guess at new token s."""
   state, logits_BV = prefill(adapter, base, memory_BM, prompt_BT, cfg, max_new_tokens,
                              readout=readout)
-  diagnostics = {k: state[k] for k in _READOUT if k in state}
-  tops = [state["candidate_top"]] if readout else []
+  mass, tops = state.get("candidate_mass"), [state.get("candidate_top")]
   for _ in range(max_new_tokens - 1):
     state, logits_BV = step(adapter, base, state, jnp.argmax(logits_BV, -1).astype(jnp.int32),
                             readout=readout)
-    tops += [state["candidate_top"]] if readout else []
-  if readout:
-    diagnostics["candidate_top_steps"] = jnp.stack(tops, axis=1)
+    tops.append(state.get("candidate_top"))
   last_B1 = jnp.argmax(logits_BV, -1)[:, None].astype(jnp.int32)
   tokens_BL = jnp.concatenate([state["tokens"], last_B1], axis=1)
-  return (tokens_BL, diagnostics) if readout else tokens_BL
+  if not readout:
+    return tokens_BL
+  return tokens_BL, {"candidate_top": tops[0], "candidate_mass": mass,
+                     "candidate_top_steps": jnp.stack(tops, axis=1)}

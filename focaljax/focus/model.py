@@ -61,21 +61,6 @@ def _attend(kernel, reference, implementation, attn, *args):
   return sharding.per_device(fn, (rows,) * len(args), rows)(*args)
 
 
-def attend_candidates(implementation, attn, q_RQND, cache_k_RSKD, cache_v_RSKD, k_RQKD, v_RQKD,
-                      positions_RQ):
-  """Candidate q sees the cached keys at positions < positions_RQ[r, q] and its own k/v."""
-  return _attend(kernels.candidate_attention, kernels.candidate_attention_reference,
-                 implementation, attn, q_RQND, cache_k_RSKD.astype(k_RQKD.dtype),
-                 cache_v_RSKD.astype(v_RQKD.dtype), positions_RQ, k_RQKD, v_RQKD)
-
-
-def attend_local(implementation, attn, q_RTND, k_RTKD, v_RTKD, cand_k_RCKD, cand_v_RCKD):
-  """Local token t sees every candidate and the local tokens s <= t."""
-  return _attend(kernels.local_attention, kernels.local_attention_reference, implementation,
-                 attn, q_RTND, k_RTKD, v_RTKD, cand_k_RCKD.astype(k_RTKD.dtype),
-                 cand_v_RCKD.astype(v_RTKD.dtype))
-
-
 def rope(attn, x_RTKD, positions_RT, theta):
   if attn.spec.position is attn_lib.Position.ROPE:
     return model_lib.apply_rope(x_RTKD, positions_RT, theta, attn.cfg.rope_scaling)
@@ -119,9 +104,11 @@ def candidates(adapter, base, caches, tokens_RQ, positions_RQ, theta: float, *,
     q = jnp.einsum("RQE,END->RQND", xn_RQE, own["wq"].astype(xn_RQE.dtype))
     q = attn.q_norm(q) if attn.cfg.qk_norm else q
     k_pre, v = _candidate_kv(attn, own, xn_RQE)
-    out = attend_candidates(implementation, attn, rope(attn, q, positions_RQ, theta),
-                            cache["k"], cache["v"], rope(attn, k_pre, positions_RQ, theta), v,
-                            positions_RQ)
+    # Candidate q sees the cached keys at positions < positions_RQ[r, q] and its own k/v.
+    out = _attend(kernels.candidate_attention, kernels.candidate_attention_reference,
+                  implementation, attn, rope(attn, q, positions_RQ, theta),
+                  cache["k"].astype(k_pre.dtype), cache["v"].astype(v.dtype), positions_RQ,
+                  rope(attn, k_pre, positions_RQ, theta), v)
     x_RQE = x_RQE + jnp.einsum("RQND,NDE->RQE", out, own["wo"].astype(out.dtype))
     x_RQE = x_RQE + block.mlp(block.mlp_norm(x_RQE))
     kv.append((k_pre, v) if own_from_adapter else _candidate_kv(attn, w, xn_RQE))
@@ -210,7 +197,9 @@ def local_logits(base, tokens_BT, cand_kv, theta: float, *, implementation: str 
       q_BND = jnp.take_along_axis(q, jnp.asarray(at_B)[:, None, None, None], axis=1)[:, 0]
       mass.append(kernels.candidate_mass_reference(q_BND, k, kc_BCKD, at_B,
                                                     scale=scale(attn)).mean(axis=1))
-    out = attend_local(implementation, attn, q, k, v, kc_BCKD, vc_BCKD)
+    # Local token t sees every candidate and the local tokens s <= t.
+    out = _attend(kernels.local_attention, kernels.local_attention_reference, implementation,
+                  attn, q, k, v, kc_BCKD, vc_BCKD.astype(v.dtype))
     x_BTE = x_BTE + jnp.einsum("BTND,NDE->BTE", out, attn.wo[...].astype(out.dtype))
     x_BTE = x_BTE + block.mlp(block.mlp_norm(x_BTE))
   if at_B is not None:
@@ -220,23 +209,19 @@ def local_logits(base, tokens_BT, cand_kv, theta: float, *, implementation: str 
   return base._logits(x_BTE)  # pylint: disable=protected-access
 
 
-def _candidates_kv(adapter, base, memory_BM, span_BP, Q: int, cfg: FocusConfig):
-  """Per layer (k, v) [B, C, Q, K, D] of the last Q tokens of `span_BP`; C = 0 without memory."""
-  B = memory_BM.shape[0]
-  if memory_BM.shape[1] == 0:
-    return no_candidates(base, B, Q)
-  return condense(adapter, base, memory_BM, span_BP, Q, cfg)[1]
-
-
 def condense(adapter, base, memory_BM, span_BP, num_candidates: int, cfg: FocusConfig,
              extra: int = 0):
   """Candidates for the last `num_candidates` tokens of the dynamic prompt span, all chunks in one
-  batch. Returns (h [B, C, Q, E], per layer (k, v) [B, C, Q, K, D], caches [B·C rows])."""
+  batch. Returns (h [B, C, Q, E], per layer (k, v) [B, C, Q, K, D], caches [B·C rows]); without
+  memory C = 0 and caches None (the plain base)."""
   B, M = memory_BM.shape
   s, Q = cfg.chunk_size, num_candidates
-  if M == 0 or M % s:
-    raise ValueError(f"focus.condense: memory length {M} must be a positive multiple of "
-                     f"chunk_size {s}; drop or pad the oldest tokens")
+  if M % s:
+    raise ValueError(f"focus.condense: memory length {M} must be a multiple of chunk_size {s}; "
+                     "drop or pad the oldest tokens")
+  if M == 0:
+    z = jnp.zeros((B, 0, Q, base.cfg.num_kv_heads, base.cfg.head_dim), jnp.float32)
+    return jnp.zeros((B, 0, Q, base.cfg.d_model), z.dtype), [(z, z) for _ in base.blocks], None
   theta = base.cfg.rope_theta   # positions stay inside the trained context: no NTK scaling
   C = M // s
   seq_RN = jnp.concatenate([memory_BM.reshape(B * C, s),
@@ -244,28 +229,27 @@ def condense(adapter, base, memory_BM, span_BP, num_candidates: int, cfg: FocusC
   # Rows split over the data-like mesh axes, so even one long document spreads its chunks.
   seq_RN = sharding.constrain(seq_RN, ("batch", "seq"))
   R, n = seq_RN.shape
-  caches = frozen_prefill(base, seq_RN[:, :-1],
-                                   cache_len(cfg.implementation, n - 1 + extra), theta)
+  caches = frozen_prefill(base, seq_RN[:, :-1], cache_len(cfg.implementation, n - 1 + extra),
+                          theta)
   positions_RQ = jnp.broadcast_to(jnp.arange(n - Q, n), (R, Q))
   h_RQE, kv = candidates(adapter, base, caches, seq_RN[:, n - Q:], positions_RQ, theta,
-                                  implementation=cfg.implementation, path=cfg.candidate_path)
+                         implementation=cfg.implementation, path=cfg.candidate_path)
   split = lambda x: x.reshape(B, C, *x.shape[1:])
   return split(h_RQE), [(split(k), split(v)) for k, v in kv], caches
 
 
-def no_candidates(base, B: int, Q: int):
-  """Zero-chunk candidate k/v per layer, [B, 0, Q, K, D] (no memory: the plain base)."""
-  z = jnp.zeros((B, 0, Q, base.cfg.num_kv_heads, base.cfg.head_dim), jnp.float32)
-  return [(z, z) for _ in base.blocks]
+def _window_kv(adapter, base, memory_BM, tokens_BT, n: int, Q: int, cfg: FocusConfig):
+  """Per layer (k, v) [B, C, Q, K, D] of the candidates of query points n - 1 .. n + Q - 2 of
+  `tokens_BT`, the first one's window being its first n tokens; positions checked."""
+  P = cfg.prompt_tokens(n)
+  check_positions(base.cfg, cfg, n, P, extra=Q - 1, memory_len=memory_BM.shape[1])
+  return condense(adapter, base, memory_BM, tokens_BT[:, n - P:], Q, cfg)[1]
 
 
 def logits(adapter, base, memory_BM, local_BT, cfg: FocusConfig):
   """float32 [B, T, V]; only the last position is a FocusLLM prediction (the candidates were
   condensed with a prompt ending there)."""
-  T = local_BT.shape[1]
-  P = cfg.prompt_tokens(T)
-  check_positions(base.cfg, cfg, T, P, memory_len=memory_BM.shape[1])
-  kv = _candidates_kv(adapter, base, memory_BM, local_BT[:, T - P:], 1, cfg)
+  kv = _window_kv(adapter, base, memory_BM, local_BT, local_BT.shape[1], 1, cfg)
   return local_logits(base, local_BT, [(k[:, :, 0], v[:, :, 0]) for k, v in kv],
                       base.cfg.rope_theta, implementation=cfg.implementation)
 
@@ -278,9 +262,7 @@ def target_nll(adapter, base, memory_BM, tokens_BT, cfg: FocusConfig, num_target
     raise ValueError(f"focus: num_targets ({Q}) must be in [1, {T}] (local tokens - 1)")
   inputs_BT = tokens_BT[:, :-1]
   first = T - Q                                   # index of the first query point
-  P = cfg.prompt_tokens(first + 1)
-  check_positions(base.cfg, cfg, first + 1, P, extra=Q - 1, memory_len=memory_BM.shape[1])
-  kv = _candidates_kv(adapter, base, memory_BM, inputs_BT[:, first - P + 1:], Q, cfg)
+  kv = _window_kv(adapter, base, memory_BM, inputs_BT, first + 1, Q, cfg)
   C = kv[0][0].shape[1]
   # Row (b, q) carries candidates_q of every chunk and is read only at its query point first + q.
   rows = lambda x: x.transpose(0, 2, 1, 3, 4).reshape(B * Q, C, *x.shape[3:])
