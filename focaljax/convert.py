@@ -6,12 +6,11 @@ import argparse
 import sys
 
 from focaljax.interop import hf, hf_export, hf_import
-from focaljax.interop.hf_export import focaljax_to_hf
-from focaljax.interop.hf_import import hf_to_focaljax
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(description=hf.__doc__ + hf_import.__doc__ + hf_export.__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  p = argparse.ArgumentParser(description=hf.__doc__ + hf_import.__doc__ + hf_export.__doc__,
+                              formatter_class=argparse.RawTextHelpFormatter)
   sub = p.add_subparsers(dest="command", required=True)
   a = sub.add_parser("hf-to-focaljax", help="HF LLaMA-family dir -> focaljax workdir")
   a.add_argument("hf_dir")
@@ -27,10 +26,10 @@ def main(argv=None) -> int:
   args = p.parse_args(argv)
   try:
     if args.command == "hf-to-focaljax":
-      print(hf_to_focaljax(args.hf_dir, args.out_dir, replace=args.replace))
+      print(hf_import.hf_to_focaljax(args.hf_dir, args.out_dir, replace=args.replace))
     else:
-      print(focaljax_to_hf(args.ckpt, args.out_dir, dtype=args.dtype,
-                           max_shard_gb=args.max_shard_gb, replace=args.replace))
+      print(hf_export.focaljax_to_hf(args.ckpt, args.out_dir, dtype=args.dtype,
+                                     max_shard_gb=args.max_shard_gb, replace=args.replace))
   except (ValueError, OSError) as e:   # bad input: one line naming it, as argparse does
     print(f"focaljax-convert: error: {' '.join(str(e).split())}", file=sys.stderr)
     return 2

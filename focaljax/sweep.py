@@ -50,13 +50,12 @@ def expand(config: str, root: str, grid, extra: list[str]) -> list[tuple[str, li
   return runs
 
 
-def slurm_array(runs: list[tuple[str, list[str]]]) -> str:
-  """An sbatch script running `runs` as one array job: task i trains run i on one node, one
-  process per GPU (jax's SLURM detection gives each process the GPU of its SLURM_LOCALID)."""
-  cases = "\n".join(f"  {i}) srun {shlex.join(['python'] + argv[1:])} || rc=$? ;;"
-                    for i, (_, argv) in enumerate(runs))
+def slurm_array(runs: list[str]) -> str:
+  """An sbatch array job: task i runs the launch line runs[i] on one node, one process per GPU
+  (jax's SLURM detection gives each process the GPU of its SLURM_LOCALID)."""
+  cases = "\n".join(f"  {i}) srun {line} || rc=$? ;;" for i, line in enumerate(runs))
   return f"""#!/bin/bash
-# {len(runs)} focaljax runs (python -m focaljax.sweep --print slurm); edit the resources, then sbatch.
+# {len(runs)} focaljax runs (focaljax.sweep --print slurm); edit the resources, then sbatch.
 #SBATCH --job-name=focaljax-sweep
 #SBATCH --array=0-{len(runs) - 1}
 #SBATCH --nodes=1
@@ -90,12 +89,9 @@ def main(argv=None) -> int:
   args, extra = p.parse_known_args(argv)
   extra = [e for e in extra if e != "--"]
   runs = expand(args.config, args.root, parse_grid(args.grid), extra)
-  if args.print_only == "slurm":
-    print(slurm_array(runs), end="")
-    return 0
   if args.print_only:
-    for _, run_argv in runs:
-      print(shlex.join(["python"] + run_argv[1:]))
+    lines = [shlex.join(["python"] + run_argv[1:]) for _, run_argv in runs]
+    print(slurm_array(lines) if args.print_only == "slurm" else "\n".join(lines + [""]), end="")
     return 0
   failed = []
   for i, (workdir, run_argv) in enumerate(runs):

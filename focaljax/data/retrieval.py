@@ -1,23 +1,14 @@
-"""Long-context retrieval probes: passkey (generation) and secret keyword (likelihood ranking).
+"""Long-context retrieval probes (docs/evaluation.md): passkey (generation) and secret keyword
+(likelihood ranking), and the passkey drills of training.
 
 Prompts are assembled from separately encoded pieces (head, filler, needle, question) so that
 every prompt is exactly the requested number of tokens and the needle sits at a fixed filler
 token. The pieces start with a space or newline, which byte-level BPE splits on anyway, so the
 concatenation is the same token sequence the whole string encodes to (up to the one place where
 the filler is cut).
-
-passkey (FocusLLM, Landmark Attention): "The pass key is K. Remember it. K is the pass key." in
-  repeated grass/sky/sun filler; greedy decoding; a trial is correct when the leading number of
-  the continuation is exactly K (5 digits).
-keyword (DilutionAttention's needle in a haystack): needle "The secret keyword is{a}." in a fixed
-  procedural-notes filler, question "\\n\\n### IMPORTANT DATA: The secret keyword is"; 8
-  candidates scored by log-likelihood. A needle-free control of the same length disqualifies the
-  candidate the model prefers a priori, leaving 7 (chance 1/7); each of the 7 is the needle in
-  turn, and a row passes when the needle has the highest log-likelihood of the 7 (gap >= 0).
 """
 
 from __future__ import annotations
-
 
 import grain
 import numpy as np
@@ -40,13 +31,10 @@ CANDIDATES = (" gold", " life", " time", " love", " work", " play", " game", " r
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 
 
-def build_prompt(tokenizer, length: int, depth: float, *, head: str, filler: str, needle: str,
-                 question: str, filler_ids=None) -> list[int]:
-  """head + filler[:i] + needle + filler[i:] + question, exactly `length` tokens; i = depth·filler.
-
-  needle="" gives the needle-free control of the same length. `filler_ids` (token ids, e.g. a
-  book's) replace the encoded `filler`, repeated as needed like it.
-  """
+def build_prompt(tokenizer, length: int, depth: float, head: str, filler: str, needle: str,
+                 question: str) -> list[int]:
+  """head + filler[:i] + needle + filler[i:] + question, exactly `length` tokens; i = depth·filler
+  (the filler repeated as needed). needle="" gives the needle-free control of the same length."""
   if not 0.0 <= depth <= 1.0:
     raise ValueError(f"depth must be in [0, 1], got {depth}")
   head_t, needle_t, question_t = (tokenizer.encode(s) if s else []
@@ -55,16 +43,15 @@ def build_prompt(tokenizer, length: int, depth: float, *, head: str, filler: str
   if n < 0:
     raise ValueError(f"length {length} is shorter than the prompt without filler "
                      f"({length - n} tokens)")
-  unit = list(filler_ids) if filler_ids is not None else tokenizer.encode(filler)
+  unit = tokenizer.encode(filler)
   filler_t = (unit * (n // len(unit) + 1))[:n]
   at = int(depth * n)
   return head_t + filler_t[:at] + needle_t + filler_t[at:] + question_t
 
 
-def passkey_prompt(tokenizer, length: int, depth: float, key: int, filler_ids=None) -> list[int]:
-  return build_prompt(tokenizer, length, depth, head=PASSKEY_HEAD, filler=PASSKEY_FILLER,
-                      needle=PASSKEY_NEEDLE.format(key=key), question=PASSKEY_QUESTION,
-                      filler_ids=filler_ids)
+def passkey_prompt(tokenizer, length: int, depth: float, key: int) -> list[int]:
+  return build_prompt(tokenizer, length, depth, PASSKEY_HEAD, PASSKEY_FILLER,
+                      PASSKEY_NEEDLE.format(key=key), PASSKEY_QUESTION)
 
 
 def drill_pieces(tokenizer, rng: np.random.Generator) -> tuple[list[int], list[int]]:
@@ -128,5 +115,4 @@ class PasskeyDrills(grain.transforms.RandomMap):
 def keyword_prompt(tokenizer, length: int, depth: float, answer: str | None) -> list[int]:
   """answer=None: the needle-free control prompt."""
   needle = "" if answer is None else KEYWORD_NEEDLE.format(answer=answer)
-  return build_prompt(tokenizer, length, depth, head="", filler=KEYWORD_FILLER, needle=needle,
-                      question=KEYWORD_QUESTION)
+  return build_prompt(tokenizer, length, depth, "", KEYWORD_FILLER, needle, KEYWORD_QUESTION)

@@ -27,17 +27,17 @@ def passkey_budget(tokenizer, keys) -> tuple[int, int]:
 
 
 def _batches(rows: np.ndarray, batch_size: int):
-  """Yields (batch, n_real), the last padded with row 0: one compiled shape for every batch."""
+  """Yields (start, batch, n_real), the last batch padded with row 0: one compiled shape."""
   for i in range(0, len(rows), batch_size):
     batch = rows[i:i + batch_size]
-    yield np.concatenate([batch, np.repeat(rows[:1], batch_size - len(batch), 0)]), len(batch)
+    yield i, np.concatenate([batch, np.repeat(rows[:1], batch_size - len(batch), 0)]), len(batch)
 
 
 def passkey(model, tokenizer, lengths, depths=DEFAULT_DEPTHS, seeds=range(5), *,
             batch_size: int = 32) -> dict:
   """Passkey accuracy per (length, depth) over `seeds` (one random 5-digit key per seed)."""
   module = loading.module(model)
-  depths, seeds = [float(d) for d in depths], list(seeds)
+  depths = [float(d) for d in depths]
   keys = [int(np.random.default_rng(s).integers(10_000, 100_000)) for s in seeds]
   max_new, overhead = passkey_budget(tokenizer, keys)
   accuracy, examples = [], []
@@ -49,7 +49,7 @@ def passkey(model, tokenizer, lengths, depths=DEFAULT_DEPTHS, seeds=range(5), *,
     trials = [(d, k) for d in depths for k in keys]
     rows = np.array([passkey_prompt(tokenizer, length, d, k) for d, k in trials], np.int32)
     texts = []
-    for batch, n in _batches(rows, min(batch_size, len(rows))):
+    for _, batch, n in _batches(rows, min(batch_size, len(rows))):
       out = np.asarray(gen_lib.generate(module, batch, max_new_tokens=max_new))
       texts += [tokenizer.decode(row[length:].tolist()) for row in out[:n]]
     correct = [leading_number(text) == str(key) for (_, key), text in zip(trials, texts)]
@@ -71,25 +71,26 @@ def candidate_loglik(model, prompts_BP: np.ndarray, candidates: list[list[int]],
   module = loading.module(model)
   B, P = prompts_BP.shape
   out = np.zeros((B, len(candidates)))
-  multi = [i for i, c in enumerate(candidates) if len(c) > 1] or [None]
-  for start, (batch, n) in zip(range(0, B, batch_size), _batches(prompts_BP, batch_size)):
-    for first, i in enumerate(multi):
-      cont = [] if i is None else candidates[i]
-      inputs = np.concatenate([batch, np.broadcast_to(np.asarray(cont[:-1], np.int32),
-                                                      (len(batch), max(len(cont) - 1, 0)))], 1)
-      logp = np.asarray(gen_lib.tail_logprobs(module, inputs, max(len(cont), 1), rope_length=P))[:n]
-      if first == 0:
-        for j, c in enumerate(candidates):
-          if len(c) == 1:
-            out[start:start + n, j] = logp[:, 0, c[0]]
-      if i is not None:
-        out[start:start + n, i] = logp[:, np.arange(len(cont)), cont].sum(1)
+  single = [j for j, c in enumerate(candidates) if len(c) == 1]
+  # One pass per multi-token candidate (one in all if there is none).
+  passes = [i for i, c in enumerate(candidates) if len(c) > 1] or single[:1]
+  for start, batch, n in _batches(prompts_BP, batch_size):
+    for k, i in enumerate(passes):
+      cont = candidates[i]
+      teacher = np.tile(np.asarray(cont[:-1], np.int32), (len(batch), 1))
+      inputs = np.concatenate([batch, teacher], 1)
+      logp = np.asarray(gen_lib.tail_logprobs(module, inputs, len(cont), rope_length=P))[:n]
+      if k == 0:
+        out[start:start + n, single] = logp[:, 0, [candidates[j][0] for j in single]]
+      out[start:start + n, i] = logp[:, np.arange(len(cont)), cont].sum(1)
   return out
 
 
 def keyword_retrieval(model, tokenizer, lengths, depths=DEFAULT_DEPTHS, *,
                       candidates=CANDIDATES, disqualify: int = 1, batch_size: int = 14) -> dict:
-  """Secret-keyword accuracy per (length, depth), with the control-prior disqualification."""
+  """Secret-keyword accuracy per (length, depth). A needle-free control of the same length
+  disqualifies the `disqualify` candidates the model prefers a priori; each other candidate is the
+  needle in turn, and a row passes when the needle has the highest log-likelihood of them."""
   depths = [float(d) for d in depths]
   cand_tokens = [tokenizer.encode(c) for c in candidates]
   accuracy, gaps, disqualified, scored_names = [], [], [], []
@@ -100,20 +101,19 @@ def keyword_retrieval(model, tokenizer, lengths, depths=DEFAULT_DEPTHS, *,
     prompts = np.array([keyword_prompt(tokenizer, length, 0.0, None)] +
                        [keyword_prompt(tokenizer, length, d, candidates[i]) for i, d in rows],
                        np.int32)
-    ll_all = candidate_loglik(model, prompts, cand_tokens, batch_size=batch_size)
-    dropped = set(np.argsort(-ll_all[0])[:disqualify].tolist())
+    ll = candidate_loglik(model, prompts, cand_tokens, batch_size=batch_size)
+    dropped = sorted(np.argsort(-ll[0])[:disqualify].tolist())
     scored = [i for i in range(len(candidates)) if i not in dropped]
-    keep = np.array([i not in dropped for i, _ in rows])
-    rows = [r for r, k in zip(rows, keep) if k]
-    ll = ll_all[1:][keep][:, scored]
-    true_col = np.array([scored.index(i) for i, _ in rows])
-    true_ll = ll[np.arange(len(rows)), true_col]
-    others = np.where(np.arange(len(scored))[None] == true_col[:, None], -np.inf, ll)
-    gap = true_ll - others.max(1)
+    # A row's gap: its needle's log-likelihood minus the best other scored candidate's.
+    needle, ll = np.array([i for i, _ in rows]), ll[1:]
+    true_ll = ll[np.arange(len(rows)), needle]
+    ll[:, dropped] = -np.inf
+    ll[np.arange(len(rows)), needle] = -np.inf
+    gap = (true_ll - ll.max(1))[np.isin(needle, scored)]
     passed = (gap >= 0).reshape(len(scored), len(depths))
     accuracy.append(passed.mean(0).tolist())
     gaps.append(float(gap.mean()))
-    disqualified.append([candidates[i] for i in sorted(dropped)])
+    disqualified.append([candidates[i] for i in dropped])
     scored_names.append([candidates[i] for i in scored])
   acc = np.asarray(accuracy)
   d = np.asarray(depths)

@@ -30,14 +30,13 @@ PROBE_TEXT = ("The old house stood at the end of the lane, and every evening the
 def validation(model, data_iter, num_batches: int | None) -> dict:
   """Mean NLL weighted by `weights` over up to `num_batches` batches (None: until exhausted)."""
   module = loaded_lib.module(model)
-  total, weight, batches = 0.0, 0.0, 0
-  for batch in data_iter:
+  total, weight = 0.0, 0.0
+  for batches, batch in enumerate(data_iter, 1):
     nll = gen_lib.token_nll(module, batch["inputs"], batch["targets"],
                             positions_BT=jnp.asarray(batch["positions"]),
                             segment_ids_BT=jnp.asarray(batch["segment_ids"]))
     total += float(np.sum(np.asarray(nll, np.float64) * batch["weights"]))
     weight += float(np.sum(batch["weights"]))
-    batches += 1
     if num_batches is not None and batches >= num_batches:
       break  # before pulling another batch: grain iterators read ahead
   if weight == 0:
@@ -86,22 +85,21 @@ def loss_by_position(model, token_docs, trained_len: int, max_multiplier: int = 
 
   nll = lambda book, n, rope_length: np.asarray(gen_lib.token_nll(
       module, book[None, :n], book[None, 1:n + 1], rope_length=rope_length))[0]
-  by_range = lambda nll_T, rs: [float(nll_T[a:b].mean()) for a, b in rs]
+  by_range = lambda nll_T: [float(nll_T[a:b].mean()) for a, b in ranges]
 
   curves = {"full": [], "doubling": [], "unscaled": []} if rope else {"full": []}
   in_context = []
   for book in books:
-    full = nll(book, L, L)
-    curves["full"].append(by_range(full, ranges))
-    if not rope:
-      in_context.append(float(full[:trained_len].mean()))
-      continue
-    passes = {n: (full if n == L else nll(book, n, n)) for n in pass_lens}
-    curves["doubling"].append([float(passes[min(n for n in pass_lens if n >= b)][a:b].mean())
-                               for a, b in ranges])
-    # rope_length <= the trained context keeps the trained rotary base (no NTK).
-    curves["unscaled"].append(by_range(nll(book, L, module.cfg.max_seq_len), ranges))
-    in_context.append(float(passes[min(pass_lens)][:trained_len].mean()))
+    full = in_context_pass = nll(book, L, L)
+    curves["full"].append(by_range(full))
+    if rope:
+      passes = {n: (full if n == L else nll(book, n, n)) for n in pass_lens}
+      curves["doubling"].append([float(passes[min(n for n in pass_lens if n >= b)][a:b].mean())
+                                 for a, b in ranges])
+      # rope_length <= the trained context keeps the trained rotary base (no NTK).
+      curves["unscaled"].append(by_range(nll(book, L, module.cfg.max_seq_len)))
+      in_context_pass = passes[min(pass_lens)]
+    in_context.append(float(in_context_pass[:trained_len].mean()))
   ic = summary(np.asarray(in_context)[:, None])
   return {"trained_len": trained_len, "max_len": L, "num_books": len(books), "ranges": ranges,
           "rope": rope, "curves": {name: summary(np.asarray(v)) for name, v in curves.items()},
@@ -257,8 +255,7 @@ def run(path: str, *, suites=SUITES, books: str | None = None, max_multiplier: i
   out_dir = out_dir or str(epath.Path(m.workdir) / "eval" /
                            (f"step_{m.step}" if explicit_step else ""))
   trained = m.trained_len
-  lengths = [trained * 2**k for k in range(max_multiplier.bit_length())
-             if 2**k <= max_multiplier]
+  lengths = [trained * 2**k for k in range(max_multiplier.bit_length())]
   log(f"focaljax eval: {m.workdir} step {m.step}, trained context {trained}, lengths {lengths}")
 
   def val():
@@ -283,16 +280,17 @@ def run(path: str, *, suites=SUITES, books: str | None = None, max_multiplier: i
     return copy_score(m, spans)
 
   probe = m.tokenizer.encode(PROBE_TEXT)
-  tasks = {
-      "val": val, "longdoc": longdoc, "copy": copy, "sample": lambda: samples(m, SAMPLE_PROMPTS),
+  tasks = {   # in SUITES' order
+      "val": val, "longdoc": longdoc,
       "passkey": lambda: retrieval.passkey(m, m.tokenizer, lengths, depths, range(passkey_seeds)),
       "keyword": lambda: retrieval.keyword_retrieval(m, m.tokenizer, lengths, depths),
       "attention": lambda: attention_probe(m, (probe * (trained // len(probe) + 1))[:trained]),
+      "sample": lambda: samples(m, SAMPLE_PROMPTS), "copy": copy,
   }
   results = {"meta": {"workdir": m.workdir, "step": m.step, "trained_len": trained,
                       "suites": list(suites)}}
-  run_suites({s: tasks[s] for s in SUITES}, suites, out_dir, results, "results.json",
-             format_suite, log, (ValueError, FileNotFoundError, ImportError))
+  run_suites(tasks, suites, out_dir, results, "results.json", format_suite, log,
+             (ValueError, FileNotFoundError, ImportError))
   if plots:
     from focaljax.evaluation import plots as plots_lib  # pylint: disable=import-outside-toplevel
     results["meta"]["plots"] = plots_lib.write_all(results, m.workdir, out_dir, log=log)
