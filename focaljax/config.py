@@ -20,13 +20,26 @@ from focaljax import dispatch
 from focaljax.model import attention as attn_lib
 from focaljax.model import decoder as model_lib
 
-_CHOICES = {
+# Fields checked on their own: the choices a field allows, or the interval (in _INTERVALS) it
+# must lie in. validate and focus_config check the rest, which relate fields to each other.
+_INTERVALS = {"> 0": lambda x: x > 0, ">= 0": lambda x: x >= 0, ">= 1": lambda x: x >= 1,
+              "in [0, 1)": lambda x: 0 <= x < 1, "in [0, 1]": lambda x: 0 <= x <= 1}
+_FIELDS = {
     "model.attention.implementation": dispatch.IMPLEMENTATIONS,
     "model.attention.tau_mean": tuple(m.value for m in attn_lib.TauMean),
     "model.remat_policy": tuple(model_lib.REMAT_POLICIES),
     "optim.mu_dtype": ("float32", "bfloat16"),
     "train.compute_dtype": ("float32", "bfloat16"),
     "train.nonfinite": ("stop", "skip"),
+    # train.steps before the fields bound by it, num_kv_heads before what divides by it
+    **dict.fromkeys(("model.d_model", "model.num_layers", "model.num_heads", "model.num_kv_heads",
+                     "model.d_ff", "model.rope_theta", "model.attention.temperature",
+                     "model.attention.eps", "data.seq_len", "data.global_batch", "optim.peak_lr",
+                     "optim.clip_norm", "train.steps", "train.log_every", "train.ckpt_every",
+                     "train.keep_ckpts"), "> 0"),
+    "data.retrieval_mix": "in [0, 1)",
+    "optim.min_lr_ratio": "in [0, 1]",
+    "train.eval_every": ">= 0",
 }
 _NO_DECAY = ("norm", "embed")
 
@@ -46,13 +59,19 @@ def _require(ok: bool, field: str, msg: str):
     raise ConfigError(f"config field {field}: {msg}")
 
 
+def _check_fields(c, fields: dict) -> None:
+  for field, allowed in fields.items():
+    value = _get(c, field)
+    if isinstance(allowed, str):
+      _require(_INTERVALS[allowed](value), field, f"must be {allowed}, got {value}")
+    else:
+      _require(value in allowed, field, f"{value!r} is not one of {list(allowed)}")
+
+
 def validate(c: ml_collections.ConfigDict, *, process_count: int = 1) -> None:
   """Raises ConfigError naming the first invalid field (focus.* apart: `focus_config`)."""
-  for field, allowed in _CHOICES.items():
-    _require(_get(c, field) in allowed, field, f"{_get(c, field)!r} is not one of {list(allowed)}")
+  _check_fields(c, _FIELDS)
   m, a, d, o, t = c.model, c.model.attention, c.data, c.optim, c.train
-  for f in ("d_model", "num_layers", "num_heads", "num_kv_heads", "d_ff"):
-    _require(m[f] > 0, f"model.{f}", f"must be > 0, got {m[f]}")
   _require(m.vocab_size >= 0, "model.vocab_size", "must be >= 0 (0 = the tokenizer's)")
   _require(m.num_heads % m.num_kv_heads == 0, "model.num_kv_heads",
            f"{m.num_kv_heads} must divide model.num_heads={m.num_heads}")
@@ -60,7 +79,6 @@ def validate(c: ml_collections.ConfigDict, *, process_count: int = 1) -> None:
   _require(m.head_dim > 0 or m.d_model % m.num_heads == 0, "model.num_heads",
            f"{m.num_heads} must divide model.d_model={m.d_model} (or set model.head_dim)")
   _require(head_dim % 2 == 0, "model.head_dim", f"must be even for RoPE, got {head_dim}")
-  _require(m.rope_theta > 0, "model.rope_theta", f"must be > 0, got {m.rope_theta}")
   rs = m.rope_scaling
   _require(rs.original_max_position_embeddings >= 0,
            "model.rope_scaling.original_max_position_embeddings",
@@ -71,51 +89,38 @@ def validate(c: ml_collections.ConfigDict, *, process_count: int = 1) -> None:
   _require(isinstance(m.sliding_window, int) and m.sliding_window >= 0, "model.sliding_window",
            f"must be 0 (none) or a window of keys > 0, got {m.sliding_window!r}")
   try:
-    attn_lib.parse_pattern(a.pattern, m.num_layers)
+    layers = attn_lib.parse_pattern(a.pattern, m.num_layers)
   except ValueError as e:
     raise ConfigError(f"config field {e}") from None
   if m.sliding_window:
-    layers = attn_lib.parse_pattern(a.pattern, m.num_layers)
     _require(all(attn_lib.FAMILY[s.variant].window for s in layers), "model.sliding_window",
              f"{m.sliding_window} needs softmax/focal layers: dilution's demand spans the prefix")
-  _require(a.temperature > 0, "model.attention.temperature", f"must be > 0, got {a.temperature}")
   _require(0 < a.tau_min < a.tau_max, "model.attention.tau_min",
            f"need 0 < tau_min < tau_max, got tau_min={a.tau_min}, tau_max={a.tau_max}")
   _require(a.tau_min <= a.tau_init <= a.tau_max, "model.attention.tau_init",
            f"{a.tau_init} must lie in [tau_min, tau_max] = [{a.tau_min}, {a.tau_max}] or w_τ "
            "starts clipped and never learns")
-  _require(a.eps > 0, "model.attention.eps", f"must be > 0, got {a.eps}")
   rows = a.checkpoint_rows
   _require(isinstance(rows, int) and rows >= 64 and not rows & (rows - 1),
            "model.attention.checkpoint_rows",
            f"must be a power of two >= 64 (the kernels' row tile); got {rows!r}")
-  _require(d.seq_len > 0, "data.seq_len", f"must be > 0, got {d.seq_len}")
   if a.implementation == "pallas":
     _require(d.seq_len % 64 == 0, "data.seq_len",
              f"{d.seq_len} must be divisible by the Pallas kernels' 64-token blocks")
-  _require(d.global_batch > 0, "data.global_batch", f"must be > 0, got {d.global_batch}")
-  _require(0 <= d.retrieval_mix < 1, "data.retrieval_mix", f"must be in [0, 1), got {d.retrieval_mix}")
   shards = d.shards or process_count
   _require(d.shards >= 0 and shards % process_count == 0 and d.global_batch % shards == 0,
            "data.shards", f"{d.shards} must be 0 or a multiple of the {process_count} processes "
            f"dividing data.global_batch={d.global_batch}")
   _require(isinstance(t.micro_batch, int) and t.micro_batch >= 0, "train.micro_batch",
            f"must be 0 (auto: the largest that fits) or rows per device, got {t.micro_batch!r}")
-  _require(t.steps > 0, "train.steps", f"must be > 0, got {t.steps}")   # before fields bound by it
-  _require(o.peak_lr > 0, "optim.peak_lr", f"must be > 0, got {o.peak_lr}")
-  _require(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", f"must be in [0, 1], got {o.min_lr_ratio}")
   _require(0 <= o.warmup_steps <= t.steps, "optim.warmup_steps",
            f"must be in [0, train.steps={t.steps}], got {o.warmup_steps}")
   _require(o.schedule_steps == 0 or o.schedule_steps > o.warmup_steps, "optim.schedule_steps",
            f"must be 0 (train.steps) or > optim.warmup_steps={o.warmup_steps}, got "
            f"{o.schedule_steps}")
-  _require(o.clip_norm > 0, "optim.clip_norm", f"must be > 0, got {o.clip_norm}")
   for item in filter(None, o.no_decay.split(",")):
     _require(item in _NO_DECAY, "optim.no_decay", f"{item!r} is not one of {list(_NO_DECAY)}")
-  for f in ("log_every", "ckpt_every", "keep_ckpts"):
-    _require(t[f] > 0, f"train.{f}", f"must be > 0, got {t[f]}")
-  _require(t.eval_every >= 0, "train.eval_every", f"must be >= 0, got {t.eval_every}")
-  _require(not t.get("wandb_project") or importlib.util.find_spec("wandb") is not None,
+  _require(not t.wandb_project or importlib.util.find_spec("wandb") is not None,
            "train.wandb_project", "needs wandb: pip install 'focaljax[wandb]' (or leave it empty)")
   sizes = [c.mesh.data, c.mesh.fsdp, c.mesh.tensor]
   _require(all(s == -1 or s > 0 for s in sizes) and sizes.count(-1) <= 1, "mesh",
@@ -130,46 +135,39 @@ def padded_vocab(vocab_size: int) -> int:
   return -(-vocab_size // 128) * 128
 
 
+def _frozen(cls, section: ml_collections.ConfigDict, **computed):
+  """A `cls` of the `section` fields named like its own, and `computed` (the rest, or values
+  the ConfigDict spells differently); fields in neither take the dataclass's default."""
+  names = {f.name for f in dataclasses.fields(cls)} & set(section.keys())
+  return cls(**{**{name: section[name] for name in names}, **computed})
+
+
 def model_config(c: ml_collections.ConfigDict, vocab_size: int) -> model_lib.ModelConfig:
   """Frozen ModelConfig; vocab_size is the tokenizer's, padded to a multiple of 128 unless set."""
   m, a = c.model, c.model.attention
-  vocab = m.vocab_size or padded_vocab(vocab_size)
-  return model_lib.ModelConfig(
-      vocab_size=vocab, d_model=m.d_model, num_layers=m.num_layers, num_heads=m.num_heads,
-      num_kv_heads=m.num_kv_heads, head_dim=m.head_dim or m.d_model // m.num_heads,
-      d_ff=m.d_ff, max_seq_len=c.data.seq_len, tie_embeddings=m.tie_embeddings,
-      qk_norm=m.qk_norm, qkv_bias=m.qkv_bias, rope_theta=m.rope_theta, norm_eps=m.norm_eps,
-      rope_scaling=(model_lib.Llama3Scaling(**m.rope_scaling.to_dict())
-                    if m.rope_scaling.original_max_position_embeddings else None),
-      remat=m.remat,
-      remat_policy=m.remat_policy,
-      attention=attn_lib.AttentionConfig(
-          layers=attn_lib.parse_pattern(a.pattern, m.num_layers),
-          implementation=a.implementation, temperature=a.temperature, learned=a.learned,
-          tau_min=a.tau_min, tau_max=a.tau_max, tau_init=a.tau_init,
-          tau_mean=attn_lib.TauMean(a.tau_mean), eps=a.eps,
-          checkpoint_rows=a.checkpoint_rows, sliding_window=m.sliding_window or None))
+  attention = _frozen(attn_lib.AttentionConfig, a,
+                      layers=attn_lib.parse_pattern(a.pattern, m.num_layers),
+                      tau_mean=attn_lib.TauMean(a.tau_mean),
+                      sliding_window=m.sliding_window or None)
+  return _frozen(model_lib.ModelConfig, m, attention=attention,
+                 vocab_size=m.vocab_size or padded_vocab(vocab_size),
+                 head_dim=m.head_dim or m.d_model // m.num_heads, max_seq_len=c.data.seq_len,
+                 rope_scaling=(model_lib.Llama3Scaling(**m.rope_scaling.to_dict())
+                               if m.rope_scaling.original_max_position_embeddings else None))
 
 
 def optim_config(c: ml_collections.ConfigDict):
   from focaljax.train import optim  # pylint: disable=import-outside-toplevel
-  o = c.optim
-  return optim.OptimConfig(
-      peak_lr=o.peak_lr, warmup_steps=o.warmup_steps,
-      total_steps=o.schedule_steps or c.train.steps,
-      min_lr_ratio=o.min_lr_ratio, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay,
-      no_decay=tuple(filter(None, o.no_decay.split(","))), clip_norm=o.clip_norm,
-      mu_dtype=o.mu_dtype)
+  return _frozen(optim.OptimConfig, c.optim, total_steps=c.optim.schedule_steps or c.train.steps,
+                 no_decay=tuple(filter(None, c.optim.no_decay.split(","))))
 
 
 def data_config(c: ml_collections.ConfigDict):
   from focaljax.data import pipeline as data  # pylint: disable=import-outside-toplevel
   d = c.data
   try:
-    return data.DataConfig(source=d.source, valid_source=d.valid_source or None,
-                           tokenizer=d.tokenizer, seq_len=d.seq_len, global_batch=d.global_batch,
-                           seed=c.seed, shuffle=d.shuffle, tokenize=d.tokenize,
-                           token_cache=d.token_cache or None, retrieval_mix=d.retrieval_mix)
+    return _frozen(data.DataConfig, d, seed=c.seed, valid_source=d.valid_source or None,
+                   token_cache=d.token_cache or None)
   except ValueError as e:
     raise ConfigError(f"config field {str(e).replace('DataConfig.', 'data.')}") from None
 
@@ -189,7 +187,7 @@ class TrainConfig:
   ckpt_every: int
   keep_ckpts: int
   async_ckpt: bool
-  wandb_project: str = ""   # W&B project the metrics also go to ("": off)
+  wandb_project: str      # W&B project the metrics also go to ("": off)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,12 +233,10 @@ class Config:
   def with_vocab(self, vocab_size: int) -> "Config":
     """model.vocab_size resolved against the tokenizer's `vocab_size` (0: it, padded)."""
     m = self.model
-    if m.vocab_size:
-      _require(m.vocab_size >= vocab_size, "model.vocab_size",
-               f"{m.vocab_size} is smaller than the tokenizer's {vocab_size}")
-      return self
-    return dataclasses.replace(
-        self, model=dataclasses.replace(m, vocab_size=padded_vocab(vocab_size)))
+    _require(not m.vocab_size or m.vocab_size >= vocab_size, "model.vocab_size",
+             f"{m.vocab_size} is smaller than the tokenizer's {vocab_size}")
+    return dataclasses.replace(self, model=dataclasses.replace(
+        m, vocab_size=m.vocab_size or padded_vocab(vocab_size)))
 
 
 def parse(c: ml_collections.ConfigDict, *, process_count: int = 1,
@@ -248,12 +244,7 @@ def parse(c: ml_collections.ConfigDict, *, process_count: int = 1,
   """`c` validated once and frozen. focus.* is checked against the base's trained context,
   read from focus.base_workdir unless `focus_context` gives it."""
   validate(c, process_count=process_count)
-  t = c.train
-  train = TrainConfig(
-      steps=t.steps, compute_dtype=t.compute_dtype, micro_batch=t.micro_batch,
-      skip_nonfinite=t.nonfinite == "skip", log_every=t.log_every, eval_every=t.eval_every,
-      eval_batches=t.eval_batches, ckpt_every=t.ckpt_every, keep_ckpts=t.keep_ckpts,
-      async_ckpt=t.async_ckpt, wandb_project=t.get("wandb_project", ""))
+  train = _frozen(TrainConfig, c.train, skip_nonfinite=c.train.nonfinite == "skip")
   return Config(seed=c.seed, model=model_config(c, 0), data=data_config(c),
                 data_shards=c.data.shards, optim=optim_config(c), train=train,
                 mesh=MeshConfig(c.mesh.data, c.mesh.fsdp, c.mesh.tensor),
@@ -292,18 +283,13 @@ def focus_config(c: ml_collections.ConfigDict, context: int | None = None) -> Fo
   f = c.focus
   if context is None:
     context = _base_context(f.base_workdir)
-  for name, allowed in (("implementation", candidates.IMPLEMENTATIONS),
-                        ("candidate_path", tuple(candidates.CANDIDATE_PATHS)),
-                        ("base_attention", ("xla", "pallas"))):
-    _require(f[name] in allowed, f"focus.{name}", f"{f[name]!r} is not one of {list(allowed)}")
+  _check_fields(c, {"focus.implementation": candidates.IMPLEMENTATIONS,
+                    "focus.candidate_path": tuple(candidates.CANDIDATE_PATHS),
+                    "focus.base_attention": ("xla", "pallas"), "focus.prompt_len": ">= 1",
+                    "focus.doc_min_tokens": ">= 1", "focus.retrieval_mix": "in [0, 1)",
+                    "focus.p_reconstruction": "in [0, 1]"})
   _require(c.train.eval_every == 0, "train.eval_every",
            f"FocusLLM runs have no validation loop: set 0, got {c.train.eval_every}")
-  for name in ("prompt_len", "doc_min_tokens"):
-    _require(f[name] >= 1, f"focus.{name}", f"must be >= 1, got {f[name]}")
-  _require(0 <= f.retrieval_mix < 1, "focus.retrieval_mix", f"must be in [0, 1), got "
-           f"{f.retrieval_mix}")
-  _require(0 <= f.p_reconstruction <= 1, "focus.p_reconstruction",
-           f"must be in [0, 1], got {f.p_reconstruction}")
   _require(f.doc_max_tokens >= f.doc_min_tokens, "focus.doc_max_tokens",
            f"{f.doc_max_tokens} < focus.doc_min_tokens={f.doc_min_tokens}")
   _require(2 <= f.local_len <= context, "focus.local_len",
@@ -341,13 +327,8 @@ def focus_config(c: ml_collections.ConfigDict, context: int | None = None) -> Fo
       _require(M // s + f.local_len <= context, memory_field,
                f"{M // s} candidates (chunk {s}, memory {M}) + focus.local_len={f.local_len} "
                f"exceed the base's data.seq_len={context}; use larger chunks or shorter memories")
-  return FocusTrainConfig(
-      base_workdir=absolute(f.base_workdir) if f.base_workdir else "", context=context,
-      chunk_sizes=sizes, prompt_len=f.prompt_len, eval_prompt_len=f.eval_prompt_len,
-      p_reconstruction=f.p_reconstruction, doc_min_tokens=f.doc_min_tokens,
-      doc_max_tokens=f.doc_max_tokens, memory_tokens=memories, local_len=f.local_len,
-      num_targets=Q, retrieval_mix=f.retrieval_mix, implementation=f.implementation,
-      candidate_path=f.candidate_path, base_attention=f.base_attention)
+  return _frozen(FocusTrainConfig, f, context=context, chunk_sizes=sizes, memory_tokens=memories,
+                 base_workdir=absolute(f.base_workdir) if f.base_workdir else "")
 
 
 # A workdir's config.json is read through `upgrade`, the one place that knows older layouts:
@@ -359,8 +340,8 @@ _ADDED = {"model.remat_policy": "nothing", "model.attention.checkpoint_rows": 10
                                      original_max_position_embeddings=0),
           "data.tokenize": "stream", "data.token_cache": "", "data.retrieval_mix": 0.0,
           "optim.schedule_steps": 0, "optim.mu_dtype": "float32", "train.micro_batch": 0,
-          "train.wandb_project": "", "focus.retrieval_mix": 0.0, "focus.memory_tokens": "", "focus.eval_prompt_len": 0,
-          "focus.candidate_path": "adapter"}
+          "train.wandb_project": "", "focus.retrieval_mix": 0.0, "focus.memory_tokens": "",
+          "focus.eval_prompt_len": 0, "focus.candidate_path": "adapter"}
 _REMOVED = ("optim.grad_accum", "model.fuse_matmuls", "model.norm_backward",
             "model.qk_rope_backward", "model.mlp_backward", "model.add_norm", "train.cross_entropy",
             "focus.candidate_positions", "focus.candidate_bias", "focus.sink",

@@ -73,13 +73,15 @@ def checksums(tree) -> dict[str, str]:
           for path, fp in flat}
 
 
-def _verify(meta, params, opt_state) -> None:
-  want = meta.get("checksums") if isinstance(meta, dict) else None
+def _verify(meta, **trees) -> None:
+  """ValueError naming the first array of `trees` (item name -> tree) that does not match the
+  checksum meta records for it."""
   if not isinstance(meta, dict):
     raise ValueError(f"meta is {type(meta).__name__}, not a JSON object")
+  want = meta.get("checksums")
   if want is None:   # written before checksums existed
     return
-  for item, tree in (("params", params), ("opt_state", opt_state)):
+  for item, tree in trees.items():
     have = checksums(tree)
     bad = [k for k in have if want.get(item, {}).get(k) != have[k]]
     if bad:
@@ -132,9 +134,9 @@ def _manager(workdir: str, **options) -> ocp.CheckpointManager:
 
 
 class Checkpointer:
-  """Keeps the last `keep` checkpoints under workdir/checkpoints."""
+  """Keeps the last `keep` checkpoints under workdir/checkpoints (None: all)."""
 
-  def __init__(self, workdir: str, *, keep: int = 3, async_save: bool = True):
+  def __init__(self, workdir: str, *, keep: int | None = 3, async_save: bool = True):
     self.manager = _manager(workdir, max_to_keep=keep, create=True,
                             enable_async_checkpointing=async_save)
 
@@ -143,11 +145,12 @@ class Checkpointer:
 
   def save(self, step: int, params, opt_state, data_iter, meta: dict) -> bool:
     """`data_iter`: a Grain iterator saved with the state, or None (batches a function of the
-    step). meta gains the arrays' checksums."""
-    meta = {**meta, "checksums": {"params": checksums(to_str_keys(params)),
-                                  "opt_state": checksums(opt_state)}}
-    items = dict(params=ocp.args.StandardSave(to_str_keys(params)),
-                 opt_state=ocp.args.StandardSave(opt_state), meta=ocp.args.JsonSave(meta))
+    step); opt_state None: not saved. meta gains the saved arrays' checksums."""
+    trees = {"params": to_str_keys(params), "opt_state": opt_state}
+    trees = {item: tree for item, tree in trees.items() if tree is not None}
+    meta = {**meta, "checksums": {item: checksums(tree) for item, tree in trees.items()}}
+    items = {item: ocp.args.StandardSave(tree) for item, tree in trees.items()}
+    items["meta"] = ocp.args.JsonSave(meta)
     if data_iter is not None:
       items["data"] = grain.checkpoint.CheckpointSave(data_iter)
     return self.manager.save(step, force=True, args=ocp.args.Composite(**items))
@@ -174,7 +177,7 @@ class Checkpointer:
       try:
         params, opt_state, meta = self.restore(step, abstract_params, abstract_opt_state,
                                                data_iter)
-        _verify(meta, to_str_keys(params), opt_state)
+        _verify(meta, params=to_str_keys(params), opt_state=opt_state)
       except Exception as e:  # pylint: disable=broad-except  (any failure: fall back)
         bad.append((step, _describe(e)))
         _collect_quietly()
@@ -206,7 +209,8 @@ class Checkpointer:
 
 
 def _path(path) -> epath.Path:
-  """An epath of `path`: a local one absolute, a URL (gs://bucket/run) as given."""
+  """An epath of `path`: a local one absolute, a URL (gs://bucket/run) as given (as
+  focaljax.config.absolute, which this module cannot import: config reads checkpoints)."""
   return epath.Path(path if "://" in str(path) else os.path.abspath(path))
 
 
@@ -252,30 +256,24 @@ def restore_params(workdir: str, step: int | None, abstract_params):
   out, step = _restore(workdir, step,
                        params=ocp.args.StandardRestore(to_str_keys(abstract_params)))
   try:
-    meta = read_meta(workdir, step)[0] or {}
+    meta = read_meta(workdir, step)[0]
   except KeyError:   # a params-only checkpoint: nothing to check against
     meta = {}
-  want = meta.get("checksums", {}).get("params") if isinstance(meta, dict) else None
-  if want:   # evaluation and export read only what training verified
-    have = checksums(out.params)
-    bad = [k for k in have if want.get(k) != have[k]]
-    if bad:
-      raise CorruptCheckpoint(f"{workdir}/checkpoints/{step}: params{bad[0]} does not match its "
-                              "checksum; evaluate an earlier step (checkpoints/<step>)")
+  try:   # evaluation and export read only what training verified
+    if isinstance(meta, dict) and meta.get("checksums", {}).get("params"):
+      _verify(meta, params=out.params)
+  except ValueError as e:
+    raise CorruptCheckpoint(f"{workdir}/checkpoints/{step}: {e}; evaluate an earlier step "
+                            "(checkpoints/<step>)") from None
   return from_str_keys(out.params, abstract_params), step
 
 
 def save_params(workdir: str, step: int, params, meta: dict, opt_state=None) -> None:
   """One checkpoint written outside training: params, meta and, when given, the optimizer state
   (a converted or copy-initialised FocusLLM adapter)."""
-  meta = {**meta, "checksums": {"params": checksums(to_str_keys(params))}}
-  items = dict(params=ocp.args.StandardSave(to_str_keys(params)), meta=ocp.args.JsonSave(meta))
-  if opt_state is not None:
-    items["opt_state"] = ocp.args.StandardSave(opt_state)
-  manager = _manager(workdir, create=True)
-  manager.save(step, args=ocp.args.Composite(**items))
-  manager.wait_until_finished()
-  manager.close()
+  ckpt = Checkpointer(workdir, keep=None, async_save=False)
+  ckpt.save(step, params, opt_state, None, meta)
+  ckpt.close()
 
 
 def read_meta(workdir: str, step: int | None) -> tuple[dict, int]:

@@ -34,10 +34,6 @@ LOCK_FILE = ".lock"
 _held: dict[str, int] = {}   # workdir -> the open lock file of this process
 
 
-def _is_local(workdir: str) -> bool:
-  return "://" not in str(workdir)
-
-
 def check(workdir: str, config_json: str) -> None:
   """Refuses (ConfigError, one line) a workdir that is a file or lies under one, or whose
   checkpoints hold another run (listing the differing fields, old -> new). Writes nothing."""
@@ -68,7 +64,7 @@ def check(workdir: str, config_json: str) -> None:
 
 def lock(workdir: str) -> None:
   """Takes workdir's lock for this process (again: a no-op); ConfigError naming the holder."""
-  if not _is_local(workdir):
+  if "://" in str(workdir):
     print(f"warning: --workdir {workdir} is not on a local file system; not locked: make sure "
           "no other trainer uses it", file=sys.stderr)
     return
