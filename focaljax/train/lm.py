@@ -47,8 +47,8 @@ def train_step(params, opt_state, batch, *, graphdef, tx, cfg: loop.StepConfig):
 def init_params(model_cfg, key, param_sh) -> dict:
   """The Transformer's parameters (nnx.to_pure_dict's layout, sharded by `param_sh`), made by one
   small jit per distinct layer spec, run once per block, and one for the embedding, final norm and
-  head. One jit over the whole model compiles in time that grows with its depth (70 s at 1.3B on
-  an H200); its run is milliseconds. The key is an argument: a jit with no inputs lets XLA
+  head. One jit over the whole model compiles in time that grows with its depth (over a minute
+  at 1.3B on a GPU) to run for milliseconds. The key is an argument: a jit with no inputs lets XLA
   constant-fold the RNG. Block i draws from fold_in(key, i)."""
   def pure(make):
     return lambda k: nnx.to_pure_dict(nnx.split(make(nnx.Rngs(params=k)))[1])
