@@ -10,8 +10,8 @@ forced); the glue passes and the loss take "auto" from the model (tests force "p
     float32 q, k, v                             pallas/triton            pallas/mosaic
     packed rows, T >=                           16K: pallas/triton       2K: pallas/mosaic
     sliding window         xla     xla          cudnn (16-bit) or xla    cudnn (16-bit) or xla
-  dilution_attention,      xla     xla          pallas/triton            pallas/mosaic
-  dilution_prefill, _decode_step
+  dilution_attention       xla     pallas/tpu   pallas/triton            pallas/mosaic
+  dilution_prefill, _decode_step   xla          pallas/triton            pallas/mosaic
   qk_norm_rope, swiglu,    xla     xla          pallas (Triton kernels; qk_norm_rope needs a
   add_norm                                      power-of-two head dim, add_norm a d_model >= 16)
   cross_entropy            optax   optax        explicit                 explicit
@@ -21,9 +21,10 @@ Why: cuDNN's fused attention is the fastest focal path for unpacked 16-bit rows,
 16-bit inputs and gets packed rows as a dense [B, 1, T, T] mask, which the Mosaic kernel's
 segment masking beats from 2K on Hopper; elsewhere the Triton kernel lost at 2K, and from 16K the
 mask takes 256 MiB a row. The Pallas and tokamax focal kernels have no sliding window: a call
-with one that requests them (or auto) runs on cuDNN (16-bit, GPUs) or the reference. The
-dilution and glue kernels are Triton or Mosaic GPU only; off GPUs Pallas runs in interpret mode
-(CPU tests) or, on TPU, gives way to XLA. The explicit
+with one that requests them (or auto) runs on cuDNN (16-bit, GPUs) or the reference. Dilution
+trains on TPU through its Mosaic TPU port (prefill and decode there run the reference); the glue
+kernels are Triton only: off GPUs Pallas runs in interpret mode (CPU tests) or, on TPU, gives
+way to XLA. The explicit
 cross-entropy's one-pass reduction wins on GPUs and lowers slowly on CPU. Numbers:
 docs/performance.md.
 """
@@ -103,9 +104,18 @@ def _focal(requested, where, *, dtype, seq_len, packed, window) -> Choice:
 
 
 def _dilution(op, requested, where, *, dtype, head_dim, checkpoint_rows) -> Choice:
-  # No TPU port of the kernels; a library name means the fused kernels here.
-  if requested == "xla" or where == "tpu" or (requested == "auto" and where == "cpu"):
+  # A library name means the fused kernels here. TPU: training has a Pallas port, prefill and
+  # decode run the reference.
+  if requested == "xla" or (requested == "auto" and where == "cpu"):
     return Choice("xla")
+  if where == "tpu":
+    if op != "dilution_attention":
+      return Choice("xla")
+    from pallas_kernels.dilution import tpu  # pylint: disable=import-outside-toplevel
+    bs = None
+    if checkpoint_rows is not None:   # the TPU passes need ckpt_rows >= block_q
+      bs = tpu.TpuBlockSizes(block_q=min(128, checkpoint_rows), ckpt_rows=checkpoint_rows)
+    return Choice("pallas", "tpu", block_sizes=bs)
   choice = _pallas(where)
   if op == "dilution_attention" and checkpoint_rows is not None:
     from pallas_kernels import dilution  # pylint: disable=import-outside-toplevel

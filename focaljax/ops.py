@@ -149,6 +149,10 @@ def dilution_attention(q, k, v, *, scale=None, eps=1e-9, segment_ids=None, imple
   from pallas_kernels import dilution  # pylint: disable=import-outside-toplevel
 
   def kernel(q, k, v, s, seg):
+    if choice.backend == "tpu":
+      from pallas_kernels.dilution import tpu  # pylint: disable=import-outside-toplevel
+      return tpu.dilution_attention(q, k, v, scale=s, eps=eps, segment_ids=seg,
+                                    block_sizes=choice.block_sizes, interpret=choice.interpret)
     return dilution.dilution_attention(q, k, v, scale=s, eps=eps, segment_ids=seg,
                                        backend=choice.backend, block_sizes=choice.block_sizes,
                                        interpret=choice.interpret)

@@ -83,11 +83,12 @@ def test_forced_implementations(on):
 
 @pytest.mark.parametrize("op", ["dilution_attention", "dilution_prefill", "dilution_decode_step"])
 def test_dilution_per_platform(on, op):
-  """No cuDNN or TPU kernels for dilution: a library name means the fused kernels on GPUs, and the
-  TPU runs the reference."""
+  """No cuDNN kernels for dilution: a library name means the fused kernels on GPUs; the TPU trains
+  through its Mosaic TPU port and runs the reference for prefill and decode."""
+  tpu = ("pallas", "tpu") if op == "dilution_attention" else ("xla", None)
   want = {("hopper", "auto"): ("pallas", "mosaic"), ("hopper", "cudnn"): ("pallas", "mosaic"),
-          ("gpu", "auto"): ("pallas", "triton"), ("tpu", "auto"): ("xla", None),
-          ("tpu", "pallas"): ("xla", None), ("cpu", "auto"): ("xla", None),
+          ("gpu", "auto"): ("pallas", "triton"), ("tpu", "auto"): tpu,
+          ("tpu", "pallas"): tpu, ("cpu", "auto"): ("xla", None),
           ("cpu", "pallas"): ("pallas", "triton")}
   for (where, requested), got in want.items():
     on(where)
@@ -103,6 +104,9 @@ def test_checkpoint_rows_become_the_kernels_ckpt_rows(on):
   want = dilution.default_block_sizes("mosaic", 128, BF16)
   assert c.block_sizes.ckpt_rows == 64 and c.block_sizes.b1_block_k == want.b1_block_k
   assert dispatch.choose("dilution_attention", dtype=BF16, head_dim=128).block_sizes is None
+  on("tpu")
+  c = dispatch.choose("dilution_attention", dtype=BF16, head_dim=128, checkpoint_rows=64)
+  assert (c.block_sizes.ckpt_rows, c.block_sizes.block_q) == (64, 64)
 
 
 def test_glue_per_platform(on):
