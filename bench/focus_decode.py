@@ -2,13 +2,18 @@
 
   python bench/focus_decode.py --out focus_decode.json                   # GPU: 400m, 8x and 32x
   python bench/focus_decode.py --focus_impl pallas --out focus_decode_pallas.json
+  python bench/focus_decode.py --size 100m --chunk_size 512 --prompt_len 256 --local_len 512 \
+    --focus_impl pallas --modes batched,base --batch 1,8 --out focus_decode_100m.json
   python bench/focus_decode.py --smoke --out /tmp/focus_decode.json     # CPU: tiny, seconds
 
 Random weights (timing only), cast to --dtype. At total length L = m x context the input is a
 memory of L - local_len tokens (chunks of --chunk_size) and a local window of local_len tokens.
 Modes:
-  batched     focus_generate: every chunk in one batch (rows = batch x chunks); each step extends
-              every chunk's cache by one token and condenses all new candidates in one call.
+  batched     focus_generate.prefill + decode: every chunk in one batch (rows = batch x chunks);
+              each step extends every chunk's cache by one token and condenses all new candidates
+              in one pass per layer, and all steps run as one compiled loop over a donated state.
+  stepwise    the same steps through focus_generate.step, one dispatch per token: stepwise /
+              batched is the host's per-token cost.
   sequential  the same focus/model.py functions on one chunk at a time (C = 1 slices, one
               compile): the prefill and, each step, the cache extension and the candidate run in
               a Python loop over chunks, then one local-decoder pass over all candidates (the
@@ -16,9 +21,11 @@ Modes:
   base        the base alone over all L tokens: model.init_cache / forward_cached, full causal
               attention, RoPE NTK-scaled to L (as generate.py). Reported as an error where it
               does not fit.
-Each entry is warmed up (prefill + 2 steps, compiling everything), then timed: prefill_s (the
-prefill, which also yields the first new token's logits) and tok_per_s = batch x (new_tokens - 1)
-/ decode_s, the seconds of the new_tokens - 1 steps after it (block_until_ready at the end).
+Each entry is warmed up (prefill + 2 steps, or the whole loop for batched, compiling everything),
+then timed: prefill_s (the prefill, which also yields the first new token's logits), step_ms =
+1000 decode_s / (new_tokens - 1), the mean step of the new_tokens - 1 steps after it
+(block_until_ready at the end), and tok_per_s = batch x (new_tokens - 1) / decode_s. --batch takes
+a comma list: every batch size runs every mode and multiplier.
 peak_GiB is the device's peak_bytes_in_use (None on CPU); with --isolate (default unless --smoke)
 every entry runs in a fresh process so the peak is its own, otherwise it is the process peak so
 far. focus.frozen_prefill allocates the chunk caches in the base's dtype (--dtype); the focus
@@ -28,6 +35,7 @@ modes' chunk prefill runs the base with --chunk_attention (default xla; cudnn ne
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -47,7 +55,8 @@ from focaljax.focus import evaluate as focus_eval  # pylint: disable=wrong-impor
 from focaljax.focus import generate as focus_generate  # pylint: disable=wrong-import-position
 from focaljax.model import decoder as model_lib  # pylint: disable=wrong-import-position
 
-MODES = ("batched", "sequential", "base")
+MODES = ("batched", "stepwise", "sequential", "base")
+DEFAULT_MODES = ("batched", "sequential", "base")
 GPU = dict(size="400m", chunk_size=1024, prompt_len=512, local_len=1024, new_tokens=32,
            multipliers="8,32")
 # The small preset's 64-token context holds at most 64 - 32 - 2 = 30 candidates before the local
@@ -80,11 +89,25 @@ def _sync(x):
   return jax.block_until_ready(x)
 
 
-def batched(base, adapter, cfg, memory, local, new):
-  """A start() -> (state, first logits, step) for focus_generate (jitted at module level)."""
+def _stepper(step):
+  """run(state, logits, n) for a per-token step(state, token) -> (state, logits)."""
+  def run(st, logits, n):
+    for _ in range(n):
+      st, logits = step(st, jnp.argmax(logits, -1).astype(jnp.int32))
+    return logits
+  return run
+
+
+def batched(base, adapter, cfg, memory, local, new, fused=True):
+  """A start() -> (state, first logits, run) for focus_generate (jitted at module level): the
+  steps as one decode loop (fused) or one step call per token."""
+  def run(st, logits, n):
+    return focus_generate.decode(adapter, base, st, logits, n)[1]
+
   def start():
     state, logits = focus_generate.prefill(adapter, base, memory, local, cfg, new)
-    return state, logits, lambda st, tok: focus_generate.step(adapter, base, st, tok)
+    return state, logits, run if fused else _stepper(
+        lambda st, tok: focus_generate.step(adapter, base, st, tok))
   return start
 
 
@@ -146,7 +169,7 @@ def sequential(base, adapter, cfg, memory, local, new):
     tokens = jnp.zeros((B, T + new - 1), jnp.int32).at[:, :T].set(local)
     st = {"tokens": tokens, "length": T, "pos": cfg.chunk_size + cfg.prompt_tokens(T) - 1,
           "caches": [c for c, _ in chunks], "kvs": [kv for _, kv in chunks]}
-    return st, local_fn(base_state, tokens, _concat_kv(st["kvs"]), T - 1), step
+    return st, local_fn(base_state, tokens, _concat_kv(st["kvs"]), T - 1), _stepper(step)
 
   return start
 
@@ -166,7 +189,7 @@ def full_attention(base, memory, local, new, dtype):
 
   def start():
     logits, caches = prefill(state, prompt)
-    return {"caches": caches, "pos": prompt.shape[1]}, logits, step
+    return {"caches": caches, "pos": prompt.shape[1]}, logits, _stepper(step)
 
   return start
 
@@ -188,18 +211,17 @@ def _base_step(graphdef, state, caches, token_B, pos, max_len, dtype):
 def _decode(start, new):
   """(prefill seconds, decode seconds) of one greedy generation of `new` tokens."""
   t0 = time.perf_counter()
-  st, logits, step = start()
+  st, logits, run = start()
   _sync(logits)
   t1 = time.perf_counter()
-  for _ in range(new - 1):
-    st, logits = step(st, jnp.argmax(logits, -1).astype(jnp.int32))
+  logits = run(st, logits, new - 1)
   _sync(logits)
   return t1 - t0, time.perf_counter() - t1
 
 
-def entry(args, mode: str, multiplier: int) -> dict:
+def entry(args, mode: str, multiplier: int, B: int) -> dict:
   base, adapter, cfg = build(args, mode)
-  ctx, T, B, new = base.cfg.max_seq_len, args.local_len, args.batch, args.new_tokens
+  ctx, T, new = base.cfg.max_seq_len, args.local_len, args.new_tokens
   L = multiplier * ctx
   row = dict(mode=mode, multiplier=multiplier, length=L, context=ctx, batch=B, new_tokens=new,
              chunk_size=cfg.chunk_size,
@@ -209,12 +231,15 @@ def entry(args, mode: str, multiplier: int) -> dict:
   local = _tokens(B, T, 2, base.cfg.vocab_size)
   try:
     start = {"batched": lambda: batched(base, adapter, cfg, memory, local, new),
+             "stepwise": lambda: batched(base, adapter, cfg, memory, local, new, fused=False),
              "sequential": lambda: sequential(base, adapter, cfg, memory, local, new),
              "base": lambda: full_attention(base, memory, local, new, jnp.dtype(args.dtype))
              }[mode]()
-    _decode(start, min(new, 3))   # compiles prefill and step
+    # Compiles prefill and step; the fused loop compiles per step count, so it warms up whole.
+    _decode(start, new if mode == "batched" else min(new, 3))
     prefill_s, decode_s = _decode(start, new)
     row.update(prefill_s=prefill_s, decode_s=decode_s,
+               step_ms=1e3 * decode_s / (new - 1) if new > 1 else None,
                tok_per_s=B * (new - 1) / decode_s if new > 1 else None)
   except Exception as e:  # pylint: disable=broad-except
     row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
@@ -228,8 +253,9 @@ def entry(args, mode: str, multiplier: int) -> dict:
 
 def _print(row):
   f = lambda k, w, p: f"{row[k]:{w}.{p}f}" if row.get(k) is not None else f"{'-':>{w}}"
-  print(f"{row['mode']:<11} {row['multiplier']:>4}x {f('length', 8, 0)} {f('num_chunks', 6, 0)} "
-        f"{f('prefill_s', 10, 3)} {f('tok_per_s', 10, 2)} {f('peak_GiB', 9, 2)}  "
+  print(f"{row['mode']:<11} {row['multiplier']:>4}x {row.get('batch', '-'):>5} "
+        f"{f('length', 8, 0)} {f('num_chunks', 6, 0)} {f('prefill_s', 10, 3)} "
+        f"{f('step_ms', 9, 2)} {f('tok_per_s', 10, 2)} {f('peak_GiB', 9, 2)}  "
         f"{row.get('error', '')}", flush=True)
 
 
@@ -244,8 +270,8 @@ def main(argv=None):
   ap.add_argument("--local_len", type=int, default=None)
   ap.add_argument("--new_tokens", type=int, default=None)
   ap.add_argument("--multipliers", default=None, help="comma list of L / context (default 8,32)")
-  ap.add_argument("--modes", default=",".join(MODES), help=f"comma list of {MODES}")
-  ap.add_argument("--batch", type=int, default=1)
+  ap.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"comma list of {MODES}")
+  ap.add_argument("--batch", default="1", help="comma list of batch sizes")
   ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
   ap.add_argument("--focus_impl", default="xla", choices=["xla", "pallas"])
   ap.add_argument("--base_attention", default="auto",
@@ -263,8 +289,8 @@ def main(argv=None):
   if args.smoke:
     args.dtype = "float32"
   if args.entry:
-    mode, m = args.entry.split(":")
-    print("ROW " + json.dumps(entry(args, mode, int(m))), flush=True)
+    mode, m, b = args.entry.split(":")
+    print("ROW " + json.dumps(entry(args, mode, int(m), int(b))), flush=True)
     return
   modes = [m for m in args.modes.split(",") if m]
   bad = set(modes) - set(MODES)
@@ -275,24 +301,24 @@ def main(argv=None):
         f" new={args.new_tokens} batch={args.batch} dtype={args.dtype} focus_impl="
         f"{args.focus_impl} base_attention={args.base_attention} chunk_attention="
         f"{args.chunk_attention} isolate={isolate}")
-  print(f"{'mode':<11} {'x':>5} {'length':>8} {'chunks':>6} {'prefill_s':>10} {'tok/s':>10} "
-        f"{'peak_GiB':>9}")
+  print(f"{'mode':<11} {'x':>5} {'batch':>5} {'length':>8} {'chunks':>6} {'prefill_s':>10} "
+        f"{'step_ms':>9} {'tok/s':>10} {'peak_GiB':>9}")
   rows = []
-  for m in [int(x) for x in args.multipliers.split(",")]:
-    for mode in modes:
-      if isolate:
-        # The parent never touches the device, so each child has it to itself.
-        argv_child = argv if argv is not None else sys.argv[1:]   # a child never writes --out
-        proc = subprocess.run([sys.executable, os.path.abspath(__file__), *argv_child,
-                               f"--entry={mode}:{m}"], capture_output=True, text=True)
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("ROW ")]
-        row = json.loads(lines[-1][4:]) if lines else dict(
-            mode=mode, multiplier=m, length=None, num_chunks=None,
-            error=f"child exited {proc.returncode}: {proc.stderr.strip()[-300:]}")
-      else:
-        row = entry(args, mode, m)
-      rows.append(row)
-      _print(row)
+  for b, m, mode in itertools.product([int(x) for x in args.batch.split(",")],
+                                      [int(x) for x in args.multipliers.split(",")], modes):
+    if isolate:
+      # The parent never touches the device, so each child has it to itself.
+      argv_child = argv if argv is not None else sys.argv[1:]   # a child never writes --out
+      proc = subprocess.run([sys.executable, os.path.abspath(__file__), *argv_child,
+                             f"--entry={mode}:{m}:{b}"], capture_output=True, text=True)
+      lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("ROW ")]
+      row = json.loads(lines[-1][4:]) if lines else dict(
+          mode=mode, multiplier=m, batch=b, length=None, num_chunks=None,
+          error=f"child exited {proc.returncode}: {proc.stderr.strip()[-300:]}")
+    else:
+      row = entry(args, mode, m, b)
+    rows.append(row)
+    _print(row)
   if args.out:
     with open(args.out, "w") as f:
       json.dump({"args": vars(args), "rows": rows}, f, indent=2)

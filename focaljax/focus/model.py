@@ -115,6 +115,48 @@ def candidates(adapter, base, caches, tokens_RQ, positions_RQ, theta: float, *,
   return x_RQE, kv
 
 
+def decode_step(adapter, base, caches, prev_R, token_R, position, theta: float, *,
+                implementation: str = "auto", path: str = "adapter"):
+  """frozen_step of prev_R at `position`, then candidates of token_R at position + 1, in one pass
+  per layer: both queries share one read of the layer's cache (the frozen token sees the keys
+  before `position` and itself as the kernel's self key; the candidate sees the keys up to
+  `position`, now holding the frozen token's, and itself), and share the norm and MLP matmuls.
+  Returns (caches, candidate h [R, 1, E], per layer the adapter's (k before RoPE, v)
+  [R, 1, K, D]). Block.cached's sliding window is not applied to the frozen token."""
+  R = prev_R.shape[0]
+  x_R2E = base.embed[...][jnp.stack([prev_R, token_R], axis=1)]   # [frozen token, candidate]
+  at_R1 = jnp.full((R, 1), position)
+  visible_R2 = jnp.concatenate([at_R1, at_R1 + 1], axis=1)
+  new, kv = [], []
+  for i, (block, cache) in enumerate(zip(base.blocks, caches)):
+    attn, w = block.attn, adapter[i]
+    own = w if path == "adapter" else {n: getattr(attn, n)[...] for n in _PROJ}
+    xn_R2E = block.attn_norm(x_R2E)
+    xf_R1E, xc_R1E = xn_R2E[:, :1], xn_R2E[:, 1:]
+    qf, kf, vf = attn._project(xf_R1E, at_R1, theta)  # pylint: disable=protected-access
+    cache = {**cache,
+             "k": jax.lax.dynamic_update_slice(cache["k"], kf.astype(cache["k"].dtype),
+                                               (0, position, 0, 0)),
+             "v": jax.lax.dynamic_update_slice(cache["v"], vf.astype(cache["v"].dtype),
+                                               (0, position, 0, 0))}
+    qc = jnp.einsum("RQE,END->RQND", xc_R1E, own["wq"].astype(xc_R1E.dtype))
+    qc = attn.q_norm(qc) if attn.cfg.qk_norm else qc
+    kc_pre, vc = _candidate_kv(attn, own, xc_R1E)
+    cat = lambda f, c: jnp.concatenate([f, c.astype(f.dtype)], axis=1)  # noqa: E731
+    out_R2ND = _attend(kernels.candidate_attention, kernels.candidate_attention_reference,
+                       implementation, attn, cat(qf, rope(attn, qc, at_R1 + 1, theta)),
+                       cache["k"].astype(qf.dtype), cache["v"].astype(vf.dtype), visible_R2,
+                       cat(kf, rope(attn, kc_pre, at_R1 + 1, theta)), cat(vf, vc))
+    dt = out_R2ND.dtype
+    x_R2E = x_R2E + jnp.concatenate(
+        [jnp.einsum("RQND,NDE->RQE", out_R2ND[:, :1], attn.wo[...].astype(dt)),
+         jnp.einsum("RQND,NDE->RQE", out_R2ND[:, 1:], own["wo"].astype(dt))], axis=1)
+    x_R2E = x_R2E + block.mlp(block.mlp_norm(x_R2E))
+    new.append(cache)
+    kv.append((kc_pre, vc) if path == "adapter" else _candidate_kv(attn, w, xc_R1E))
+  return new, x_R2E[:, 1:], kv
+
+
 @dataclasses.dataclass(frozen=True)
 class FocusConfig:
   chunk_size: int                   # memory tokens per chunk; the memory is whole chunks
