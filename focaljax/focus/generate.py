@@ -95,9 +95,10 @@ def _step(graphdef, base_state, adapter, state, token_B, implementation, candida
 def _decode(graphdef, base_state, adapter, state, logits_BV, steps, implementation,
             candidate_path, readout):
   """`steps` greedy steps as one scan: (state, last logits, tops int32 [steps, B, C])."""
+  base = nnx.merge(graphdef, base_state)
+
   def body(carry, _):
     state, logits_BV = carry
-    base = nnx.merge(graphdef, base_state)
     token_B = jnp.argmax(logits_BV, -1).astype(jnp.int32)
     state, logits_BV, top_BC = _advance(base, adapter, state, token_B, implementation,
                                         candidate_path, readout)

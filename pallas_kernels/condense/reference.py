@@ -6,7 +6,6 @@ import jax
 import jax.numpy as jnp
 
 _MASKED = -1e30   # logits: finite, so masked entries get exactly zero probability
-_GEMV_ROWS = 8    # candidate queries per kv head up to which the reference avoids a GEMM
 
 
 def _probs_reference(q_RTND, k_RSKD, visible_RTS, scale):
@@ -38,32 +37,21 @@ def candidate_attention_reference(q_RQND, k_RSKD, v_RSKD, visible_len_RQ, self_k
   q_RQKGD = q_RQND.reshape(R, Q, K, N // K, D)
   visible_RQS = jnp.arange(S)[None, None, :] < visible_len_RQ[:, :, None]
   f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-  # A decode step's few queries per kv head: as a batched GEMM XLA would first transpose the whole
-  # cache to put (R, K) major; a broadcast multiply-reduce reads it in place.
-  gemv = Q * (N // K) <= _GEMV_ROWS
-  if gemv:
-    logits_RKGQS = (f32(q_RQKGD).transpose(0, 2, 3, 1, 4)[:, None]
-                    * f32(k_RSKD)[:, :, :, None, None]).sum(-1).transpose(0, 2, 3, 4, 1) * scale
-  else:
-    logits_RKGQS = jnp.einsum("RQKGD,RSKD->RKGQS", q_RQKGD, k_RSKD,
-                              preferred_element_type=jnp.float32) * scale
+  logits_RKGQS = jnp.einsum("RQKGD,RSKD->RKGQS", q_RQKGD, k_RSKD,
+                            preferred_element_type=jnp.float32) * scale
   logits_RKGQS = jnp.where(visible_RQS[:, None, None], logits_RKGQS, _MASKED)
   if self_k_RQKD is not None:
     self_RQKG = (f32(q_RQKGD) * f32(self_k_RQKD)[:, :, :, None]).sum(-1) * scale
     logits_RKGQS = jnp.concatenate([logits_RKGQS, self_RQKG.transpose(0, 2, 3, 1)[..., None]],
                                    axis=-1)
   probs_RKGQS = jax.nn.softmax(logits_RKGQS, axis=-1)
-  if gemv:
-    out_RQKGD = (probs_RKGQS[..., :S].transpose(0, 4, 1, 2, 3)[..., None]
-                 * f32(v_RSKD)[:, :, :, None, None]).sum(1).transpose(0, 3, 1, 2, 4)
-  else:
-    out_RQKGD = jnp.einsum("RKGQS,RSKD->RQKGD", probs_RKGQS[..., :S], f32(v_RSKD))
+  out_RQKGD = jnp.einsum("RKGQS,RSKD->RQKGD", probs_RKGQS[..., :S], f32(v_RSKD))
   if self_k_RQKD is None:
     seen_RQ = visible_RQS.any(-1)   # rows seeing nothing give 0
     out_RQKGD = jnp.where(seen_RQ[:, :, None, None, None], out_RQKGD, 0.0)
   else:
     out_RQKGD = out_RQKGD + (probs_RKGQS[..., S].transpose(0, 3, 1, 2)[..., None]
-                             * self_v_RQKD.astype(jnp.float32)[:, :, :, None])
+                             * f32(self_v_RQKD)[:, :, :, None])
   return out_RQKGD.reshape(R, Q, N, D).astype(q_RQND.dtype)
 
 
