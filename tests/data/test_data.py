@@ -13,8 +13,6 @@ import numpy as np
 import pytest
 
 from focaljax.data import pipeline as data
-from focaljax.data import retrieval
-from focaljax.data import sources
 
 EOS = 1  # the fake tokenizer's <|endoftext|>; padding is 0 and document tokens are >= 10_000
 
@@ -232,113 +230,6 @@ def test_two_hosts_disjoint_and_complete(corpus):
   assert sorted(host_docs[0] + host_docs[1]) == sorted(docs)
 
 
-def test_text_sources_and_valid_split(tmp_path):
-  (tmp_path / "a.txt").write_text("first file\n\nis one document")
-  with lzma.open(tmp_path / "b.txt.xz", "wt") as f:
-    f.write("second")
-  with lzma.open(tmp_path / "c.jsonl.xz", "wt") as f:
-    for i in range(18):
-      f.write(json.dumps({"body": f"doc {i}", "text": "unused"}) + "\n")
-  cfg = data.DataConfig(source=f"text:{tmp_path}/*.txt*,{tmp_path}/*.jsonl.xz", tokenizer="bundled",
-                        seq_len=8, global_batch=1, jsonl_field="body")
-  train, valid = (list(data.documents(cfg, s)) for s in sources.SPLITS)
-  everything = ["first file\n\nis one document", "second"] + [f"doc {i}" for i in range(18)]
-  assert len(valid) == 1 and sorted(train + valid) == sorted(everything)
-  assert valid == [everything[19]]  # evenly spaced hold-out: every 20th document
-  other = dataclasses.replace(cfg, valid_source=f"text:{tmp_path}/a.txt")
-  assert list(data.documents(other, "valid")) == [everything[0]]
-  assert list(data.documents(other, "train")) == everything
-  with pytest.raises(ValueError, match="jsonl_field"):
-    list(data.documents(dataclasses.replace(cfg, jsonl_field="nope"), "train"))
-
-
-def test_bundled_default_run():
-  cfg = data.DataConfig(source="bundled", tokenizer="bundled", seq_len=128, global_batch=4)
-  train, valid = data.documents(cfg, "train"), data.documents(cfg, "valid")
-  assert len(train) > 30 and 1 <= len(valid) <= 3
-  assert not set(train) & set(valid)
-  assert 1_000_000 < sum(map(len, train)) + sum(map(len, valid)) < 2_000_000
-  tok = data.load_tokenizer(cfg, None)
-  b = next(data.make_iterator(cfg, tok))
-  assert b["inputs"].shape == (4, 128) and b["weights"].mean() > 0.9
-  np.testing.assert_array_equal(b["inputs"][:, 1:], b["targets"][:, :-1])
-  assert len(tok.decode(b["inputs"][0].tolist())) > 128  # real text, several bytes per token
-
-
-def test_passkey_drill_shape():
-  tok = data.load_tokenizer(data.DataConfig(source="bundled", tokenizer="bundled", seq_len=8,
-                                            global_batch=1), None)
-  text = np.asarray(tok.encode("It was the best of times, it was the worst of times. " * 40))
-  for seed in range(20):
-    ids = retrieval.passkey_drill(tok, text, np.random.default_rng(seed), 128)
-    assert len(ids) <= 128 and ids[-1] == tok.eos_id
-    s = tok.decode(ids[:-1].tolist())
-    key = s.rsplit("The pass key is", 1)[1].strip().rstrip(".")
-    assert len(key) == 5 and f"The pass key is {key}. Remember it. {key} is the pass key." in s
-  with pytest.raises(ValueError, match="max_len"):
-    retrieval.passkey_drill(tok, text, np.random.default_rng(0), 16)
-
-
-def test_retrieval_mix_turns_train_rows_into_drills():
-  kw = dict(source="bundled", tokenizer="bundled", seq_len=256, global_batch=8)
-  tok = data.load_tokenizer(data.DataConfig(**kw), None)
-  needle = tok.encode(" Remember it.")
-  def count(mix, split):
-    it = data.make_iterator(data.DataConfig(**kw, retrieval_mix=mix), tok, split=split)
-    rows = np.concatenate([next(it)["inputs"] for _ in range(3)])
-    return sum(tok.decode(r.tolist()).count("Remember it.") for r in rows)
-  assert needle and count(0.0, "train") == 0 and count(0.9, "valid") == 0
-  it = data.make_iterator(data.DataConfig(**kw, retrieval_mix=0.5), tok)
-  b = next(it)
-  drills = [i for i, r in enumerate(b["inputs"]) if "Remember it." in tok.decode(r.tolist())]
-  assert 1 <= len(drills) < 8
-  for i in drills:  # one segment from position 0, then padding that carries no loss
-    n = int((b["segment_ids"][i] == 1).sum())
-    assert n > 128 and set(b["segment_ids"][i, n:]) <= {0} and b["weights"][i, n:].sum() == 0
-    np.testing.assert_array_equal(b["positions"][i, :n], np.arange(n))
-
-
-def test_retrieval_mix_resumes_exactly():
-  cfg = data.DataConfig(source="bundled", tokenizer="bundled", seq_len=128, global_batch=4,
-                        retrieval_mix=0.5)
-  tok = data.load_tokenizer(cfg, None)
-  it = data.make_iterator(cfg, tok)
-  next(it)
-  state = json.loads(json.dumps(it.get_state()))
-  want = [next(it) for _ in range(3)]
-  it = data.make_iterator(cfg, tok)
-  it.set_state(state)
-  for w in want:
-    got = next(it)
-    for key in w:
-      np.testing.assert_array_equal(got[key], w[key], err_msg=key)
-
-
-def test_train_tokenizer_caches(tmp_path, monkeypatch):
-  path = tmp_path / "d.jsonl"
-  lines = (json.dumps({"text": f"hello world number {i}"}) + "\n" for i in range(40))
-  path.write_text("".join(lines))
-  cfg = data.DataConfig(source=f"text:{path}", tokenizer="train:300", seq_len=8, global_batch=1)
-  tok = data.load_tokenizer(cfg, str(tmp_path / "work"))
-  assert (tmp_path / "work" / "tokenizer.json").is_file()
-  monkeypatch.setattr(data.tokenizer_lib, "train_bpe", None)  # a second call must not train
-  again = data.load_tokenizer(cfg, str(tmp_path / "work"))
-  assert again.encode("hello world") == tok.encode("hello world")
-  path_cfg = dataclasses.replace(cfg, tokenizer=str(tmp_path / "work" / "tokenizer.json"))
-  assert data.load_tokenizer(path_cfg, None).vocab_size == tok.vocab_size
-
-
-@pytest.mark.parametrize("style, pieces", [("digits", [" 7", "0", "3", "7", "1"]),
-                                           ("llama_digits", [" ", "7", "0", "3", "7", "1"])])
-def test_train_tokenizer_digits(tmp_path, style, pieces):
-  path = tmp_path / "d.jsonl"
-  path.write_text("".join(json.dumps({"text": f"key {i * 7919}"}) + "\n" for i in range(40)))
-  cfg = data.DataConfig(source=f"text:{path}", tokenizer=f"train:300:{style}", seq_len=8,
-                        global_batch=1)
-  tok = data.load_tokenizer(cfg, None)
-  assert [tok.decode([i]) for i in tok.encode(" 70371")] == pieces
-
-
 def test_tfds_builder_roundtrip(corpus, tmp_path):
   tfds_text = pytest.importorskip("focaljax.data.tfds_text")   # needs tensorflow_datasets
   cfg, docs = corpus
@@ -354,27 +245,6 @@ def test_tfds_builder_roundtrip(corpus, tmp_path):
   explicit = dataclasses.replace(tcfg, source="tfds:tiny_text:validation")
   assert sorted(split_docs(stream(batches(explicit)))) == sorted(valid)
   assert "tensorflow" not in sys.modules  # the whole TFDS path is TF-free
-
-
-@pytest.mark.parametrize("field, value, match", [
-    ("source", "hf:foo", "source"),
-    ("source", "text:", "source"),
-    ("tokenizer", "train:abc", "tokenizer"),
-    ("tokenizer", "train:300:digit", "train:<vocab_size>:llama_digits"),
-    ("tokenizer", "sentencepiece", "tokenizer"),
-    ("seq_len", 0, "seq_len"),
-    ("global_batch", -1, "global_batch"),
-    ("num_epochs", 0, "num_epochs"),
-    ("valid_fraction", 1.5, "valid_fraction"),
-    ("valid_source", "nope", "valid_source"),
-    ("tokenize", "eager", "tokenize"),
-    ("retrieval_mix", 1.0, "retrieval_mix"),
-])
-def test_config_errors_name_the_field(field, value, match):
-  kw = dict(source="bundled", tokenizer="bundled", seq_len=8, global_batch=2)
-  kw[field] = value
-  with pytest.raises(ValueError, match=match):
-    data.DataConfig(**kw)
 
 
 def test_runtime_errors(corpus):
