@@ -4,10 +4,11 @@
   python bench/presets.py --sizes 1.3b --steps 10
 
 Per size: a cold launch (an empty compilation cache of its own), then the same command in a fresh
-workdir with that cache now warm. Each row: the time to the first step and its split (data, init,
-compile) from train.py's "first step after" line, the micro-batch it chose, and the last logged
-tokens/s, MFU and share of time the device waited for input. No environment variables are set
-beyond the cache directory: the rows are what `python train.py` gives.
+workdir with that cache now warm. Each row: the seconds from launching the process to train.py's
+"first step after" line (imports and backend start included), that line's own split (data,
+compile, the init beside it), the micro-batch it chose, and the last logged tokens/s, MFU and
+share of time the device waited for input. No environment variables are set beyond the cache
+directory: the rows are what `python train.py` gives.
 """
 
 import argparse
@@ -17,10 +18,12 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FIRST = re.compile(r"first step after ([\d.]+) s: data ([\d.]+) s, init ([\d.]+) s, compile "
-                   r"([\d.]+) s \(micro-batch (\d+) x (\d+)")
+FIRST = re.compile(r"first step after ([\d.]+) s: data ([\d.]+) s, compile ([\d.]+) s \(init "
+                   r"([\d.]+) s beside it; micro-batch (\d+) x (\d+)")
 PACE = re.compile(r"tok/s=(\d+), mfu=([\d.]+)%, wait=(\d+)%")
 
 
@@ -28,8 +31,8 @@ def parse_log(text: str) -> dict:
   """train.py's output -> the row's numbers (absent ones left out)."""
   row = {}
   if m := FIRST.search(text):
-    row.update(first_step_s=float(m[1]), data_s=float(m[2]), init_s=float(m[3]),
-               compile_s=float(m[4]), micro_batch=int(m[5]), accumulation=int(m[6]))
+    row.update(first_step_s=float(m[1]), data_s=float(m[2]), compile_s=float(m[3]),
+               init_s=float(m[4]), micro_batch=int(m[5]), accumulation=int(m[6]))
   if paces := PACE.findall(text):
     tok, mfu, wait = paces[-1]
     row.update(tokens_per_s=int(tok), mfu=round(float(mfu) / 100, 4),
@@ -40,14 +43,31 @@ def parse_log(text: str) -> dict:
 def launch(size: str, steps: int, workdir: str, cache: str, timeout: int) -> dict:
   cmd = [sys.executable, "train.py", "--config", f"configs/focal.py:size={size}",
          "--workdir", workdir, f"--config.train.steps={steps}", "--config.optim.warmup_steps=2"]
-  env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=cache)
+  # Unbuffered: each line arrives when train.py prints it.
+  env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=cache, PYTHONUNBUFFERED="1")
+  t0 = time.perf_counter()
+  proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+  lines, seen = [], {}
+
+  def read():  # the first-step line's arrival time, as the user sees it
+    for line in proc.stdout:
+      lines.append(line)
+      if "first step after" in line and "launch" not in seen:
+        seen["launch"] = time.perf_counter() - t0
+
+  reader = threading.Thread(target=read, daemon=True)
+  reader.start()
   try:
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
-    text, rc = done.stdout + done.stderr, done.returncode
-  except subprocess.TimeoutExpired as e:
-    text, rc = (e.stdout or b"").decode() + (e.stderr or b"").decode(), "timeout"
-  return {"command": " ".join(cmd[1:]), "rc": rc, **parse_log(text.replace("\r", "\n"))}
+    rc = proc.wait(timeout)
+  except subprocess.TimeoutExpired:
+    proc.kill()
+    rc = "timeout"
+  reader.join(10)
+  row = {"command": " ".join(cmd[1:]), "rc": rc}
+  if "launch" in seen:
+    row["launch_to_first_step_s"] = round(seen["launch"], 1)
+  return {**row, **parse_log("".join(lines).replace("\r", "\n"))}
 
 
 def main():
@@ -65,9 +85,10 @@ def main():
         row = {"size": size, "cache": run,
                **launch(size, args.steps, os.path.join(tmp, f"{size}_{run}"), cache, args.timeout)}
         rows.append(row)
-        print(f"{size:>5} {run}: first step {row.get('first_step_s', '-')} s (data "
-              f"{row.get('data_s', '-')}, init {row.get('init_s', '-')}, compile "
-              f"{row.get('compile_s', '-')}), MFU {row.get('mfu', '-')}, input wait "
+        print(f"{size:>5} {run}: first step {row.get('launch_to_first_step_s', '-')} s after "
+              f"launch (train.py: {row.get('first_step_s', '-')} s; data "
+              f"{row.get('data_s', '-')}, compile {row.get('compile_s', '-')}, init beside it "
+              f"{row.get('init_s', '-')}), MFU {row.get('mfu', '-')}, input wait "
               f"{row.get('input_wait', '-')}, rc {row['rc']}", flush=True)
   with open(args.out, "w") as f:
     json.dump({"rows": rows}, f, indent=1)

@@ -101,20 +101,21 @@ def task(cfg: config_lib.Config, workdir: str, mesh, *, abstract: bool = False) 
   batch_sh = sharding.batch_sharding(mesh)
   tx = optim.make(cfg.optim, nnx.to_pure_dict(abstract_state))
   dtype = jnp.dtype(cfg.train.compute_dtype)
-  # Dispatched, not waited for: the init's device work overlaps the data set-up below.
-  t_init = time.perf_counter()
-  params, opt_state, opt_sh = init_state(cfg.model, tx, param_sh, mesh,
-                                         jax.random.key(cfg.seed), abstract=abstract)
-  t_init = time.perf_counter() - t_init
+  key = jax.random.key(cfg.seed)
+  params, opt_state, opt_sh = init_state(cfg.model, tx, param_sh, mesh, key, abstract=True)
+  seconds = {}
+
+  def init():
+    t0 = time.perf_counter()
+    state = jax.block_until_ready(init_state(cfg.model, tx, param_sh, mesh, key)[:2])
+    seconds["init"] = time.perf_counter() - t0
+    return state
+
   pidx, pcount = jax.process_index(), jax.process_count()
   t_data = time.perf_counter()
   train_iter = data_lib.make_iterator(cfg.data, tokenizer, split="train", process_index=pidx,
                                       process_count=pcount, num_shards=cfg.data_shards or None)
-  t_data = time.perf_counter() - t_data
-  t_wait = time.perf_counter()
-  if not abstract:
-    jax.block_until_ready((params, opt_state))
-  t_init += time.perf_counter() - t_wait
+  seconds["data"] = time.perf_counter() - t_data
   tokens = cfg.data.global_batch * cfg.data.seq_len
   loss_fn = functools.partial(loss, graphdef=graphdef, dtype=dtype)
 
@@ -157,7 +158,8 @@ def task(cfg: config_lib.Config, workdir: str, mesh, *, abstract: bool = False) 
       batches=batches, abstract_batches=abstract_batches, data_iter=train_iter,
       evaluate=evaluate if cfg.train.eval_every else None,
       flops_per_token=metrics.flops_per_token(cfg.model),
-      notes=f"data.tokenize={cfg.data.tokenize}", seconds={"data": t_data, "init": t_init},
+      init=None if abstract else init,
+      notes=f"data.tokenize={cfg.data.tokenize}", seconds=seconds,
       evaluate_with=f"python eval.py --workdir {workdir}")
 
 

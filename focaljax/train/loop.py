@@ -12,6 +12,7 @@ norm and updated parameters are finite (a NaN never reaches a checkpoint).
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import signal
@@ -79,6 +80,9 @@ class Task:
   batches: Callable[[int], Iterator[Batch]]   # this process's batches from a step on
   abstract_batches: Callable[[], dict]        # key -> a global batch's ShapeDtypeStructs
   opt_state: Any = None                # tx.init(params), made with them (None: the loop does)
+  # Set: params and opt_state are their sharded ShapeDtypeStructs and init() makes both; the
+  # loop runs it while the step compiles, and not at all when it resumes from a checkpoint.
+  init: Callable[[], tuple] | None = None
   opt_sh: Any = None
   frozen: Any = None                   # read by the loss; never trained, never saved
   frozen_sh: Any = None
@@ -250,6 +254,10 @@ def _run(cfg, workdir, make_task, *, dry_run, stop_at, t_setup, known) -> dict:
   params, opt_state, opt_sh = task.params, task.opt_state, task.opt_sh
   if opt_state is None:
     opt_state, opt_sh = init_opt(task.tx, params, task.param_sh, mesh)
+  # The init's compiles and the step's overlap: XLA compiles without holding the GIL.
+  pool = concurrent.futures.ThreadPoolExecutor(1)
+  initialized = (pool.submit(task.init) if task.init is not None and not done and not dry_run
+                 else None)
 
   @functools.cache
   def step_fn(key, accum):
@@ -289,6 +297,9 @@ def _run(cfg, workdir, make_task, *, dry_run, stop_at, t_setup, known) -> dict:
   start, *restored = ckpt.restore_latest(abstract(params), abstract(opt_state), task.data_iter)
   if start:
     params, opt_state, _ = restored
+  elif task.init is not None:   # nothing (intact) to resume from
+    params, opt_state = (initialized or pool.submit(task.init)).result()
+  pool.shutdown()
   if primary:
     workdir_lib.cut_metrics(workdir, start)
   writer = metrics.Writer(workdir, t.steps, start, enabled=primary,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 import time
 
 from etils import epath
@@ -73,11 +74,19 @@ class _EpathEventFiles:
 
 
 def _tensorboard(logdir: epath.Path):
+  # tensorboardX imports torch where it is installed (seconds of start-up) only to accept torch
+  # tensors; we log floats, so torch stays hidden from it unless something imported it already.
+  hide = "torch" not in sys.modules
+  if hide:
+    sys.modules["torch"] = None
   try:
     from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
     from tensorboardX import record_writer  # pylint: disable=import-outside-toplevel
   except ImportError:
     return None
+  finally:
+    if hide:
+      del sys.modules["torch"]
   if not is_local(logdir):
     record_writer.register_writer_factory(str(logdir).split("://")[0], _EpathEventFiles())
   return SummaryWriter(str(logdir))

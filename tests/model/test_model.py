@@ -254,6 +254,12 @@ def force_glue(monkeypatch, implementation, ops=dispatch.GLUE):
   real = dispatch.choose
   monkeypatch.setattr(dispatch, "choose", lambda op, requested="auto", **kw: real(
       op, implementation if op in ops else requested, **kw))
+  # The blocks' shared jit keeps its traces by shape: a fresh one for this test traces the
+  # changed choice (monkeypatch puts the shared one back afterwards).
+  shared = M._block_call
+  monkeypatch.setattr(M, "_block_call", jax.jit(
+      lambda *a, **k: shared.__wrapped__(*a, **k),
+      static_argnames=("graphdef", "method", "policy", "static")))
 
 
 def test_model_is_the_same_with_the_qk_norm_rope_passes(monkeypatch):
