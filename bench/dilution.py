@@ -17,7 +17,6 @@ it as "at most"). Every entry is wrapped in try/except (OOM, unsupported) and re
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
@@ -134,10 +133,9 @@ def _passes(shape, dtype, reps, backend, bs, interpret):
     f1 = lambda q, k: mosaic_fwd.row_stats(q, k, seg, with_pk=True, **kw)
     f2 = lambda q, k, v, lse: mosaic_fwd.key_sweep(
         q, k, v, seg, lse, eps=EPS, ckpt_rows=bs.ckpt_rows, with_ckpt=True,
-        key_tiles=bs.f2_key_tiles, pieces=bs.mask_pieces, chain=bs.chain_pieces, **kw)
+        key_tiles=bs.f2_key_tiles, chain=bs.chain_pieces, **kw)
     b1 = lambda *a: mosaic_b1.reverse_sweep(*a, eps=EPS, ckpt_rows=bs.ckpt_rows,
-                                            pieces=bs.mask_pieces, chain=bs.chain_pieces,
-                                            **kw)
+                                            chain=bs.chain_pieces, **kw)
     b2 = lambda q, k, lse, ghat: mosaic_b2.dk_correction(q, k, seg, lse, ghat, **kw)
   else:
     f1 = lambda q, k: triton_fwd.row_stats(q, k, seg, with_pk=True, bs=bs, **kw)
@@ -175,8 +173,6 @@ def main(argv=None):
   ap.add_argument("--train-shapes", default=None,
                   help="comma list of BxHxTxD training shapes (default: the three standard ones)")
   ap.add_argument("--prefill-d", type=int, default=64, help="head dim of the prefill entries")
-  ap.add_argument("--mask_pieces", type=int, choices=blocks.MASK_PIECES,
-                  help="BlockSizes.mask_pieces of the Mosaic passes (default: the default)")
   ap.add_argument("--skip", default="", help="comma list of sections to skip: train,prefill,decode")
   args = ap.parse_args(argv)
 
@@ -197,24 +193,16 @@ def main(argv=None):
     impls = [i for i in impls if i != "cudnn"]
     reps = min(reps, 2)
   bs = SMOKE_BLOCKS if args.smoke else None   # None: default_block_sizes(backend, D, dtype)
-
-  def blocks_for(D):
-    if args.mask_pieces is None:
-      return bs
-    return dataclasses.replace(bs or dilution.default_block_sizes(backend, D, dtype),
-                               mask_pieces=args.mask_pieces)
-
   dev = jax.devices()[0]
   meta = dict(device=dev.device_kind, jax=jax.__version__, dtype=dtype.name, backend=backend,
-              interpret=interpret, reps=reps, mask_pieces=args.mask_pieces)
+              interpret=interpret, reps=reps)
   print(" ".join(f"{k}={v}" for k, v in meta.items()))
   print(f"{'kind':<9} {'impl':<9} {'(B, H, T, D)':<26} {'ms':>10} {'temp_MiB':>10} "
         f"{'peak_MiB':>10}")
   rows = []
 
   if args.passes:
-    pass_bs = blocks_for(passes_shape[3]) or dilution.default_block_sizes(
-        backend, passes_shape[3], dtype)
+    pass_bs = bs or dilution.default_block_sizes(backend, passes_shape[3], dtype)
     rows += _passes(passes_shape, dtype, reps, backend, pass_bs, interpret)
     skip |= {"train", "prefill", "decode"}
 
@@ -222,7 +210,7 @@ def main(argv=None):
     for B, H, T, D in train_shapes:
       q, k, v = _qkv(B, H, T, D, dtype)
       for impl in impls:
-        fn = _attn_fn(impl, D**-0.5, backend, blocks_for(D), interpret)
+        fn = _attn_fn(impl, D**-0.5, backend, bs, interpret)
         _entry(rows, "fwd", impl, (B, H, T, D), lambda fn=fn: _time(fn, (q, k, v), reps))
         _entry(rows, "fwd+bwd", impl, (B, H, T, D),
                lambda fn=fn: _time(_fwd_bwd(fn), (q, k, v), reps))
@@ -233,7 +221,7 @@ def main(argv=None):
     for T in prefill_t:
       q, k, v = _qkv(1, 12, T, D, dtype)
       fn = lambda q, k, v: dilution.dilution_prefill(q, k, v, scale=D**-0.5, eps=EPS,
-                                                     backend=backend, block_sizes=blocks_for(D),
+                                                     backend=backend, block_sizes=bs,
                                                      interpret=interpret)
       _entry(rows, "prefill", "dilution", (1, 12, T, D), lambda: _time(fn, (q, k, v), reps))
       if "cudnn" in impls:

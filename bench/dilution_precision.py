@@ -1,12 +1,11 @@
-"""Precision of the dilution kernels against a float64 reference, per `BlockSizes.mask_pieces`.
+"""Precision of the dilution kernels against a float64 reference, beside bf16 softmax's.
 
   python bench/dilution_precision.py --out dilution_precision.json   # GPU (Hopper passes)
   python bench/dilution_precision.py --smoke --out /tmp/p.json       # CPU: T=128, interpret mode
 
 For each T, bf16 q, k, v ~ N(0, 1) at (1, T, --heads, --head_dim) and a random float32 output
-cotangent: the kernels' output and dq, dk, dv with the in-tile cumulative sums as one bf16 piece
-and as two, against the float64 reference (pallas_kernels/dilution/reference.py) on the same bf16
-inputs. The anchor row is bf16 softmax attention (cuDNN on GPU, XLA elsewhere) against its own
+cotangent: the kernels' output and dq, dk, dv (default block sizes) against the float64
+reference (pallas_kernels/dilution/reference.py) on the same bf16 inputs. The anchor row is bf16 softmax attention (cuDNN on GPU, XLA elsewhere) against its own
 float64 reference: the rounding that training in bf16 already accepts. Errors: `rel_l2` =
 ‖x − ref‖ / ‖ref‖ over the whole tensor, `rel_max` = max |x − ref| / max |ref|.
 """
@@ -28,7 +27,6 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import pallas_kernels.dilution as dilution
-from pallas_kernels.dilution import blocks
 from pallas_kernels.dilution import reference
 
 EPS = 1e-9
@@ -91,9 +89,7 @@ def main(argv=None):
     dil64 = lambda q, k, v: reference.dilution_attention(q, k, v, scale=scale, eps=EPS)[0]
     soft = lambda q, k, v, impl=None: jax.nn.dot_product_attention(
         q, k, v, scale=scale, is_causal=True, implementation=impl)
-    variants = {f"dilution {p} piece{'s' * (p > 1)}": (_kernel(
-        dataclasses.replace(base_bs, mask_pieces=p), scale, args.backend, interpret), dil64)
-                for p in blocks.MASK_PIECES}
+    variants = {"dilution": (_kernel(base_bs, scale, args.backend, interpret), dil64)}
     variants["softmax (anchor)"] = (lambda q, k, v: soft(q, k, v, softmax_impl), soft)
     wants = {}
     for name, (fn, fn64) in variants.items():

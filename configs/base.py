@@ -74,10 +74,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       # >= 64; ceil(T/R)·T·4 bytes per row and head). 64 spares the Hopper backward rebuilding
       # its carries, for memory that grows as T²/64.
       checkpoint_rows=1024,
-      # dilution, Mosaic GPU: bf16 pieces of the in-tile cumulative sums. 1 rounds them like P·V
-      # (docs/kernels.md gives the error against float64); 2 is the reference-precision mode, ~10%
-      # slower.
-      mask_pieces=1,
   ))
   c.data = ml_collections.ConfigDict(dict(
       source="bundled",          # bundled | text:<glob> | tfds:<name>[:split]

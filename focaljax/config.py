@@ -104,9 +104,6 @@ def validate(c: ml_collections.ConfigDict, *, process_count: int = 1) -> None:
   _require(isinstance(rows, int) and rows >= 64 and not rows & (rows - 1),
            "model.attention.checkpoint_rows",
            f"must be a power of two >= 64 (the kernels' row tile); got {rows!r}")
-  _require(a.mask_pieces in (1, 2), "model.attention.mask_pieces",
-           f"must be 1 (bf16 products, the default) or 2 (reference precision); got "
-           f"{a.mask_pieces!r}")
   if a.implementation == "pallas":
     _require(d.seq_len % 64 == 0, "data.seq_len",
              f"{d.seq_len} must be divisible by the Pallas kernels' 64-token blocks")
@@ -338,7 +335,6 @@ def focus_config(c: ml_collections.ConfigDict, context: int | None = None) -> Fo
 # fields it may lack (written before they existed), with the value such a run had, and fields
 # removed since (speed variants and FocusLLM arms that lost), ignored.
 _ADDED = {"model.remat_policy": "nothing", "model.attention.checkpoint_rows": 1024,
-          "model.attention.mask_pieces": 2,
           "model.qkv_bias": False, "model.sliding_window": 0,
           "model.rope_scaling": dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                      original_max_position_embeddings=0),
@@ -348,6 +344,7 @@ _ADDED = {"model.remat_policy": "nothing", "model.attention.checkpoint_rows": 10
           "focus.eval_prompt_len": 0, "focus.candidate_path": "adapter"}
 _REMOVED = ("optim.grad_accum", "model.fuse_matmuls", "model.norm_backward",
             "model.qk_rope_backward", "model.mlp_backward", "model.add_norm", "train.cross_entropy",
+            "model.attention.mask_pieces",
             "focus.candidate_positions", "focus.candidate_bias", "focus.sink",
             "focus.drill_in_window", "focus.answer_weight")
 

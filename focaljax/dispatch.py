@@ -103,7 +103,7 @@ def _focal(requested, where, *, dtype, seq_len, packed, window) -> Choice:
   return _pallas(where) if requested == "pallas" else Choice(requested)
 
 
-def _dilution(op, requested, where, *, dtype, head_dim, checkpoint_rows, mask_pieces) -> Choice:
+def _dilution(op, requested, where, *, dtype, head_dim, checkpoint_rows) -> Choice:
   # A library name means the fused kernels here. TPU: training has a Pallas port, prefill and
   # decode run the reference.
   if requested == "xla" or (requested == "auto" and where == "cpu"):
@@ -117,12 +117,11 @@ def _dilution(op, requested, where, *, dtype, head_dim, checkpoint_rows, mask_pi
       bs = tpu.TpuBlockSizes(block_q=min(128, checkpoint_rows), ckpt_rows=checkpoint_rows)
     return Choice("pallas", "tpu", block_sizes=bs)
   choice = _pallas(where)
-  fields = {"ckpt_rows": checkpoint_rows, "mask_pieces": mask_pieces}
-  fields = {name: value for name, value in fields.items() if value is not None}
-  if op == "dilution_attention" and fields:
+  if op == "dilution_attention" and checkpoint_rows is not None:
     from pallas_kernels import dilution  # pylint: disable=import-outside-toplevel
     bs = dilution.default_block_sizes(choice.backend, head_dim, dtype)
-    choice = dataclasses.replace(choice, block_sizes=dataclasses.replace(bs, **fields))
+    choice = dataclasses.replace(choice, block_sizes=dataclasses.replace(
+        bs, ckpt_rows=checkpoint_rows))
   return choice
 
 
@@ -140,14 +139,12 @@ def _glue(op, requested, where, *, head_dim, width) -> Choice:
 
 def choose(op: str, requested: str = "auto", *, dtype=None, head_dim: int | None = None,
            seq_len: int | None = None, packed: bool = False, width: int | None = None,
-           checkpoint_rows: int | None = None, mask_pieces: int | None = None,
-           window: int | None = None) -> Choice:
+           checkpoint_rows: int | None = None, window: int | None = None) -> Choice:
   """The implementation of `op` for this call (see the module docstring's table).
 
   dtype, head_dim, seq_len, packed (segment ids present): the attention call's; width: d_model
   for add_norm; checkpoint_rows: dilution_attention's demand checkpoints (validated in
-  focaljax.config), replacing the kernels' default `BlockSizes.ckpt_rows`; mask_pieces: likewise
-  `BlockSizes.mask_pieces` (bf16 pieces of the in-tile mask products); window: the focal
+  focaljax.config), replacing the kernels' default `BlockSizes.ckpt_rows`; window: the focal
   call's sliding window (None: none).
   """
   where = platform()
@@ -159,7 +156,7 @@ def choose(op: str, requested: str = "auto", *, dtype=None, head_dim: int | None
     return _focal(requested, where, dtype=dtype, seq_len=seq_len, packed=packed, window=window)
   if op in ATTENTION:
     return _dilution(op, requested, where, dtype=dtype, head_dim=head_dim,
-                     checkpoint_rows=checkpoint_rows, mask_pieces=mask_pieces)
+                     checkpoint_rows=checkpoint_rows)
   if op in GLUE:
     return _glue(op, requested, where, head_dim=head_dim, width=width)
   if op == "cross_entropy":

@@ -108,11 +108,10 @@ def _default_scale(q, scale):
   return q.shape[-1] ** -0.5 if scale is None else scale
 
 
-def _choose(op, implementation, q, *, packed=False, checkpoint_rows=None, mask_pieces=None,
-            window=None):
+def _choose(op, implementation, q, *, packed=False, checkpoint_rows=None, window=None):
   return dispatch.choose(op, implementation, dtype=q.dtype, head_dim=q.shape[-1],
                          seq_len=q.shape[1], packed=packed, checkpoint_rows=checkpoint_rows,
-                         mask_pieces=mask_pieces, window=window)
+                         window=window)
 
 
 def focal_attention(q, k, v, *, scale, causal=True, segment_ids=None, implementation="xla",
@@ -133,19 +132,17 @@ def focal_attention(q, k, v, *, scale, causal=True, segment_ids=None, implementa
 
 
 def dilution_attention(q, k, v, *, scale=None, eps=1e-9, segment_ids=None, implementation="xla",
-                       checkpoint_rows=None, mask_pieces=None):
+                       checkpoint_rows=None):
   """Causal dilution attention: p = causal softmax; share = p / (committed + p + eps) with
   committed the exclusive column cumsum of p over queries; rows renormalised; out = A @ v.
 
   `checkpoint_rows` (Pallas): rows between the demand checkpoints the backward keeps, a power of
   two >= 64, ceil(T / R)·T·4 bytes per batch row and query head; None: the kernels' default.
-  `mask_pieces` (Mosaic GPU): bf16 pieces of the in-tile cumulative-sum products, 1 (default) or
-  2 (the reference-precision mode, ~10% slower; docs/kernels.md).
   """
   reference.check_qkv(q, k, v)
   scale = _default_scale(q, scale)
   choice = _choose("dilution_attention", implementation, q, packed=segment_ids is not None,
-                   checkpoint_rows=checkpoint_rows, mask_pieces=mask_pieces)
+                   checkpoint_rows=checkpoint_rows)
   if choice.implementation == "xla":
     return dilution_reference.dilution_attention(q, k, v, scale=scale, eps=eps,
                                                  segment_ids_BT=segment_ids)[0]

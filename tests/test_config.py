@@ -56,7 +56,6 @@ def test_size_presets_build_abstractly(size):
     ("model.attention.tau_mean", "global", "model.attention.tau_mean"),
     ("model.attention.checkpoint_rows", 96, "model.attention.checkpoint_rows: must be a power"),
     ("model.attention.checkpoint_rows", 32, "model.attention.checkpoint_rows"),
-    ("model.attention.mask_pieces", 3, "model.attention.mask_pieces: must be 1"),
     ("train.micro_batch", -1, "train.micro_batch"),
     ("train.nonfinite", "ignore", "train.nonfinite"),
     ("optim.no_decay", "norm,bias", "optim.no_decay"),
@@ -133,14 +132,13 @@ def test_a_workdir_config_with_the_deleted_speed_variants_still_loads():
   saved = base.get_config().to_dict()
   saved["model"].update(fuse_matmuls=False, norm_backward="explicit", qk_rope_backward="auto",
                         mlp_backward="auto", add_norm="auto")
-  saved["model"]["attention"].update(implementation="xla")
-  del saved["model"]["attention"]["checkpoint_rows"], saved["model"]["attention"]["mask_pieces"]
+  saved["model"]["attention"].update(implementation="xla", mask_pieces=1)
+  del saved["model"]["attention"]["checkpoint_rows"]
   saved["train"]["cross_entropy"] = "explicit"
   c = config_lib.upgrade(saved)
   config_lib.validate(c)
   cfg = config_lib.model_config(c, vocab_size=256)
   assert cfg.attention.implementation == "xla" and cfg.attention.checkpoint_rows == 1024
-  assert cfg.attention.mask_pieces == 2   # what such a run's kernels used
 
 
 @pytest.mark.parametrize("stage", ["1", "2", "3"])

@@ -104,8 +104,6 @@ def test_checkpoint_rows_become_the_kernels_ckpt_rows(on):
   want = dilution.default_block_sizes("mosaic", 128, BF16)
   assert c.block_sizes.ckpt_rows == 64 and c.block_sizes.b1_block_k == want.b1_block_k
   assert dispatch.choose("dilution_attention", dtype=BF16, head_dim=128).block_sizes is None
-  c = dispatch.choose("dilution_attention", dtype=BF16, head_dim=128, mask_pieces=2)
-  assert (c.block_sizes.mask_pieces, c.block_sizes.ckpt_rows) == (2, want.ckpt_rows)
   on("tpu")
   c = dispatch.choose("dilution_attention", dtype=BF16, head_dim=128, checkpoint_rows=64)
   assert (c.block_sizes.ckpt_rows, c.block_sizes.block_q) == (64, 64)

@@ -71,7 +71,6 @@ class AttentionConfig:
   tau_mean: TauMean = TauMean.CAUSAL
   eps: float = 1e-9                 # dilution ε
   checkpoint_rows: int | None = None  # dilution, Pallas; None: the kernels' default
-  mask_pieces: int | None = None      # dilution, Mosaic GPU; None: the kernels' default (1)
   sliding_window: int | None = None   # softmax/focal: query t sees keys t-W < s <= t (Mistral)
 
 
@@ -124,8 +123,7 @@ def _attend_softmax(cfg, q, k, v, scale, segment_ids):
 def _attend_dilution(cfg, q, k, v, scale, segment_ids):
   return ops.dilution_attention(q, k, v, scale=scale, eps=cfg.eps, segment_ids=segment_ids,
                                 implementation=cfg.implementation,
-                                checkpoint_rows=cfg.checkpoint_rows,
-                                mask_pieces=cfg.mask_pieces)
+                                checkpoint_rows=cfg.checkpoint_rows)
 
 
 def _cached_softmax(cfg, q_BTND, cache, scale, start):

@@ -69,8 +69,7 @@ def _forward(q, k, v, seg, scale, eps, bs, mosaic, interpret, *, training):
     lse, pk = mosaic_fwd.row_stats(q, k, seg, scale=scale, with_pk=training, interpret=interpret)
     n, ssum, total, ckpt = mosaic_fwd.key_sweep(
         q, k, v, seg, lse, scale=scale, eps=eps, ckpt_rows=bs.ckpt_rows, with_ckpt=training,
-        key_tiles=bs.f2_key_tiles, pieces=bs.mask_pieces, chain=bs.chain_pieces,
-        interpret=interpret)
+        key_tiles=bs.f2_key_tiles, chain=bs.chain_pieces, interpret=interpret)
   else:
     lse, pk = triton_fwd.row_stats(q, k, seg, scale=scale, bs=bs, with_pk=training,
                                    interpret=interpret)
@@ -103,8 +102,8 @@ def _core_bwd(scale, eps, bs, mosaic, interpret, res, do):
   args = (q, k, v, seg, lse, ssum, dbar, do.astype(q.dtype), ckpt)
   if mosaic:
     dq_main, ghat, dk_main, dv = mosaic_b1.reverse_sweep(
-        *args, scale=scale, eps=eps, ckpt_rows=bs.ckpt_rows, pieces=bs.mask_pieces,
-        chain=bs.chain_pieces, interpret=interpret)
+        *args, scale=scale, eps=eps, ckpt_rows=bs.ckpt_rows, chain=bs.chain_pieces,
+        interpret=interpret)
     corr = mosaic_b2.dk_correction(q, k, seg, lse, ghat, scale=scale, interpret=interpret)
   else:
     dq_main, ghat, dk_main, dv = triton_bwd.reverse_sweep(*args, scale=scale, eps=eps, bs=bs,

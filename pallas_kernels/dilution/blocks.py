@@ -11,7 +11,6 @@ import jax.numpy as jnp
 BACKENDS = ("triton", "mosaic")
 B1_CARRIES = ("registers", "scratch")
 F2_KEY_TILES = (1, 2)
-MASK_PIECES = (1, 2)
 MOSAIC_HEAD_DIMS = (64, 128)
 MOSAIC_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 MOSAIC_TILE = 64    # rows and keys of every Mosaic tile
@@ -41,11 +40,7 @@ class BlockSizes:
   split_k_decode: int = 2048  # keys per decode program (flash-decoding split)
   # Mosaic passes. F2's 64-key tiles per CTA, summed before one reduce-add of N and S.
   f2_key_tiles: int = 2
-  # In-tile cumulative sums (0/1 mask products on the tensor cores): x as this many bf16 pieces,
-  # float32 accumulation. 1 rounds x to bf16, as P·V already rounds p; 2 (~16 bits) is the
-  # reference-precision mode (docs/kernels.md).
-  mask_pieces: int = 1
-  # With 2 pieces: their wgmmas as one group, awaited once.
+  # In-tile mask products: the bf16 pieces' wgmmas as one group, awaited once.
   chain_pieces: bool = True
 
   def pad_multiple(self, mosaic: bool, training: bool = True) -> int:
@@ -74,8 +69,6 @@ class BlockSizes:
     if self.f2_key_tiles not in F2_KEY_TILES:
       raise ValueError(f"BlockSizes.f2_key_tiles={self.f2_key_tiles!r} must be one of "
                        f"{F2_KEY_TILES}")
-    if self.mask_pieces not in MASK_PIECES:
-      raise ValueError(f"BlockSizes.mask_pieces={self.mask_pieces!r} must be one of {MASK_PIECES}")
     if not isinstance(self.chain_pieces, bool):
       raise ValueError(f"BlockSizes.chain_pieces={self.chain_pieces!r} must be True or False")
     if head_dim < 16 or head_dim & (head_dim - 1):

@@ -5,7 +5,7 @@ cross-warp reduction), warpgroup 1 TMA-streams each super-block's q, dO and rows
 the mini-sweep, up for the reverse pass) through a `steps`-slot ring. Carries: the per-tile
 carry_K in SMEM [ckpt_rows/64, 64], the g-suffix sufk and dk, dv [64, D] f32 in registers; dq, ĝ
 leave by TMA reduce-adds (interpreted: one slab per key block, summed by XLA). Products with the
-triangular masks take x as BlockSizes.mask_pieces bf16 pieces (`mask_dot`). SMEM ≈ 110 KB at D = 64.
+triangular masks use two bf16 pieces (`mask_dot`). SMEM ≈ 110 KB at D = 64.
 """
 
 from __future__ import annotations
@@ -26,13 +26,13 @@ from pallas_kernels.dilution import triton_bwd
 BQ = BKV = blocks.MOSAIC_TILE
 LOG2E = math.log2(math.e)
 REGISTERS = 256     # per thread of B1's and F2's compute warpgroup (setmaxnreg)
+MASK_PIECES = 2     # bf16 pieces per in-tile mask product
 F32_TILE = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
 
 
-def mask_dot(x_KQ, mask_s, *, pieces: int, chain: bool, interpret):
-  """x·mask, f32 accumulation, with x as `pieces` bf16 pieces (1: bf16's 8 bits, the rounding p
-  already gets in P·V; 2: ~16 bits), small first; chain: one wgmma group, one wait."""
-  small_first = list(reversed(triton_bwd.bf16_pieces(x_KQ, pieces)))
+def mask_dot(x_KQ, mask_s, *, chain: bool, interpret):
+  """x·mask with x as two bf16 pieces (~16 bits), small first; chain: one wgmma group, one wait."""
+  small_first = list(reversed(triton_bwd.bf16_pieces(x_KQ, MASK_PIECES)))
   if chain:
     return mc.mma_sum(small_first, mask_s, interpret=interpret)
   acc = None
@@ -114,7 +114,7 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, ssum_ref, dbar_ref, do_ref, c
             lo_ref, codes_ref, dq_acc, gh_acc, dk_ref, dv_ref,
             k_s, v_s, up_s, lo_s, segk_s, ck0_s, ck_s, q_s, do_s, lse_s, ssum_s, dbar_s, segq_s,
             w_s, dq_s, gh_s, out_s, res_bar, ck_bar, q_bar, q_free,
-            *, scale, eps, n_q, n_super, ckpt_tiles, group, steps, pieces, chain, interpret):
+            *, scale, eps, n_q, n_super, ckpt_tiles, group, steps, chain, interpret):
   n, jk, b = lax.axis_index("heads"), lax.axis_index("kv_seq"), lax.axis_index("batch")
   wg = lax.axis_index("wg")
   k0 = jk * BKV
@@ -147,8 +147,8 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, ssum_ref, dbar_ref, do_ref, c
     def reverse_tile(i, slot, carry_K, acc):
       dk_KD, dv_KD, sufk_K = acc
       p_KQ = probs(slot, i)
-      c_KQ = mc.bcast(carry_K, shape_KQ, 0) + mask_dot(p_KQ, up_s, pieces=pieces,
-                                                       chain=chain, interpret=interpret)
+      c_KQ = mc.bcast(carry_K, shape_KQ, 0) + mask_dot(p_KQ, up_s, chain=chain,
+                                                       interpret=interpret)
       # The rows arrive as 1/(S + ε) and dbar/(S + ε) (reverse_sweep).
       rows_Q = mc.load(ssum_s.at[slot], layout=col_layout, interpret=interpret)
       ce_KQ = c_KQ + eps
@@ -163,7 +163,7 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, ssum_ref, dbar_ref, do_ref, c
       t_KQ = (dp_KQ * rn_Q - mc.bcast(dbar_Q, shape_KQ, 1)) * inv_KQ
       g_KQ = -(t_KQ * pi_KQ)
       w_KQ = p_KQ * (t_KQ * (ce_KQ * inv_KQ) + mc.bcast(sufk_K, shape_KQ, 0) + mask_dot(
-          g_KQ, lo_s, pieces=pieces, chain=chain, interpret=interpret))
+          g_KQ, lo_s, chain=chain, interpret=interpret))
       sufk_K = sufk_K + g_KQ.sum(axis=1)
       gh_Q = w_KQ.sum(axis=0)
       w16_KQ = w_KQ.astype(q_s.dtype)
@@ -261,12 +261,12 @@ def check_inputs(q, name: str, multiple: int = BQ):
     raise ValueError(f"{name}: T={T} must be a multiple of {multiple}")
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "eps", "ckpt_rows", "pieces", "chain",
-                                             "steps", "interpret"))
-def reverse_sweep(q, k, v, seg, lse, ssum, dbar, do, ckpt, *, scale, eps, ckpt_rows, pieces,
-                  chain, steps=2, interpret=False):
+@functools.partial(jax.jit, static_argnames=("scale", "eps", "ckpt_rows", "chain", "steps",
+                                             "interpret"))
+def reverse_sweep(q, k, v, seg, lse, ssum, dbar, do, ckpt, *, scale, eps, ckpt_rows, chain,
+                  steps=2, interpret=False):
   """B1 as `triton_bwd.reverse_sweep`: (dq_main, ĝ, dk_main, dv), all f32; ckpt from F2 with the
-  same ckpt_rows (a multiple of 64); pieces, chain: BlockSizes.mask_pieces, chain_pieces."""
+  same ckpt_rows (a multiple of 64); chain: BlockSizes.chain_pieces."""
   check_inputs(q, "mosaic_b1.reverse_sweep")
   B, T, N, D = q.shape
   flag, params = mc.launch_params(interpret)
@@ -286,7 +286,7 @@ def reverse_sweep(q, k, v, seg, lse, ssum, dbar, do, ckpt, *, scale, eps, ckpt_r
   dk, dv = mc.ref_kernel(
       functools.partial(_kernel, scale=float(scale), eps=float(eps), n_q=n_q,
                         n_super=ckpt.shape[2], ckpt_tiles=ckpt_tiles, group=N // k.shape[2],
-                        steps=steps, pieces=pieces, chain=chain, interpret=flag),
+                        steps=steps, chain=chain, interpret=flag),
       out_type=[jax.ShapeDtypeStruct(q.shape, jnp.float32)] * 2,
       scratch_types=[
           mc.tile_smem((BKV, D), k.dtype), mc.tile_smem((BKV, D), k.dtype),        # k, v

@@ -29,7 +29,7 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, incl_ref, codes_ref, n_acc, s
             total_ref,
             k_s, v_s, incl_s, segk_s, q_s, lse_s, segq_s, sig_s, n_s, s_s, vec_s,
             res_bar, q_bar, q_free, *, scale, eps, n_q, ckpt_tiles, group, steps, with_ckpt,
-            key_tiles, pieces, chain, interpret):
+            key_tiles, chain, interpret):
   n, jk, b = lax.axis_index("heads"), lax.axis_index("kv_seq"), lax.axis_index("batch")
   wg = lax.axis_index("wg")
   G = key_tiles
@@ -84,7 +84,7 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, incl_ref, codes_ref, n_acc, s
         if g == G - 1:
           plgpu.barrier_arrive(q_free.at[slot])   # q, lse and ids of this slot are read
         incl_KQ = mc.bcast(carries[g], shape_KQ, 0) + dm.mask_dot(
-            p_KQ, incl_s, pieces=pieces, chain=chain, interpret=interpret)
+            p_KQ, incl_s, chain=chain, interpret=interpret)
         sig_KQ = p_KQ * dm.recip(incl_KQ + eps)
         sig_sum_KQ = sig_KQ if sig_sum_KQ is None else sig_sum_KQ + sig_KQ
         if g == G - 1:
@@ -128,10 +128,9 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, lse_ref, incl_ref, codes_ref, n_acc, s
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "eps", "ckpt_rows", "with_ckpt",
-                                             "key_tiles", "pieces", "chain", "steps",
-                                             "interpret"))
-def key_sweep(q, k, v, seg, lse, *, scale, eps, ckpt_rows, with_ckpt, key_tiles, pieces, chain,
-              steps=2, interpret=False):
+                                             "key_tiles", "chain", "steps", "interpret"))
+def key_sweep(q, k, v, seg, lse, *, scale, eps, ckpt_rows, with_ckpt, key_tiles, chain, steps=2,
+              interpret=False):
   """F2: (N f32 [B,T,Hq,D], S, total f32 [B,Hq,T], ckpt or None); T a multiple of 64·key_tiles."""
   dm.check_inputs(q, "mosaic_fwd.key_sweep", key_tiles * BKV)
   B, T, N, D = q.shape
@@ -151,8 +150,7 @@ def key_sweep(q, k, v, seg, lse, *, scale, eps, ckpt_rows, with_ckpt, key_tiles,
   total = mc.ref_kernel(
       functools.partial(_kernel, scale=float(scale), eps=float(eps), n_q=n_q,
                         ckpt_tiles=ckpt_rows // BQ, group=N // k.shape[2], steps=steps,
-                        with_ckpt=with_ckpt, key_tiles=key_tiles, pieces=pieces, chain=chain,
-                        interpret=flag),
+                        with_ckpt=with_ckpt, key_tiles=key_tiles, chain=chain, interpret=flag),
       out_type=jax.ShapeDtypeStruct((B, N, T), jnp.float32),   # every key block writes its keys
       scratch_types=[
           mc.tile_smem(tiles + (BKV, D), k.dtype), mc.tile_smem(tiles + (BKV, D), k.dtype),

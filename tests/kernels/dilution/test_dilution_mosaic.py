@@ -60,8 +60,7 @@ CASES = [(256, False, 64, jnp.bfloat16, 1, 2, 1), (384, True, 64, jnp.bfloat16, 
          (256, True, 128, jnp.float16, 1, 2, 1), (256, True, 64, jnp.bfloat16, 2, 4, 2)]
 
 
-def _b1_both(T, N, K, *, segments, D=64, dtype=jnp.bfloat16, B=1, ckpt_rows=R, chain=True,
-             pieces=2):
+def _b1_both(T, N, K, *, segments, D=64, dtype=jnp.bfloat16, B=1, ckpt_rows=R, chain=True):
   """(Mosaic B1, Triton B1) outputs on the inputs of a real forward; asserts no interpreter
   races."""
   q, k, v, seg, do = _qkv(T, N, K, segments=segments, D=D, dtype=dtype, B=B)
@@ -74,19 +73,16 @@ def _b1_both(T, N, K, *, segments, D=64, dtype=jnp.bfloat16, B=1, ckpt_rows=R, c
   want = triton_bwd.reverse_sweep(*args, scale=scale, eps=eps, bs=bs, interpret=True)
   with mosaic_interpret.cached_interpreter_threads():
     got = jax.block_until_ready(mosaic_b1.reverse_sweep(
-        *args, scale=scale, eps=eps, ckpt_rows=ckpt_rows, pieces=pieces, chain=chain,
-        interpret=True))
+        *args, scale=scale, eps=eps, ckpt_rows=ckpt_rows, chain=chain, interpret=True))
   assert not mosaic_interpret.interpret_races_found()
   return got, want
 
 
-def _assert_b1_close(got, want, pieces=2):
+def _assert_b1_close(got, want):
   # dq and dk contract the 16-bit W in both kernels; the probabilities differ by exp2 vs exp; the
-  # in-tile products keep ~16 bits with two pieces (measured at D = 64: dq 5.0e-4, ĝ 2.6e-6,
-  # dk 5.8e-4, dv 8.9e-4) and ~8 with one (D = 128: dq 4.2e-3, ĝ 1.4e-3, dk 4.1e-3, dv 1.7e-3);
-  # bf16's own rounding is 3.9e-3.
-  tols = (2e-3, 1e-5, 2e-3, 2e-3) if pieces == 2 else (1e-2, 4e-3, 1e-2, 4e-3)
-  for name, a, b, tol in zip(("dq", "ghat", "dk", "dv"), got, want, tols):
+  # in-tile products keep ~16 bits (two pieces). Measured at D = 64: dq 5.0e-4, ĝ 2.6e-6,
+  # dk 5.8e-4, dv 8.9e-4; bf16's own rounding is 3.9e-3.
+  for name, a, b, tol in zip(("dq", "ghat", "dk", "dv"), got, want, (2e-3, 1e-5, 2e-3, 2e-3)):
     assert a.shape == b.shape and a.dtype == jnp.float32, name
     assert _rel(a, b) < tol, (name, _rel(a, b))
 
@@ -95,14 +91,12 @@ def _assert_b1_close(got, want, pieces=2):
 # default (unchained) and two batch rows chained (the second row's cuts leave tiles below the
 # diagonal within one segment, which `visible_all` runs unmasked); TestCompiledGPU runs every
 # default compiled.
-@pytest.mark.parametrize("T, segments, D, dtype, B, N, K, chain, pieces", [
-    pytest.param(*CASES[0], True, 1, marks=SLOW), pytest.param(*CASES[1], False, 2, marks=SLOW),
-    (*CASES[2], False, 2), (*CASES[2], False, 1), pytest.param(*CASES[3], True, 1, marks=SLOW),
-    (384, True, 64, jnp.bfloat16, 2, 2, 1, True, 1)])
-def test_b1_matches_the_triton_b1_interpret(T, segments, D, dtype, B, N, K, chain, pieces):
-  """pieces: BlockSizes.mask_pieces (1 is the default, 2 the reference-precision mode)."""
-  _assert_b1_close(*_b1_both(T, N, K, segments=segments, D=D, dtype=dtype, B=B, chain=chain,
-                             pieces=pieces), pieces)
+@pytest.mark.parametrize("T, segments, D, dtype, B, N, K, chain", [
+    pytest.param(*CASES[0], True, marks=SLOW), pytest.param(*CASES[1], False, marks=SLOW),
+    (*CASES[2], False), pytest.param(*CASES[3], True, marks=SLOW),
+    (384, True, 64, jnp.bfloat16, 2, 2, 1, True)])
+def test_b1_matches_the_triton_b1_interpret(T, segments, D, dtype, B, N, K, chain):
+  _assert_b1_close(*_b1_both(T, N, K, segments=segments, D=D, dtype=dtype, B=B, chain=chain))
 
 
 @SLOW   # compiled-tested as TestCompiledGPU's ckpt64
@@ -112,20 +106,20 @@ def test_b1_with_a_checkpoint_per_row_tile_interpret():
   _assert_b1_close(*_b1_both(256, 4, 2, segments=True, B=2, ckpt_rows=64))
 
 
-@pytest.mark.parametrize("T, segments, D, dtype, B, N, K, tiles, ckpt_rows, chain, pieces", [
-    pytest.param(*CASES[0], 1, R, True, 1, marks=SLOW),
-    pytest.param(*CASES[1], 1, R, False, 2, marks=SLOW),
-    (*CASES[2], 1, R, False, 2), (*CASES[3], 2, R, True, 1),
-    (384, True, 64, jnp.bfloat16, 1, 4, 2, 2, R, False, 1),
-    (256, False, 64, jnp.float16, 1, 2, 1, 1, R, True, 2),
-    (256, True, 128, jnp.bfloat16, 1, 2, 1, 2, R, False, 1),
-    (256, True, 64, jnp.bfloat16, 2, 4, 2, 2, 64, True, 1),
-    pytest.param(256, False, 64, jnp.bfloat16, 2, 4, 2, 2, R, True, 2, marks=SLOW)])
+@pytest.mark.parametrize("T, segments, D, dtype, B, N, K, tiles, ckpt_rows, chain", [
+    pytest.param(*CASES[0], 1, R, True, marks=SLOW), pytest.param(*CASES[1], 1, R, False,
+                                                                  marks=SLOW),
+    (*CASES[2], 1, R, False), (*CASES[3], 2, R, True),
+    (384, True, 64, jnp.bfloat16, 1, 4, 2, 2, R, False),
+    (256, False, 64, jnp.float16, 1, 2, 1, 1, R, True),
+    (256, True, 128, jnp.bfloat16, 1, 2, 1, 2, R, False),
+    (256, True, 64, jnp.bfloat16, 2, 4, 2, 2, 64, True),
+    pytest.param(256, False, 64, jnp.bfloat16, 2, 4, 2, 2, R, True, marks=SLOW)])
 def test_f2_matches_the_triton_f2_interpret(T, segments, D, dtype, B, N, K, tiles, ckpt_rows,
-                                            chain, pieces):
+                                            chain):
   """tiles: BlockSizes.f2_key_tiles (64-key tiles per CTA, N and S summed over them; two check
   visible_all's key block index 2·jk + g); ckpt_rows 64: a checkpoint per row tile; chain:
-  BlockSizes.chain_pieces; pieces: BlockSizes.mask_pieces."""
+  BlockSizes.chain_pieces."""
   q, k, v, seg, _ = _qkv(T, N, K, segments=segments, D=D, dtype=dtype, B=B)
   bs = dataclasses.replace(BS, ckpt_rows=ckpt_rows)
   lse, _ = triton_fwd.row_stats(q, k, seg, scale=0.125, bs=bs, with_pk=False, interpret=True)
@@ -134,15 +128,14 @@ def test_f2_matches_the_triton_f2_interpret(T, segments, D, dtype, B, N, K, tile
   with mosaic_interpret.cached_interpreter_threads():
     got = jax.block_until_ready(mosaic_fwd.key_sweep(
         q, k, v, seg, lse, scale=0.125, eps=1e-9, ckpt_rows=ckpt_rows, with_ckpt=True,
-        key_tiles=tiles, pieces=pieces, chain=chain, interpret=True))
+        key_tiles=tiles, chain=chain, interpret=True))
   assert not mosaic_interpret.interpret_races_found()
   # N contracts the 16-bit σ in both kernels, so a σ whose 16-bit rounding flips moves N by one
   # bf16 ulp (3.9e-3) of σ·v. Flips come from exp2 vs exp, the CPU's own exp and σ moving by
   # ~2⁻¹⁶ with two pieces (measured 1.3e-3 at D = 128). S, total and the checkpoints are float32
-  # sums of the unrounded σ, so with two pieces they hold to 1e-5 (the key tiles change only the
-  # order of float32 sums, 1.3e-7); one piece rounds the demand like P·V (N 3.2e-3, S 9.4e-4).
-  tols = (3e-3, 1e-5, 1e-5, 1e-5) if pieces == 2 else (8e-3, 3e-3, 3e-3, 3e-3)
-  for name, a, b, tol in zip(("N", "S", "total", "ckpt"), got, want, tols):
+  # sums of the unrounded σ, so they hold to 1e-5; the key tiles change only the order of float32
+  # sums (1.3e-7).
+  for name, a, b, tol in zip(("N", "S", "total", "ckpt"), got, want, (3e-3, 1e-5, 1e-5, 1e-5)):
     assert a.shape == b.shape and a.dtype == jnp.float32, name
     assert _rel(a, b) < tol, (name, _rel(a, b))
 
@@ -204,23 +197,21 @@ def test_backend_routes_the_passes():
     assert all(f'name = "dilution_{name}"' in text for name in TRITON_KERNELS)
 
 
-@pytest.mark.parametrize("D, tiles, ckpt_rows, chain, pieces", [
-    (64, 2, 1024, True, 2), (128, 1, 1024, False, 2), (64, 1, 64, False, 2),
-    (128, 2, 64, True, 2), (64, 2, 1024, False, 1)])
-def test_lowers_to_mosaic_gpu(D, tiles, ckpt_rows, chain, pieces):
+@pytest.mark.parametrize("D, tiles, ckpt_rows, chain", [
+    (64, 2, 1024, True), (128, 1, 1024, False), (64, 1, 64, False), (128, 2, 64, True)])
+def test_lowers_to_mosaic_gpu(D, tiles, ckpt_rows, chain):
   """B1 and F2 lower for CUDA (Mosaic rejects overflowing shared memory here, so this checks that
   two key tiles fit at D = 128), also with a checkpoint per row tile (B1 rebuilds none)."""
   S = jax.ShapeDtypeStruct
   q, kv = S((2, 2048, 4, D), jnp.bfloat16), S((2, 2048, 2, D), jnp.bfloat16)
   rows, seg = S((2, 4, 2048), jnp.float32), S((2, 2048), jnp.int32)
   b1 = lambda *a: mosaic_b1.reverse_sweep(*a, scale=D**-0.5, eps=1e-9, ckpt_rows=ckpt_rows,
-                                          pieces=pieces, chain=chain)
+                                          chain=chain)
   text = _lowered_for_cuda(b1, q, kv, kv, seg, rows, rows, rows, q,
                            S((2, 4, 2048 // ckpt_rows, 2048), jnp.float32))
   assert "mosaic_gpu" in text
   f2 = lambda *a: mosaic_fwd.key_sweep(*a, scale=D**-0.5, eps=1e-9, ckpt_rows=ckpt_rows,
-                                       with_ckpt=True, key_tiles=tiles, pieces=pieces,
-                                       chain=chain)
+                                       with_ckpt=True, key_tiles=tiles, chain=chain)
   assert "mosaic_gpu" in _lowered_for_cuda(f2, q, kv, kv, seg, rows)
 
 
@@ -276,4 +267,4 @@ def test_kernels_refuse_what_they_cannot_run():
   q = jnp.zeros((1, 192, 2, 64), jnp.bfloat16)
   with pytest.raises(ValueError, match="multiple of 128"):
     mosaic_fwd.key_sweep(q, q, q, None, None, scale=0.125, eps=1e-9, ckpt_rows=64,
-                         with_ckpt=True, key_tiles=2, pieces=1, chain=True)
+                         with_ckpt=True, key_tiles=2, chain=True)

@@ -39,8 +39,7 @@ LONG_VARIANTS = {"default": {}, "ckpt64": dict(ckpt_rows=64),
                  "other_d": dict(b1_block_k=64, b1_carries="registers", f2_key_tiles=1,
                                  chain_pieces=False),
                  "other_d128": dict(b1_block_k=128, b1_carries="scratch", f2_key_tiles=2,
-                                    chain_pieces=True),
-                 "pieces2": dict(mask_pieces=2)}
+                                    chain_pieces=True)}
 # B1's key block unlike B2's (on SMALL, T = 96): B1 wider (3 blocks of 32 vs B2's 6 of 16, as
 # 128 over 64 on the GPU) and narrower (6 of 16 vs 3 of 32).
 B1_TILES = {"b1k32_b2k16_scratch": dict(block_k=16, b1_block_k=32, b1_carries="scratch"),
@@ -254,7 +253,7 @@ class TestCompiledGPU(_DilutionKernelChecks):
 def test_bad_fields_name_the_field():
   for field, value in (("b1_carries", "shared"), ("b1_block_k", 48), ("b1_block_k", 8),
                        ("ckpt_rows", 32), ("ckpt_rows", 96), ("f2_key_tiles", 4),
-                       ("chain_pieces", 1), ("mask_pieces", 3), ("split_k_decode", 64)):
+                       ("chain_pieces", 1), ("split_k_decode", 64)):
     with pytest.raises(ValueError, match=field):
       dilution.BlockSizes(**{field: value}).validate(64, mosaic=True)
   with pytest.raises(ValueError, match="ckpt_rows=64 must be a power of two >= 128"):
