@@ -62,6 +62,11 @@ def parse_args(argv=None):
     add(f"--{name}", type=int)
   add("--warmup_steps", type=int, help="optim.warmup_steps (with --steps: min(500, steps/10))")
   add("--implementation", default="auto", help="model.attention.implementation")
+  add("--qk_norm", default="on", choices=("on", "off"),
+      help="model.qk_norm on every arm (the focal paper's baseline bounds its logits with it)")
+  add("--retrieval_mix", type=float, default=0.5,
+      help="data.retrieval_mix on every arm: the share of rows that are passkey drills, so that "
+           "in-context retrieval forms and its extrapolation can be tested")
   add("--vocab", type=int, default=16384, help="BPE vocabulary size")
   add("--digits", default="", choices=("", "digits", "llama_digits"),
       help="how the BPE spells numbers (data.tokenizer train:<vocab>:<digits>; "
@@ -116,7 +121,8 @@ def train_argv(args, arm: str, seed: int) -> list[str]:
           f"--config.model.attention.learned={learned}",
           f"--config.model.attention.implementation={args.implementation}"]
   fields = {"train.steps": args.steps, "data.seq_len": args.seq_len,
-            "data.global_batch": args.global_batch, "optim.warmup_steps": warmup}
+            "data.global_batch": args.global_batch, "optim.warmup_steps": warmup,
+            "model.qk_norm": args.qk_norm == "on", "data.retrieval_mix": args.retrieval_mix}
   return argv + [f"--config.{k}={v}" for k, v in fields.items() if v is not None] + args.extra
 
 
@@ -270,6 +276,8 @@ def collect_run(args, arm: str, seed: int) -> dict | None:
                   "chance": s.get("chance")}
       acc = [x for n, x in zip(s["lengths"], s["accuracy_by_length"]) if n > T and x is not None]
       r[f"{suite}_beyond"] = statistics.fmean(acc) if acc else None
+      inside = [x for n, x in zip(s["lengths"], s["accuracy_by_length"]) if n <= T and x is not None]
+      r[f"{suite}_in_context"] = statistics.fmean(inside) if inside else None
   return r
 
 

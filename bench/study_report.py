@@ -4,7 +4,10 @@
 
 A claim is a comparison of one number per seed: Δ = the arm's value − the reference's (another arm,
 the best other arm, or nothing: then Δ is the arm's own value), and it holds for a seed when
-`Δ <op> bound`. Seeds are paired, so a seed missing either side is left out of that claim.
+`Δ <op> bound`. Seeds are paired, so a seed missing either side is left out of that claim. The
+verdict is "held" or "did not hold" only when at least two seeds agree; otherwise, and for a
+retrieval claim where neither arm retrieves inside its trained context, it is "undecided at this
+budget" with the reason. Each claim also gets the mean Δ and its 95% t-interval over seeds.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import argparse
 import json
 import operator
 import os
+import math
 import statistics
 
 # The claim put dilution 0.036 nats behind softmax+RoPE at 209M / 1K; up to this counts as "small".
@@ -21,6 +25,11 @@ GAP_TOLERANCE = 0.1
 # "degrades" (the dilution page's NoPE softmax loses whole nats past its context).
 FLAT_TOLERANCE = 0.05
 OPS = {"<": operator.lt, "<=": operator.le, ">": operator.gt}
+# A retrieval claim past the context needs retrieval inside it: in-context accuracy above chance by
+# this much in at least one of the two arms.
+RETRIEVES = 0.2
+# Two-sided 95% Student t quantiles by degrees of freedom (seeds - 1).
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 # (claim, arm, reference: an arm | "best other" | None, key, (op, bound) a supporting Δ meets, note)
 CLAIMS = (
     ("focal t=0.4: lower val loss than softmax+RoPE", "focal", "softmax_rope", "val_loss",
@@ -40,6 +49,8 @@ CLAIMS = (
      "dilution_nope", "softmax_nope", "keyword_beyond", (">", 0.0), "mean accuracy at 2x..8x"),
     ("dilution-NoPE: better passkey retrieval than softmax-NoPE past the trained context",
      "dilution_nope", "softmax_nope", "passkey_beyond", (">", 0.0), "mean accuracy at 2x..8x"),
+    ("dilution-NoPE: better passkey retrieval than softmax+RoPE past the trained context",
+     "dilution_nope", "softmax_rope", "passkey_beyond", (">", 0.0), "mean accuracy at 2x..8x"),
     (f"dilution-NoPE's in-domain cost vs softmax+RoPE is small (val loss gap <= {GAP_TOLERANCE})",
      "dilution_nope", "softmax_rope", "val_loss", ("<=", GAP_TOLERANCE),
      "claimed: +0.036 nats at 209M / 1K context"),
@@ -48,8 +59,39 @@ CLAIMS = (
 )
 
 
+def interval(deltas: list[float]) -> list[float] | None:
+  """The mean's 95% t-interval over seeds (None with fewer than two)."""
+  if len(deltas) < 2:
+    return None
+  mean, half = statistics.fmean(deltas), T95.get(len(deltas) - 1, 1.96) * statistics.stdev(
+      deltas) / math.sqrt(len(deltas))
+  return [mean - half, mean + half]
+
+
+def _retrieves(runs: dict, arms: list, seeds: list, suite: str) -> bool:
+  """Whether any of `arms` retrieves inside its trained context (above chance by RETRIEVES)."""
+  for arm in arms:
+    for seed in seeds:
+      r = runs.get((arm, seed), {})
+      if (r.get(f"{suite}_in_context") or 0.0) > (r.get(suite, {}).get("chance") or 0.0) + RETRIEVES:
+        return True
+  return False
+
+
+def verdict(supports: list[bool], retrieval_formed: bool = True) -> str:
+  if not supports:
+    return "n/a (arm or result missing)"
+  if not retrieval_formed:
+    return "undecided at this budget: neither arm retrieves inside its trained context"
+  if len(supports) < 2:
+    return "undecided at this budget: one seed"
+  n = sum(supports)
+  return ("held" if n == len(supports) else "did not hold" if n == 0
+          else f"undecided at this budget: seeds disagree ({n}/{len(supports)} support it)")
+
+
 def claims(runs: dict) -> list[dict]:
-  """Each claim of CLAIMS over runs {(arm, seed): run}: Δ per seed and a verdict."""
+  """Each claim of CLAIMS over runs {(arm, seed): run}: Δ per seed, its interval and a verdict."""
   out = []
   for text, arm, other, key, (op, bound), note in CLAIMS:
     deltas = {}
@@ -63,11 +105,13 @@ def claims(runs: dict) -> list[dict]:
         theirs = min((v for v in refs if v is not None), default=None)
       if mine is not None and theirs is not None:
         deltas[str(seed)] = mine - theirs
-    n = sum(OPS[op](d, bound) for d in deltas.values())
-    verdict = ("n/a (arm or result missing)" if not deltas else "held" if n == len(deltas)
-               else "did not hold" if n == 0 else f"mixed ({n}/{len(deltas)} seeds)")
+    suite = key.split("_")[0]
+    formed = suite not in ("passkey", "keyword") or _retrieves(
+        runs, [arm, other], [int(s) for s in deltas], suite)
     out.append({"claim": text, "arm": arm, "reference": other, "key": key, "test": [op, bound],
-                "deltas": deltas, "verdict": verdict, "note": note})
+                "deltas": deltas, "interval": interval(list(deltas.values())),
+                "verdict": verdict([OPS[op](d, bound) for d in deltas.values()], formed),
+                "note": note})
   return out
 
 
@@ -129,8 +173,10 @@ def markdown(study: dict) -> str:
                    for arm, rs in have.items() if rs])
   out += _table("Claims (Δ = arm − reference, or the arm's own value where there is none; "
                 "paired by seed)",
-                ["claim", "Δ per seed", "verdict", "note"],
+                ["claim", "Δ per seed", "mean Δ [95% interval]", "verdict", "note"],
                 [[c["claim"], ", ".join(f"s{s}: {d:+.3f}" for s, d in c["deltas"].items()) or "–",
+                  f"{statistics.fmean(c['deltas'].values()):+.3f} [{c['interval'][0]:+.3f}, "
+                  f"{c['interval'][1]:+.3f}]" if c.get("interval") else "–",
                   f"**{c['verdict']}**", c["note"]] for c in study["claims"]])
   return "\n".join(out)
 
