@@ -7,7 +7,8 @@ the best other arm, or nothing: then Δ is the arm's own value), and it holds fo
 `Δ <op> bound`. Seeds are paired, so a seed missing either side is left out of that claim. The
 verdict is "held" or "did not hold" only when at least two seeds agree; otherwise, and for a
 retrieval claim where neither arm retrieves inside its trained context, it is "undecided at this
-budget" with the reason. Each claim also gets the mean Δ and its 95% t-interval over seeds.
+budget" with the reason (a retrieval claim counts only the seeds where retrieval formed inside the
+context). Each claim also gets the mean Δ and its 95% t-interval over seeds.
 """
 
 from __future__ import annotations
@@ -79,10 +80,10 @@ def _retrieves(runs: dict, arms: list, seeds: list, suite: str) -> bool:
 
 
 def verdict(supports: list[bool], retrieval_formed: bool = True) -> str:
-  if not supports:
-    return "n/a (arm or result missing)"
   if not retrieval_formed:
     return "undecided at this budget: neither arm retrieves inside its trained context"
+  if not supports:
+    return "n/a (arm or result missing)"
   if len(supports) < 2:
     return "undecided at this budget: one seed"
   n = sum(supports)
@@ -106,12 +107,13 @@ def claims(runs: dict) -> list[dict]:
       if mine is not None and theirs is not None:
         deltas[str(seed)] = mine - theirs
     suite = key.split("_")[0]
-    formed = suite not in ("passkey", "keyword") or _retrieves(
-        runs, [arm, other], [int(s) for s in deltas], suite)
+    # A retrieval claim counts only the seeds where retrieval formed inside the context.
+    counted = {s: d for s, d in deltas.items() if suite not in ("passkey", "keyword")
+               or _retrieves(runs, [arm, other], [int(s)], suite)}
     out.append({"claim": text, "arm": arm, "reference": other, "key": key, "test": [op, bound],
                 "deltas": deltas, "interval": interval(list(deltas.values())),
-                "verdict": verdict([OPS[op](d, bound) for d in deltas.values()], formed),
-                "note": note})
+                "verdict": verdict([OPS[op](d, bound) for d in counted.values()],
+                                   bool(counted) or not deltas), "note": note})
   return out
 
 

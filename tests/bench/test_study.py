@@ -125,6 +125,8 @@ def test_retrieval_claims_wait_for_retrieval_inside_the_context():
   assert vs_rope(none)["verdict"].startswith("undecided at this budget: neither arm retrieves")
   formed = {**none, ("dilution_nope", 0): run(0.9, 0.6), ("dilution_nope", 1): run(1.0, 0.4)}
   assert vs_rope(formed)["verdict"] == "held"
+  one = {**none, ("dilution_nope", 0): run(0.9, 0.0)}  # formed in seed 0 only: seed 1 says nothing
+  assert vs_rope(one)["verdict"] == "undecided at this budget: one seed"
 
 
 def test_figures_draw_validation_curves_and_loss_by_position(tmp_path):
