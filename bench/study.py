@@ -274,10 +274,10 @@ def collect_run(args, arm: str, seed: int) -> dict | None:
       s = results[suite]
       r[suite] = {"lengths": s["lengths"], "by_length": s["accuracy_by_length"],
                   "chance": s.get("chance")}
-      acc = [x for n, x in zip(s["lengths"], s["accuracy_by_length"]) if n > T and x is not None]
-      r[f"{suite}_beyond"] = statistics.fmean(acc) if acc else None
-      inside = [x for n, x in zip(s["lengths"], s["accuracy_by_length"]) if n <= T and x is not None]
-      r[f"{suite}_in_context"] = statistics.fmean(inside) if inside else None
+      for name, past in (("beyond", True), ("in_context", False)):
+        acc = [x for n, x in zip(s["lengths"], s["accuracy_by_length"])
+               if (n > T) == past and x is not None]
+        r[f"{suite}_{name}"] = statistics.fmean(acc) if acc else None
   return r
 
 

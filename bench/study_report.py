@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import operator
 import os
-import math
 import statistics
 
 # The claim put dilution 0.036 nats behind softmax+RoPE at 209M / 1K; up to this counts as "small".
@@ -69,19 +69,14 @@ def interval(deltas: list[float]) -> list[float] | None:
   return [mean - half, mean + half]
 
 
-def _retrieves(runs: dict, arms: list, seeds: list, suite: str) -> bool:
+def _retrieves(runs: dict, arms: list, seed: int, suite: str) -> bool:
   """Whether any of `arms` retrieves inside its trained context (above chance by RETRIEVES)."""
-  for arm in arms:
-    for seed in seeds:
-      r = runs.get((arm, seed), {})
-      if (r.get(f"{suite}_in_context") or 0.0) > (r.get(suite, {}).get("chance") or 0.0) + RETRIEVES:
-        return True
-  return False
+  rs = [runs.get((arm, seed), {}) for arm in arms]
+  return any((r.get(f"{suite}_in_context") or 0.0)
+             > (r.get(suite, {}).get("chance") or 0.0) + RETRIEVES for r in rs)
 
 
-def verdict(supports: list[bool], retrieval_formed: bool = True) -> str:
-  if not retrieval_formed:
-    return "undecided at this budget: neither arm retrieves inside its trained context"
+def verdict(supports: list[bool]) -> str:
   if not supports:
     return "n/a (arm or result missing)"
   if len(supports) < 2:
@@ -108,12 +103,13 @@ def claims(runs: dict) -> list[dict]:
         deltas[str(seed)] = mine - theirs
     suite = key.split("_")[0]
     # A retrieval claim counts only the seeds where retrieval formed inside the context.
-    counted = {s: d for s, d in deltas.items() if suite not in ("passkey", "keyword")
-               or _retrieves(runs, [arm, other], [int(s)], suite)}
+    counted = [d for s, d in deltas.items() if suite not in ("passkey", "keyword")
+               or _retrieves(runs, [arm, other], int(s), suite)]
     out.append({"claim": text, "arm": arm, "reference": other, "key": key, "test": [op, bound],
                 "deltas": deltas, "interval": interval(list(deltas.values())),
-                "verdict": verdict([OPS[op](d, bound) for d in counted.values()],
-                                   bool(counted) or not deltas), "note": note})
+                "verdict": ("undecided at this budget: neither arm retrieves inside its trained "
+                            "context") if deltas and not counted
+                           else verdict([OPS[op](d, bound) for d in counted]), "note": note})
   return out
 
 
@@ -177,8 +173,8 @@ def markdown(study: dict) -> str:
                 "paired by seed)",
                 ["claim", "Δ per seed", "mean Δ [95% interval]", "verdict", "note"],
                 [[c["claim"], ", ".join(f"s{s}: {d:+.3f}" for s, d in c["deltas"].items()) or "–",
-                  f"{statistics.fmean(c['deltas'].values()):+.3f} [{c['interval'][0]:+.3f}, "
-                  f"{c['interval'][1]:+.3f}]" if c.get("interval") else "–",
+                  "{:+.3f} [{:+.3f}, {:+.3f}]".format(sum(c["interval"]) / 2, *c["interval"])
+                  if c.get("interval") else "–",
                   f"**{c['verdict']}**", c["note"]] for c in study["claims"]])
   return "\n".join(out)
 

@@ -30,8 +30,8 @@ def corpus(tmp_path_factory):
 
 def _args(corpus, root, *more):
   # No passkey drills: a 64-token row is shorter than one drill.
-  return ["--retrieval_mix", "0", "--root", str(root), "--arms", "softmax_rope,dilution_nope", "--size", "small",
-          "--steps", "2", "--vocab", "300", "--train", corpus["train"], "--valid",
+  return ["--retrieval_mix", "0", "--root", str(root), "--arms", "softmax_rope,dilution_nope",
+          "--size", "small", "--steps", "2", "--vocab", "300", "--train", corpus["train"], "--valid",
           corpus["valid"], "--books", corpus["books"], "--suites", "val,longdoc",
           "--max_multiplier", "2", "--val_batches", "2", "--no_plots", *more]
 
