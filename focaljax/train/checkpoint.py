@@ -89,21 +89,28 @@ def _verify(meta, **trees) -> None:
                        + (f" (and {len(bad) - 1} more arrays)" if len(bad) > 1 else ""))
 
 
-def _collect_quietly() -> None:
-  """A failed restore leaves Orbax's other reads of the step to fail whenever they are collected;
-  their errors are the damage already reported, not tracebacks for the user: from now on the
-  unraisable-exception hook drops those reads' errors (and passes on any other)."""
-  previous = sys.unraisablehook
-  if getattr(previous, "_drops_failed_reads", False):
+def _quiet_failed_reads() -> None:
+  """A failed restore leaves Orbax's other reads of the step to fail whenever they are collected,
+  and TensorStore's still-running reads to wake an event loop Orbax has already closed; their
+  errors are the damage already reported, not tracebacks for the user. From now on the
+  unraisable hook drops exactly those; anything else passes on."""
+  unraisable_hook = sys.unraisablehook
+  if getattr(unraisable_hook, "_drops_failed_reads", False):
     return
 
-  def hook(unraisable):
-    if getattr(unraisable.object, "__qualname__", "") != "_read_array_index_and_device_put":
-      previous(unraisable)
+  def closed_loop(kind, value, tb) -> bool:
+    while tb is not None and tb.tb_next is not None:
+      tb = tb.tb_next
+    return (kind is RuntimeError and str(value) == "Event loop is closed" and tb is not None
+            and tb.tb_frame.f_code.co_name == "_check_closed")
 
-  hook._drops_failed_reads = True
-  sys.unraisablehook = hook
-  gc.collect()
+  def drop_unraisable(u):
+    if not (getattr(u.object, "__qualname__", "") == "_read_array_index_and_device_put"
+            or closed_loop(u.exc_type, u.exc_value, u.exc_traceback)):
+      unraisable_hook(u)
+
+  drop_unraisable._drops_failed_reads = True
+  sys.unraisablehook = drop_unraisable
 
 
 def _describe(e: BaseException) -> str:
@@ -173,6 +180,7 @@ class Checkpointer:
     warn = warn or (lambda line: print(f"warning: {line}", file=sys.stderr))
     root = epath.Path(self.manager.directory)
     bad = []
+    _quiet_failed_reads()   # before the first read: a closed loop can be woken at once
     for step in sorted(self.manager.all_steps(), reverse=True):
       try:
         params, opt_state, meta = self.restore(step, abstract_params, abstract_opt_state,
@@ -180,7 +188,7 @@ class Checkpointer:
         _verify(meta, params=to_str_keys(params), opt_state=opt_state)
       except Exception as e:  # pylint: disable=broad-except  (any failure: fall back)
         bad.append((step, _describe(e)))
-        _collect_quietly()
+        gc.collect()   # the failed step's other reads, collected here while quieted
         continue
       # Moved aside, not deleted: the next save of that step must not collide with it.
       for b, why in bad:
