@@ -42,7 +42,6 @@ MAX_LOSS = 1e4
 MAX_SKIPPED = 10
 
 
-
 class NonFiniteLoss(FloatingPointError):
   """Training stopped at a NaN/Inf or exploded step; no checkpoint holds its state."""
 
@@ -179,38 +178,6 @@ class Preemption:
       signal.signal(signal.SIGTERM, self._old)
 
 
-class _Interval:
-  """The metrics of the steps since the last log line: means, Σ value / count, tokens/s."""
-
-  def __init__(self, lr_at, flops_per_token):
-    self.lr_at, self.flops = lr_at, flops_per_token
-    self.peak = metrics.peak_flops_per_device() if flops_per_token else None
-    self.rows, self.waited, self.t0 = [], 0.0, time.perf_counter()
-
-  def add(self, m: dict, batch: Batch):
-    self.rows.append((m, batch))
-
-  def scalars(self, step: int) -> dict:
-    now = time.perf_counter()
-    elapsed = max(now - self.t0, 1e-9)
-    n = len(self.rows)
-    tps = sum(b.tokens for _, b in self.rows) / elapsed
-    out = {"loss": sum(float(m["loss"]) for m, _ in self.rows) / n,
-           "grad_norm": sum(float(m["grad_norm"]) for m, _ in self.rows) / n,
-           "lr": self.lr_at(step - 1), "tokens_per_s": tps,
-           # Near 0 when the input keeps up; near 1 when the host, not the device, paces the run.
-           "host_wait_frac": self.waited / elapsed, **self.rows[-1][1].info}
-    for name in self.rows[-1][0]["sums"]:
-      total = sum(float(m["sums"][name][0]) for m, _ in self.rows)
-      count = sum(float(m["sums"][name][1]) for m, _ in self.rows)
-      if count:
-        out[name] = total / count
-    if self.peak:
-      out["mfu"] = tps * self.flops / (self.peak * jax.device_count())
-    self.rows, self.waited, self.t0 = [], 0.0, now
-    return out
-
-
 def run(cfg: config_lib.Config, workdir: str, make_task, *, dry_run: bool = False,
         stop_at: int | None = None) -> dict:
   """Trains `make_task(cfg, workdir, mesh)` in `workdir`, resuming from its latest checkpoint;
@@ -308,7 +275,7 @@ def _run(cfg, workdir, make_task, *, dry_run, stop_at, t_setup, known) -> dict:
     writer.message(f"resumed from step {start} in {workdir}")
   writer.message(f"set-up {time.perf_counter() - t_setup:.1f} s" +
                  (f"; {task.notes}" if task.notes else ""))
-  interval = _Interval(optim.schedule(cfg.optim), task.flops_per_token)
+  interval = metrics.Interval(optim.schedule(cfg.optim), task.flops_per_token)
   preempt = Preemption()
   pending, step_no, summary = None, start, {"start_step": start}
   saved, skipped = [start or None], []   # the latest checkpoint; the current run of skipped steps

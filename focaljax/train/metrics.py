@@ -16,6 +16,7 @@ import sys
 import time
 
 from etils import epath
+import jax
 
 from focaljax import dispatch
 
@@ -157,3 +158,36 @@ class Writer:
       self.tb.close()
     if self.wandb is not None:
       self.wandb.finish()
+
+
+class Interval:
+  """The metrics of the steps since the last log line: means, Σ value / count, tokens/s.
+  Rows are a step's device metrics and its `loop.Batch` (tokens, info)."""
+
+  def __init__(self, lr_at, flops_per_token):
+    self.lr_at, self.flops = lr_at, flops_per_token
+    self.peak = peak_flops_per_device() if flops_per_token else None
+    self.rows, self.waited, self.t0 = [], 0.0, time.perf_counter()
+
+  def add(self, m: dict, batch):
+    self.rows.append((m, batch))
+
+  def scalars(self, step: int) -> dict:
+    now = time.perf_counter()
+    elapsed = max(now - self.t0, 1e-9)
+    n = len(self.rows)
+    tps = sum(b.tokens for _, b in self.rows) / elapsed
+    out = {"loss": sum(float(m["loss"]) for m, _ in self.rows) / n,
+           "grad_norm": sum(float(m["grad_norm"]) for m, _ in self.rows) / n,
+           "lr": self.lr_at(step - 1), "tokens_per_s": tps,
+           # Near 0 when the input keeps up; near 1 when the host, not the device, paces the run.
+           "host_wait_frac": self.waited / elapsed, **self.rows[-1][1].info}
+    for name in self.rows[-1][0]["sums"]:
+      total = sum(float(m["sums"][name][0]) for m, _ in self.rows)
+      count = sum(float(m["sums"][name][1]) for m, _ in self.rows)
+      if count:
+        out[name] = total / count
+    if self.peak:
+      out["mfu"] = tps * self.flops / (self.peak * jax.device_count())
+    self.rows, self.waited, self.t0 = [], 0.0, now
+    return out
