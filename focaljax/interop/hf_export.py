@@ -42,8 +42,10 @@ def _param_reader(workdir: str, step: int | None):
   if step is None:
     raise FileNotFoundError(f"no checkpoint under {workdir}/checkpoints")
   path = epath.Path(workdir) / "checkpoints" / str(step) / "params"
-  ckpt = ocp.PyTreeCheckpointer()
-  flat = traverse_util.flatten_dict(ckpt.metadata(path).item_metadata.tree)
+  # The item's handler, not a Checkpointer: that looks for a step's metadata in the item's
+  # directory and logs a warning when it is (rightly) not there.
+  ckpt = ocp.PyTreeCheckpointHandler()
+  flat = traverse_util.flatten_dict(ckpt.metadata(path).tree)
 
   def read(keys):
     item, args = flat[keys], ocp.RestoreArgs(restore_type=np.ndarray)
