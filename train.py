@@ -41,9 +41,6 @@ from focaljax.train import startup
 EXIT_NONFINITE, EXIT_BAD_INPUT, EXIT_PREEMPTED = 1, 2, 75
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", os.path.join(_HERE, "configs", "base.py"), "Config file (ConfigDict).",
-    lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", "runs/default", "Checkpoints, metrics and eval output.")
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Compile the train step, print memory, exit.")
 _VERBOSE = flags.DEFINE_bool("verbose", False, "On bad input, print the traceback too.")
@@ -58,6 +55,23 @@ def fail(message: str, code: int = EXIT_BAD_INPUT):
   sys.exit(code)
 
 
+def no_field(e: Exception, argv) -> str:
+  """The line for a --config.<path> naming no field (ml_collections raises it as a lookup)."""
+  key = (re.findall(r"'(\w+)", str(e)) or [str(e)])[0]
+  bad = [arg.split("=")[0] for arg in argv if arg.startswith("--config.") and key in arg]
+  hint = re.findall(r'Did you mean "([\w.]+)"', str(e))
+  return (f"no config field {bad[0][len('--config.'):] if bad else key}" +
+          (f" (did you mean {hint[0]}?)" if hint else ""))
+
+
+try:   # without --config, ml_collections applies the overrides to the default file right here
+  _CONFIG = config_flags.DEFINE_config_file(
+      "config", os.path.join(_HERE, "configs", "base.py"), "Config file (ConfigDict).",
+      lock_config=True)
+except (AttributeError, KeyError) as e:
+  fail(no_field(e, sys.argv))
+
+
 def parse_flags(argv):
   """absl's flag parsing, with bad flags and config files as one line and exit 2."""
   try:
@@ -69,11 +83,7 @@ def parse_flags(argv):
   except (flags.Error, OSError) as e:
     fail(e)
   except (AttributeError, KeyError) as e:   # --config.<path> naming no field
-    key = (re.findall(r"'(\w+)", str(e)) or [str(e)])[0]
-    bad = [arg.split("=")[0] for arg in argv if arg.startswith("--config.") and key in arg]
-    hint = re.findall(r'Did you mean "([\w.]+)"', str(e))
-    fail(f"no config field {bad[0][len('--config.'):] if bad else key}" +
-         (f" (did you mean {hint[0]}?)" if hint else ""))
+    fail(no_field(e, argv))
   if len(argv) > 1:
     fail(f"unexpected arguments: {argv[1:]}")
   return argv

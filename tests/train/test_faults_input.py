@@ -54,6 +54,14 @@ def test_bad_flags_are_one_line(tmp_path, args, match):
   assert not os.path.exists(tmp_path / "run")
 
 
+def test_unknown_field_without_config_is_one_line(tmp_path):
+  # Without --config, ml_collections applies overrides to the default file as train.py imports.
+  proc = _run(os.path.join(ROOT, "train.py"), "--workdir", str(tmp_path / "run"),
+              "--config.train.stepz=3")
+  _one_line(proc, r"^error: no config field train.stepz \(did you mean steps\?\)$")
+  assert not os.path.exists(tmp_path / "run")
+
+
 @pytest.mark.parametrize("field,value,match", [
     ("train.steps", -5, r"^config field train.steps: must be > 0, got -5$"),
     ("train.steps", 0, r"^config field train.steps: must be > 0, got 0$"),
