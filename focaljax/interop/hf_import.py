@@ -16,6 +16,7 @@ import os
 import sys
 import warnings
 
+import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
@@ -182,8 +183,10 @@ def hf_to_focaljax(hf_dir: str, out_dir: str, *, replace: bool = False) -> str:
 def _save_params(out_dir: str, params: dict, meta: dict):
   """checkpoints/0 with the params and meta items, in the layout checkpoint.restore_params reads.
   Without Orbax's deep copy and compression (each a second copy of the model in memory)."""
+  # jax.Array's handler too, though nothing here is one: without it Orbax warns on every save.
   registry = ocp.type_handlers.create_type_handler_registry(
-      (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False)))
+      (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False)),
+      (jax.Array, ocp.type_handlers.ArrayHandler()))
   manager = ocp.CheckpointManager(
       epath.Path(config_lib.absolute(out_dir)) / "checkpoints",
       item_handlers={"params": ocp.PyTreeCheckpointHandler(type_handler_registry=registry,
