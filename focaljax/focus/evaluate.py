@@ -62,12 +62,13 @@ def _fmt(x) -> str:
 
 
 def wilson_interval(right: int, n: int, z: float = 1.96) -> tuple[float, float] | None:
-  """The 95% Wilson score interval of a share right/n (8 of 10 right: 0.49-0.94)."""
+  """The 95% Wilson score interval of a share right/n (8 of 10 right: 0.49–0.94)."""
   if n == 0:
     return None
   p, z2 = right / n, z * z
   mid, half = (p + z2 / (2 * n)), z * np.sqrt(p * (1 - p) / n + z2 / (4 * n * n))
-  return (float((mid - half) / (1 + z2 / n)), float((mid + half) / (1 + z2 / n)))
+  # The bounds lie in [0, 1]; clipped only against rounding (0 right: -1e-17, not -0.00).
+  return tuple(float(np.clip(b / (1 + z2 / n), 0.0, 1.0)) for b in (mid - half, mid + half))
 
 
 def digit_places(output: str, key: int) -> list[bool]:
@@ -262,7 +263,7 @@ def _format_passkey(head: str, r: dict) -> list[str]:
     lines += [f"{x} missed: " + " · ".join(misses)] if misses else []
     if (ci := r["accuracy_interval"][i]):
       lines.append(f"{x} accuracy {_tally(row['trials'])[0]}/{len(row['trials'])}, "
-                   f"95% interval {ci[0]:.2f}-{ci[1]:.2f}")
+                   f"95% interval {ci[0]:.2f}–{ci[1]:.2f}")
   return lines + [f"  overall {_fmt(r['overall']).strip()}"]
 
 

@@ -286,6 +286,7 @@ def test_wilson_interval():
   assert lo == pytest.approx(0.490, abs=1e-3) and hi == pytest.approx(0.943, abs=1e-3)
   assert focus_eval.wilson_interval(10, 10)[1] == pytest.approx(1.0)
   assert focus_eval.wilson_interval(0, 0) is None
+  assert focus_eval.wilson_interval(0, 10)[0] == 0.0   # not a rounding -1e-17 ('-0.00')
 
 
 def test_digit_places_count_from_the_first_digit():
