@@ -4,6 +4,7 @@ from a training workdir (latest checkpoint) or one of its `checkpoints/<step>` d
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +36,14 @@ class LoadedModel:
   @property
   def trained_len(self) -> int:
     return self.config.max_seq_len
+
+  def __repr__(self) -> str:   # the module tree and three copies of the config fill a screen
+    c = self.config
+    n = sum(x.size for x in jax.tree.leaves(nnx.state(self.model, nnx.Param)))
+    pattern = json.loads(self.run.config_json)["model"]["attention"]["pattern"]
+    return (f"LoadedModel(workdir={self.workdir!r}, step={self.step}, params={n / 1e6:.1f}M, "
+            f"layers={c.num_layers} of {pattern}, d_model={c.d_model}, vocab={c.vocab_size}, "
+            f"trained_len={c.max_seq_len})")
 
   def logits(self, tokens) -> jax.Array:
     """int32 [B, T] (or [T]) -> float32 [B, T, V]; RoPE layers NTK-scale when T > trained_len."""

@@ -105,6 +105,8 @@ def test_run_on_a_url_trains_resumes_and_loads(bucket):
   model = focaljax.load(URL)
   logits = model.logits(np.asarray([model.tokenizer.encode("hello world")], np.int32))
   assert np.isfinite(np.asarray(logits)).all()
+  assert repr(model).startswith(f"LoadedModel(workdir={URL!r}, step=4, params=") and (
+      "\n" not in repr(model))   # one line, not the module tree
 
 
 def test_workdir_checks_read_the_url(bucket):
