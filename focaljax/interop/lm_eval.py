@@ -174,12 +174,18 @@ class FocaljaxLM(TemplateLM):
     return results
 
 
-def main(argv=None) -> None:
-  """lm_eval's command line, with model "focaljax" registered."""
+def main(argv=None) -> int:
+  """lm_eval's command line, with model "focaljax" registered. A missing workdir, an unknown
+  task or an unreachable dataset is one line and exit 2, as focaljax-convert does."""
   from lm_eval.__main__ import cli_evaluate  # pylint: disable=import-outside-toplevel
   sys.argv = ["lm_eval", *(sys.argv[1:] if argv is None else argv)]
-  cli_evaluate()
+  try:
+    cli_evaluate()
+  except (ValueError, OSError) as e:   # OSError: FileNotFoundError, ConnectionError
+    print(f"focaljax-lm-eval: error: {' '.join(str(e).split())}", file=sys.stderr)
+    return 2
+  return 0
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(main())

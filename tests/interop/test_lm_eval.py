@@ -112,3 +112,14 @@ def test_simple_evaluate_runs_local_tasks(workdir, tmp_path):
   acc = out["results"]["fj_mc"]["acc,none"]
   assert 0 <= acc <= 1
   assert 0 <= out["results"]["fj_gen"]["exact_match,none"] <= 1
+
+
+@pytest.mark.parametrize("args,match", [
+    (["--model_args", "path=/nonexistent/run", "--tasks", "hellaswag"], "/nonexistent/run is "),
+    (["--tasks", "no_such_task"], "Tasks not found: no_such_task"),
+])
+def test_cli_bad_input_is_one_line(workdir, capsys, args, match):
+  argv = ["--model", "focaljax", "--model_args", f"path={workdir}", *args]
+  assert lm_eval_adapter.main(argv) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert err[-1].startswith("focaljax-lm-eval: error: ") and match in err[-1], err
