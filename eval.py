@@ -102,6 +102,10 @@ def run():
   suites = _SUITES.value
   if _FOCUS_ADAPTER.value and not flags.FLAGS["suites"].present:
     suites = list(focus_eval.FOCUS_SUITES)
+  allowed = list(evaluate.SUITES) + list(focus_eval.FOCUS_SUITES)
+  if set(suites) - set(allowed):
+    raise app.UsageError(f"--suites: unknown {sorted(set(suites) - set(allowed))}; allowed: "
+                         f"{allowed}")
   focus_suites = [s for s in suites if s in focus_eval.FOCUS_SUITES]
   base_suites = [s for s in suites if s not in focus_eval.FOCUS_SUITES]
   if focus_suites and not _FOCUS_ADAPTER.value:

@@ -16,7 +16,6 @@ preempted by SIGTERM after saving a checkpoint: run the same command again to re
 """
 
 import os
-import re
 import sys
 import traceback
 
@@ -55,21 +54,12 @@ def fail(message: str, code: int = EXIT_BAD_INPUT):
   sys.exit(code)
 
 
-def no_field(e: Exception, argv) -> str:
-  """The line for a --config.<path> naming no field (ml_collections raises it as a lookup)."""
-  key = (re.findall(r"'(\w+)", str(e)) or [str(e)])[0]
-  bad = [arg.split("=")[0] for arg in argv if arg.startswith("--config.") and key in arg]
-  hint = re.findall(r'Did you mean "([\w.]+)"', str(e))
-  return (f"no config field {bad[0][len('--config.'):] if bad else key}" +
-          (f" (did you mean {hint[0]}?)" if hint else ""))
-
-
 try:   # without --config, ml_collections applies the overrides to the default file right here
   _CONFIG = config_flags.DEFINE_config_file(
       "config", os.path.join(_HERE, "configs", "base.py"), "Config file (ConfigDict).",
       lock_config=True)
 except (AttributeError, KeyError) as e:
-  fail(no_field(e, sys.argv))
+  fail(config_lib.no_field_message(e, sys.argv))
 
 
 def parse_flags(argv):
@@ -83,7 +73,7 @@ def parse_flags(argv):
   except (flags.Error, OSError) as e:
     fail(e)
   except (AttributeError, KeyError) as e:   # --config.<path> naming no field
-    fail(no_field(e, argv))
+    fail(config_lib.no_field_message(e, argv))
   if len(argv) > 1:
     fail(f"unexpected arguments: {argv[1:]}")
   return argv

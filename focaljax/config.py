@@ -12,6 +12,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import re
 
 import ml_collections
 from etils import epath
@@ -46,6 +47,16 @@ _NO_DECAY = ("norm", "embed")
 
 class ConfigError(ValueError):
   """A config field has an invalid value; the message names it."""
+
+
+def no_field_message(e: Exception, argv) -> str:
+  """The line for a --config.<path> in `argv` naming no field; `e` is the lookup error
+  ml_collections raises for it (its message holds the key and maybe a "did you mean")."""
+  key = (re.findall(r"'(\w+)", str(e)) or [str(e)])[0]
+  bad = [arg.split("=")[0] for arg in argv if arg.startswith("--config.") and key in arg]
+  hint = re.findall(r'Did you mean "([\w.]+)"', str(e))
+  return (f"no config field {bad[0][len('--config.'):] if bad else key}" +
+          (f" (did you mean {hint[0]}?)" if hint else ""))
 
 
 def _get(c, dotted):

@@ -21,9 +21,17 @@ import shlex
 import subprocess
 import sys
 
+from absl import flags
 from etils import epath
+from ml_collections import config_flags
+
+from focaljax import config as config_lib
 
 _TRAIN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train.py")
+
+
+class SweepError(ValueError):
+  """Bad --grid or override: one line, nothing launched or printed."""
 
 
 def parse_grid(items: list[str]) -> list[tuple[str, list[str]]]:
@@ -31,7 +39,7 @@ def parse_grid(items: list[str]) -> list[tuple[str, list[str]]]:
   for item in items:
     key, sep, values = item.partition("=")
     if not sep or not values:
-      raise ValueError(f"--grid {item!r}: expected field=v1,v2,... e.g. "
+      raise SweepError(f"--grid {item!r}: expected field=v1,v2,... e.g. "
                        "model.attention.temperature=0.3,0.4")
     grid.append((key, values.split(",")))
   return grid
@@ -48,6 +56,23 @@ def expand(config: str, root: str, grid, extra: list[str]) -> list[tuple[str, li
     argv += [f"--config.{k}={v}" for k, v in zip(keys, values)] + list(extra)
     runs.append((workdir, argv))
   return runs
+
+
+def check(runs: list[tuple[str, list[str]]]) -> None:
+  """Every run's config as train.py would build it, validated (config_lib.validate) before
+  anything launches or prints: a misspelt field or a bad value is one error, not N failed runs."""
+  for workdir, argv in runs:
+    args = [a for a in argv[2:] if a.startswith("--config")]
+    fv = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", flag_values=fv, lock_config=True,
+                                    sys_argv=["sweep", *args])
+    try:
+      fv(["sweep", *args])
+      config_lib.validate(fv.config)
+    except (AttributeError, KeyError) as e:   # ml_collections: a path naming no field
+      raise SweepError(f"{workdir}: {config_lib.no_field_message(e, args)}") from None
+    except (flags.Error, config_lib.ConfigError) as e:
+      raise SweepError(f"{workdir}: {' '.join(str(e).split())}") from None
 
 
 def slurm_array(runs: list[str]) -> str:
@@ -88,7 +113,12 @@ def main(argv=None) -> int:
                  help="print launch lines (or, with 'slurm', a SLURM array job) instead of running")
   args, extra = p.parse_known_args(argv)
   extra = [e for e in extra if e != "--"]
-  runs = expand(args.config, args.root, parse_grid(args.grid), extra)
+  try:
+    runs = expand(args.config, args.root, parse_grid(args.grid), extra)
+    check(runs)
+  except SweepError as e:
+    print(f"sweep: error: {e}", file=sys.stderr)
+    return 2
   if args.print_only:
     lines = [shlex.join(["python"] + run_argv[1:]) for _, run_argv in runs]
     print(slurm_array(lines) if args.print_only == "slurm" else "\n".join(lines + [""]), end="")

@@ -1,6 +1,7 @@
 """The sweep command: a grid of overrides becomes runs with their own workdirs."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -24,7 +25,7 @@ def test_grid_expands_to_cartesian_product():
 
 
 def test_bad_grid_is_refused():
-  with pytest.raises(ValueError, match="field=v1,v2"):
+  with pytest.raises(sweep.SweepError, match="field=v1,v2"):
     sweep.parse_grid(["temperature"])
 
 
@@ -49,7 +50,7 @@ def test_local_sweep_runs_each_point(tmp_path):
 def test_print_slurm_writes_an_array_job():
   out = subprocess.run([sys.executable, "-m", "focaljax.sweep", "--config", "configs/focal.py",
                         "--root", "gs://bucket/sweep", "--grid", "seed=0,1,2", "--print", "slurm",
-                        "--", "--config.train.steps=20"],
+                        "--", "--config.optim.warmup_steps=2", "--config.train.steps=20"],
                        cwd=ROOT, capture_output=True, text=True, check=True).stdout
   assert out.startswith("#!/bin/bash\n") and "#SBATCH --array=0-2\n" in out
   for i in range(3):   # one case per run, the URL root kept as a URL
@@ -62,6 +63,21 @@ def test_print_slurm_writes_an_array_job():
 def test_print_before_double_dash_still_prints_lines():
   out = subprocess.run([sys.executable, "-m", "focaljax.sweep", "--config", "configs/focal.py",
                         "--root", "runs/t", "--grid", "seed=0", "--print", "--",
-                        "--config.train.steps=2"],
+                        "--config.optim.warmup_steps=1", "--config.train.steps=2"],
                        cwd=ROOT, capture_output=True, text=True, check=True).stdout
   assert out.startswith("python ") and out.rstrip().endswith("--config.train.steps=2")
+
+
+@pytest.mark.parametrize("grid,extra,match", [
+    ("model.attention.temprature=0.3", [],
+     r"temprature=0.3: no config field model.attention.temprature \(did you mean temperature\?\)"),
+    ("model.attention.temperature=0.3,-1", [],
+     r"temperature=-1: config field model.attention.temperature: must be > 0"),
+    ("seed=0", ["--config.train.stepz=3"], r"seed=0: no config field train.stepz"),
+])
+def test_bad_points_are_one_line_before_anything_runs(tmp_path, capsys, grid, extra, match):
+  rc = sweep.main(["--config", os.path.join(ROOT, "configs", "smoke.py"), "--root",
+                   str(tmp_path), "--grid", grid, "--print", "--", *extra])
+  out, err = capsys.readouterr()
+  assert rc == 2 and out == "" and not os.listdir(tmp_path)
+  assert len(err.strip().splitlines()) == 1 and re.search(match, err), err
