@@ -9,7 +9,8 @@ the rest). --print writes one launch line per run for a cluster scheduler (prefi
 `srun`/`gcloud ... ssh` as usual); --print slurm writes a SLURM array job, one array task per run
 on one node (edit its #SBATCH lines, then sbatch it; see launch/slurm.sbatch). The cartesian
 product of all --grid flags is taken. Workdirs are named after the overrides:
-root/temperature=0.3,seed=1; root may be a URL (gs://bucket/sweep).
+root/temperature=0.3,seed=1; root may be a URL (gs://bucket/sweep). Every run's config is
+validated first: a misspelt field or a bad value is one error line, and nothing runs.
 """
 
 from __future__ import annotations
