@@ -207,12 +207,7 @@ def test_eval_py_end_to_end(tmp_path):
   books = tmp_path / "books.jsonl"
   text = "It was the best of times, it was the worst of times, it was the age of wisdom. " * 60
   books.write_text("\n".join(json.dumps({"text": text}) for _ in range(2)))
-  suites = "longdoc,passkey,keyword"  # attention and sample: covered above, compile-heavy
-  try:
-    import focaljax.data.pipeline  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
-    suites += ",val"
-  except ImportError:
-    pass  # the data helper's module is not there yet: validation is skipped
+  suites = "longdoc,passkey,keyword,val"  # attention and sample: covered above, compile-heavy
   cmd = [sys.executable, str(REPO / "eval.py"), f"--workdir={tmp_path / 'wd'}",
          f"--suites={suites}", f"--books={books}", "--max_multiplier=2", "--depths=0,1",
          "--passkey_seeds=1", "--max_books=2", "--val_batches=1"]
@@ -227,3 +222,13 @@ def test_eval_py_end_to_end(tmp_path):
   assert results["longdoc"]["num_books"] == 2
   assert results["passkey"]["lengths"] == [64, 128]
   assert "== keyword" in proc.stdout and "results:" in proc.stdout
+
+
+def test_eval_py_unknown_suite_is_one_line(tmp_path):
+  proc = subprocess.run([sys.executable, str(REPO / "eval.py"), f"--workdir={tmp_path}",
+                         "--suites=val,nosuch"], capture_output=True, text=True, cwd=REPO,
+                        timeout=120)
+  assert proc.returncode == 2 and "Traceback" not in proc.stderr
+  assert proc.stderr.strip().splitlines() == [
+      "error: --suites: unknown ['nosuch']; allowed: ['val', 'longdoc', 'passkey', 'keyword', "
+      "'attention', 'sample', 'copy', 'focus_passkey', 'focus_longdoc']"]
