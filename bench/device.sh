@@ -8,7 +8,7 @@
 #   kernels     bench/attention.py and bench/dilution.py, default shapes -> attention.json, dilution.json
 #   train_step  bench/train_step.py                                -> train_step.json
 #   scaling     bench/scaling.py over every visible GPU            -> scaling.json
-#   study       bench/study.py's arms, one worker per GPU (below)  -> study.json, study_arms.tgz
+#   study       bench/study.py's arms and seeds over the GPUs (below) -> study.json, study_arms.tgz
 #   focus       bench/focus_decode.py, FocusLLM decoding           -> focus_decode.json
 #
 # name:seconds gives a stage its wall limit (default 900 s). The limit is the stage's: its commands
@@ -26,8 +26,11 @@
 #
 # study: the corpus in .data/corpus/ (train, valid, longeval .jsonl.xz) and, once, the tokenizer:
 #   python bench/study.py --root .data/study --stage tokenizer
-# Carry .whl, .data/corpus and .data/study. STUDY_ARMS (default: every arm), SEEDS (0), STEPS
-# (900), SIZE (100m), SUITES (val,longdoc,passkey,keyword), VAL_BATCHES (200), GPUS (default: all),
+# Carry .whl, .data/corpus and .data/study. STUDY_ARMS (default: every arm), SEEDS (0; a comma
+# list), STEPS (900), SIZE (100m), SUITES (val,longdoc,passkey,keyword), VAL_BATCHES (200), GPUS
+# (default: all), PER_GPU (1: workers sharing each GPU, for models too small to fill one; each
+# (arm, seed) run is dealt to a worker), STUDY_ARGS (to study.py, e.g. "--seq_len 256"),
+# COLLECT_ARMS (the arms the tables cover, default STUDY_ARMS: e.g. every arm, some run earlier),
 # TRAIN_ARGS (to every train.py; give such a variant its own STUDY directory, since arms are named
 # by attention and seed only), STUDY (.data/study: its finished arms are skipped). Evaluated arms
 # come back in study_arms.tgz: `tar xzf study_arms.tgz -C .data/study`, then
@@ -80,27 +83,42 @@ PY
 }
 
 study_stage() {
-  local root=/tmp/study C=.data/corpus g i mine
+  local root=/tmp/study C=.data/corpus g i w
   local arms=(${STUDY_ARMS:-softmax_rope dilution_nope focal softmax_nope hybrid focal_learned})
+  local seeds=(${SEEDS:-0}) runs=() frac=$XLA_PYTHON_CLIENT_MEM_FRACTION
+  seeds=(${seeds[*]//,/ })
+  for i in "${arms[@]}"; do for g in "${seeds[@]}"; do runs+=("$i:$g"); done; done
   mkdir -p "$root" && cp -r "${STUDY:-.data/study}/." "$root/"
   local G=${GPUS:-$(nvidia-smi -L 2>/dev/null | grep -c ^GPU)}; G=$(( G > 0 ? G : 1 ))
+  local W=$(( G * ${PER_GPU:-1} ))
   # study.py stops at --time_limit (train.py gets SIGTERM and saves); a minute is left to pack.
-  local limit=$(( deadline - SECONDS - 60 )); limit=$(( limit > 30 ? limit : 30 ))
-  for ((g = 0; g < G; g++)); do  # arms dealt round-robin over the GPUs, in the order given
-    mine=$(for ((i = g; i < ${#arms[@]}; i += G)); do printf '%s,' "${arms[i]}"; done)
-    [ -z "$mine" ] && continue
-    CUDA_VISIBLE_DEVICES=$g python3 bench/study.py --root "$root" --arms "${mine%,}" \
-      --seeds "${SEEDS:-0}" --size "${SIZE:-100m}" --steps "${STEPS:-900}" \
-      --train $C/train.jsonl.xz --valid $C/valid.jsonl.xz --books $C/longeval.jsonl.xz \
-      --val_batches "${VAL_BATCHES:-200}" --suites "${SUITES:-val,longdoc,passkey,keyword}" \
-      --time_limit "$limit" --no_plots --out "$root/study_gpu$g.json" \
-      ${TRAIN_ARGS:+-- $TRAIN_ARGS} > "$OUT/study_gpu$g.log" 2>&1 &
-  done
+  worker() {  # W: its runs (dealt round-robin, in the order given), one after another
+    local r
+    for ((r = $1; r < ${#runs[@]}; r += W)); do
+      CUDA_VISIBLE_DEVICES=$(( $1 % G )) XLA_PYTHON_CLIENT_MEM_FRACTION=$frac \
+        python3 bench/study.py --root "$root" \
+        --arms "${runs[r]%%:*}" --seeds "${runs[r]#*:}" --size "${SIZE:-100m}" \
+        --steps "${STEPS:-900}" --train $C/train.jsonl.xz --valid $C/valid.jsonl.xz \
+        --books $C/longeval.jsonl.xz --val_batches "${VAL_BATCHES:-200}" \
+        --suites "${SUITES:-val,longdoc,passkey,keyword}" ${STUDY_ARGS:-} --no_plots \
+        --time_limit $(( deadline - SECONDS - 60 > 30 ? deadline - SECONDS - 60 : 30 )) \
+        --out "$root/study_${runs[r]/:/_s}.json" ${TRAIN_ARGS:+-- $TRAIN_ARGS}
+    done > "$OUT/study_worker$1.log" 2>&1
+  }
+  # Each worker its share of the GPU's memory.
+  [ "${PER_GPU:-1}" -gt 1 ] && frac=$(python3 -c "print(round(0.9 / ${PER_GPU}, 3))")
+  worker 0 &
+  # Worker 0 fills the token cache first, unless it exists: the others load it.
+  if [ "$W" -gt 1 ] && [ ! -d "$root/tokens" ]; then
+    until grep -q "first step after" "$OUT/study_worker0.log" 2>/dev/null ||
+          [ -z "$(jobs -r)" ] || [ $((deadline - SECONDS)) -lt 120 ]; do sleep 2; done
+  fi
+  for ((w = 1; w < W; w++)); do worker "$w" & done
   wait
-  tail -n 25 "$OUT"/study_gpu*.log
-  local all; all=$(IFS=,; echo "${arms[*]}")
+  tail -n 25 "$OUT"/study_worker*.log
+  local all; all=$(IFS=,; echo "${COLLECT_ARMS:-${arms[*]}}" | tr ' ' ,)
   python3 bench/study.py --root "$root" --arms "$all" --seeds "${SEEDS:-0}" --stage collect \
-    --no_plots --out "$OUT/study.json" 2>&1 | log
+    --size "${SIZE:-100m}" ${STUDY_ARGS:-} --no_plots --out "$OUT/study.json" 2>&1 | log
   # No weights travel: the empty checkpoints/<step> directories are what mark an arm trained.
   ( cd "$root" || exit 1
     done_arms=(); partial=()

@@ -302,6 +302,12 @@ def make_dataset(cfg: DataConfig, tok: tokenizer_lib.Tokenizer, *, split: str = 
   it = ds.to_iter_dataset(grain.ReadOptions(num_threads=2, prefetch_buffer_size=16))
   it = grain.experimental.ConcatThenSplitIterDataset(it, length_struct={"tokens": cfg.seq_len + 1})
   if split == "train" and cfg.retrieval_mix > 0:
+    need = retrieval.drill_min_tokens(tok)
+    if cfg.seq_len + 1 < need:
+      raise sources.DataError(
+          f"data.retrieval_mix={cfg.retrieval_mix}: a passkey drill takes up to {need} tokens "
+          f"with this tokenizer; data.seq_len={cfg.seq_len} rows hold {cfg.seq_len + 1} (raise "
+          "data.seq_len or set data.retrieval_mix=0)")
     it = it.random_map(retrieval.PasskeyDrills(tok, cfg.retrieval_mix), seed=cfg.seed)
   it = it.batch(local_batch, batch_fn=functools.partial(grain.experimental.batch_and_pad,
                                                         batch_size=local_batch))

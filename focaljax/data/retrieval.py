@@ -61,19 +61,30 @@ def drill_pieces(tokenizer, rng: np.random.Generator) -> tuple[list[int], list[i
           tokenizer.encode(PASSKEY_QUESTION) + tokenizer.encode(f" {key}."))
 
 
+def drill_min_tokens(tokenizer) -> int:
+  """The most tokens a drill without filler or head can take: needle + tail + <|endoftext|>, each
+  of the key's three occurrences counted at its worst (" K" is 6 bytes: at most 6 tokens)."""
+  key = 10_000
+  needle, tail = (tokenizer.encode(PASSKEY_NEEDLE.format(key=key)),
+                  tokenizer.encode(PASSKEY_QUESTION) + tokenizer.encode(f" {key}."))
+  return len(needle) + len(tail) + 3 * (6 - len(tokenizer.encode(f" {key}"))) + 1
+
+
 def passkey_drill(tokenizer, text_ids: np.ndarray, rng: np.random.Generator,
                   max_len: int) -> np.ndarray:
   """A passkey training document of at most `max_len` tokens (ids + <|endoftext|>).
 
-  [head (half the time)] + text[:i] + needle + text[i:n] + question + " K." with a random 5-digit
-  K, n uniform in [room/2, room] (room: what max_len leaves for filler), i uniform in [0, n]. The
-  filler is a random crop of `text_ids`, real text (the row it replaces), not the evaluation's
-  grass/sky/sun sentences: the drill teaches reading the needle back out of a context, not the
-  evaluation's filler. A small base does not learn retrieval from plain text alone, and FocusLLM
+  [head (half the time, if it fits)] + text[:i] + needle + text[i:n] + question + " K." with a
+  random 5-digit K, n uniform in [room/2, room] (room: what max_len leaves for filler), i uniform
+  in [0, n]. The filler is a random crop of `text_ids`, real text (the row it replaces), not the
+  evaluation's grass/sky/sun sentences: the drill teaches reading the needle back out of a
+  context, not the evaluation's filler. A small base does not learn retrieval from plain text alone, and FocusLLM
   can only carry past the context what the base already does inside it.
   """
   needle, tail = drill_pieces(tokenizer, rng)
   head = tokenizer.encode(PASSKEY_HEAD) if rng.random() < 0.5 else []
+  if max_len - 1 - len(head) - len(needle) - len(tail) < 0:
+    head = []   # a short row: the drill without its head
   room = max_len - 1 - len(head) - len(needle) - len(tail)
   if room < 0:
     raise ValueError(f"passkey_drill: max_len={max_len} is shorter than the drill without "

@@ -60,6 +60,21 @@ def test_passkey_drill_shape():
     assert len(key) == 5 and f"The pass key is {key}. Remember it. {key} is the pass key." in s
   with pytest.raises(ValueError, match="max_len"):
     retrieval.passkey_drill(tok, text, np.random.default_rng(0), 16)
+  # The bound holds for every key, and a row just that long always takes a drill (its head
+  # dropped where it does not fit).
+  need = retrieval.drill_min_tokens(tok)
+  pieces = [retrieval.drill_pieces(tok, np.random.default_rng(s)) for s in range(300)]
+  assert need >= max(len(needle) + len(tail) + 1 for needle, tail in pieces)
+  for seed in range(50):
+    assert len(retrieval.passkey_drill(tok, text, np.random.default_rng(seed), need)) <= need
+
+
+def test_retrieval_mix_needs_rows_that_hold_a_drill():
+  cfg = data.DataConfig(source="bundled", tokenizer="bundled", seq_len=16, global_batch=4,
+                        retrieval_mix=0.5)
+  with pytest.raises(sources.DataError, match=r"a passkey drill takes up to \d+ tokens with "
+                     r"this tokenizer; data.seq_len=16 rows hold 17"):
+    data.make_iterator(cfg, data.load_tokenizer(cfg, None))
 
 
 def test_retrieval_mix_turns_train_rows_into_drills():
