@@ -151,8 +151,15 @@ def _source_documents(spec: str, field: str, tfds_split: str, jsonl_field: str,
     # download=False, since only focaljax.data.tfds_text.build can prepare our datasets.
     import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
     name, _, split = arg.partition(":")
-    source = tfds.data_source(name, split=split or tfds_split, data_dir=tfds_data_dir,
-                              download=False)
+    try:
+      source = tfds.data_source(name, split=split or tfds_split, data_dir=tfds_data_dir,
+                                download=False)
+    except (ValueError, RuntimeError, OSError, KeyError) as e:   # unknown, unbuilt, TFRecord
+      text = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
+      first = next((line.strip() for line in text.splitlines() if line.strip()), repr(e))
+      raise DataError(f"data.{field}={spec!r}: {first} (data.tfds_data_dir="
+                      f"{tfds_data_dir!r}; build ArrayRecord text datasets with "
+                      "focaljax.data.tfds_text.build)") from None
     return grain.MapDataset.source(source).map(_decode_text)
   paths = (str(BUNDLED_TEXT),) if kind == "bundled" else tuple(_glob_files(arg, field))
   docs = _file_documents(paths, jsonl_field)

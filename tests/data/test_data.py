@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from focaljax.data import pipeline as data
+from focaljax.data import sources
 
 EOS = 1  # the fake tokenizer's <|endoftext|>; padding is 0 and document tokens are >= 10_000
 
@@ -245,6 +246,15 @@ def test_tfds_builder_roundtrip(corpus, tmp_path):
   explicit = dataclasses.replace(tcfg, source="tfds:tiny_text:validation")
   assert sorted(split_docs(stream(batches(explicit)))) == sorted(valid)
   assert "tensorflow" not in sys.modules  # the whole TFDS path is TF-free
+
+
+def test_tfds_dataset_not_built_is_one_line(corpus, tmp_path):
+  pytest.importorskip("tensorflow_datasets")
+  cfg, _ = corpus
+  missing = dataclasses.replace(cfg, source="tfds:no_such_text", tfds_data_dir=str(tmp_path))
+  with pytest.raises(sources.DataError, match=r"^data.source='tfds:no_such_text': Dataset "
+                     r"no_such_text not found\. \(data.tfds_data_dir="):
+    data.documents(missing, "train")
 
 
 def test_runtime_errors(corpus):
