@@ -138,7 +138,8 @@ class Estimate:
     return self.params + self.optimizer + self.gradients + self.activations
 
   def line(self) -> str:
-    return (f"params {self.params / GB:.1f} GB, optimizer {self.optimizer / GB:.1f} GB, "
+    return (f"params (with any compute-dtype copy) {self.params / GB:.1f} GB, optimizer "
+            f"{self.optimizer / GB:.1f} GB, "
             f"gradients {self.gradients / GB:.1f} GB, activations {self.activations / GB:.1f} GB "
             f"per micro-batch; total {self.total / GB:.1f} GB")
 
