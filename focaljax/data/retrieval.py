@@ -78,8 +78,8 @@ def passkey_drill(tokenizer, text_ids: np.ndarray, rng: np.random.Generator,
   random 5-digit K, n uniform in [room/2, room] (room: what max_len leaves for filler), i uniform
   in [0, n]. The filler is a random crop of `text_ids`, real text (the row it replaces), not the
   evaluation's grass/sky/sun sentences: the drill teaches reading the needle back out of a
-  context, not the evaluation's filler. A small base does not learn retrieval from plain text alone, and FocusLLM
-  can only carry past the context what the base already does inside it.
+  context, not the evaluation's filler. A small base does not learn retrieval from plain text
+  alone, and FocusLLM can only carry past the context what the base already does inside it.
   """
   needle, tail = drill_pieces(tokenizer, rng)
   head = tokenizer.encode(PASSKEY_HEAD) if rng.random() < 0.5 else []
