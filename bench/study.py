@@ -297,7 +297,8 @@ def collect_and_print(args) -> dict:
     json.dump(study, f, indent=1)
   print(report.markdown(study) + f"\nresults: {args.out}")
   if not args.no_plots:
-    report.figures(study, os.path.dirname(os.path.abspath(args.out)))
+    report.figures(study, os.path.dirname(os.path.abspath(args.out)),
+                   stem=os.path.splitext(os.path.basename(args.out))[0])
   return study
 
 

@@ -179,8 +179,9 @@ def markdown(study: dict) -> str:
   return "\n".join(out)
 
 
-def figures(study: dict, out_dir: str, log=print) -> list[str]:
-  """study_val_loss.png (validation loss by step) and study_longdoc.png (NLL by position)."""
+def figures(study: dict, out_dir: str, stem: str = "study", log=print) -> list[str]:
+  """STEM_val_loss.png (validation loss by step) and STEM_longdoc.png (NLL by position); STEM is
+  the study JSON's name, so two studies' figures sit side by side."""
   try:
     import matplotlib  # pylint: disable=import-outside-toplevel
     matplotlib.use("Agg")
@@ -198,7 +199,7 @@ def figures(study: dict, out_dir: str, log=print) -> list[str]:
         ax.plot(steps, losses, marker=".", label=f"{arm} s{r['seed']}")
   ax.set(xlabel="step", ylabel="validation loss (nats/token)", title="Validation loss")
   ax.legend(fontsize=8)
-  written.append(os.path.join(out_dir, "study_val_loss.png"))
+  written.append(os.path.join(out_dir, f"{stem}_val_loss.png"))
   fig.savefig(written[-1], dpi=110, bbox_inches="tight")
   plt.close(fig)
   long = [r for rs in by_arm.values() for r in rs if "longdoc" in r]
@@ -211,7 +212,7 @@ def figures(study: dict, out_dir: str, log=print) -> list[str]:
     ax.set(xscale="log", xlabel="position (end of range, tokens)",
            ylabel="NLL (nats/token)", title="Long held-out books: loss by position")
     ax.legend(fontsize=8)
-    written.append(os.path.join(out_dir, "study_longdoc.png"))
+    written.append(os.path.join(out_dir, f"{stem}_longdoc.png"))
     fig.savefig(written[-1], dpi=110, bbox_inches="tight")
     plt.close(fig)
   log(f"figures: {', '.join(written)}")
@@ -227,7 +228,7 @@ def main(argv=None) -> None:
     study = json.load(f)
   print(markdown(study))
   if args.figures:
-    figures(study, args.figures)
+    figures(study, args.figures, stem=os.path.splitext(os.path.basename(args.study_json))[0])
 
 
 if __name__ == "__main__":

@@ -135,6 +135,6 @@ def test_figures_draw_validation_curves_and_loss_by_position(tmp_path):
                             "val_curve": [[1, 5.0 + shift], [2, 4.0 + shift]],
                             "longdoc": {"ranges": [[0, 64], [64, 128]], "mean": [4.0, 4.1 + shift]}}
   written = study.report.figures({"runs": [run("softmax_rope", 0.0), run("focal", 0.2)]},
-                                 str(tmp_path), log=lambda _: None)
-  assert [os.path.basename(p) for p in written] == ["study_val_loss.png", "study_longdoc.png"]
+                                 str(tmp_path), stem="pilot", log=lambda _: None)
+  assert [os.path.basename(p) for p in written] == ["pilot_val_loss.png", "pilot_longdoc.png"]
   assert all(os.path.getsize(p) > 1000 for p in written)
