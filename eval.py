@@ -29,6 +29,7 @@ from absl import logging
 
 from focaljax import config as config_lib
 from focaljax.data import sources
+from focaljax.evaluation import loading
 from focaljax.evaluation import suites as evaluate
 from focaljax.focus import evaluate as focus_eval
 from focaljax.train import checkpoint
@@ -91,7 +92,7 @@ def main(argv):
   try:
     run()
   except (app.UsageError, config_lib.ConfigError, FileNotFoundError, sources.DataError,
-          checkpoint.CorruptCheckpoint) as e:
+          checkpoint.CorruptCheckpoint, loading.NotALanguageModel) as e:
     fail(e)
 
 

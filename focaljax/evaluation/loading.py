@@ -19,6 +19,10 @@ from focaljax.model import decoder as model_lib
 from focaljax.data import tokenizer as tokenizer_lib
 
 
+class NotALanguageModel(ValueError):
+  """The workdir holds a FocusLLM adapter run; the message says how to evaluate it."""
+
+
 def module(model) -> model_lib.Transformer:
   """The Transformer of a LoadedModel, or `model` itself."""
   return getattr(model, "model", model)
@@ -83,8 +87,8 @@ def load(path: str) -> LoadedModel:
   workdir, step = checkpoint.resolve(path)
   saved = config_lib.read_run_config(workdir)
   if "focus" in saved:
-    raise ValueError(f"{workdir} is a FocusLLM adapter run; evaluate it with python eval.py "
-                     f"--workdir BASE --focus_adapter {workdir}")
+    raise NotALanguageModel(f"{workdir} is a FocusLLM adapter run; evaluate it with python "
+                            f"eval.py --workdir BASE --focus_adapter {workdir}")
   run = config_lib.parse(saved)
   tok = _tokenizer(workdir, run)
   run = run.with_vocab(tok.vocab_size)

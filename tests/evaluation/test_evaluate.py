@@ -232,3 +232,15 @@ def test_eval_py_unknown_suite_is_one_line(tmp_path):
   assert proc.stderr.strip().splitlines() == [
       "error: --suites: unknown ['nosuch']; allowed: ['val', 'longdoc', 'passkey', 'keyword', "
       "'attention', 'sample', 'copy', 'focus_passkey', 'focus_longdoc']"]
+
+
+def test_eval_py_on_a_focus_adapter_run_is_one_line(tmp_path):
+  # What train.py writes for configs/focus.py: a config.json with a focus section.
+  (tmp_path / "checkpoints").mkdir()
+  (tmp_path / "config.json").write_text(json.dumps({"focus": {"base_workdir": "runs/base"}}))
+  proc = subprocess.run([sys.executable, str(REPO / "eval.py"), f"--workdir={tmp_path}",
+                         "--suites=val"], capture_output=True, text=True, cwd=REPO, timeout=120)
+  assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+  assert proc.stderr.strip().splitlines() == [
+      f"error: {tmp_path} is a FocusLLM adapter run; evaluate it with python eval.py --workdir "
+      f"BASE --focus_adapter {tmp_path}"]
