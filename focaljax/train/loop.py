@@ -189,9 +189,13 @@ def run(cfg: config_lib.Config, workdir: str, make_task, *, dry_run: bool = Fals
   distributed.initialize()
   workdir_lib.check(workdir, cfg.config_json)   # before anything in the workdir is written
   try:
-    sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+    shape = dict(sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor).shape)
   except ValueError as e:   # the mesh does not fit the devices: the user's config
     raise config_lib.ConfigError(f"config field {e}") from None
+  if cfg.data.global_batch % (shape["data"] * shape["fsdp"]):   # the batch's rows are split
+    raise config_lib.ConfigError(   # over the data and fsdp axes
+        f"config field data.global_batch: {cfg.data.global_batch} must be divisible by the "
+        f"{shape['data'] * shape['fsdp']} devices that split it (mesh.data x mesh.fsdp)")
   if distributed.is_primary():
     workdir_lib.lock(workdir)   # one trainer per workdir; the kernel frees it if we die
   known = {}   # what an out-of-memory error can report (memory.oom_as_error)

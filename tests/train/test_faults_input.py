@@ -74,6 +74,17 @@ def test_bad_fields_are_blamed_on_themselves(field, value, match):
     config_lib.parse(c)
 
 
+def test_batch_not_splitting_over_the_devices_is_one_line(tmp_path):
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+  proc = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--config",
+                         os.path.join(ROOT, "configs", "smoke.py"), "--workdir",
+                         str(tmp_path / "run"), "--config.data.global_batch=3"],
+                        cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+  _one_line(proc, r"^error: config field data.global_batch: 3 must be divisible by the 2 "
+            r"devices that split it \(mesh.data x mesh.fsdp\)$")
+  assert not os.path.exists(tmp_path / "run")
+
+
 def test_mesh_not_matching_devices_is_one_line(tmp_path):
   c = _config()
   c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 3, 1, 1
