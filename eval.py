@@ -26,6 +26,7 @@ import sys
 from absl import app
 from absl import flags
 from absl import logging
+from etils import epath
 
 from focaljax import config as config_lib
 from focaljax.data import sources
@@ -40,11 +41,15 @@ _SUITES = flags.DEFINE_list("suites", list(evaluate.SUITES),
                             "suites to run; also focus_passkey, focus_longdoc (--focus_adapter)")
 _BOOKS = flags.DEFINE_string("books", None, "long documents (.jsonl[.xz] with `text`, or .txt); "
                              "default: the validation documents")
-_MAX_MULTIPLIER = flags.DEFINE_integer("max_multiplier", 8, "longest length / trained context")
-_MAX_BOOKS = flags.DEFINE_integer("max_books", 8, "documents for the loss-by-position suite")
+_MAX_MULTIPLIER = flags.DEFINE_integer("max_multiplier", 8, "longest length / trained context",
+                                       lower_bound=1)
+_MAX_BOOKS = flags.DEFINE_integer("max_books", 8, "documents for the loss-by-position suite",
+                                  lower_bound=1)
 _DEPTHS = flags.DEFINE_list("depths", ["0", "0.25", "0.5", "0.75", "1"], "needle depths")
-_SEEDS = flags.DEFINE_integer("passkey_seeds", 4, "passkey trials (random keys) per cell")
-_VAL_BATCHES = flags.DEFINE_integer("val_batches", None, "default: config train.eval_batches")
+_SEEDS = flags.DEFINE_integer("passkey_seeds", 4, "passkey trials (random keys) per cell",
+                              lower_bound=1)
+_VAL_BATCHES = flags.DEFINE_integer("val_batches", None, "default: config train.eval_batches",
+                                    lower_bound=1)
 _OUT_DIR = flags.DEFINE_string("out_dir", None, "default: WORKDIR/eval")
 _PLOTS = flags.DEFINE_bool("plots", True, "write PNG plots (needs matplotlib)")
 _FOCUS_ADAPTER = flags.DEFINE_string("focus_adapter", None, "FocusLLM adapter of the --workdir "
@@ -65,9 +70,28 @@ _FOCUS_IMPLEMENTATION = flags.DEFINE_enum("focus_implementation", None,
                                           "candidate/local attention; default: the adapter's")
 _FOCUS_PASSKEY_BATCH = flags.DEFINE_integer(
     "focus_passkey_batch", 1, "focus_passkey trials per generate call (each holds its own chunk "
-    "caches: at 100x a 1K context, several GB in bfloat16 for a 100M base)")
+    "caches: at 100x a 1K context, several GB in bfloat16 for a 100M base)", lower_bound=1)
 _FOCUS_DTYPE = flags.DEFINE_enum("focus_dtype", "float32", ["float32", "bfloat16"],
                                  "cast base and adapter for the FocusLLM suites")
+
+
+def _depths_ok(values) -> bool:
+  try:
+    return all(0.0 <= float(v) <= 1.0 for v in values)
+  except ValueError:
+    return False
+
+
+def _ints_ok(values) -> bool:
+  return all(v.isdigit() and int(v) >= 1 for v in values)
+
+
+# Bad values are refused while the flags are parsed (one line, exit 2), not as a skipped suite.
+flags.register_validator("depths", _depths_ok, "each must be a number in [0, 1]")
+flags.register_validator("focus_multipliers", _ints_ok,
+                         "each must be an integer >= 1")
+flags.register_validator("books", lambda path: path is None or epath.Path(path).exists(),
+                         "no such file")
 
 
 def fail(message) -> None:

@@ -244,3 +244,15 @@ def test_eval_py_on_a_focus_adapter_run_is_one_line(tmp_path):
   assert proc.stderr.strip().splitlines() == [
       f"error: {tmp_path} is a FocusLLM adapter run; evaluate it with python eval.py --workdir "
       f"BASE --focus_adapter {tmp_path}"]
+
+
+@pytest.mark.parametrize("flag,line", [
+    ("--max_multiplier=0", "error: flag --max_multiplier=0: 0 is not a positive integer"),
+    ("--depths=0,2", "error: flag --depths=['0', '2']: each must be a number in [0, 1]"),
+    ("--books=/nonexistent.jsonl", "error: flag --books=/nonexistent.jsonl: no such file"),
+])
+def test_eval_py_bad_flag_values_are_one_line(tmp_path, flag, line):
+  # Refused while parsing, not run as a suite that reports itself skipped.
+  proc = subprocess.run([sys.executable, str(REPO / "eval.py"), f"--workdir={tmp_path}", flag],
+                        capture_output=True, text=True, cwd=REPO, timeout=120)
+  assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [line], proc.stderr
