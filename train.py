@@ -16,6 +16,7 @@ preempted by SIGTERM after saving a checkpoint: run the same command again to re
 """
 
 import os
+import re
 import sys
 import traceback
 
@@ -50,7 +51,9 @@ def fail(message: str, code: int = EXIT_BAD_INPUT):
   if _VERBOSE.value if flags.FLAGS.is_parsed() else "--verbose" in sys.argv:
     traceback.print_exc()
   lines = [line.strip() for line in str(message).splitlines() if line.strip()]
-  print(f"error: {lines[-1] if lines else message}", file=sys.stderr)
+  # A config file's own error arrives as the last line of its traceback: drop the class name.
+  last = re.sub(r"^\w*(Error|Exception): ", "", lines[-1]) if lines else message
+  print(f"error: {last}", file=sys.stderr)
   sys.exit(code)
 
 

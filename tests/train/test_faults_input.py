@@ -54,6 +54,13 @@ def test_bad_flags_are_one_line(tmp_path, args, match):
   assert not os.path.exists(tmp_path / "run")
 
 
+def test_config_file_argument_error_is_one_line_without_its_class_name(tmp_path):
+  proc = _run(os.path.join(ROOT, "train.py"), "--config",
+              os.path.join(ROOT, "configs", "focal.py") + ":size=13b",
+              "--workdir", str(tmp_path / "run"))
+  _one_line(proc, r"^error: config arg size='13b': allowed sizes are \('tiny', ")
+
+
 def test_unknown_field_without_config_is_one_line(tmp_path):
   # Without --config, ml_collections applies overrides to the default file as train.py imports.
   proc = _run(os.path.join(ROOT, "train.py"), "--workdir", str(tmp_path / "run"),
