@@ -28,6 +28,7 @@ moves nothing.
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import sys
 
@@ -93,7 +94,8 @@ def _quiet_failed_reads() -> None:
   """A failed restore leaves Orbax's other reads of the step to fail whenever they are collected,
   and TensorStore's still-running reads to wake an event loop Orbax has already closed; their
   errors are the damage already reported, not tracebacks for the user. From now on the
-  unraisable hook drops exactly those; anything else passes on."""
+  unraisable hook drops exactly those, and asyncio's log its "Task exception was never
+  retrieved" for those reads (a collected task logs it); anything else passes on."""
   unraisable_hook = sys.unraisablehook
   if getattr(unraisable_hook, "_drops_failed_reads", False):
     return
@@ -111,6 +113,9 @@ def _quiet_failed_reads() -> None:
 
   drop_unraisable._drops_failed_reads = True
   sys.unraisablehook = drop_unraisable
+  logging.getLogger("asyncio").addFilter(
+      lambda record: not ("never retrieved" in record.getMessage()
+                          and "_read_array_index_and_device_put" in record.getMessage()))
 
 
 def _describe(e: BaseException) -> str:
