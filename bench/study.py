@@ -25,6 +25,7 @@ Stages, each skipped once its output exists (re-running the same command resumes
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import pathlib
@@ -78,6 +79,9 @@ def parse_args(argv=None):
   add("--val_batches", type=int, default=1000, help="default: the whole valid split")
   add("--no_plots", action="store_true", help="eval.py --noplots; no study figures")
   add("--out", help="results JSON (default ROOT/study.json)")
+  add("--include", default="",
+      help="comma list of earlier study JSONs: their runs of --arms/--seeds that ROOT lacks join "
+           "the tables (arms trained in separate calls; same tokenizer, data and schedule)")
   add("--stage", default="all", choices=("all", "tokenizer", "collect"))
   add("--time_limit", type=float, help="seconds for this invocation (see above)")
   add("--print", dest="print_only", action="store_true", help="print the commands, run nothing")
@@ -281,17 +285,43 @@ def collect_run(args, arm: str, seed: int) -> dict | None:
   return r
 
 
+def _sha256(path: str) -> str | None:
+  return hashlib.sha256(pathlib.Path(path).read_bytes()).hexdigest() if os.path.isfile(path) else None
+
+
+def included_runs(args) -> dict:
+  """(arm, seed) -> run from the --include JSONs, for the arms and seeds asked for."""
+  runs = {}
+  for path in filter(None, args.include.split(",")):
+    study = _read_json(path)
+    if study is None or "runs" not in study:
+      raise SystemExit(f"--include: {path} is not a study JSON (bench/study.py --out)")
+    theirs, mine = study.get("tokenizer_sha256"), _sha256(tokenizer_file(args))
+    if theirs and mine and theirs != mine:
+      raise SystemExit(f"--include: {path} was trained with another tokenizer than {args.root}'s")
+    if study.get("size") != args.size:
+      raise SystemExit(f"--include: {path} is a --size {study.get('size')} study, not {args.size}")
+    for r in study["runs"]:
+      if r["arm"] in args.arms and r["seed"] in args.seeds:
+        runs.setdefault((r["arm"], r["seed"]), {**r, "included_from": path})
+  return runs
+
+
 def collect_and_print(args) -> dict:
-  runs = {(arm, seed): r for seed in args.seeds for arm in args.arms
-          if (r := collect_run(args, arm, seed)) is not None}
+  runs = {**included_runs(args),
+          **{(arm, seed): r for seed in args.seeds for arm in args.arms
+             if (r := collect_run(args, arm, seed)) is not None}}
+  runs = {k: runs[k] for k in sorted(runs, key=lambda k: (k[1], args.arms.index(k[0])))}
   import jax  # pylint: disable=import-outside-toplevel
   study = {"collected_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
            "collected_on": f"{jax.device_count()} x {jax.devices()[0].device_kind}",
            "jax": jax.__version__, "root": os.path.abspath(args.root),
-           "tokenizer": tokenizer_file(args), "train": args.train, "valid": args.valid,
+           "tokenizer": tokenizer_file(args),
+           "tokenizer_sha256": _sha256(tokenizer_file(args)), "train": args.train, "valid": args.valid,
            "books": args.books, "size": args.size, "arms": args.arms, "seeds": args.seeds,
            "runs": list(runs.values()), "claims": report.claims(runs),
-           "commands": commands(args)}
+           "commands": commands(args),
+           **({"included": args.include.split(",")} if args.include else {})}
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   with open(args.out, "w") as f:
     json.dump(study, f, indent=1)

@@ -138,3 +138,22 @@ def test_figures_draw_validation_curves_and_loss_by_position(tmp_path):
                                  str(tmp_path), stem="pilot", log=lambda _: None)
   assert [os.path.basename(p) for p in written] == ["pilot_val_loss.png", "pilot_longdoc.png"]
   assert all(os.path.getsize(p) > 1000 for p in written)
+
+
+def test_include_joins_earlier_runs_of_the_same_tokenizer_only(corpus, tmp_path):
+  (tmp_path / "tokenizer").mkdir()
+  (tmp_path / "tokenizer" / "tokenizer.json").write_text("{}")
+  earlier = lambda **kw: json.dumps({"size": "small", "runs": [
+      {"arm": "softmax_rope", "seed": 0, "val_loss": 3.0},
+      {"arm": "softmax_rope", "seed": 5, "val_loss": 3.1},
+      {"arm": "focal", "seed": 0, "val_loss": 2.9}], **kw})
+  (tmp_path / "a.json").write_text(earlier(tokenizer_sha256=study._sha256(  # pylint: disable=protected-access
+      str(tmp_path / "tokenizer" / "tokenizer.json"))))
+  args = study.parse_args(_args(corpus, tmp_path, "--include", str(tmp_path / "a.json")))
+  runs = study.included_runs(args)
+  assert sorted(runs) == [("softmax_rope", 0)]  # only the arms and seeds asked for
+  assert runs[("softmax_rope", 0)]["included_from"] == str(tmp_path / "a.json")
+  (tmp_path / "b.json").write_text(earlier(tokenizer_sha256="0" * 64))
+  with pytest.raises(SystemExit, match="another tokenizer"):
+    study.included_runs(study.parse_args(_args(corpus, tmp_path, "--include",
+                                               str(tmp_path / "b.json"))))
