@@ -102,25 +102,27 @@ def test_claims_pair_seeds_and_give_verdicts():
           ("hybrid", 0): run(val_loss=2.7)}
   claims = study.report.claims(runs)
   one = "undecided at this budget: one seed"
-  # focal, focal learned, dilution flat, softmax-NoPE degrades, long-book NLL, keyword, passkey vs
-  # NoPE and vs RoPE (no results), dilution gap, hybrid: a single seed decides nothing.
+  # focal, focal learned, focal passkey in and past the context (no results), dilution flat,
+  # softmax-NoPE degrades, long-book NLL, keyword, passkey vs NoPE and vs RoPE (no results),
+  # dilution gap, hybrid: a single seed decides nothing.
+  missing = "n/a (arm or result missing)"
   assert [c["verdict"] for c in claims] == [
-      "undecided at this budget: seeds disagree (1/2 support it)", "held", one, one, one,
-      "n/a (arm or result missing)", "n/a (arm or result missing)", "n/a (arm or result missing)",
-      one, one]
-  assert claims[2]["deltas"] == {"0": pytest.approx(0.01)}  # no reference: the arm's own value
-  assert claims[4]["deltas"] == {"0": pytest.approx(-1.8)}  # seed 1 has no NoPE arms: unpaired
+      "undecided at this budget: seeds disagree (1/2 support it)", "held", missing, missing, one,
+      one, one, missing, missing, missing, one, one]
+  assert claims[4]["deltas"] == {"0": pytest.approx(0.01)}  # no reference: the arm's own value
+  assert claims[6]["deltas"] == {"0": pytest.approx(-1.8)}  # seed 1 has no NoPE arms: unpaired
   assert claims[-1]["deltas"] == {"0": pytest.approx(2.7 - 2.8)}  # vs focal_learned, the best
   # focal learned: deltas -0.2 and -0.05, mean -0.125, sd 0.106, t(1) 12.706 -> half 0.953
   assert claims[1]["interval"] == pytest.approx([-0.125 - 0.953, -0.125 + 0.953], abs=1e-3)
-  assert claims[2]["interval"] is None
+  assert claims[4]["interval"] is None
 
 
 def test_retrieval_claims_wait_for_retrieval_inside_the_context():
   run = lambda inside, beyond: {"passkey_in_context": inside, "passkey_beyond": beyond,
                                 "passkey": {"chance": None}}
   vs_rope = lambda runs: next(c for c in study.report.claims(runs)
-                              if c["key"] == "passkey_beyond" and c["reference"] == "softmax_rope")
+                              if c["key"] == "passkey_beyond" and c["reference"] == "softmax_rope"
+                              and c["arm"] == "dilution_nope")
   none = {(a, s): run(0.0, 0.0) for a in ("dilution_nope", "softmax_rope") for s in (0, 1)}
   assert vs_rope(none)["verdict"].startswith("undecided at this budget: neither arm retrieves")
   formed = {**none, ("dilution_nope", 0): run(0.9, 0.6), ("dilution_nope", 1): run(1.0, 0.4)}
