@@ -4,7 +4,7 @@
 #   STUDY_ARMS="softmax_rope focal" STEPS=900 bash bench/device.sh study:560
 #
 #   tests       the compiled kernel tests (tests/kernels -k Compiled), then every other test
-#               marked gpu                                         -> tests.json
+#               marked gpu; TEST_WORKERS (4) processes with pytest-xdist -> tests.json
 #   kernels     bench/attention.py and bench/dilution.py, default shapes -> attention.json, dilution.json
 #   train_step  bench/train_step.py                                -> train_step.json
 #   scaling     bench/scaling.py over every visible GPU            -> scaling.json
@@ -19,7 +19,7 @@
 # Wheels the GPU image lacks travel as cp312 wheels in .whl/ (carry it; device_env.sh installs):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl \
-#     grain==0.2.18 array-record ml_collections tensorboardX portpicker dm-tree
+#     grain==0.2.18 array-record ml_collections tensorboardX portpicker dm-tree pytest-xdist execnet
 # For the optional tokamax rows add tokamax==0.0.12 jaxtyping typeguard==2.13.3 wadler-lindig
 # einshape pydantic pydantic-core qwix immutabledict annotated-types typing-inspection
 # typing_extensions (bench/tokamax_shim.py adapts that release to current jax).
@@ -61,7 +61,14 @@ bench() {  # NAME [ARGS...]: bench/NAME.py ARGS $NAME_ARGS --out $OUT/NAME.json
 }
 
 tests_stage() {
-  local pytest=(python3 -m pytest -q -o addopts= -p no:cacheprovider)
+  local pytest=(python3 -m pytest -q -o addopts= -p no:cacheprovider) n=${TEST_WORKERS:-4}
+  # Compiling dominates and runs on the CPU: test files in parallel processes (each its share of
+  # the GPU's memory) when pytest-xdist travels in .whl; serially otherwise.
+  if [ "$n" -gt 1 ] && python3 -c "import xdist" 2>/dev/null; then
+    pytest+=(-n "$n" --dist loadfile)
+    local -x XLA_PYTHON_CLIENT_MEM_FRACTION
+    XLA_PYTHON_CLIENT_MEM_FRACTION=$(python3 -c "print(round(0.9 / $n, 3))")
+  fi
   left "${pytest[@]}" tests/kernels -k Compiled --junitxml="$OUT/tests_kernels.xml" 2>&1 | log
   left "${pytest[@]}" tests -m gpu --ignore=tests/kernels --junitxml="$OUT/tests_other.xml" 2>&1 | log
   python3 - "$OUT" <<'PY'
