@@ -35,7 +35,8 @@
 # by attention and seed only), STUDY (.data/study: its finished arms are skipped). Evaluated arms
 # come back in study_arms.tgz: `tar xzf study_arms.tgz -C .data/study`, then
 # `python bench/study.py --root .data/study --stage collect` writes the tables (`--include OLD.json`
-# joins the runs of an earlier call's study JSON). An arm cut off by the limit has no weights to resume from on a fresh machine: its logs are in study_partial.tgz.
+# joins the runs of an earlier call's study JSON). An arm cut off by the limit has no weights to
+# resume from on a fresh machine: its logs are in study_partial.tgz.
 set -uo pipefail
 case ${1:-} in -h|--help|"") sed -n '2,/^set -uo/{/^set -uo/d;s/^# \{0,1\}//;p}' "$0"; exit 0 ;; esac
 cd "$(dirname "$0")/.." || exit 1

@@ -286,17 +286,18 @@ def collect_run(args, arm: str, seed: int) -> dict | None:
 
 
 def _sha256(path: str) -> str | None:
-  return hashlib.sha256(pathlib.Path(path).read_bytes()).hexdigest() if os.path.isfile(path) else None
+  return hashlib.sha256(pathlib.Path(path).read_bytes()).hexdigest() if os.path.isfile(path) \
+      else None
 
 
 def included_runs(args) -> dict:
   """(arm, seed) -> run from the --include JSONs, for the arms and seeds asked for."""
-  runs = {}
+  runs, mine = {}, _sha256(tokenizer_file(args))
   for path in filter(None, args.include.split(",")):
     study = _read_json(path)
     if study is None or "runs" not in study:
       raise SystemExit(f"--include: {path} is not a study JSON (bench/study.py --out)")
-    theirs, mine = study.get("tokenizer_sha256"), _sha256(tokenizer_file(args))
+    theirs = study.get("tokenizer_sha256")
     if theirs and mine and theirs != mine:
       raise SystemExit(f"--include: {path} was trained with another tokenizer than {args.root}'s")
     if study.get("size") != args.size:
@@ -316,8 +317,8 @@ def collect_and_print(args) -> dict:
   study = {"collected_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
            "collected_on": f"{jax.device_count()} x {jax.devices()[0].device_kind}",
            "jax": jax.__version__, "root": os.path.abspath(args.root),
-           "tokenizer": tokenizer_file(args),
-           "tokenizer_sha256": _sha256(tokenizer_file(args)), "train": args.train, "valid": args.valid,
+           "tokenizer": tokenizer_file(args), "tokenizer_sha256": _sha256(tokenizer_file(args)),
+           "train": args.train, "valid": args.valid,
            "books": args.books, "size": args.size, "arms": args.arms, "seeds": args.seeds,
            "runs": list(runs.values()), "claims": report.claims(runs),
            "commands": commands(args),

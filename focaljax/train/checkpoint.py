@@ -113,9 +113,11 @@ def _quiet_failed_reads() -> None:
 
   drop_unraisable._drops_failed_reads = True
   sys.unraisablehook = drop_unraisable
-  logging.getLogger("asyncio").addFilter(
-      lambda record: not ("never retrieved" in record.getMessage()
-                          and "_read_array_index_and_device_put" in record.getMessage()))
+  def keep_record(record: logging.LogRecord) -> bool:
+    message = record.getMessage()
+    return not ("never retrieved" in message and "_read_array_index_and_device_put" in message)
+
+  logging.getLogger("asyncio").addFilter(keep_record)
 
 
 def _describe(e: BaseException) -> str:

@@ -149,8 +149,8 @@ def test_include_joins_earlier_runs_of_the_same_tokenizer_only(corpus, tmp_path)
       {"arm": "softmax_rope", "seed": 0, "val_loss": 3.0},
       {"arm": "softmax_rope", "seed": 5, "val_loss": 3.1},
       {"arm": "focal", "seed": 0, "val_loss": 2.9}], **kw})
-  (tmp_path / "a.json").write_text(earlier(tokenizer_sha256=study._sha256(  # pylint: disable=protected-access
-      str(tmp_path / "tokenizer" / "tokenizer.json"))))
+  sha = study._sha256(str(tmp_path / "tokenizer" / "tokenizer.json"))  # pylint: disable=protected-access
+  (tmp_path / "a.json").write_text(earlier(tokenizer_sha256=sha))
   args = study.parse_args(_args(corpus, tmp_path, "--include", str(tmp_path / "a.json")))
   runs = study.included_runs(args)
   assert sorted(runs) == [("softmax_rope", 0)]  # only the arms and seeds asked for
