@@ -2,13 +2,16 @@
 
   python bench/presets.py --out docs/results/presets.json          # 1.3b and 400m
   python bench/presets.py --sizes 1.3b --steps 10
+  XLA_FLAGS=... python bench/presets.py --sizes 1.3b --first_step_only   # start-up A/B, ~1 min
 
 Per size: a cold launch (an empty compilation cache of its own), then the same command in a fresh
 workdir with that cache now warm. Each row: the seconds from launching the process to train.py's
 "first step after" line (imports and backend start included), that line's own split (data,
 compile, the init beside it), the micro-batch it chose, and the last logged tokens/s, MFU and
 share of time the device waited for input. No environment variables are set beyond the cache
-directory: the rows are what `python train.py` gives.
+directory: the rows are what `python train.py` gives. `--first_step_only` stops each launch at its
+first step (no tokens/s or MFU): enough to compare start-up settings such as XLA_FLAGS, which the
+launches inherit.
 """
 
 import argparse
@@ -40,7 +43,8 @@ def parse_log(text: str) -> dict:
   return row
 
 
-def launch(size: str, steps: int, workdir: str, cache: str, timeout: int) -> dict:
+def launch(size: str, steps: int, workdir: str, cache: str, timeout: int,
+           first_step_only: bool = False) -> dict:
   cmd = [sys.executable, "train.py", "--config", f"configs/focal.py:size={size}",
          "--workdir", workdir, f"--config.train.steps={steps}", "--config.optim.warmup_steps=2"]
   # Unbuffered: each line arrives when train.py prints it.
@@ -55,6 +59,8 @@ def launch(size: str, steps: int, workdir: str, cache: str, timeout: int) -> dic
       lines.append(line)
       if "first step after" in line and "launch" not in seen:
         seen["launch"] = time.perf_counter() - t0
+        if first_step_only:
+          proc.kill()
 
   reader = threading.Thread(target=read, daemon=True)
   reader.start()
@@ -64,6 +70,8 @@ def launch(size: str, steps: int, workdir: str, cache: str, timeout: int) -> dic
     proc.kill()
     rc = "timeout"
   reader.join(10)
+  if first_step_only and "launch" in seen:
+    rc = "stopped at the first step"
   row = {"command": " ".join(cmd[1:]), "rc": rc}
   if "launch" in seen:
     row["launch_to_first_step_s"] = round(seen["launch"], 1)
@@ -75,6 +83,8 @@ def main():
   ap.add_argument("--sizes", default="1.3b,400m")
   ap.add_argument("--steps", type=int, default=10)
   ap.add_argument("--timeout", type=int, default=300, help="seconds per launch")
+  ap.add_argument("--first_step_only", action="store_true",
+                  help="stop each launch at its first step (start-up only)")
   ap.add_argument("--out", default="presets.json")
   args = ap.parse_args()
   rows = []
@@ -83,7 +93,8 @@ def main():
       cache = os.path.join(tmp, f"cache_{size}")
       for run in ("cold", "warm"):
         row = {"size": size, "cache": run,
-               **launch(size, args.steps, os.path.join(tmp, f"{size}_{run}"), cache, args.timeout)}
+               **launch(size, args.steps, os.path.join(tmp, f"{size}_{run}"), cache, args.timeout,
+                        args.first_step_only)}
         rows.append(row)
         print(f"{size:>5} {run}: first step {row.get('launch_to_first_step_s', '-')} s after "
               f"launch (train.py: {row.get('first_step_s', '-')} s; data "
