@@ -260,6 +260,7 @@ def _restore(workdir: str, step: int | None, **items):
   step = manager.latest_step() if step is None else step
   if step is None:
     raise FileNotFoundError(f"no checkpoint under {workdir}/checkpoints")
+  _quiet_failed_reads()   # a failed restore (onto other shapes) raises once, no tracebacks
   out = manager.restore(step, args=ocp.args.Composite(**items))
   manager.close()
   return out, step

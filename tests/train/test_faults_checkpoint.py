@@ -229,3 +229,14 @@ def test_failed_reads_never_retrieved_are_not_logged():
     assert "Task exception was never retrieved" in out.getvalue() and "other_read" in out.getvalue()
   finally:
     logging.getLogger("asyncio").removeHandler(handler)
+
+
+def test_failed_restores_outside_training_are_quiet_too(tmp_path, monkeypatch):
+  # Evaluation, export and FocusLLM's adapter load restore through restore_params: a read that
+  # fails there (an adapter onto another base's shapes) leaves the same closed-loop wake-ups.
+  monkeypatch.setattr(sys, "unraisablehook", sys.__unraisablehook__)
+  checkpoint.save_params(str(tmp_path), 1, {"w": np.ones((4,), np.float32)}, {})
+  with pytest.raises(ValueError, match="not compatible with the stored shape"):
+    checkpoint.restore_params(str(tmp_path), None,
+                              checkpoint.abstract_like({"w": np.ones((8,), np.float32)}))
+  assert getattr(sys.unraisablehook, "_drops_failed_reads", False)
