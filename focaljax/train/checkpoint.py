@@ -177,6 +177,7 @@ class Checkpointer:
                  meta=ocp.args.JsonRestore())
     if data_iter is not None:
       items["data"] = grain.checkpoint.CheckpointRestore(data_iter)
+    _quiet_failed_reads()   # before the first read: a closed loop can be woken at once
     out = self.manager.restore(step, args=ocp.args.Composite(**items))
     return from_str_keys(out.params, abstract_params), out.opt_state, out.meta
 
@@ -187,7 +188,6 @@ class Checkpointer:
     warn = warn or (lambda line: print(f"warning: {line}", file=sys.stderr))
     root = epath.Path(self.manager.directory)
     bad = []
-    _quiet_failed_reads()   # before the first read: a closed loop can be woken at once
     for step in sorted(self.manager.all_steps(), reverse=True):
       try:
         params, opt_state, meta = self.restore(step, abstract_params, abstract_opt_state,
@@ -260,7 +260,7 @@ def _restore(workdir: str, step: int | None, **items):
   step = manager.latest_step() if step is None else step
   if step is None:
     raise FileNotFoundError(f"no checkpoint under {workdir}/checkpoints")
-  _quiet_failed_reads()   # a failed restore (onto other shapes) raises once, no tracebacks
+  _quiet_failed_reads()
   out = manager.restore(step, args=ocp.args.Composite(**items))
   manager.close()
   return out, step
