@@ -7,8 +7,8 @@
 Per size: a cold launch (an empty compilation cache of its own), then the same command in a fresh
 workdir with that cache now warm. Each row: the seconds from launching the process to train.py's
 "first step after" line (imports and backend start included), that line's own split (data,
-compile, the init beside it), the micro-batch it chose, and the last logged tokens/s, MFU and
-share of time the device waited for input. No environment variables are set beyond the cache
+compile, the init beside it, the first call), the micro-batch it chose, and the last logged
+tokens/s, MFU and share of time the device waited for input; a failed launch, its last line. No environment variables are set beyond the cache
 directory: the rows are what `python train.py` gives. `--first_step_only` stops each launch at its
 first step (no tokens/s or MFU): enough to compare start-up settings such as XLA_FLAGS, which the
 launches inherit.
@@ -26,7 +26,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIRST = re.compile(r"first step after ([\d.]+) s: data ([\d.]+) s, compile ([\d.]+) s \(init "
-                   r"([\d.]+) s beside it; micro-batch (\d+) x (\d+)")
+                   r"([\d.]+) s beside it; micro-batch (\d+) x (\d+)[^)]*\), first call ([\d.]+) s")
 PACE = re.compile(r"tok/s=(\d+), mfu=([\d.]+)%, wait=(\d+)%")
 
 
@@ -35,7 +35,8 @@ def parse_log(text: str) -> dict:
   row = {}
   if m := FIRST.search(text):
     row.update(first_step_s=float(m[1]), data_s=float(m[2]), compile_s=float(m[3]),
-               init_s=float(m[4]), micro_batch=int(m[5]), accumulation=int(m[6]))
+               init_s=float(m[4]), micro_batch=int(m[5]), accumulation=int(m[6]),
+               first_call_s=float(m[7]))
   if paces := PACE.findall(text):
     tok, mfu, wait = paces[-1]
     row.update(tokens_per_s=int(tok), mfu=round(float(mfu) / 100, 4),
@@ -72,10 +73,13 @@ def launch(size: str, steps: int, workdir: str, cache: str, timeout: int,
   reader.join(10)
   if first_step_only and "launch" in seen:
     rc = "stopped at the first step"
+  text = "".join(lines).replace("\r", "\n")
   row = {"command": " ".join(cmd[1:]), "rc": rc}
   if "launch" in seen:
     row["launch_to_first_step_s"] = round(seen["launch"], 1)
-  return {**row, **parse_log("".join(lines).replace("\r", "\n"))}
+  if rc not in (0, "stopped at the first step"):   # why it failed, e.g. a flag XLA rejects
+    row["last_line"] = next((x.strip() for x in reversed(text.splitlines()) if x.strip()), "")
+  return {**row, **parse_log(text)}
 
 
 def main():
@@ -99,8 +103,9 @@ def main():
         print(f"{size:>5} {run}: first step {row.get('launch_to_first_step_s', '-')} s after "
               f"launch (train.py: {row.get('first_step_s', '-')} s; data "
               f"{row.get('data_s', '-')}, compile {row.get('compile_s', '-')}, init beside it "
-              f"{row.get('init_s', '-')}), MFU {row.get('mfu', '-')}, input wait "
-              f"{row.get('input_wait', '-')}, rc {row['rc']}", flush=True)
+              f"{row.get('init_s', '-')}, first call {row.get('first_call_s', '-')}), MFU "
+              f"{row.get('mfu', '-')}, input wait {row.get('input_wait', '-')}, rc {row['rc']}"
+              + (f": {row['last_line']}" if "last_line" in row else ""), flush=True)
   with open(args.out, "w") as f:
     json.dump({"rows": rows}, f, indent=1)
 

@@ -329,12 +329,15 @@ def _run(cfg, workdir, make_task, *, dry_run, stop_at, t_setup, known) -> dict:
         pace.add_wait(time.perf_counter() - asked)
         t_call = time.perf_counter()
         # The program the fit compiled (or compiles now): no second compile of the step.
-        params, opt_state, m = compiled(batch.key, micro)(
-            params, opt_state, task.frozen, global_batch(batch.arrays, task.batch_sh))
+        program = compiled(batch.key, micro)
+        t_run = time.perf_counter()
+        params, opt_state, m = program(params, opt_state, task.frozen,
+                                       global_batch(batch.arrays, task.batch_sh))
         step_no += 1
-        if step_no == start + 1:   # the call returned once compiled: the rest runs async
-          writer.message(startup.first_step_line(t_setup, task.seconds, first_batch_s,
-                                                 t_fit + time.perf_counter() - t_call, micro, rows))
+        if step_no == start + 1:   # the first call may wait for the step to run: timed apart
+          writer.message(startup.first_step_line(
+              t_setup, task.seconds, first_batch_s, t_fit + t_run - t_call,
+              time.perf_counter() - t_run, micro, rows))
         if pending is not None:
           finish(pending)   # after dispatching this step: the device never waits for the host
         pending = (step_no, m, batch)

@@ -3,7 +3,7 @@
   enable_compile_cache   jax's persistent compilation cache, on unless the user configured it
   probe                  the input pipeline's batches/s alone, measured on a few batches at start
   Pace                   compares it with the steps/s the device runs, and says if input lags
-  first_step_line        the time to the first step: data, compile (init runs beside it)
+  first_step_line        the time to the first step: data, compile (init beside it), its call
 """
 
 from __future__ import annotations
@@ -89,12 +89,14 @@ class Pace:
 
 
 def first_step_line(t_setup: float, seconds: dict, first_batch: float, compile_s: float,
-                    micro: int, rows: int) -> str:
-  """The time from `t_setup` (a perf_counter) to the first step's dispatch: data (the task's
-  set-up and the first batch), compile, and the init that ran beside the compile, with the
-  micro-batch chosen."""
+                    call_s: float, micro: int, rows: int) -> str:
+  """The time from `t_setup` (a perf_counter) until the first step's call returned: data (the
+  task's set-up and the first batch), compile, the init that ran beside the compile, with the
+  micro-batch chosen, and the call itself (its batch's transfer and the program's first
+  execution, which the host may wait for: not compile time)."""
   cache = jax.config.jax_compilation_cache_dir
   return (f"first step after {time.perf_counter() - t_setup:.1f} s: data "
           f"{seconds.get('data', 0) + first_batch:.1f} s, compile {compile_s:.1f} s (init "
           f"{seconds.get('init', 0):.1f} s beside it; micro-batch {micro} x {rows // micro} "
-          f"accumulation steps per device; compile cache {cache or 'off'})")
+          f"accumulation steps per device; compile cache {cache or 'off'}), first call "
+          f"{call_s:.1f} s")

@@ -164,7 +164,7 @@ def test_first_step_line_splits_the_start(tmp_path, capsys):
   _train(c, tmp_path)
   out = capsys.readouterr().out
   assert re.search(r"first step after [\d.]+ s: data [\d.]+ s, compile [\d.]+ s \(init [\d.]+ s "
-                   r"beside it", out), out
+                   r"beside it; .*\), first call [\d.]+ s", out), out
 
 
 def test_bfloat16_first_moment_halves_its_state():
