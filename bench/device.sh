@@ -10,6 +10,9 @@
 #   scaling     bench/scaling.py over every visible GPU            -> scaling.json
 #   study       bench/study.py's arms and seeds over the GPUs (below) -> study.json, study_arms.tgz
 #   focus       bench/focus_decode.py, FocusLLM decoding           -> focus_decode.json
+#   compare     a refactor's check: the focal kernel, dilution fwd+bwd and the 1.3B and 209M-dilution
+#               steps, each in BEFORE (an older tree unpacked here and carried, e.g.
+#               `git archive REV | tar -x -C .gpu/before`), then in this one -> {before,after}_*.json
 #
 # name:seconds gives a stage its wall limit (default 900 s). The limit is the stage's: its commands
 # share it, each running under what is left, so one stuck stage cannot eat the whole call.
@@ -90,6 +93,28 @@ print(json.dumps({k: {n: v[n] for n in ("tests", "failures", "errors")} for k, v
 PY
 }
 
+compare_stage() {
+  local before=${BEFORE:-.gpu/before}
+  [ -d "$before/bench" ] || { echo "compare: BEFORE=$before holds no tree"; return 1; }
+  before=$(cd "$before" && pwd); local here=$PWD
+  pair() {  # NAME SCRIPT ARGS...: the same command in the older tree, then in this one
+    local tree side
+    for tree in "$before" "$PWD"; do
+      side=after; [ "$tree" = "$before" ] && side=before
+      (cd "$tree" && PYTHONPATH="$tree:/tmp/site:$here/.whl/stub" left python3 "$2" "${@:3}" \
+        --out "$OUT/${side}_$1.json") 2>&1 | log
+    done
+  }
+  pair attention bench/attention.py --impls mosaic,cudnn \
+    --shapes "2,16,4096,128;1,16,8192,128;1,8,16384,128;2,12,16384,64"
+  pair dilution bench/dilution.py --impls dilution,cudnn --train-shapes 2x12x16384x64 \
+    --skip prefill,decode
+  # Batch 16 fits an H100's 80 GB in either tree.
+  pair step_1p3b bench/train_step.py --sizes 1.3b --batch 16 --impls pallas --steps 10
+  pair step_dilution bench/train_step.py --sizes 209m --seq_len 16384 --batch 1 --impls pallas \
+    --patterns dilution:none --steps 10
+}
+
 study_stage() {
   local root=/tmp/study C=.data/corpus g i w
   local arms=(${STUDY_ARMS:-softmax_rope dilution_nope focal softmax_nope hybrid focal_learned})
@@ -150,7 +175,8 @@ for spec in "$@"; do
     scaling) bench scaling ;;
     study) study_stage ;;
     focus) bench focus_decode --size 100m --focus_impl pallas ;;
-    *) echo "unknown stage $stage (tests, kernels, train_step, scaling, study, focus)" ;;
+    compare) compare_stage ;;
+    *) echo "unknown stage $stage (tests, kernels, train_step, scaling, study, focus, compare)" ;;
   esac
 done
 # A device call returns at most 8 files.
