@@ -10,9 +10,10 @@
 #   scaling     bench/scaling.py over every visible GPU            -> scaling.json
 #   study       bench/study.py's arms and seeds over the GPUs (below) -> study.json, study_arms.tgz
 #   focus       bench/focus_decode.py, FocusLLM decoding           -> focus_decode.json
-#   compare     a refactor's check: the focal kernel, dilution fwd+bwd and the 1.3B and 209M-dilution
-#               steps, each in BEFORE (an older tree unpacked here and carried, e.g.
-#               `git archive REV | tar -x -C .gpu/before`), then in this one -> {before,after}_*.json
+#   compare     a refactor's check: the focal kernel, dilution fwd+bwd, the 1.3B and 209M-dilution
+#               steps, each in BEFORE (default .gpu/before: an older tree unpacked here and
+#               carried, e.g. `git archive REV | tar -x -C .gpu/before`), then in this one
+#               -> before_*.json, after_*.json
 #
 # name:seconds gives a stage its wall limit (default 900 s). The limit is the stage's: its commands
 # share it, each running under what is left, so one stuck stage cannot eat the whole call.

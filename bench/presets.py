@@ -8,10 +8,10 @@ Per size: a cold launch (an empty compilation cache of its own), then the same c
 workdir with that cache now warm. Each row: the seconds from launching the process to train.py's
 "first step after" line (imports and backend start included), that line's own split (data,
 compile, the init beside it, the first call), the micro-batch it chose, and the last logged
-tokens/s, MFU and share of time the device waited for input; a failed launch, its last line. No environment variables are set beyond the cache
-directory: the rows are what `python train.py` gives. `--first_step_only` stops each launch at its
-first step (no tokens/s or MFU): enough to compare start-up settings such as XLA_FLAGS, which the
-launches inherit.
+tokens/s, MFU and share of time the device waited for input; a failed launch, its last line. No
+environment variables are set beyond the cache directory: the rows are what `python train.py`
+gives. `--first_step_only` stops each launch at its first step (no tokens/s or MFU): enough to
+compare start-up settings such as XLA_FLAGS, which the launches inherit.
 """
 
 import argparse
