@@ -100,7 +100,7 @@ compare_stage() {
   before=$(cd "$before" && pwd); local here=$PWD
   pair() {  # NAME SCRIPT ARGS...: the same command in the older tree, then in this one
     local tree side
-    for tree in "$before" "$PWD"; do
+    for tree in "$before" "$here"; do
       side=after; [ "$tree" = "$before" ] && side=before
       (cd "$tree" && PYTHONPATH="$tree:/tmp/site:$here/.whl/stub" left python3 "$2" "${@:3}" \
         --out "$OUT/${side}_$1.json") 2>&1 | log
