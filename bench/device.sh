@@ -144,7 +144,7 @@ study_stage() {
   worker 0 &
   # Worker 0 fills the token cache first, unless it exists: the others load it.
   if [ "$W" -gt 1 ] && [ ! -d "$root/tokens" ]; then
-    until grep -q "first step after" "$OUT/study_worker0.log" 2>/dev/null ||
+    until grep -q "first step started" "$OUT/study_worker0.log" 2>/dev/null ||
           [ -z "$(jobs -r)" ] || [ $((deadline - SECONDS)) -lt 120 ]; do sleep 2; done
   fi
   for ((w = 1; w < W; w++)); do worker "$w" & done

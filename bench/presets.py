@@ -5,10 +5,11 @@
   XLA_FLAGS=... python bench/presets.py --sizes 1.3b --first_step_only   # start-up A/B, ~1 min
 
 Per size: a cold launch (an empty compilation cache of its own), then the same command in a fresh
-workdir with that cache now warm. Each row: the seconds from launching the process to train.py's
-"first step after" line (imports and backend start included), that line's own split (data,
-compile, the init beside it, the first call), the micro-batch it chose, and the last logged
-tokens/s, MFU and share of time the device waited for input; a failed launch, its last line. No
+workdir with that cache now warm. Each row: the seconds from launching the process until the
+first step started (imports and backend start included: the "first step started" line's arrival
+less the first call it reports), that line's own split (data, compile, the init beside it, the
+first call), the micro-batch it chose, and the last logged tokens/s, MFU and share of time the
+device waited for input; a failed launch, its last line. No
 environment variables are set beyond the cache directory: the rows are what `python train.py`
 gives. `--first_step_only` stops each launch at its first step (no tokens/s or MFU): enough to
 compare start-up settings such as XLA_FLAGS, which the launches inherit.
@@ -25,8 +26,9 @@ import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FIRST = re.compile(r"first step after ([\d.]+) s: data ([\d.]+) s, compile ([\d.]+) s \(init "
-                   r"([\d.]+) s beside it; micro-batch (\d+) x (\d+)[^)]*\), first call ([\d.]+) s")
+FIRST = re.compile(r"first step started after ([\d.]+) s: data ([\d.]+) s, compile ([\d.]+) s "
+                   r"\(init ([\d.]+) s beside it; micro-batch (\d+) x (\d+)[^)]*\); its call "
+                   r"returned ([\d.]+) s later")
 PACE = re.compile(r"tok/s=(\d+), mfu=([\d.]+)%, wait=(\d+)%")
 
 
@@ -58,7 +60,7 @@ def launch(size: str, steps: int, workdir: str, cache: str, timeout: int,
   def read():  # the first-step line's arrival time, as the user sees it
     for line in proc.stdout:
       lines.append(line)
-      if "first step after" in line and "launch" not in seen:
+      if "first step started" in line and "launch" not in seen:
         seen["launch"] = time.perf_counter() - t0
         if first_step_only:
           proc.kill()
@@ -75,11 +77,12 @@ def launch(size: str, steps: int, workdir: str, cache: str, timeout: int,
     rc = "stopped at the first step"
   text = "".join(lines).replace("\r", "\n")
   row = {"command": " ".join(cmd[1:]), "rc": rc}
-  if "launch" in seen:
-    row["launch_to_first_step_s"] = round(seen["launch"], 1)
   if rc not in (0, "stopped at the first step"):   # why it failed, e.g. a flag XLA rejects
     row["last_line"] = next((x.strip() for x in reversed(text.splitlines()) if x.strip()), "")
-  return {**row, **parse_log(text)}
+  row.update(parse_log(text))
+  if "launch" in seen and "first_call_s" in row:   # the line arrives once the first call returned
+    row["launch_to_first_step_s"] = round(seen["launch"] - row["first_call_s"], 1)
+  return row
 
 
 def main():
@@ -100,8 +103,8 @@ def main():
                **launch(size, args.steps, os.path.join(tmp, f"{size}_{run}"), cache, args.timeout,
                         args.first_step_only)}
         rows.append(row)
-        print(f"{size:>5} {run}: first step {row.get('launch_to_first_step_s', '-')} s after "
-              f"launch (train.py: {row.get('first_step_s', '-')} s; data "
+        print(f"{size:>5} {run}: first step started {row.get('launch_to_first_step_s', '-')} s "
+              f"after launch (train.py: {row.get('first_step_s', '-')} s; data "
               f"{row.get('data_s', '-')}, compile {row.get('compile_s', '-')}, init beside it "
               f"{row.get('init_s', '-')}, first call {row.get('first_call_s', '-')}), MFU "
               f"{row.get('mfu', '-')}, input wait {row.get('input_wait', '-')}, rc {row['rc']}"

@@ -336,7 +336,7 @@ def _run(cfg, workdir, make_task, *, dry_run, stop_at, t_setup, known) -> dict:
         step_no += 1
         if step_no == start + 1:   # the first call may wait for the step to run: timed apart
           writer.message(startup.first_step_line(
-              t_setup, task.seconds, first_batch_s, t_fit + t_run - t_call,
+              t_setup, task.seconds, first_batch_s, t_fit + t_run - t_call, t_run,
               time.perf_counter() - t_run, micro, rows))
         if pending is not None:
           finish(pending)   # after dispatching this step: the device never waits for the host

@@ -89,14 +89,14 @@ class Pace:
 
 
 def first_step_line(t_setup: float, seconds: dict, first_batch: float, compile_s: float,
-                    call_s: float, micro: int, rows: int) -> str:
-  """The time from `t_setup` (a perf_counter) until the first step's call returned: data (the
+                    started: float, call_s: float, micro: int, rows: int) -> str:
+  """The time from `t_setup` until the first step started (both perf_counters): data (the
   task's set-up and the first batch), compile, the init that ran beside the compile, with the
-  micro-batch chosen, and the call itself (its batch's transfer and the program's first
-  execution, which the host may wait for: not compile time)."""
+  micro-batch chosen; then how long its call took (the batch's transfer and the step's run,
+  which the host may wait for: training, not start-up)."""
   cache = jax.config.jax_compilation_cache_dir
-  return (f"first step after {time.perf_counter() - t_setup:.1f} s: data "
+  return (f"first step started after {started - t_setup:.1f} s: data "
           f"{seconds.get('data', 0) + first_batch:.1f} s, compile {compile_s:.1f} s (init "
           f"{seconds.get('init', 0):.1f} s beside it; micro-batch {micro} x {rows // micro} "
-          f"accumulation steps per device; compile cache {cache or 'off'}), first call "
-          f"{call_s:.1f} s")
+          f"accumulation steps per device; compile cache {cache or 'off'}); its call returned "
+          f"{call_s:.1f} s later")

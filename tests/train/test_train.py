@@ -163,8 +163,8 @@ def test_first_step_line_splits_the_start(tmp_path, capsys):
   c.train.update(steps=2, eval_every=0)
   _train(c, tmp_path)
   out = capsys.readouterr().out
-  assert re.search(r"first step after [\d.]+ s: data [\d.]+ s, compile [\d.]+ s \(init [\d.]+ s "
-                   r"beside it; .*\), first call [\d.]+ s", out), out
+  assert re.search(r"first step started after [\d.]+ s: data [\d.]+ s, compile [\d.]+ s \(init "
+                   r"[\d.]+ s beside it; .*\); its call returned [\d.]+ s later", out), out
 
 
 def test_bfloat16_first_moment_halves_its_state():
