@@ -7,10 +7,11 @@ if [ "${BASH_SOURCE[0]}" = "$0" ]; then  # run, not sourced (e.g. --help): say w
 fi
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if ! python3 -c 'import grain, ml_collections' 2>/dev/null; then
-  # A warm machine keeps /tmp/site: the same wheels (by name) install once per machine.
+  # A warm machine keeps /tmp/site: the same wheels (by name) install once per machine, byte-
+  # compiled as pip does by default (a first import would otherwise compile them inside a timing).
   stamp=$(ls .whl/*.whl | md5sum)
   if [ "$(cat /tmp/site/.wheels 2>/dev/null)" != "$stamp" ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    python3 -m pip install -q --no-index --no-deps --no-cache-dir --upgrade \
       --target /tmp/site .whl/*.whl > "$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
     echo "$stamp" > /tmp/site/.wheels
   fi
