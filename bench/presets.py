@@ -9,10 +9,10 @@ workdir with that cache now warm. Each row: the seconds from launching the proce
 first step started (imports and backend start included: the "first step started" line's arrival
 less the first call it reports), that line's own split (data, compile, the init beside it, the
 first call), the micro-batch it chose, and the last logged tokens/s, MFU and share of time the
-device waited for input; a failed launch, its last line. No
-environment variables are set beyond the cache directory: the rows are what `python train.py`
-gives. `--first_step_only` stops each launch at its first step (no tokens/s or MFU): enough to
-compare start-up settings such as XLA_FLAGS, which the launches inherit.
+device waited for input; a failed launch, its last line. No environment variables are set beyond
+the cache directory: the rows are what `python train.py` gives. `--first_step_only` stops each
+launch at its first step (no tokens/s or MFU): enough to compare start-up settings such as
+XLA_FLAGS, which the launches inherit.
 """
 
 import argparse
