@@ -18,6 +18,9 @@ Modes:
               compile): the prefill and, each step, the cache extension and the candidate run in
               a Python loop over chunks, then one local-decoder pass over all candidates (the
               official code's schedule). batched / sequential is the batching gain.
+  local       batched with no memory: the local decoder's rerun over the window alone. Every step
+              changes every chunk's candidate, so exact FocusLLM reruns the window each step;
+              batched - local is the chunks' share of the step.
   base        the base alone over all L tokens: model.init_cache / forward_cached, full causal
               attention, RoPE NTK-scaled to L (as generate.py). Reported as an error where it
               does not fit.
@@ -55,7 +58,7 @@ from focaljax.focus import evaluate as focus_eval  # pylint: disable=wrong-impor
 from focaljax.focus import generate as focus_generate  # pylint: disable=wrong-import-position
 from focaljax.model import decoder as model_lib  # pylint: disable=wrong-import-position
 
-MODES = ("batched", "stepwise", "sequential", "base")
+MODES = ("batched", "stepwise", "sequential", "local", "base")
 DEFAULT_MODES = ("batched", "sequential", "base")
 GPU = dict(size="400m", chunk_size=1024, prompt_len=512, local_len=1024, new_tokens=32,
            multipliers="8,32")
@@ -225,13 +228,14 @@ def entry(args, mode: str, multiplier: int, B: int) -> dict:
   L = multiplier * ctx
   row = dict(mode=mode, multiplier=multiplier, length=L, context=ctx, batch=B, new_tokens=new,
              chunk_size=cfg.chunk_size,
-             num_chunks=None if mode == "base" else (L - T) // cfg.chunk_size,
+             num_chunks={"base": None, "local": 0}.get(mode, (L - T) // cfg.chunk_size),
              focus_impl=cfg.implementation)
   memory = _tokens(B, L - T, 1, base.cfg.vocab_size)
   local = _tokens(B, T, 2, base.cfg.vocab_size)
   try:
     start = {"batched": lambda: batched(base, adapter, cfg, memory, local, new),
              "stepwise": lambda: batched(base, adapter, cfg, memory, local, new, fused=False),
+             "local": lambda: batched(base, adapter, cfg, memory[:, :0], local, new),
              "sequential": lambda: sequential(base, adapter, cfg, memory, local, new),
              "base": lambda: full_attention(base, memory, local, new, jnp.dtype(args.dtype))
              }[mode]()

@@ -271,12 +271,13 @@ def test_serving_config_takes_the_flags_over_the_adapter_s_own():
 def test_decode_bench_smoke(tmp_path):
   out = tmp_path / "bench.json"
   cmd = [sys.executable, str(REPO / "bench" / "focus_decode.py"), "--smoke", "--multipliers=8",
-         "--new_tokens=3", f"--out={out}"]
+         "--new_tokens=3", "--modes=batched,sequential,local,base", f"--out={out}"]
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
   proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
   rows = json.loads(out.read_text())["rows"]
-  assert [r["mode"] for r in rows] == ["batched", "sequential", "base"]
+  assert [r["mode"] for r in rows] == ["batched", "sequential", "local", "base"]
+  assert rows[2]["num_chunks"] == 0   # the window alone: no memory
   for r in rows:
     assert "error" not in r and r["tok_per_s"] > 0 and r["length"] == 8 * 64, r
 
