@@ -240,7 +240,7 @@ def entry(args, mode: str, multiplier: int, B: int) -> dict:
              "base": lambda: full_attention(base, memory, local, new, jnp.dtype(args.dtype))
              }[mode]()
     # Compiles prefill and step; the fused loop compiles per step count, so it warms up whole.
-    _decode(start, new if mode == "batched" else min(new, 3))
+    _decode(start, new if mode in ("batched", "local") else min(new, 3))
     prefill_s, decode_s = _decode(start, new)
     row.update(prefill_s=prefill_s, decode_s=decode_s,
                step_ms=1e3 * decode_s / (new - 1) if new > 1 else None,
