@@ -24,9 +24,9 @@ Modes:
   base        the base alone over all L tokens: model.init_cache / forward_cached, full causal
               attention, RoPE NTK-scaled to L (as generate.py). Reported as an error where it
               does not fit.
-Each entry is warmed up (prefill + 2 steps, or the whole loop for batched, compiling everything),
-then timed: prefill_s (the prefill, which also yields the first new token's logits), step_ms =
-1000 decode_s / (new_tokens - 1), the mean step of the new_tokens - 1 steps after it
+Each entry is warmed up (prefill + 2 steps, or the whole loop for batched and local, compiling
+everything), then timed: prefill_s (the prefill, which also yields the first new token's logits),
+step_ms = 1000 decode_s / (new_tokens - 1), the mean step of the new_tokens - 1 steps after it
 (block_until_ready at the end), and tok_per_s = batch x (new_tokens - 1) / decode_s. --batch takes
 a comma list: every batch size runs every mode and multiplier.
 peak_GiB is the device's peak_bytes_in_use (None on CPU); with --isolate (default unless --smoke)
