@@ -1,6 +1,6 @@
 """The size presets as a user launches them: train.py with only --workdir, steps and warm-up.
 
-  python bench/presets.py --out docs/results/presets.json          # 1.3b and 400m
+  python bench/presets.py --out docs/results/presets_h100.json     # 1.3b and 400m
   python bench/presets.py --sizes 1.3b --steps 10
   XLA_FLAGS=... python bench/presets.py --sizes 1.3b --first_step_only   # start-up A/B, ~1 min
 
