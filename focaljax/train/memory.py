@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import sys
 from typing import Callable
 
 import jax
@@ -83,17 +84,25 @@ def resolve_micro_batch(requested: int, rows: int, peak_at: Callable[[int], int]
                         memory: int | None, guess_at: Callable[[int], float]
                         ) -> tuple[int, int | None]:
   """(micro-batch, its compiled peak bytes or None): train.micro_batch if set (it must divide the
-  device's rows); 0: the largest that fits `memory`, or, where the device does not say (CPU),
-  the whole batch."""
+  device's rows; a warning if the estimate puts it past `memory`); 0: the largest that fits
+  `memory`, or, where the device does not say (CPU), the whole batch."""
+  limit = None if memory is None else int(FIT_SHARE * memory)
   if requested:
     if rows % requested:
       raise config_lib.ConfigError(
           f"config field train.micro_batch: {requested} must divide the {rows} rows of "
           f"data.global_batch each device gets; allowed: {divisors_desc(rows)} (0: auto)")
+    # Past the limit XLA rematerialises the step until it fits, several times slower, or fails.
+    if limit is not None and guess_at(requested) > limit and jax.process_index() == 0:
+      fits = next((c for c in divisors_desc(rows) if guess_at(c) <= limit), 1)
+      print(f"warning: train.micro_batch={requested} is estimated at "
+            f"{guess_at(requested) / GB:.0f} GB per device, past the {limit / GB:.0f} GB that "
+            f"fit: XLA may recompute much of the step or run out of memory; {fits} is estimated "
+            "to fit (0 picks the largest that does)", file=sys.stderr)
     return requested, None
   if memory is None:
     return rows, None
-  micro, peak, _ = fit_micro_batch(rows, peak_at, int(FIT_SHARE * memory), guess_at)
+  micro, peak, _ = fit_micro_batch(rows, peak_at, limit, guess_at)
   return micro, peak
 
 

@@ -209,6 +209,19 @@ def test_fit_micro_batch_takes_the_largest_that_fits_in_few_compiles():
   assert compiles == [8]
 
 
+def test_an_explicit_micro_batch_past_the_estimate_warns(capsys):
+  from focaljax.train import memory
+  guess = lambda m: 10e9 + 3e9 * m   # noqa: E731  (16 rows: 58 GB, 32: 106 GB)
+  never = lambda m: pytest.fail("an explicit micro-batch compiles nothing here")  # noqa: E731
+  assert memory.resolve_micro_batch(16, 128, never, int(100e9), guess) == (16, None)
+  assert capsys.readouterr().err == ""
+  assert memory.resolve_micro_batch(32, 128, never, int(100e9), guess) == (32, None)
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and "train.micro_batch=32" in err and "16 is estimated" in err
+  assert memory.resolve_micro_batch(32, 128, never, None, guess) == (32, None)   # CPU
+  assert capsys.readouterr().err == ""
+
+
 def test_presets_too_large_for_the_devices_are_refused():
   from configs import base
   from focaljax.train import memory
