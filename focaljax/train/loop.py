@@ -214,8 +214,6 @@ def _run(cfg, workdir, make_task, *, dry_run, stop_at, t_setup, known) -> dict:
     print(f"{workdir} holds the finished run (step {done} of train.steps={t.steps}): nothing "
           "to train; raise train.steps to train on")
     return {"start_step": done, "step": done, "saved_step": done, "finished": True}
-  if primary:
-    checkpoint.write_config(workdir, cfg.config_json)
   mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
   # A model whose state cannot fit the devices is refused before anything is allocated.
   known["memory"] = memory.device_memory()
@@ -260,6 +258,8 @@ def _run(cfg, workdir, make_task, *, dry_run, stop_at, t_setup, known) -> dict:
     return memory.report(cfg, mesh, micro, accum,
                          {k: compiled(k, micro) for k in abstract_batches}, params, opt_state)
   t_fit = time.perf_counter() - t_fit
+  if primary:   # only now: a run refused above leaves an earlier run's config.json as it was
+    checkpoint.write_config(workdir, cfg.config_json)
 
   ckpt = checkpoint.Checkpointer(workdir, keep=t.keep_ckpts, async_save=t.async_ckpt)
   abstract = lambda tree: jax.tree.map(

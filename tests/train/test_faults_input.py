@@ -179,6 +179,7 @@ def test_bad_data_names_file_and_line(tmp_path, name, content, match):
   assert "\n" not in str(e.value)
   assert not os.path.exists(tmp_path / "run" / "checkpoints")
   assert not os.path.exists(tmp_path / "run" / "tokenizer.json")
+  assert not os.path.exists(tmp_path / "run" / "config.json")
 
 
 # Run identity and the lock (a trained workdir copied per case).
@@ -217,6 +218,14 @@ def test_other_run_is_refused_listing_fields(workdir, field, value, want):
     lm.train(config_lib.parse(c), workdir)
   assert want in str(e.value) and "\n" not in str(e.value)
   assert _listing(workdir) == before
+
+
+def test_refused_resume_leaves_the_runs_config(workdir):
+  # Refused after the identity check (the micro-batch is resolved with the compiled step).
+  before = open(os.path.join(workdir, "config.json")).read()
+  with pytest.raises(config_lib.ConfigError, match="train.micro_batch: 3 must divide"):
+    lm.train(config_lib.parse(_config(steps=9, micro_batch=3)), workdir)
+  assert open(os.path.join(workdir, "config.json")).read() == before
 
 
 _HOLD = """
