@@ -37,7 +37,8 @@ _EXPORT_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float1
 
 def _param_reader(workdir: str, step: int | None):
   """(step, {key path: metadata}, read(keys) -> np.ndarray): one stored tensor per read, in its
-  stored dtype (no device copy, no float32 cast), so an export holds one tensor at a time."""
+  stored dtype (no device copy, no float32 cast), so an export holds one tensor at a time.
+  CorruptCheckpoint if any array differs from the checksums training recorded."""
   step = checkpoint.latest_step(workdir) if step is None else step
   if step is None:
     raise FileNotFoundError(f"no checkpoint under {workdir}/checkpoints")
@@ -54,6 +55,11 @@ def _param_reader(workdir: str, step: int | None):
     out = ckpt.restore(path, args=ocp.args.PyTreeRestore(item=item, restore_args=args,
                                                          partial_restore=True))
     return traverse_util.flatten_dict(out)[keys]
+
+  # Every array against training's checksums before anything is written (one at a time).
+  want, where = checkpoint.param_checksums(workdir, step), f"{workdir}/checkpoints/{step}"
+  for keys in flat if want else ():
+    checkpoint.verify_param(want, keys, read(keys), where)
   return step, flat, read
 
 

@@ -200,6 +200,17 @@ def test_eval_py_refuses_flipped_params_in_one_line(workdir):
   assert _files(workdir) == before
 
 
+def test_hf_export_refuses_flipped_params_in_one_line(workdir, tmp_path):
+  _flip(os.path.join(workdir, "checkpoints", "6"))
+  before = _files(workdir)
+  out = str(tmp_path / "hf")
+  proc = subprocess.run([sys.executable, "-m", "focaljax.convert", "focaljax-to-hf", workdir, out],
+                        cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 2, proc.stderr[-3000:]
+  assert "does not match its checksum" in proc.stderr and "Traceback" not in proc.stderr
+  assert _files(workdir) == before and not os.path.exists(out)
+
+
 def test_failed_reads_never_retrieved_are_not_logged():
   # A damaged step's other reads can end as tasks whose exception nobody retrieves; when such
   # a task is collected asyncio logs it with its traceback. Those are dropped, nothing else.
