@@ -9,6 +9,7 @@ forced); the glue passes and the loss take "auto" from the model (tests force "p
   focal_attention          xla     pallas/tpu   cudnn                    cudnn
     float32 q, k, v                             pallas/triton            pallas/mosaic
     packed rows, T >=                           16K: pallas/triton       2K: pallas/mosaic
+    T, S the kernels cannot tile                cudnn (16-bit) or xla    cudnn (16-bit) or xla
     sliding window         xla     xla          cudnn (16-bit) or xla    cudnn (16-bit) or xla
   dilution_attention       xla     pallas/tpu   pallas/triton            pallas/mosaic
   dilution_prefill, _decode_step   xla          pallas/triton            pallas/mosaic
@@ -85,7 +86,14 @@ def _sixteen_bit(dtype) -> bool:
   return dtype is not None and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
 
 
-def _focal(requested, where, *, dtype, seq_len, packed, window) -> Choice:
+def _tiles_fit(seq_len, kv_len, head_dim, dtype) -> bool:
+  if None in (seq_len, head_dim, dtype):
+    return True
+  from pallas_kernels import focal  # pylint: disable=import-outside-toplevel
+  return focal.tiles_fit(seq_len, seq_len if kv_len is None else kv_len, head_dim, dtype)
+
+
+def _focal(requested, where, *, dtype, head_dim, seq_len, kv_len, packed, window) -> Choice:
   if window is not None and requested not in ("xla", "cudnn"):
     requested = "cudnn" if _gpu(where) and _sixteen_bit(dtype) else "xla"
   if requested == "auto":
@@ -93,6 +101,8 @@ def _focal(requested, where, *, dtype, seq_len, packed, window) -> Choice:
       return Choice("xla") if where == "cpu" else _pallas(where)
     long_packed = packed and seq_len is not None and seq_len >= _PACKED_PAST_CUDNN[where]
     requested = "pallas" if long_packed or not _sixteen_bit(dtype) else "cudnn"
+    if requested == "pallas" and not _tiles_fit(seq_len, kv_len, head_dim, dtype):
+      requested = "cudnn" if _sixteen_bit(dtype) else "xla"   # lengths the kernels cannot tile
   if requested == "cudnn":
     if not _gpu(where):
       raise NotImplementedError("implementation='cudnn' needs an NVIDIA GPU; use 'xla', "
@@ -138,11 +148,13 @@ def _glue(op, requested, where, *, head_dim, width) -> Choice:
 
 
 def choose(op: str, requested: str = "auto", *, dtype=None, head_dim: int | None = None,
-           seq_len: int | None = None, packed: bool = False, width: int | None = None,
-           checkpoint_rows: int | None = None, window: int | None = None) -> Choice:
+           seq_len: int | None = None, kv_len: int | None = None, packed: bool = False,
+           width: int | None = None, checkpoint_rows: int | None = None,
+           window: int | None = None) -> Choice:
   """The implementation of `op` for this call (see the module docstring's table).
 
-  dtype, head_dim, seq_len, packed (segment ids present): the attention call's; width: d_model
+  dtype, head_dim, seq_len, kv_len (default seq_len), packed (segment ids present): the
+  attention call's; width: d_model
   for add_norm; checkpoint_rows: dilution_attention's demand checkpoints (validated in
   focaljax.config), replacing the kernels' default `BlockSizes.ckpt_rows`; window: the focal
   call's sliding window (None: none).
@@ -153,7 +165,8 @@ def choose(op: str, requested: str = "auto", *, dtype=None, head_dim: int | None
       raise ValueError(f"{op}: implementation must be one of {list(IMPLEMENTATIONS)}; got "
                        f"{requested!r}")
   if op == "focal_attention":
-    return _focal(requested, where, dtype=dtype, seq_len=seq_len, packed=packed, window=window)
+    return _focal(requested, where, dtype=dtype, head_dim=head_dim, seq_len=seq_len,
+                  kv_len=kv_len, packed=packed, window=window)
   if op in ATTENTION:
     return _dilution(op, requested, where, dtype=dtype, head_dim=head_dim,
                      checkpoint_rows=checkpoint_rows)

@@ -108,10 +108,10 @@ def _default_scale(q, scale):
   return q.shape[-1] ** -0.5 if scale is None else scale
 
 
-def _choose(op, implementation, q, *, packed=False, checkpoint_rows=None, window=None):
+def _choose(op, implementation, q, k, *, packed=False, checkpoint_rows=None, window=None):
   return dispatch.choose(op, implementation, dtype=q.dtype, head_dim=q.shape[-1],
-                         seq_len=q.shape[1], packed=packed, checkpoint_rows=checkpoint_rows,
-                         window=window)
+                         seq_len=q.shape[1], kv_len=k.shape[1], packed=packed,
+                         checkpoint_rows=checkpoint_rows, window=window)
 
 
 def focal_attention(q, k, v, *, scale, causal=True, segment_ids=None, implementation="xla",
@@ -125,7 +125,7 @@ def focal_attention(q, k, v, *, scale, causal=True, segment_ids=None, implementa
   reference.check_qkv(q, k, v)
   if window is not None and not (causal and window > 0):
     raise ValueError(f"window={window}: a sliding window needs causal=True and window > 0")
-  choice = _choose("focal_attention", implementation, q, packed=segment_ids is not None,
+  choice = _choose("focal_attention", implementation, q, k, packed=segment_ids is not None,
                    window=window)
   return _FOCAL[choice.implementation](q, k, v, scale=scale, causal=causal,
                                        segment_ids=segment_ids, window=window, choice=choice)
@@ -141,7 +141,7 @@ def dilution_attention(q, k, v, *, scale=None, eps=1e-9, segment_ids=None, imple
   """
   reference.check_qkv(q, k, v)
   scale = _default_scale(q, scale)
-  choice = _choose("dilution_attention", implementation, q, packed=segment_ids is not None,
+  choice = _choose("dilution_attention", implementation, q, k, packed=segment_ids is not None,
                    checkpoint_rows=checkpoint_rows)
   if choice.implementation == "xla":
     return dilution_reference.dilution_attention(q, k, v, scale=scale, eps=eps,
@@ -163,7 +163,7 @@ def dilution_prefill(q, k, v, *, scale=None, eps=1e-9, implementation="xla"):
   """Dilution over a whole prompt; returns (out, demand float32 [B, Hq, S] = Σ_i p[i, j])."""
   reference.check_qkv(q, k, v)
   scale = _default_scale(q, scale)
-  choice = _choose("dilution_prefill", implementation, q)
+  choice = _choose("dilution_prefill", implementation, q, k)
   if choice.implementation == "xla":
     return dilution_reference.dilution_attention(q, k, v, scale=scale, eps=eps)
   from pallas_kernels import dilution  # pylint: disable=import-outside-toplevel

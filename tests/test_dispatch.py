@@ -53,6 +53,22 @@ def test_focal_auto_sends_long_packed_rows_past_cudnn(on):
   assert _focal(dtype=BF16, seq_len=8192, packed=True) == ("cudnn", None)
 
 
+def test_focal_auto_never_sends_lengths_the_kernels_cannot_tile(on):
+  """The Pallas kernels do not pad: a short odd prompt (T = 56) or a key length off the tiles
+  runs where any length does, instead of failing in the kernel."""
+  for where in ("hopper", "gpu"):
+    on(where)
+    assert _focal(dtype=F32, head_dim=64, seq_len=64) == ("pallas", _pallas_backend(where))
+    assert _focal(dtype=F32, head_dim=64, seq_len=56) == ("xla", None)
+    assert _focal(dtype=F32, head_dim=64, seq_len=64, kv_len=100) == ("xla", None)
+    assert _focal(dtype=BF16, head_dim=64, seq_len=16400, packed=True) == ("cudnn", None)
+    assert _focal(dtype=F32, head_dim=64, seq_len=56, requested="pallas")[0] == "pallas"
+
+
+def _pallas_backend(where):
+  return "mosaic" if where == "hopper" else "triton"
+
+
 def test_sliding_window_never_reaches_a_kernel_without_one(on):
   """The Pallas and tokamax focal kernels have no window: cuDNN takes it (16-bit, GPU), else the
   reference, whatever else was requested."""

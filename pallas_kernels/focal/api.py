@@ -49,6 +49,12 @@ def focal_attention(q, k, v, *, scale, causal: bool = True, segment_ids=None,
                     block_sizes=block_sizes or triton.BlockSizes.default(q.shape[-1], q.dtype))
 
 
+def tiles_fit(T: int, S: int, head_dim: int, dtype) -> bool:
+  """Whether the Triton kernels (and so the Mosaic fallback) take lengths T and S at their
+  default tiles: the kernels do not pad."""
+  return triton.tiles_fit(T, S, triton.BlockSizes.default(head_dim, dtype))
+
+
 def _check_blocks(blocks, cls, backend: str, public_name: str):
   if blocks is not None and not isinstance(blocks, cls):
     raise ValueError(f"block_sizes: backend={backend!r} takes pallas_kernels.focal.{public_name} "

@@ -167,6 +167,10 @@ def forward(q, k, v, s_BNT, seg_BT, *, causal: bool, blocks: BlockSizes, interpr
       interpret=interpret, name="focal_flash_fwd")(q, k, v, s_BNT, seg_BT)
 
 
+_Q_BLOCKS = ("block_q", "block_q_dkv", "block_q_dq")
+_KV_BLOCKS = ("block_kv", "block_kv_dkv", "block_kv_dq")
+
+
 def clip_block(block: int, length: int, name: str) -> int:
   b = min(block, length)
   if b < 16 or b & (b - 1):
@@ -175,6 +179,15 @@ def clip_block(block: int, length: int, name: str) -> int:
   if length % b:
     raise ValueError(f"sequence length {length} must be a multiple of {name}={b} (no padding)")
   return b
+
+
+def tiles_fit(T: int, S: int, blocks: BlockSizes) -> bool:
+  """Whether `check` accepts query length T and key length S under `blocks` (no padding)."""
+  def fits(block, length):
+    b = min(block, length)
+    return b >= 16 and not b & (b - 1) and length % b == 0
+  return (all(fits(getattr(blocks, n), T) for n in _Q_BLOCKS) and
+          all(fits(getattr(blocks, n), S) for n in _KV_BLOCKS))
 
 
 def check(q, k, v, segment_ids, blocks: BlockSizes):
@@ -189,9 +202,9 @@ def check(q, k, v, segment_ids, blocks: BlockSizes):
       raise ValueError(f"segment_ids need T == S; got T={T}, S={S}")
     if tuple(segment_ids.shape) != (B, T):
       raise ValueError(f"segment_ids must be [B, T] = {(B, T)}; got {segment_ids.shape}")
-  for name in ("block_q", "block_q_dkv", "block_q_dq"):
+  for name in _Q_BLOCKS:
     clip_block(getattr(blocks, name), T, name)
-  for name in ("block_kv", "block_kv_dkv", "block_kv_dq"):
+  for name in _KV_BLOCKS:
     clip_block(getattr(blocks, name), S, name)
   return B, T, S, N, K, D
 

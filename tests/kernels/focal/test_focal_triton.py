@@ -134,6 +134,19 @@ def test_contract_violations_raise(kwargs, match):
                           block_sizes=blocks)
 
 
+@pytest.mark.parametrize("T, S", [(56, 56), (64, 64), (96, 96), (128, 100), (16, 16), (8, 8),
+                                  (192, 192), (256, 64)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_tiles_fit_is_what_the_kernel_accepts(T, S, dtype):
+  q, k = jnp.zeros((1, T, 2, 64), dtype), jnp.zeros((1, S, 2, 64), dtype)
+  try:
+    focal.focal_attention(q, k, k, scale=0.1, causal=False, interpret=True)
+    accepted = True
+  except ValueError:
+    accepted = False
+  assert focal.tiles_fit(T, S, 64, dtype) == accepted
+
+
 def test_bad_scale_shape_raises():
   q = jnp.zeros((1, 64, 2, 64), jnp.float32)
   with pytest.raises(ValueError, match="scale"):
