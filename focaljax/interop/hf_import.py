@@ -12,6 +12,7 @@ source dtype.
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import sys
 import warnings
@@ -184,8 +185,11 @@ def _save_params(out_dir: str, params: dict, meta: dict):
   """checkpoints/0 with the params and meta items, in the layout checkpoint.restore_params reads.
   Without Orbax's deep copy and compression (each a second copy of the model in memory)."""
   # jax.Array's handler too, though nothing here is one: without it Orbax warns on every save.
+  # Orbax releases before deepcopy_host_arrays copy (and accept no such argument).
+  numpy_kw = ({"deepcopy_host_arrays": False} if "deepcopy_host_arrays" in
+              inspect.signature(ocp.type_handlers.NumpyHandler).parameters else {})
   registry = ocp.type_handlers.create_type_handler_registry(
-      (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False)),
+      (np.ndarray, ocp.type_handlers.NumpyHandler(**numpy_kw)),
       (jax.Array, ocp.type_handlers.ArrayHandler()))
   manager = ocp.CheckpointManager(
       epath.Path(config_lib.absolute(out_dir)) / "checkpoints",
