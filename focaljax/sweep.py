@@ -46,6 +46,14 @@ def parse_grid(items: list[str]) -> list[tuple[str, list[str]]]:
   return grid
 
 
+def config_path(config: str) -> str:
+  """--config with its file made absolute, so the launch lines run from any directory."""
+  path, sep, arg = config.partition(":")
+  if not os.path.isfile(path):
+    raise SweepError(f"--config {config}: no file {path} (relative paths start at {os.getcwd()})")
+  return os.path.abspath(path) + sep + arg
+
+
 def expand(config: str, root: str, grid, extra: list[str]) -> list[tuple[str, list[str]]]:
   """[(workdir, argv)] for every point of the grid."""
   runs = []
@@ -115,7 +123,7 @@ def main(argv=None) -> int:
   args, extra = p.parse_known_args(argv)
   extra = [e for e in extra if e != "--"]
   try:
-    runs = expand(args.config, args.root, parse_grid(args.grid), extra)
+    runs = expand(config_path(args.config), args.root, parse_grid(args.grid), extra)
     check(runs)
   except SweepError as e:
     print(f"sweep: error: {e}", file=sys.stderr)

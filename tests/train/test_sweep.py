@@ -37,6 +37,16 @@ def test_print_writes_launch_lines():
   assert len(lines) == 2 and all(l.startswith("python ") and "train.py" in l for l in lines)
 
 
+def test_config_path_is_absolute_and_a_missing_file_one_line(tmp_path, capsys):
+  out = subprocess.run([sys.executable, "-m", "focaljax.sweep", "--config",
+                        "configs/focal.py:size=400m", "--root", "runs/t", "--grid", "seed=0",
+                        "--print"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+  assert f"--config={os.path.join(ROOT, 'configs', 'focal.py')}:size=400m" in out
+  rc = sweep.main(["--config", "no/such.py", "--root", str(tmp_path / "r"), "--grid", "seed=0"])
+  err = capsys.readouterr().err
+  assert rc == 2 and len(err.strip().splitlines()) == 1 and "no file no/such.py" in err
+
+
 def test_local_sweep_runs_each_point(tmp_path):
   rc = sweep.main(["--config", os.path.join(ROOT, "configs", "smoke.py"), "--root",
                    str(tmp_path), "--grid", "model.attention.temperature=0.3,0.6", "--",
