@@ -22,6 +22,7 @@ decoded text after `max_gen_toks` tokens (or eos).
 from __future__ import annotations
 
 import functools
+import os
 import sys
 
 import jax
@@ -29,9 +30,17 @@ import jax.numpy as jnp
 import numpy as np
 import tqdm
 from flax import nnx
-from lm_eval import utils as lm_utils
-from lm_eval.api.model import TemplateLM
-from lm_eval.api.registry import register_model
+
+try:
+  from lm_eval import utils as lm_utils
+  from lm_eval.api.model import TemplateLM
+  from lm_eval.api.registry import register_model
+except ImportError as e:   # the optional extra: its command says so in one line
+  _NEED = f"{e}; install it with: pip install -e '.[lmeval]'"
+  if __name__ == "__main__" or os.path.basename(sys.argv[0]) == "focaljax-lm-eval":
+    print(f"focaljax-lm-eval: error: {_NEED}", file=sys.stderr)
+    sys.exit(2)
+  raise ImportError(_NEED) from e
 
 from focaljax.evaluation import generate as gen_lib
 from focaljax.evaluation import loading
