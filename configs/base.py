@@ -2,7 +2,7 @@
 
   python train.py                                   # this config, workdir ./runs/default
   python train.py --config configs/base.py:size=400m --config.model.attention.pattern=focal
-  python train.py --config.model.attention.temperature=0.3 --config.train.steps=1000
+  python train.py --config configs/focal.py --config.model.attention.temperature=0.3
 
 `arg` is "key=value,..." with keys `size` (a preset in configs/sizes.py) and `pattern`.
 Every field below is overridable on the command line; `focaljax.config.validate` refuses unknown

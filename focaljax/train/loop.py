@@ -379,5 +379,7 @@ def _run(cfg, workdir, make_task, *, dry_run, stop_at, t_setup, known) -> dict:
   if primary and not summary.get("preempted"):
     # A resumed run already at train.steps trains nothing and has no loss to report.
     loss = f"loss {summary['loss']:.4f}" if "loss" in summary else "nothing left to train"
-    print(f"trained {step_no} steps; {loss}. Evaluate with: {task.evaluate_with}")
+    done = step_no - start
+    print(f"trained {done} steps" + (f" (steps {start + 1}-{step_no})" if start and done else "")
+          + f"; {loss}. Evaluate with: {task.evaluate_with}")
   return summary
