@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import hashlib
 import io
 import os
@@ -140,13 +141,25 @@ def _check_tokenizer_spec(spec: str) -> None:
       "or a path to a tokenizer.json (or a directory holding one)")
 
 
+def _recorded_with(workdir: str, cfg: DataConfig) -> bool:
+  """Whether workdir/config.json (written once a run passed its checks) names cfg's tokenizer
+  and source."""
+  path = epath.Path(workdir) / "config.json"
+  try:
+    data = json.loads(path.read_text()).get("data", {}) if path.is_file() else {}
+  except (OSError, ValueError, AttributeError):
+    return False
+  return data.get("tokenizer") == cfg.tokenizer and data.get("source") == cfg.source
+
+
 def load_tokenizer(cfg: DataConfig, workdir: str | None) -> tokenizer_lib.Tokenizer:
   """The tokenizer `cfg.tokenizer` names; "train:N[:<style>]" trains once and caches
   workdir/tokenizer.json.
 
-  The cached file is reused whenever present (its vocab size is not re-checked against N: delete
-  it to retrain). Every host trains the same BPE from the same documents, so multi-host runs
-  agree even if they race to write the cache (writes are atomic).
+  The cached file is reused when the workdir's recorded run (its config.json) names the same
+  tokenizer and source; one left by a run refused before it recorded anything is retrained.
+  Every host trains the same BPE from the same documents, so multi-host runs agree even if they
+  race to write the cache (writes are atomic).
   """
   spec = cfg.tokenizer
   if spec == "bundled":
@@ -154,7 +167,8 @@ def load_tokenizer(cfg: DataConfig, workdir: str | None) -> tokenizer_lib.Tokeni
   train = _train_spec(spec)
   if train is None:
     return tokenizer_lib.Tokenizer.load(spec)
-  if workdir is not None and (epath.Path(workdir) / tokenizer_lib.FILENAME).is_file():
+  if (workdir is not None and (epath.Path(workdir) / tokenizer_lib.FILENAME).is_file()
+      and _recorded_with(workdir, cfg)):
     return tokenizer_lib.Tokenizer.load(workdir)
   docs = documents(cfg, "train")
   size, digits = train

@@ -119,11 +119,20 @@ def test_train_tokenizer_caches(tmp_path, monkeypatch):
   cfg = data.DataConfig(source=f"text:{path}", tokenizer="train:300", seq_len=8, global_batch=1)
   tok = data.load_tokenizer(cfg, str(tmp_path / "work"))
   assert (tmp_path / "work" / "tokenizer.json").is_file()
+  # Reused once a run recorded it (config.json) with this tokenizer and source ...
+  (tmp_path / "work" / "config.json").write_text(json.dumps(
+      {"data": {"tokenizer": cfg.tokenizer, "source": cfg.source}}))
+  trained = data.tokenizer_lib.train_bpe
   monkeypatch.setattr(data.tokenizer_lib, "train_bpe", None)  # a second call must not train
   again = data.load_tokenizer(cfg, str(tmp_path / "work"))
   assert again.encode("hello world") == tok.encode("hello world")
   path_cfg = dataclasses.replace(cfg, tokenizer=str(tmp_path / "work" / "tokenizer.json"))
   assert data.load_tokenizer(path_cfg, None).vocab_size == tok.vocab_size
+  # ... but not when left by a run that recorded nothing, or one with another spec.
+  monkeypatch.setattr(data.tokenizer_lib, "train_bpe", trained)
+  (tmp_path / "work" / "config.json").unlink()
+  other = dataclasses.replace(cfg, tokenizer="train:280")
+  assert data.load_tokenizer(other, str(tmp_path / "work")).vocab_size != tok.vocab_size
 
 
 @pytest.mark.parametrize("style, pieces", [("digits", [" 7", "0", "3", "7", "1"]),
