@@ -78,6 +78,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.data = ml_collections.ConfigDict(dict(
       source="bundled",          # bundled | text:<glob> | tfds:<name>[:split]
       valid_source="",           # "" : held out from `source`; or another source string
+      jsonl_field="text",        # the document field of .jsonl lines
+      tfds_data_dir="",          # where tfds: sources live ("": TFDS's default, $TFDS_DATA_DIR)
       # bundled | train:<vocab size>[:digits|:llama_digits] | path/to/tokenizer.json
       tokenizer="bundled",
       seq_len=128,               # trained context (tokens per packed row)

@@ -178,7 +178,8 @@ def data_config(c: ml_collections.ConfigDict):
   d = c.data
   try:
     return _frozen(data.DataConfig, d, seed=c.seed, valid_source=d.valid_source or None,
-                   token_cache=d.token_cache or None)
+                   token_cache=d.token_cache or None,
+                   tfds_data_dir=d.tfds_data_dir or None)
   except ValueError as e:
     raise ConfigError(f"config field {str(e).replace('DataConfig.', 'data.')}") from None
 
@@ -350,6 +351,7 @@ _ADDED = {"model.remat_policy": "nothing", "model.attention.checkpoint_rows": 10
           "model.rope_scaling": dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                      original_max_position_embeddings=0),
           "data.tokenize": "stream", "data.token_cache": "", "data.retrieval_mix": 0.0,
+          "data.jsonl_field": "text", "data.tfds_data_dir": "",
           "optim.schedule_steps": 0, "optim.mu_dtype": "float32", "train.micro_batch": 0,
           "train.wandb_project": "", "focus.retrieval_mix": 0.0, "focus.memory_tokens": "",
           "focus.eval_prompt_len": 0, "focus.candidate_path": "adapter"}

@@ -96,7 +96,7 @@ def read_text_files(paths: list[str], jsonl_field: str = "text") -> list[str]:
           raise DataError(f"{path}:{lineno}: malformed JSON ({e.msg}, column {e.colno})") from None
         if not isinstance(record, dict) or jsonl_field not in record:
           have = sorted(record) if isinstance(record, dict) else type(record).__name__
-          raise DataError(f"{path}:{lineno}: no field {jsonl_field!r} (DataConfig.jsonl_field); "
+          raise DataError(f"{path}:{lineno}: no field {jsonl_field!r} (data.jsonl_field); "
                           f"have {have}")
         if not isinstance(record[jsonl_field], str):
           raise DataError(f"{path}:{lineno}: field {jsonl_field!r} is "

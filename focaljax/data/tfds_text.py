@@ -2,7 +2,7 @@
 
   from focaljax.data import tfds_text
   tfds_text.build("/data/books/*.jsonl.xz", "/data/tfds", name="books")
-  # then train with DataConfig(source="tfds:books", tfds_data_dir="/data/tfds", ...)
+  # then train with --config.data.source=tfds:books --config.data.tfds_data_dir=/data/tfds
 
 The dataset has one feature, `text` (a string), and two splits, `train` and `validation`.
 Reading goes through `tfds.data_source(name, split, data_dir)` (focaljax.data.sources):

@@ -166,3 +166,15 @@ def test_config_errors_name_the_field(field, value, match):
   kw[field] = value
   with pytest.raises(ValueError, match=match):
     data.DataConfig(**kw)
+
+
+def test_jsonl_field_and_tfds_data_dir_are_config_fields(tmp_path):
+  from configs import base
+  from focaljax import config as config_lib
+  path = tmp_path / "c.jsonl"
+  path.write_text("".join(json.dumps({"content": f"document {i} text"}) + "\n" for i in range(40)))
+  c = base.get_config()
+  c.data.source, c.data.jsonl_field, c.data.tfds_data_dir = f"text:{path}", "content", "/d"
+  cfg = config_lib.parse(c).data
+  assert (cfg.jsonl_field, cfg.tfds_data_dir) == ("content", "/d")
+  assert len(data.documents(cfg, "train")) > 30
