@@ -106,6 +106,9 @@ def validate(c: ml_collections.ConfigDict, *, process_count: int = 1) -> None:
   if m.sliding_window:
     _require(all(attn_lib.FAMILY[s.variant].window for s in layers), "model.sliding_window",
              f"{m.sliding_window} needs softmax/focal layers: dilution's demand spans the prefix")
+  _require(not a.learned or any(s.variant is attn_lib.Variant.FOCAL for s in layers),
+           "model.attention.learned", f"True, but model.attention.pattern={a.pattern!r} has no "
+           "focal layer to learn τ for (e.g. --config configs/focal_learned.py)")
   _require(0 < a.tau_min < a.tau_max, "model.attention.tau_min",
            f"need 0 < tau_min < tau_max, got tau_min={a.tau_min}, tau_max={a.tau_max}")
   _require(a.tau_min <= a.tau_init <= a.tau_max, "model.attention.tau_init",

@@ -49,6 +49,7 @@ def test_size_presets_build_abstractly(size):
 @pytest.mark.parametrize("field,value,match", [
     ("model.attention.temperature", 0.0, "model.attention.temperature"),
     ("model.attention.tau_min", 10.0, "model.attention.tau_min"),
+    ("model.attention.learned", True, "model.attention.learned: True, but .* no focal layer"),
     ("model.num_kv_heads", 3, "model.num_kv_heads"),
     ("model.num_heads", 3, "model.num_heads"),
     ("model.attention.pattern", "softmax,flash", "unknown variant 'flash'"),
