@@ -320,16 +320,18 @@ def focus_config(c: ml_collections.ConfigDict, context: int | None = None) -> Fo
   memory_field = "focus.memory_tokens" if f.memory_tokens else "focus.doc_min_tokens"
   for s in sizes:
     # Chunk positions: chunk + dynamic prompt + the Q - 1 later query points (served: the answer).
-    served = min(f.eval_prompt_len, s, f.local_len)
-    _require(not served or s + served + Q - 1 <= context, "focus.eval_prompt_len",
-             f"chunk {s} + dynamic prompt {served} + num_targets-1 ({Q - 1}) exceeds the base's "
-             f"trained context data.seq_len={context}; use <= {context - s - Q + 1}")
     prompt = min(f.prompt_len, s, f.local_len - Q + 1)
     _require(s + prompt + Q - 1 <= context, "focus.chunk_sizes",
              f"chunk {s} + dynamic prompt {prompt} + num_targets-1 ({Q - 1}) = "
              f"{s + prompt + Q - 1} positions exceed the base's trained context "
              f"data.seq_len={context}; use chunks <= {context - prompt - Q + 1} or lower "
              "focus.prompt_len")
+    # eval.py serves eval_prompt_len (0: prompt_len) whole, not cut to the window's targets.
+    served = min(f.eval_prompt_len or f.prompt_len, s, f.local_len)
+    _require(s + served + Q - 1 <= context, "focus.eval_prompt_len",
+             f"chunk {s} + served dynamic prompt {served} + num_targets-1 ({Q - 1}) exceeds the "
+             f"base's trained context data.seq_len={context}; set it to <= "
+             f"{context - s - Q + 1} (0 serves focus.prompt_len={f.prompt_len})")
     for m in memories:
       _require(m <= f.doc_min_tokens - f.local_len - 1, "focus.memory_tokens",
                f"{m} + local_len + 1 ({f.local_len + 1}) exceeds focus.doc_min_tokens="

@@ -155,8 +155,13 @@ def test_focus_drills_stages_validate(stage):
 def test_focus_eval_prompt_len_is_validated():
   c = _load("focus_drills", "stage=3")
   c.focus.eval_prompt_len = 506   # 512 + 506 + 7 = 1025 positions
-  with pytest.raises(config_lib.ConfigError, match="focus.eval_prompt_len.*use <= 505"):
+  with pytest.raises(config_lib.ConfigError, match="focus.eval_prompt_len.*set it to <= 505"):
     config_lib.focus_config(c, context=1024)
+  c.focus.eval_prompt_len = 0   # serves prompt_len: chunk 64 + 64 + 7 > a 128-token base
+  c.focus.chunk_sizes, c.focus.prompt_len, c.focus.memory_tokens = "64", 64, "128"
+  c.focus.local_len, c.focus.doc_min_tokens = 64, 200
+  with pytest.raises(config_lib.ConfigError, match="served dynamic prompt 64 .* set it to <= 57"):
+    config_lib.focus_config(c, context=128)
   c.focus.eval_prompt_len = -1
   with pytest.raises(config_lib.ConfigError, match="focus.eval_prompt_len.*>= 0"):
     config_lib.focus_config(c, context=1024)
