@@ -12,11 +12,13 @@ Exit status: 0 trained (or nothing left to train); 1 stopped at a NaN/Inf or exp
 latest checkpoint is the last good one); 2 bad input (flags, config, missing files, bad data),
 one line `error: ...` before anything compiles, or out of device memory (one line with the
 compiled step's size and the knobs: train.micro_batch, model.remat, mesh.fsdp); 75 (EX_TEMPFAIL)
-preempted by SIGTERM after saving a checkpoint: run the same command again to resume.
+preempted by SIGTERM (during training after saving a checkpoint; before it, with nothing new to
+save): run the same command again to resume.
 """
 
 import os
 import re
+import signal
 import sys
 import traceback
 
@@ -88,6 +90,8 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # Orbax and Grain log every save at INFO
   distributed.initialize()
   startup.enable_compile_cache()   # reruns and resumes load the compiled step
+  if jax.process_count() == 1:   # several hosts agree on a step through jax's preemption sync
+    signal.signal(signal.SIGTERM, loop.sigterm_before_training)   # set-up and compile: exit 75
   try:
     cfg = config_lib.parse(_CONFIG.value, process_count=jax.process_count())
     # A FocusLLM config (configs/focus.py) trains a candidate adapter over a frozen base.
@@ -100,6 +104,9 @@ def main(argv):
     fail(e)
   except loop.NonFiniteLoss as e:
     fail(e, EXIT_NONFINITE)
+  except loop.PreemptedAtStartup as e:   # a scheduler's requeue reruns it
+    print(e, file=sys.stderr)
+    sys.exit(EXIT_PREEMPTED)
   if summary.get("preempted"):
     sys.exit(EXIT_PREEMPTED)
 

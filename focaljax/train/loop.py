@@ -150,6 +150,17 @@ def global_batch(local: dict, batch_sh) -> dict:
           for k, v in local.items()}
 
 
+class PreemptedAtStartup(BaseException):
+  """SIGTERM before training started: nothing new to save. A BaseException, as KeyboardInterrupt
+  is, so that no fallback (checkpoint.restore_latest's) takes it for a failure to recover from."""
+
+
+def sigterm_before_training(*_):
+  """train.py's SIGTERM handler until `Preemption` takes over at the first step."""
+  raise PreemptedAtStartup("SIGTERM before the first step: nothing new to save; run the same "
+                           "command again")
+
+
 class Preemption:
   """SIGTERM -> save a checkpoint at the next step boundary and exit.
 

@@ -176,6 +176,23 @@ def test_sigterm_saves_and_exits_75(trained, workdir):
              if k.startswith("checkpoints/6/") or k == "tokenizer.json")
 
 
+def test_sigterm_during_set_up_exits_75_without_writing(tmp_path):
+  """Before the first step (data, compile) there is nothing new to save: exit 75 all the same,
+  so a scheduler that requeues on 75 reruns it."""
+  workdir = str(tmp_path / "run")
+  argv = [sys.executable, os.path.join(ROOT, "train.py"), "--config",
+          os.path.join(ROOT, "configs", "smoke.py"), "--workdir", workdir]
+  proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+  deadline = time.time() + 120   # the lock: train.py's handler is set, set-up is under way
+  while time.time() < deadline and not os.path.exists(os.path.join(workdir, ".lock")):
+    time.sleep(0.01)
+  proc.send_signal(signal.SIGTERM)
+  out, _ = proc.communicate(timeout=120)
+  assert proc.returncode == 75, out.decode()[-3000:]
+  assert b"SIGTERM before the first step" in out and b"Traceback" not in out
+  assert not os.path.exists(os.path.join(workdir, "checkpoints", "1"))
+
+
 # 5. Workdir identity.
 
 def test_other_model_shape_is_refused_before_writing(trained, workdir):
