@@ -53,9 +53,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import hashlib
 import io
+import json
 import os
 from typing import Any
 

@@ -74,9 +74,6 @@ def checksums(tree) -> dict[str, str]:
           for path, fp in flat}
 
 
-_fingerprint_one = jax.jit(_fingerprint)
-
-
 def param_checksums(workdir: str, step: int) -> dict[str, str]:
   """The checksums training recorded for a step's params ({} for a params-only checkpoint)."""
   try:
@@ -90,7 +87,7 @@ def verify_param(want: dict[str, str], keys: tuple[str, ...], array, where: str)
   """CorruptCheckpoint unless `array`, the params leaf at `keys`, matches its checksum in `want`
   (param_checksums); for readers that load one array at a time (the HF export)."""
   name = "".join(f"[{k!r}]" for k in keys)
-  if name in want and f"{int(_fingerprint_one(array)):08x}" != want[name]:
+  if name in want and f"{int(_fingerprints(array)):08x}" != want[name]:
     raise CorruptCheckpoint(f"{where}: params{name} does not match its checksum; export an "
                             "earlier step (checkpoints/<step>)")
 

@@ -93,10 +93,11 @@ def resolve_micro_batch(requested: int, rows: int, peak_at: Callable[[int], int]
           f"config field train.micro_batch: {requested} must divide the {rows} rows of "
           f"data.global_batch each device gets; allowed: {divisors_desc(rows)} (0: auto)")
     # Past the limit XLA rematerialises the step until it fits, several times slower, or fails.
-    if limit is not None and guess_at(requested) > limit and jax.process_index() == 0:
+    need = None if limit is None else guess_at(requested)
+    if need is not None and need > limit and jax.process_index() == 0:
       fits = next((c for c in divisors_desc(rows) if guess_at(c) <= limit), 1)
       print(f"warning: train.micro_batch={requested} is estimated at "
-            f"{guess_at(requested) / GB:.0f} GB per device, past the {limit / GB:.0f} GB that "
+            f"{need / GB:.0f} GB per device, past the {limit / GB:.0f} GB that "
             f"fit: XLA may recompute much of the step or run out of memory; {fits} is estimated "
             "to fit (0 picks the largest that does)", file=sys.stderr)
     return requested, None

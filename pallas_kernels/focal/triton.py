@@ -171,23 +171,27 @@ _Q_BLOCKS = ("block_q", "block_q_dkv", "block_q_dq")
 _KV_BLOCKS = ("block_kv", "block_kv_dkv", "block_kv_dq")
 
 
-def clip_block(block: int, length: int, name: str) -> int:
+def _tile_problem(block: int, length: int, name: str) -> str | None:
+  """Why `block`, clipped to `length`, cannot tile it (None: it can)."""
   b = min(block, length)
   if b < 16 or b & (b - 1):
-    raise ValueError(f"{name}={block} clipped to the sequence length {length} gives {b}: block "
-                     f"sizes must be powers of two >= 16 (Triton tiles)")
+    return (f"{name}={block} clipped to the sequence length {length} gives {b}: block sizes "
+            "must be powers of two >= 16 (Triton tiles)")
   if length % b:
-    raise ValueError(f"sequence length {length} must be a multiple of {name}={b} (no padding)")
-  return b
+    return f"sequence length {length} must be a multiple of {name}={b} (no padding)"
+  return None
+
+
+def clip_block(block: int, length: int, name: str) -> int:
+  if problem := _tile_problem(block, length, name):
+    raise ValueError(problem)
+  return min(block, length)
 
 
 def tiles_fit(T: int, S: int, blocks: BlockSizes) -> bool:
   """Whether `check` accepts query length T and key length S under `blocks` (no padding)."""
-  def fits(block, length):
-    b = min(block, length)
-    return b >= 16 and not b & (b - 1) and length % b == 0
-  return (all(fits(getattr(blocks, n), T) for n in _Q_BLOCKS) and
-          all(fits(getattr(blocks, n), S) for n in _KV_BLOCKS))
+  return not any(_tile_problem(getattr(blocks, n), L, n)
+                 for names, L in ((_Q_BLOCKS, T), (_KV_BLOCKS, S)) for n in names)
 
 
 def check(q, k, v, segment_ids, blocks: BlockSizes):
