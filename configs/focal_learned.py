@@ -1,5 +1,6 @@
-"""Focal attention, learned temperature: τ = clip(mean(X·w_τ) + τ_init, 5, 10) per layer,
-softmax(q·kᵀ / τ); the mean runs causally over each document's prefix (tau_mean=causal).
+"""Focal attention, learned temperature: τ = clip(mean(X·w_τ) + τ_init, τ_min, τ_max) per layer,
+softmax(q·kᵀ / τ), the clip range the paper's [5, 10] at head dim 128 scaled by √(head_dim/128);
+the mean runs causally over each document's prefix (tau_mean=causal).
 
   python train.py --config configs/focal_learned.py --workdir runs/focal_learned
 """

@@ -43,6 +43,8 @@ _FIELDS = {
     "train.eval_every": ">= 0",
 }
 _NO_DECAY = ("norm", "embed")
+# Learned τ: the focal paper's clip range and start at head dim 128, t = τ/√128 in [0.44, 0.88].
+_PAPER_TAU = {"tau_min": 5.0, "tau_max": 10.0, "tau_init": 7.5}
 
 
 class ConfigError(ValueError):
@@ -109,11 +111,16 @@ def validate(c: ml_collections.ConfigDict, *, process_count: int = 1) -> None:
   _require(not a.learned or any(s.variant is attn_lib.Variant.FOCAL for s in layers),
            "model.attention.learned", f"True, but model.attention.pattern={a.pattern!r} has no "
            "focal layer to learn τ for (e.g. --config configs/focal_learned.py)")
-  _require(0 < a.tau_min < a.tau_max, "model.attention.tau_min",
-           f"need 0 < tau_min < tau_max, got tau_min={a.tau_min}, tau_max={a.tau_max}")
-  _require(a.tau_min <= a.tau_init <= a.tau_max, "model.attention.tau_init",
-           f"{a.tau_init} must lie in [tau_min, tau_max] = [{a.tau_min}, {a.tau_max}] or w_τ "
-           "starts clipped and never learns")
+  tau = tau_range(a, head_dim)
+  for name, value in tau.items():
+    _require(value > 0, f"model.attention.{name}",
+             f"must be > 0 (0: the paper's, scaled to head dim {head_dim}), got {a[name]}")
+  _require(tau["tau_min"] < tau["tau_max"], "model.attention.tau_min",
+           f"need tau_min < tau_max, got {tau['tau_min']:g} and {tau['tau_max']:g} at head dim "
+           f"{head_dim}")
+  _require(tau["tau_min"] <= tau["tau_init"] <= tau["tau_max"], "model.attention.tau_init",
+           f"{tau['tau_init']:g} must lie in [tau_min, tau_max] = [{tau['tau_min']:g}, "
+           f"{tau['tau_max']:g}] or w_τ starts clipped and never learns")
   rows = a.checkpoint_rows
   _require(isinstance(rows, int) and rows >= 64 and not rows & (rows - 1),
            "model.attention.checkpoint_rows",
@@ -144,6 +151,13 @@ def validate(c: ml_collections.ConfigDict, *, process_count: int = 1) -> None:
              f"{c.mesh.tensor} must divide model.num_kv_heads={m.num_kv_heads}")
 
 
+def tau_range(a: ml_collections.ConfigDict, head_dim: int) -> dict:
+  """tau_min, tau_max, tau_init, each 0 replaced by the paper's value scaled by √(head_dim/128):
+  τ replaces t·√d, so every head dim gets the paper's t in [0.44, 0.88] (at d = 32, [5, 10]
+  would be t in [0.88, 1.77], softer than softmax)."""
+  return {k: a[k] or v * (head_dim / 128) ** 0.5 for k, v in _PAPER_TAU.items()}
+
+
 def padded_vocab(vocab_size: int) -> int:
   """The tokenizer's vocabulary rounded up to a multiple of 128: matmul-friendly shapes."""
   return -(-vocab_size // 128) * 128
@@ -159,13 +173,14 @@ def _frozen(cls, section: ml_collections.ConfigDict, **computed):
 def model_config(c: ml_collections.ConfigDict, vocab_size: int) -> model_lib.ModelConfig:
   """Frozen ModelConfig; vocab_size is the tokenizer's, padded to a multiple of 128 unless set."""
   m, a = c.model, c.model.attention
-  attention = _frozen(attn_lib.AttentionConfig, a,
+  head_dim = m.head_dim or m.d_model // m.num_heads
+  attention = _frozen(attn_lib.AttentionConfig, a, **tau_range(a, head_dim),
                       layers=attn_lib.parse_pattern(a.pattern, m.num_layers),
                       tau_mean=attn_lib.TauMean(a.tau_mean),
                       sliding_window=m.sliding_window or None)
   return _frozen(model_lib.ModelConfig, m, attention=attention,
                  vocab_size=m.vocab_size or padded_vocab(vocab_size),
-                 head_dim=m.head_dim or m.d_model // m.num_heads, max_seq_len=c.data.seq_len,
+                 head_dim=head_dim, max_seq_len=c.data.seq_len,
                  rope_scaling=(model_lib.Llama3Scaling(**m.rope_scaling.to_dict())
                                if m.rope_scaling.original_max_position_embeddings else None))
 

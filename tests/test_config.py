@@ -49,6 +49,7 @@ def test_size_presets_build_abstractly(size):
 @pytest.mark.parametrize("field,value,match", [
     ("model.attention.temperature", 0.0, "model.attention.temperature"),
     ("model.attention.tau_min", 10.0, "model.attention.tau_min"),
+    ("model.attention.tau_max", -1.0, "model.attention.tau_max: must be > 0"),
     ("model.attention.learned", True, "model.attention.learned: True, but .* no focal layer"),
     ("model.num_kv_heads", 3, "model.num_kv_heads"),
     ("model.num_heads", 3, "model.num_heads"),
@@ -74,6 +75,18 @@ def test_invalid_values_name_the_field(field, value, match):
   node[leaf] = value
   with pytest.raises(config_lib.ConfigError, match=match):
     config_lib.validate(c)
+
+
+@pytest.mark.parametrize("d_model,heads,expected", [(512, 4, (5.0, 10.0, 7.5)),
+                                                     (128, 4, (2.5, 5.0, 3.75))])
+def test_learned_tau_range_defaults_to_the_papers_t_at_every_head_dim(d_model, heads, expected):
+  c = base.get_config()
+  c.model.update(d_model=d_model, num_heads=heads, num_kv_heads=heads)
+  config_lib.validate(c)
+  a = config_lib.model_config(c, vocab_size=256).attention
+  assert (a.tau_min, a.tau_max, a.tau_init) == pytest.approx(expected)
+  c.model.attention.tau_max = 9.0   # set explicitly: taken as given
+  assert config_lib.model_config(c, vocab_size=256).attention.tau_max == 9.0
 
 
 def test_schedule_steps_sets_the_cosine_length():
