@@ -17,8 +17,9 @@ checkpoints/<step>); the default suites with --focus_adapter are these two. Thei
 the run's eval/ (eval/adapter_<step> for an explicit step). --max_multiplier (default 32 for
 them), --passkey_seeds (default 10 for them), --max_books and --books apply to them too.
 
-Exit status: 0 done; 2 bad input (flags, a missing workdir or file, bad data): one line
-`error: ...`, no traceback.
+Exit status: 0 done; 1 a suite produced no result (skipped, or no length could be scored; the
+reason is in its output and JSON); 2 bad input (flags, a missing workdir or file, bad data): one
+line `error: ...`, no traceback.
 """
 
 import sys
@@ -135,15 +136,16 @@ def run():
   base_suites = [s for s in suites if s not in focus_eval.FOCUS_SUITES]
   if focus_suites and not _FOCUS_ADAPTER.value:
     raise app.UsageError(f"--suites {','.join(focus_suites)} needs --focus_adapter")
+  results = {}
   if base_suites:
-    evaluate.run(_WORKDIR.value, suites=base_suites, books=books,
+    results |= evaluate.run(_WORKDIR.value, suites=base_suites, books=books,
                  max_multiplier=_MAX_MULTIPLIER.value, max_books=_MAX_BOOKS.value,
                  depths=[float(d) for d in _DEPTHS.value], passkey_seeds=_SEEDS.value,
                  val_batches=_VAL_BATCHES.value, out_dir=_OUT_DIR.value, plots=_PLOTS.value)
   if focus_suites:
     # The base suites' defaults suit a 1-8x sweep; FocusLLM's protocol goes to 32x and 10 seeds.
     present = lambda name: flags.FLAGS[name].present
-    focus_eval.run(
+    results |= focus_eval.run(
         _WORKDIR.value, _FOCUS_ADAPTER.value, suites=focus_suites, books=books,
         max_multiplier=_MAX_MULTIPLIER.value if present("max_multiplier") else 32,
         max_books=_MAX_BOOKS.value, multipliers=[int(m) for m in _FOCUS_MULTIPLIERS.value],
@@ -152,6 +154,10 @@ def run():
         prompt_len=_FOCUS_PROMPT_LEN.value, implementation=_FOCUS_IMPLEMENTATION.value,
         dtype=_FOCUS_DTYPE.value,
         passkey_batch=_FOCUS_PASSKEY_BATCH.value, out_dir=_OUT_DIR.value)
+  if empty := evaluate.unanswered(results):
+    print(f"error: no result from suite(s) {', '.join(empty)} (the reason is above)",
+          file=sys.stderr)
+    sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -121,9 +121,10 @@ def load_books(path: str, tokenizer, max_books: int | None = None, *, min_tokens
 
 
 def attention_probe(model, tokens, *, layer: int | None = None, head: int = 0,
-                    temperature: float = 0.4) -> dict:
+                    temperature: float | None = None) -> dict:
   """The last token's attention over the text at one layer/head: softmax(q·k/√d) next to
-  softmax(q·k/(t·√d)), from the model's own q and k (default layer: the middle one)."""
+  softmax(q·k/(t·√d)), from the model's own q and k (default layer: the middle one). Default t:
+  the layer's own (a learned-τ layer's τ/√d at the last token), else the model's configured t."""
   module = loaded_lib.module(model)
   cfg = module.cfg
   layer = cfg.num_layers // 2 if layer is None else layer
@@ -136,6 +137,11 @@ def attention_probe(model, tokens, *, layer: int | None = None, head: int = 0,
   # The model's own projection (RoPE included) so the probe sees exactly the trained q and k.
   x_BTE = module.blocks[layer].attn_norm(x_BTE)
   q_BTND, k_BTKD, _ = attn._project(x_BTE, positions_BT, theta)  # pylint: disable=protected-access
+  a_BT = attn._tau_a(x_BTE)  # pylint: disable=protected-access
+  if temperature is None and a_BT is not None:
+    tau = model_lib.learned_tau(a_BT, cfg.attention)[0, -1]
+    temperature = float(tau) / math.sqrt(cfg.head_dim)
+  temperature = cfg.attention.temperature if temperature is None else temperature
   kv_head = head // (cfg.num_heads // cfg.num_kv_heads)
   logits_S = np.asarray(k_BTKD[0, :, kv_head] @ q_BTND[0, -1, head], np.float64) / math.sqrt(
       cfg.head_dim)
@@ -205,7 +211,7 @@ def format_suite(suite: str, r: dict) -> str:
     lines.append(f"  overall {fmt(r['overall']).strip()}{extra}")
   elif suite == "attention":
     lines.append(f"  layer {r['layer']} head {r['head']} ({r['variant']}): entropy softmax "
-                 f"{r['entropy']['softmax']:.3f} vs focal t={r['temperature']} "
+                 f"{r['entropy']['softmax']:.3f} vs focal t={r['temperature']:.3g} "
                  f"{r['entropy']['focal']:.3f} nats")
   elif suite == "copy":
     lines.append(f"  span {r['span_len']} x{r['spans']}: NLL first reading {r['first_nll']:.3f}, "
@@ -241,6 +247,13 @@ def run_suites(tasks: dict, suites, out_dir: str, results: dict, results_file: s
     log(format_fn(suite, result))
   (out / results_file).write_text(json.dumps(results, indent=1))
   return results
+
+
+def unanswered(results: dict) -> list[str]:
+  """The suites in `results` that produced no number: skipped, or retrieval that scored no
+  length (every length too short, or refused)."""
+  return [s for s, r in results.items()
+          if s != "meta" and ("skipped" in r or ("overall" in r and r["overall"] is None))]
 
 
 def run(path: str, *, suites=SUITES, books: str | None = None, max_multiplier: int = 8,

@@ -1,6 +1,7 @@
 """Evaluation suites: shapes and counts on tiny random models, exact prompt lengths, load() and
 eval.py end to end on a hand-made workdir."""
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -147,6 +148,17 @@ def test_attention_probe_focal_is_sharper(tok):
   assert r["entropy"]["focal"] < r["entropy"]["softmax"]
 
 
+def test_attention_probe_uses_the_models_temperature(tok):
+  """The configured t, or a learned-τ layer's τ/√d (zero w_τ: τ = tau_init); not a fixed 0.4."""
+  tokens = tok.encode("The cat sat on the mat. " * 6)[:40]
+  cfg = tiny().cfg
+  for attention, t in ((dict(temperature=0.3), 0.3), (dict(learned=True), 3.0 / 16**0.5)):
+    a = dataclasses.replace(cfg.attention, layers=attn_lib.parse_pattern("focal:rope", 2),
+                            tau_min=2.0, tau_max=4.0, tau_init=3.0, **attention)
+    model = model_lib.Transformer(dataclasses.replace(cfg, attention=a), nnx.Rngs(0))
+    assert evaluate.attention_probe(model, tokens, layer=0)["temperature"] == pytest.approx(t)
+
+
 def make_workdir(path, arg="size=small", step=3):
   """A trainer-shaped workdir by hand: config.json, tokenizer.json, checkpoints/<step>/params."""
   from configs import base  # pylint: disable=import-outside-toplevel
@@ -222,6 +234,18 @@ def test_eval_py_end_to_end(tmp_path):
   assert results["longdoc"]["num_books"] == 2
   assert results["passkey"]["lengths"] == [64, 128]
   assert "== keyword" in proc.stdout and "results:" in proc.stdout
+
+
+def test_eval_py_exits_1_when_a_suite_has_no_result(tmp_path):
+  """A trained length too short for any passkey prompt scores nothing: that is not success."""
+  make_workdir(tmp_path / "wd")
+  proc = subprocess.run([sys.executable, str(REPO / "eval.py"), f"--workdir={tmp_path / 'wd'}",
+                         "--suites=passkey", "--max_multiplier=1", "--passkey_seeds=1"],
+                        capture_output=True, text=True, cwd=REPO, timeout=300,
+                        env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+  assert proc.stderr.strip().splitlines()[-1].startswith("error: no result from suite(s) passkey")
+  assert (tmp_path / "wd" / "eval" / "passkey.json").is_file()
 
 
 def test_eval_py_unknown_suite_is_one_line(tmp_path):
