@@ -13,7 +13,8 @@ Suites: val, longdoc, passkey, keyword, copy, attention, sample (default: all). 
 
 FocusLLM suites (focaljax/focus/evaluate.py): focus_passkey, focus_longdoc, on the base --workdir
 with the adapter --focus_adapter (a FocusLLM run workdir: its latest checkpoint; or one of its
-checkpoints/<step>); the default suites with --focus_adapter are these two. Their JSON goes under
+checkpoints/<step>); the default suites with --focus_adapter are focus_passkey, and
+focus_longdoc when --books is given. Their JSON goes under
 the run's eval/ (eval/adapter_<step> for an explicit step). --max_multiplier (default 32 for
 them), --passkey_seeds (default 10 for them), --max_books and --books apply to them too.
 
@@ -34,6 +35,7 @@ from focaljax.data import sources
 from focaljax.evaluation import loading
 from focaljax.evaluation import suites as evaluate
 from focaljax.focus import evaluate as focus_eval
+from focaljax.focus import train as focus_train
 from focaljax.train import checkpoint
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "training workdir or its checkpoints/<step>",
@@ -117,7 +119,8 @@ def main(argv):
   try:
     run()
   except (app.UsageError, config_lib.ConfigError, FileNotFoundError, sources.DataError,
-          checkpoint.CorruptCheckpoint, loading.NotALanguageModel) as e:
+          checkpoint.CorruptCheckpoint, loading.NotALanguageModel,
+          focus_train.NotAnAdapter) as e:
     fail(e)
 
 
@@ -127,7 +130,11 @@ def run():
   books = _BOOKS.value
   suites = _SUITES.value
   if _FOCUS_ADAPTER.value and not flags.FLAGS["suites"].present:
-    suites = list(focus_eval.FOCUS_SUITES)
+    suites = ["focus_passkey"] + (["focus_longdoc"] if books else [])
+  if not suites:
+    raise app.UsageError("--suites is empty; name one or more of them, or leave it out for all")
+  if "focus_longdoc" in suites and not books:
+    raise app.UsageError("--suites focus_longdoc needs long documents: --books")
   allowed = list(evaluate.SUITES) + list(focus_eval.FOCUS_SUITES)
   if set(suites) - set(allowed):
     raise app.UsageError(f"--suites: unknown {sorted(set(suites) - set(allowed))}; allowed: "

@@ -24,7 +24,8 @@ from focaljax.model import decoder as model_lib
 # Fields checked on their own: the choices a field allows, or the interval (in _INTERVALS) it
 # must lie in. validate and focus_config check the rest, which relate fields to each other.
 _INTERVALS = {"> 0": lambda x: x > 0, ">= 0": lambda x: x >= 0, ">= 1": lambda x: x >= 1,
-              "in [0, 1)": lambda x: 0 <= x < 1, "in [0, 1]": lambda x: 0 <= x <= 1}
+              "in [0, 1)": lambda x: 0 <= x < 1, "in [0, 1]": lambda x: 0 <= x <= 1,
+              "in [0, 2**32)": lambda x: 0 <= x < 2**32}   # the seed: Grain's range
 _FIELDS = {
     "model.attention.implementation": dispatch.IMPLEMENTATIONS,
     "model.attention.tau_mean": tuple(m.value for m in attn_lib.TauMean),
@@ -40,9 +41,18 @@ _FIELDS = {
                      "train.keep_ckpts"), "> 0"),
     "data.retrieval_mix": "in [0, 1)",
     "optim.min_lr_ratio": "in [0, 1]",
+    "optim.b1": "in [0, 1)",
+    "optim.b2": "in [0, 1)",
+    "optim.weight_decay": ">= 0",
+    "model.norm_eps": "> 0",
+    "model.head_dim": ">= 0",
     "train.eval_every": ">= 0",
+    "train.eval_batches": ">= 1",
+    "seed": "in [0, 2**32)",
 }
 _NO_DECAY = ("norm", "embed")
+_ROPE_SCALING = {"factor", "low_freq_factor", "high_freq_factor",
+                 "original_max_position_embeddings"}
 # Learned τ: the focal paper's clip range and start at head dim 128, t = τ/√128 in [0.44, 0.88].
 _PAPER_TAU = {"tau_min": 5.0, "tau_max": 10.0, "tau_init": 7.5}
 
@@ -93,6 +103,9 @@ def validate(c: ml_collections.ConfigDict, *, process_count: int = 1) -> None:
            f"{m.num_heads} must divide model.d_model={m.d_model} (or set model.head_dim)")
   _require(head_dim % 2 == 0, "model.head_dim", f"must be even for RoPE, got {head_dim}")
   rs = m.rope_scaling
+  _require(set(rs.keys()) == _ROPE_SCALING, "model.rope_scaling",
+           f"needs exactly the fields {sorted(_ROPE_SCALING)}, got {sorted(rs.keys())} (set one "
+           "with --config.model.rope_scaling.<field>=...)")
   _require(rs.original_max_position_embeddings >= 0,
            "model.rope_scaling.original_max_position_embeddings",
            f"must be >= 0 (0: no Llama 3 scaling), got {rs.original_max_position_embeddings}")

@@ -8,6 +8,16 @@ import sys
 from focaljax.interop import hf, hf_export, hf_import
 
 
+def _positive(text: str) -> float:
+  try:
+    value = float(text)
+  except ValueError:
+    value = 0.0
+  if not value > 0:
+    raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}")
+  return value
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=hf.__doc__ + hf_import.__doc__ + hf_export.__doc__,
                               formatter_class=argparse.RawTextHelpFormatter)
@@ -19,7 +29,7 @@ def main(argv=None) -> int:
   b.add_argument("ckpt")
   b.add_argument("out_dir")
   b.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: stored)")
-  b.add_argument("--max_shard_gb", type=float, default=5.0, help="shard past this size")
+  b.add_argument("--max_shard_gb", type=_positive, default=5.0, help="shard past this size")
   for parser in (a, b):
     parser.add_argument("--replace", action="store_true",
                         help="delete a non-empty out_dir's contents first (default: refuse)")

@@ -49,16 +49,28 @@ class LoadedModel:
             f"layers={c.num_layers} of {pattern}, d_model={c.d_model}, vocab={c.vocab_size}, "
             f"trained_len={c.max_seq_len})")
 
+  def _ids(self, tokens) -> np.ndarray:
+    """Token ids as int32; anything but integers in [0, vocab) is refused (the embedding lookup
+    would clamp them silently)."""
+    ids = np.asarray(tokens)
+    if ids.size and not np.issubdtype(ids.dtype, np.integer):
+      raise ValueError(f"token ids must be integers, got {ids.dtype}")
+    vocab = self.config.vocab_size
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab):
+      raise ValueError(f"token ids must lie in [0, {vocab}), the model's vocabulary; got "
+                       f"{ids.min()}..{ids.max()}")
+    return ids.astype(np.int32)
+
   def logits(self, tokens) -> jax.Array:
     """int32 [B, T] (or [T]) -> float32 [B, T, V]; RoPE layers NTK-scale when T > trained_len."""
-    return gen_lib.logits(self.model, jnp.atleast_2d(jnp.asarray(tokens, jnp.int32)))
+    return gen_lib.logits(self.model, jnp.atleast_2d(jnp.asarray(self._ids(tokens))))
 
   def generate(self, prompt, max_new_tokens: int = 64, temperature: float = 0.0,
                top_p: float = 1.0, seed: int = 0, stop_at_eos: bool = True):
     """str -> continuation text (cut at eos unless stop_at_eos=False); list[int] / [T] -> int32
     [T + new]; [B, T] -> int32 [B, T + new]."""
     is_text = isinstance(prompt, str)
-    tokens = np.asarray(self.tokenizer.encode(prompt) if is_text else prompt, np.int32)
+    tokens = self._ids(self.tokenizer.encode(prompt) if is_text else prompt)
     if tokens.size == 0:
       raise ValueError("generate: the prompt is empty (it must encode to at least one token)")
     tokens_BT = tokens[None] if tokens.ndim == 1 else tokens

@@ -171,22 +171,30 @@ def resolve(path: str) -> tuple[str, int | None]:
                           "a checkpoints/<step> directory inside one")
 
 
+class NotAnAdapter(ValueError):
+  """A path holds no FocusLLM adapter, or one trained on another base."""
+
+
 def load(path: str, base) -> tuple[dict, focus.FocusConfig, dict]:
   """(adapter, FocusConfig, meta + {"workdir", "step"}) of a run workdir (latest checkpoint) or
   one of its checkpoints/<step>, restored onto the shapes of `base`."""
   workdir, step = resolve(path)
-  saved, step = checkpoint.read_meta(workdir, step)
+  try:
+    saved, step = checkpoint.read_meta(workdir, step)
+  except KeyError:   # checkpoints with params alone
+    saved = {}
   if "focus" not in saved:
-    raise ValueError(f"{workdir}: its checkpoints hold no FocusLLM adapter (a language model's "
+    raise NotAnAdapter(f"{workdir}: its checkpoints hold no FocusLLM adapter (a language model's "
                      "workdir?)")
   cfg = focus.FocusConfig(**saved["focus"])
   like = checkpoint.abstract_like(jax.eval_shape(
       lambda: focus.init_adapter(base, cfg.candidate_path)))
   try:
     adapter, step = checkpoint.restore_params(workdir, step, like)
-  except ValueError as e:
-    raise ValueError(f"{workdir}: the adapter does not fit this base ({e}); is the base the "
-                     f"adapter's, {saved['base_workdir']}?") from None
+  except ValueError as e:   # Orbax's tree mismatch: its first line only
+    raise NotAnAdapter(f"{workdir}: the adapter does not fit this base "
+                       f"({str(e).splitlines()[0].rstrip(':')}); is the base the adapter's, "
+                       f"{saved['base_workdir']}?") from None
   return adapter, cfg, {**saved, "workdir": workdir, "step": step}
 
 

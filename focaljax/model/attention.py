@@ -79,10 +79,13 @@ def parse_pattern(pattern: str, num_layers: int) -> tuple[LayerSpec, ...]:
 
   A bare variant takes its natural position mode: rope for softmax/focal, none for dilution.
   """
-  items = [p.strip() for p in pattern.split(",") if p.strip()]
-  if not items:
+  items = [p.strip() for p in pattern.split(",")]
+  if not any(items):
     raise ValueError("model.attention.pattern is empty; e.g. 'softmax:rope' or "
                      "'softmax:rope,dilution:none'")
+  if not all(items):
+    raise ValueError(f"model.attention.pattern: an empty entry in {pattern!r}; entries are "
+                     "variant[:position] separated by single commas")
   specs = []
   for item in items:
     name, _, pos = item.partition(":")

@@ -194,6 +194,13 @@ def test_load_matches_original(tmp_path, tok):
   text = m.generate("It was a bright", max_new_tokens=5, temperature=0.7, seed=1,
                     stop_at_eos=False)
   assert text == tok.decode(ids[len(prompt):].tolist())
+  # Ids the embedding would clamp silently are refused.
+  for bad, match in (([m.config.vocab_size, 1], "must lie in"), ([-1, 1], "must lie in"),
+                     ([1.7, 2.2], "must be integers")):
+    with pytest.raises(ValueError, match=match):
+      m.generate(bad, max_new_tokens=2)
+  with pytest.raises(ValueError, match="must lie in"):
+    m.logits([[1, m.config.vocab_size]])
   with pytest.raises(FileNotFoundError, match="neither a focaljax workdir"):
     load(str(tmp_path / "nowhere"))
 
@@ -248,6 +255,19 @@ def test_eval_py_exits_1_when_a_suite_has_no_result(tmp_path):
   assert (tmp_path / "wd" / "eval" / "passkey.json").is_file()
 
 
+def test_eval_py_unreadable_books_are_bad_input(tmp_path):
+  """A --books file without the text field is exit 2 and one line, not a skipped suite."""
+  make_workdir(tmp_path / "wd")
+  (tmp_path / "books.jsonl").write_text(json.dumps({"body": "no text field"}) + "\n")
+  proc = subprocess.run([sys.executable, str(REPO / "eval.py"), f"--workdir={tmp_path / 'wd'}",
+                         "--suites=longdoc", f"--books={tmp_path / 'books.jsonl'}"],
+                        capture_output=True, text=True, cwd=REPO, timeout=300,
+                        env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+  assert proc.stderr.strip().splitlines()[-1].startswith("error: ")
+  assert "text" in proc.stderr
+
+
 def test_eval_py_unknown_suite_is_one_line(tmp_path):
   proc = subprocess.run([sys.executable, str(REPO / "eval.py"), f"--workdir={tmp_path}",
                          "--suites=val,nosuch"], capture_output=True, text=True, cwd=REPO,
@@ -274,6 +294,8 @@ def test_eval_py_on_a_focus_adapter_run_is_one_line(tmp_path):
     ("--max_multiplier=0", "error: flag --max_multiplier=0: 0 is not a positive integer"),
     ("--depths=0,2", "error: flag --depths=['0', '2']: each must be a number in [0, 1]"),
     ("--books=/nonexistent.jsonl", "error: flag --books=/nonexistent.jsonl: no such file"),
+    ("--suites=", "error: --suites is empty; name one or more of them, or leave it out for all"),
+    ("--suites=focus_longdoc", "error: --suites focus_longdoc needs long documents: --books"),
 ])
 def test_eval_py_bad_flag_values_are_one_line(tmp_path, flag, line):
   # Refused while parsing, not run as a suite that reports itself skipped.

@@ -259,6 +259,16 @@ def test_eval_py_focus_adapter_end_to_end(tmp_path, tiny):
   assert not (tmp_path / "base" / "eval").exists()   # the base workdir stays untouched
 
 
+def test_eval_py_with_a_language_model_as_the_adapter_is_one_line(tmp_path):
+  test_focus_train.make_base(tmp_path / "base")
+  proc = subprocess.run([sys.executable, str(REPO / "eval.py"), f"--workdir={tmp_path / 'base'}",
+                         f"--focus_adapter={tmp_path / 'base'}"], capture_output=True, text=True,
+                        cwd=REPO, env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=300)
+  assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+      f"error: {tmp_path / 'base'}: its checkpoints hold no FocusLLM adapter (a language "
+      "model's workdir?)"], proc.stderr[-2000:]
+
+
 def test_serving_config_takes_the_flags_over_the_adapter_s_own():
   cfg = focus.FocusConfig(512, prompt_len=504)   # as its run serves it (focus.eval_prompt_len)
   assert focus_eval.serving_config(cfg, {"local_len": 512}) == (cfg, 512)

@@ -33,3 +33,12 @@ def test_export_then_import_gives_the_same_logits(tmp_path, pattern):
     np.testing.assert_array_equal(got, want)
   else:
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "x"])
+def test_convert_refuses_a_shard_size_that_is_not_positive(tmp_path, capsys, value):
+  from focaljax import convert  # pylint: disable=import-outside-toplevel
+  with pytest.raises(SystemExit) as e:
+    convert.main(["focaljax-to-hf", str(tmp_path), str(tmp_path / "hf"), "--max_shard_gb", value])
+  assert e.value.code == 2
+  assert f"--max_shard_gb: must be a number > 0, got '{value}'" in capsys.readouterr().err
