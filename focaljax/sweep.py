@@ -8,9 +8,12 @@ Runs one after another locally (each a `train.py` subprocess, so one run's failu
 the rest). --print writes one launch line per run for a cluster scheduler (prefix each with your
 `srun`/`gcloud ... ssh` as usual); --print slurm writes a SLURM array job, one array task per run
 on one node (edit its #SBATCH lines, then sbatch it; see launch/slurm.sbatch). The cartesian
-product of all --grid flags is taken. Workdirs are named after the overrides:
-root/temperature=0.3,seed=1; root may be a URL (gs://bucket/sweep). Every run's config is
-validated first: a misspelt field or a bad value is one error line, and nothing runs.
+product of all --grid flags is taken; values that hold commas (hybrid patterns) are separated
+by ';' instead: --grid 'model.attention.pattern=softmax:rope;softmax:rope,dilution:none'.
+Workdirs are named after the overrides: root/temperature=0.3,seed=1; root may be a URL
+(gs://bucket/sweep). Every run's config and the arguments after -- (--config.<field>=value,
+--dry_run, --verbose) are checked first: a misspelt flag or field or a bad value is one error
+line, and nothing runs.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from ml_collections import config_flags
 from focaljax import config as config_lib
 
 _TRAIN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train.py")
+_TRAIN_FLAGS = ("--dry_run", "--nodry_run", "--verbose", "--noverbose")   # besides --config.*
 
 
 class SweepError(ValueError):
@@ -42,7 +46,7 @@ def parse_grid(items: list[str]) -> list[tuple[str, list[str]]]:
     if not sep or not values:
       raise SweepError(f"--grid {item!r}: expected field=v1,v2,... e.g. "
                        "model.attention.temperature=0.3,0.4")
-    grid.append((key, values.split(",")))
+    grid.append((key, values.split(";" if ";" in values else ",")))
   return grid
 
 
@@ -54,8 +58,20 @@ def config_path(config: str) -> str:
   return os.path.abspath(path) + sep + arg
 
 
+def check_extra(extra: list[str]) -> None:
+  """The arguments for every run: --config.<field>=value (checked with the config) or a flag of
+  train.py's; anything else would fail every run after launch."""
+  for arg in extra:
+    if not (arg.startswith("--config.") or arg.split("=")[0] in _TRAIN_FLAGS):
+      raise SweepError(f"unknown argument {arg!r}: runs take --config.<field>=value, "
+                       f"{', '.join(_TRAIN_FLAGS[::2])} (sweep's own: --config, --root, --grid, "
+                       "--print)")
+
+
 def expand(config: str, root: str, grid, extra: list[str]) -> list[tuple[str, list[str]]]:
   """[(workdir, argv)] for every point of the grid."""
+  if "://" not in root:   # the launch lines run from any directory
+    root = os.path.abspath(root)
   runs = []
   keys = [k for k, _ in grid]
   for values in itertools.product(*(v for _, v in grid)):
@@ -80,8 +96,9 @@ def check(runs: list[tuple[str, list[str]]]) -> None:
       config_lib.validate(fv.config)
     except (AttributeError, KeyError) as e:   # ml_collections: a path naming no field
       raise SweepError(f"{workdir}: {config_lib.no_field_message(e, args)}") from None
-    except (flags.Error, config_lib.ConfigError) as e:
-      raise SweepError(f"{workdir}: {' '.join(str(e).split())}") from None
+    except (flags.Error, config_lib.ConfigError) as e:   # a config file's error: its last line
+      lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+      raise SweepError(f"{workdir}: {lines[-1] if lines else e}") from None
 
 
 def slurm_array(runs: list[str]) -> str:
@@ -123,6 +140,7 @@ def main(argv=None) -> int:
   args, extra = p.parse_known_args(argv)
   extra = [e for e in extra if e != "--"]
   try:
+    check_extra(extra)
     runs = expand(config_path(args.config), args.root, parse_grid(args.grid), extra)
     check(runs)
   except SweepError as e:

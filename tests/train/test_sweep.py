@@ -18,10 +18,16 @@ def test_grid_expands_to_cartesian_product():
   assert len(runs) == 8
   workdirs = [w for w, _ in runs]
   assert len(set(workdirs)) == 8
-  assert os.path.join("runs/t", "temperature=0.4,seed=1") in workdirs
-  argv = dict(runs)[os.path.join("runs/t", "temperature=0.4,seed=1")]
+  # A relative root is made absolute: the launch lines run from any directory.
+  assert os.path.abspath(os.path.join("runs/t", "temperature=0.4,seed=1")) in workdirs
+  argv = dict(runs)[os.path.abspath(os.path.join("runs/t", "temperature=0.4,seed=1"))]
   assert "--config.model.attention.temperature=0.4" in argv and "--config.seed=1" in argv
   assert argv[-1] == "--config.train.steps=10"
+
+
+def test_values_holding_commas_are_separated_by_semicolons():
+  grid = sweep.parse_grid(["model.attention.pattern=softmax:rope;softmax:rope,dilution:none"])
+  assert grid == [("model.attention.pattern", ["softmax:rope", "softmax:rope,dilution:none"])]
 
 
 def test_bad_grid_is_refused():
@@ -84,6 +90,8 @@ def test_print_before_double_dash_still_prints_lines():
     ("model.attention.temperature=0.3,-1", [],
      r"temperature=-1: config field model.attention.temperature: must be > 0"),
     ("seed=0", ["--config.train.stepz=3"], r"seed=0: no config field train.stepz"),
+    ("seed=0", ["--dry_runn"], r"unknown argument '--dry_runn': runs take --config.<field>"),
+    ("seed=0", ["--gird", "seed=1"], r"unknown argument '--gird'"),
 ])
 def test_bad_points_are_one_line_before_anything_runs(tmp_path, capsys, grid, extra, match):
   rc = sweep.main(["--config", os.path.join(ROOT, "configs", "smoke.py"), "--root",
@@ -91,3 +99,11 @@ def test_bad_points_are_one_line_before_anything_runs(tmp_path, capsys, grid, ex
   out, err = capsys.readouterr()
   assert rc == 2 and out == "" and not os.listdir(tmp_path)
   assert len(err.strip().splitlines()) == 1 and re.search(match, err), err
+
+
+def test_a_config_file_error_is_its_last_line(tmp_path, capsys):
+  rc = sweep.main(["--config", os.path.join(ROOT, "configs", "focal.py") + ":size=bogus",
+                   "--root", str(tmp_path), "--grid", "seed=1", "--print"])
+  err = capsys.readouterr().err
+  assert rc == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+  assert "config arg size='bogus'" in err
