@@ -1,7 +1,8 @@
 """A run's workdir: what must hold before anything in it is written, and what a resume repairs.
 
   check        refuses a workdir that is a file, or whose checkpoints hold another run: another
-               model shape, data, tokenizer or global batch (one line listing the fields)
+               model shape, data, tokenizer or global batch (one line listing the fields); a
+               new data.seq_len (context extension) is allowed and said in one line
   lock         one trainer per workdir (a second is refused naming the holder's pid and host)
   cut_metrics  drops metrics.jsonl rows past the resumed step (a resumed run writes them again)
 
@@ -30,6 +31,8 @@ SHAPE_FIELDS = ("model.vocab_size", "model.d_model", "model.num_layers", "model.
 # What else makes a run the same run: its data, tokenizer and global batch.
 IDENTITY_FIELDS = SHAPE_FIELDS + ("data.source", "data.valid_source", "data.tokenizer",
                                   "data.global_batch")
+# Fields a resume may change on purpose (context extension), said in one line.
+RESUME_CHANGES = ("data.seq_len",)
 LOCK_FILE = ".lock"
 _held: dict[str, int] = {}   # workdir -> the open lock file of this process
 
@@ -60,6 +63,11 @@ def check(workdir: str, config_json: str) -> None:
     raise config_lib.ConfigError(
         f"workdir {workdir} holds a different {what} (checkpoint step {step}): {', '.join(diff)}; "
         "resume it with its own config.json, or train in another --workdir")
+  for f in RESUME_CHANGES:
+    if get(old, f) != get(new, f):
+      print(f"note: resuming {workdir} (step {step}) with {f} {get(old, f)!r} -> "
+            f"{get(new, f)!r}: eval.py and the export take the new one as the trained context",
+            file=sys.stderr)
 
 
 def lock(workdir: str) -> None:

@@ -220,6 +220,15 @@ def test_other_run_is_refused_listing_fields(workdir, field, value, want):
   assert _listing(workdir) == before
 
 
+def test_a_resume_at_another_seq_len_trains_and_says_so(workdir, capsys):
+  """Context extension: a new data.seq_len is allowed on resume, with one line saying so."""
+  c = _config(steps=4)
+  c.data.seq_len //= 2
+  lm.train(config_lib.parse(c), workdir)
+  err = capsys.readouterr().err
+  assert f"with data.seq_len {2 * c.data.seq_len} -> {c.data.seq_len}:" in err
+
+
 def test_refused_resume_leaves_the_runs_config(workdir):
   # Refused after the identity check (the micro-batch is resolved with the compiled step).
   before = open(os.path.join(workdir, "config.json")).read()
