@@ -253,6 +253,11 @@ def resolve(path: str) -> tuple[str, int | None]:
   if (path / CONFIG_FILE).exists():
     return str(path), None
   if path.parent.name == "checkpoints" and path.name.isdigit():
+    if not path.is_dir():
+      steps = sorted(int(d.name) for d in path.parent.iterdir() if d.name.isdigit()) \
+          if path.parent.is_dir() else []
+      raise FileNotFoundError(f"{path}: no checkpoint at step {path.name}; saved steps: "
+                              f"{', '.join(map(str, steps)) or 'none'}")
     return str(path.parent.parent), int(path.name)
   raise FileNotFoundError(f"{path} is neither a focaljax workdir (no {CONFIG_FILE}) nor a "
                           "checkpoints/<step> directory inside one")

@@ -203,6 +203,8 @@ def test_load_matches_original(tmp_path, tok):
     m.logits([[1, m.config.vocab_size]])
   with pytest.raises(FileNotFoundError, match="neither a focaljax workdir"):
     load(str(tmp_path / "nowhere"))
+  with pytest.raises(FileNotFoundError, match="no checkpoint at step 7; saved steps: 3$"):
+    load(str(tmp_path / "checkpoints" / "7"))
 
 
 def test_load_reads_a_workdir_written_before(tmp_path):
