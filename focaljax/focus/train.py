@@ -13,6 +13,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import os
+import typing
 
 import jax
 import jax.numpy as jnp
@@ -171,6 +172,15 @@ def resolve(path: str) -> tuple[str, int | None]:
                           "a checkpoints/<step> directory inside one")
 
 
+class StepShape(typing.NamedTuple):
+  """A FocusLLM step's compile key: its chunk size and memory length."""
+  chunk: int
+  memory: int
+
+  def __str__(self):
+    return f"chunk {self.chunk}, memory {self.memory}"
+
+
 class NotAnAdapter(ValueError):
   """A path holds no FocusLLM adapter, or one trained on another base."""
 
@@ -260,26 +270,28 @@ def task(cfg: config_lib.Config, workdir: str, mesh) -> loop.Task:
     try:
       for step, local in ahead:
         chunk, M = sampler.shape(step)
-        yield loop.Batch(local, key=chunk, tokens=B * (M + T), info={"chunk_size": chunk})
+        # One compiled step per (chunk size, memory length): the batch's shapes.
+        yield loop.Batch(local, key=StepShape(chunk, M), tokens=B * (M + T),
+                         info={"chunk_size": chunk})
     finally:
       ahead.close()
 
-  def abstract_batches():   # each chunk size's longest memory: the peak
-    longest = max(f.memory_tokens)
-    shapes = lambda s: {"memory": (B, s * (longest // s)), "tokens": (B, T + 1),
-                        "reconstruction": (B,), "key_at": (B,)}
-    return {s: {k: jax.ShapeDtypeStruct(v, jnp.float32 if k == "reconstruction" else jnp.int32,
-                                        sharding=batch_sh[k]) for k, v in shapes(s).items()}
-            for s in f.chunk_sizes}
+  def abstract_batches():   # every (chunk size, memory length) a step can draw
+    shapes = lambda M: {"memory": (B, M), "tokens": (B, T + 1), "reconstruction": (B,),
+                        "key_at": (B,)}
+    keys = {StepShape(s, s * (m // s)) for s in f.chunk_sizes for m in f.memory_tokens}
+    return {key: {k: jax.ShapeDtypeStruct(v, jnp.float32 if k == "reconstruction" else
+                                             jnp.int32, sharding=batch_sh[k])
+                     for k, v in shapes(key.memory).items()} for key in sorted(keys)}
 
   served = focus_cfg(max(f.chunk_sizes), f.eval_prompt_len or f.prompt_len)
   return loop.Task(
       params=jax.device_put(adapter, replicated),
       param_sh=jax.tree.map(lambda _: replicated, adapter),
       tx=optim.make(cfg.optim, adapter),
-      loss=lambda chunk: functools.partial(loss, graphdef=graphdef,
-                                           cfg=focus_cfg(chunk, f.prompt_len),
-                                           num_targets=f.num_targets),
+      loss=lambda key: functools.partial(loss, graphdef=graphdef,
+                                         cfg=focus_cfg(key.chunk, f.prompt_len),
+                                         num_targets=f.num_targets),
       batch_sh=batch_sh, batches=batches, abstract_batches=abstract_batches,
       frozen=base_params, frozen_sh=base_sh,
       meta=meta(served, trained_prompt_len=f.prompt_len, local_len=f.local_len,

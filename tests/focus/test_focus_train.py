@@ -170,6 +170,16 @@ def test_memory_lengths_are_drawn_per_step_and_validated(tmp_path):
     config_lib.parse(focus_cfg(tmp_path / "base", memory_tokens="20,x"))
 
 
+def test_train_over_several_memory_lengths(tmp_path):
+  """Each (chunk size, memory length) a step draws has its compiled step (configs/focus_drills.py
+  stages 2-3 list two lengths)."""
+  make_base(tmp_path / "base")
+  c = focus_cfg(tmp_path / "base", memory_tokens="32,47", doc_min_tokens=64)
+  c.train.update(steps=3, ckpt_every=3)
+  train(c, tmp_path / "focus")
+  assert saved_steps(tmp_path / "focus") == [3]
+
+
 def test_train_saves_adapter_keeps_base_and_resumes(tmp_path, monkeypatch):
   base_wd, wd = tmp_path / "base", tmp_path / "focus"
   assert make_base(base_wd) == 64
@@ -242,7 +252,7 @@ def test_refuses_chunks_past_the_base_context_and_dry_runs(tmp_path):
   with pytest.raises(config_lib.ConfigError, match="focus.doc_min_tokens.*72 candidates"):
     config_lib.parse(focus_cfg(tmp_path / "base", chunk_sizes="8", doc_min_tokens=600))
   out = train(focus_cfg(tmp_path / "base", chunk_sizes="8"), tmp_path / "wd", dry_run=True)
-  assert out["dry_run"] and set(out["memory"]) == {8}
+  assert out["dry_run"] and set(out["memory"]) == {(8, 40)}   # (chunk size, memory length)
   assert saved_steps(tmp_path / "wd") == []
 
 
