@@ -316,7 +316,17 @@ def _base_context(path: str) -> int:
     raise ConfigError(f"config field focus.base_workdir: {e}") from None
   _require(step is not None or checkpoint.latest_step(workdir) is not None, "focus.base_workdir",
            f"{workdir} has no checkpoint under checkpoints/ (train it first)")
-  return read_run_config(workdir).data.seq_len
+  base = read_run_config(workdir)
+  _require("focus" not in base, "focus.base_workdir",
+           f"{workdir} is a FocusLLM adapter run, not a base language model")
+  a = base.model.attention
+  for i, spec in enumerate(attn_lib.parse_pattern(a.pattern, base.model.num_layers)):
+    # Candidate tokens have no analogue of dilution's running demand or of a learned τ's mean.
+    learned = a.learned and spec.variant is attn_lib.Variant.FOCAL
+    _require(not attn_lib.FAMILY[spec.variant].demand and not learned, "focus.base_workdir",
+             f"{workdir}: layer {i} is {spec.variant.value}{' with a learned τ' * learned}; "
+             "FocusLLM reads bases of softmax or constant-temperature focal layers")
+  return base.data.seq_len
 
 
 def focus_config(c: ml_collections.ConfigDict, context: int | None = None) -> FocusTrainConfig:

@@ -240,6 +240,19 @@ def test_refuses_chunks_past_the_base_context_and_dry_runs(tmp_path):
     config_lib.parse(focus_cfg(tmp_path / "base", chunk_sizes="8,64"))
   with pytest.raises(config_lib.ConfigError, match="focus.base_workdir"):
     config_lib.parse(focus_cfg(tmp_path / "nowhere"))
+  # Bases FocusLLM cannot read: refused at the config, naming the layer.
+  saved = (tmp_path / "base" / "config.json").read_text()
+  for edit, match in ((lambda j: j["model"]["attention"].update(pattern="softmax,dilution"),
+                       "layer 1 is dilution;"),
+                      (lambda j: j["model"]["attention"].update(pattern="focal", learned=True),
+                       "layer 0 is focal with a learned τ;"),
+                      (lambda j: j.update(focus={}), "is a FocusLLM adapter run, not a base")):
+    j = json.loads(saved)
+    edit(j)
+    (tmp_path / "base" / "config.json").write_text(json.dumps(j))
+    with pytest.raises(config_lib.ConfigError, match=f"focus.base_workdir: .*{match}"):
+      config_lib.parse(focus_cfg(tmp_path / "base"))
+  (tmp_path / "base" / "config.json").write_text(saved)
   with pytest.raises(config_lib.ConfigError, match="focus.base_attention.*'xla', 'pallas'"):
     config_lib.parse(focus_cfg(tmp_path / "base", base_attention="cudnn"))
   with pytest.raises(config_lib.ConfigError, match="focus.candidate_path.*'frozen'"):
