@@ -141,7 +141,7 @@ def task(cfg: config_lib.Config, workdir: str, mesh, *, abstract: bool = False) 
   def evaluate(params) -> dict:
     """Mean validation loss over the first train.eval_batches batches of the valid split."""
     it = data_lib.make_iterator(cfg.data, tokenizer, split="valid", process_index=pidx,
-                                process_count=pcount)
+                                process_count=pcount, num_shards=cfg.data_shards or None)
     l_sum = w_sum = 0.0
     for _ in range(cfg.train.eval_batches):
       try:

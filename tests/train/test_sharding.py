@@ -37,10 +37,10 @@ def _train(workdir, devices=1, extra=(), env_extra=None, wait=True):
   return _losses(workdir)
 
 
-def _losses(workdir):
+def _losses(workdir, key="loss"):
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     rows = [json.loads(line) for line in f]
-  return np.array([r["loss"] for r in rows if "loss" in r])
+  return np.array([r[key] for r in rows if key in r])
 
 
 @pytest.fixture(scope="module")
@@ -65,11 +65,13 @@ def _free_port():
 
 
 def test_two_processes_match_one(tmp_path):
-  # Fixed data shards make the global batch independent of the process count.
-  ref = _train(tmp_path / "ref", devices=2, extra=["--config.data.shards=2"])
+  # Fixed data shards make the global batch, and the validation batches, independent of the
+  # process count.
+  extra = ["--config.data.shards=2", f"--config.train.eval_every={STEPS}"]
+  ref = _train(tmp_path / "ref", devices=2, extra=extra)
   port = _free_port()
   procs = [
-      _train(tmp_path / "multi", devices=1, extra=["--config.data.shards=2"], wait=False,
+      _train(tmp_path / "multi", devices=1, extra=extra, wait=False,
              env_extra={"JAX_COORDINATOR_ADDRESS": f"localhost:{port}",
                         "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(i)})
       for i in range(2)]
@@ -77,6 +79,9 @@ def test_two_processes_match_one(tmp_path):
   for p, out in zip(procs, outs):
     assert p.returncode == 0, out.decode()[-3000:]
   np.testing.assert_allclose(_losses(tmp_path / "multi"), ref, rtol=2e-5)
+  val = [_losses(d, "val_loss") for d in (tmp_path / "ref", tmp_path / "multi")]
+  assert len(val[0]) == 1
+  np.testing.assert_allclose(val[1], val[0], rtol=2e-5)
 
 
 def test_mesh_sizes_are_checked():
