@@ -134,6 +134,8 @@ def validate(c: ml_collections.ConfigDict, *, process_count: int = 1) -> None:
   _require(tau["tau_min"] <= tau["tau_init"] <= tau["tau_max"], "model.attention.tau_init",
            f"{tau['tau_init']:g} must lie in [tau_min, tau_max] = [{tau['tau_min']:g}, "
            f"{tau['tau_max']:g}] or w_τ starts clipped and never learns")
+  _require("://" in d.token_cache or not os.path.isfile(d.token_cache), "data.token_cache",
+           f"{d.token_cache} is a file; give a directory (created if missing)")
   rows = a.checkpoint_rows
   _require(isinstance(rows, int) and rows >= 64 and not rows & (rows - 1),
            "model.attention.checkpoint_rows",

@@ -59,6 +59,7 @@ def test_size_presets_build_abstractly(size):
     ("seed", -1, "seed: must be in"),
     ("seed", 2**32, "seed: must be in"),
     ("model.rope_scaling", {"factor": 2.0}, "model.rope_scaling: needs exactly the fields"),
+    ("data.token_cache", __file__, "data.token_cache: .* is a file"),
     ("model.attention.learned", True, "model.attention.learned: True, but .* no focal layer"),
     ("model.num_kv_heads", 3, "model.num_kv_heads"),
     ("model.num_heads", 3, "model.num_heads"),

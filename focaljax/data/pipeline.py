@@ -57,6 +57,8 @@ import hashlib
 import io
 import json
 import os
+import sys
+import zipfile
 from typing import Any
 
 import grain
@@ -208,9 +210,13 @@ def _tokenize_ahead(ds: grain.MapDataset, tok: tokenizer_lib.Tokenizer,
       h.update(t.encode("utf-8", "surrogatepass") + b"\0")
     path = epath.Path(cfg.token_cache) / f"tokens-{h.hexdigest()[:20]}.npz"
     if path.is_file():
-      with path.open("rb") as f, np.load(f) as z:
-        flat, ends = z["tokens"].astype(np.int32), z["ends"]
-      return grain.MapDataset.source([{"tokens": t} for t in np.split(flat, ends[:-1])])
+      try:
+        with path.open("rb") as f, np.load(f) as z:
+          flat, ends = z["tokens"].astype(np.int32), z["ends"]
+        return grain.MapDataset.source([{"tokens": t} for t in np.split(flat, ends[:-1])])
+      except (OSError, ValueError, KeyError, zipfile.BadZipFile) as e:   # a cut-short write
+        print(f"warning: token cache {path} is unreadable ({e}); tokenizing again",
+              file=sys.stderr)
   # encode_batch runs in Rust on every core; one chunk of documents at a time bounds the copies.
   tokens, chunk = [], 256
   for start in range(0, len(texts), chunk):

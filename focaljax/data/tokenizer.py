@@ -25,6 +25,8 @@ import tokenizers
 from etils import epath
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from focaljax.data import sources
+
 EOS_TOKEN = "<|endoftext|>"
 FILENAME = "tokenizer.json"
 CONFIG_FILENAME = "tokenizer_config.json"
@@ -131,7 +133,10 @@ class Tokenizer:
       path = path / FILENAME
     if not path.is_file():
       raise FileNotFoundError(f"no tokenizer file at {path}")
-    hf = tokenizers.Tokenizer.from_str(path.read_text())
+    try:
+      hf = tokenizers.Tokenizer.from_str(path.read_text())
+    except Exception as e:  # pylint: disable=broad-except  (the Rust parser's one error type)
+      raise sources.DataError(f"{path} is not a tokenizer.json ({e})") from None
     eos = EOS_TOKEN
     config = path.parent / CONFIG_FILENAME
     if hf.token_to_id(EOS_TOKEN) is None and config.is_file():

@@ -14,6 +14,7 @@ import pytest
 
 from focaljax.data import pipeline as data
 from focaljax.data import sources
+from focaljax.data import tokenizer as tokenizer_lib
 
 EOS = 1  # the fake tokenizer's <|endoftext|>; padding is 0 and document tokens are >= 10_000
 
@@ -197,6 +198,26 @@ def test_token_cache_reuses_ahead_tokenization_and_misses_on_other_tokens(corpus
   assert Counting.calls > 0 and len(list(tmp_path.glob("tokens-*.npz"))) == 2
   with pytest.raises(ValueError, match="token_cache.*needs tokenize='ahead'"):
     dataclasses.replace(cfg, tokenize="stream", token_cache=str(tmp_path))
+
+
+def test_a_damaged_token_cache_is_tokenized_again(corpus, tmp_path, capsys):
+  """A cache file cut short (a killed run) is a warning and a fresh tokenization, not a crash."""
+  cfg, _ = corpus
+  cached = dataclasses.replace(cfg, tokenize="ahead", token_cache=str(tmp_path), num_epochs=1)
+  want = batches(cached)
+  (path,) = tmp_path.glob("tokens-*.npz")
+  path.write_bytes(path.read_bytes()[:100])
+  got = batches(cached)
+  assert "is unreadable" in capsys.readouterr().err and len(got) == len(want)
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(g["inputs"], w["inputs"])
+  assert len(path.read_bytes()) > 100   # written again whole
+
+
+def test_a_file_that_is_no_tokenizer_is_a_data_error(tmp_path):
+  (tmp_path / "config.json").write_text('{"model": {"d_model": 8}}')
+  with pytest.raises(sources.DataError, match="is not a tokenizer.json"):
+    tokenizer_lib.Tokenizer.load(tmp_path / "config.json")
 
 
 @pytest.mark.parametrize("num_epochs, tokenize", [(3, "stream"), (None, "stream"), (3, "ahead")])
