@@ -281,7 +281,7 @@ def main(argv=None):
   ap.add_argument("--base_attention", default="auto",
                   help="model.attention.implementation of the base mode")
   ap.add_argument("--chunk_attention", default="xla",
-                  help="the same for the focus modes' frozen chunk prefill (focus/adapter.py "
+                  help="the same for the focus modes' frozen chunk prefill (focus/train.py "
                   "with_attention: cudnn needs a 16-bit --dtype)")
   ap.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
                   help="one process per entry (default: on unless --smoke)")

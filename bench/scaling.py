@@ -194,7 +194,8 @@ def main():
     print("ROW " + json.dumps(run_row(name, args.gpus, label, args.steps, args.smoke)), flush=True)
     return
   # The parent never initialises a GPU backend (that would take the memory the rows need).
-  n = args.gpus or (len(jax.devices()) if args.smoke else _gpu_count())
+  # --smoke simulates its devices (XLA_FLAGS in each row's process): 2 unless --gpus says more.
+  n = args.gpus or (2 if args.smoke else _gpu_count())
   if n < 2:
     raise SystemExit(f"--gpus: need at least 2 devices; got {n}")
   print(f"jax {jax.__version__}, {n} devices", flush=True)

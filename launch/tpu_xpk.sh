@@ -1,6 +1,6 @@
 #!/bin/bash
 # One focaljax training run on a Cloud TPU pod slice through GKE and xpk. Copy and edit, then:
-#   launch/tpu_xpk.sh configs/base.py:size=1b gs://bucket/runs/1b [--config.x=y ...]
+#   launch/tpu_xpk.sh configs/base.py:size=1.3b gs://bucket/runs/1.3b [--config.x=y ...]
 #
 # Assumes an xpk cluster (xpk cluster create --cluster $CLUSTER --tpu-type $TPU_TYPE ...) and an
 # image that holds this repository with focaljax installed for TPU (pip install -e . 'jax[tpu]').
@@ -30,4 +30,4 @@ xpk workload create \
   --num-slices "$NUM_SLICES" \
   --docker-image "$IMAGE" \
   --max-restarts 10 \
-  --command "python train.py --config=$CONFIG --workdir=$WORKDIR $*"
+  --command "python train.py --config=$CONFIG --workdir=$WORKDIR ${*@Q}"

@@ -64,8 +64,10 @@ def convert(run: str) -> list[int]:
 
 
 if __name__ == "__main__":
-  if len(sys.argv) != 2:
-    sys.exit("usage: python -m focaljax.focus.legacy RUN_WORKDIR   (converts adapter/<step>/)")
+  if len(sys.argv) != 2 or sys.argv[1] in ("-h", "--help"):
+    print("usage: python -m focaljax.focus.legacy RUN_WORKDIR   (converts adapter/<step>/)",
+          file=sys.stderr if len(sys.argv) != 2 else sys.stdout)
+    sys.exit(2 if len(sys.argv) != 2 else 0)
   try:
     print(f"converted steps {convert(sys.argv[1])} of {sys.argv[1]} to checkpoints/<step>/")
   except (FileNotFoundError, ValueError) as e:
