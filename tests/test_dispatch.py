@@ -145,6 +145,7 @@ def test_glue_per_platform(on):
 
 
 def test_condense(on):
+  on("cpu")
   assert dispatch.choose("condense", "pallas").interpret
   on("gpu")
   assert not dispatch.choose("condense", "pallas").interpret

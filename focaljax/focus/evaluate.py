@@ -32,6 +32,7 @@ from focaljax.evaluation.retrieval import leading_number, passkey_budget
 from focaljax.focus import train as focus_train
 from focaljax.focus import generate as focus_generate
 from focaljax.focus import model as focus
+from focaljax.train import checkpoint
 
 FOCUS_SUITES = ("focus_passkey", "focus_longdoc")
 DEFAULT_MULTIPLIERS = (2, 8, 32, 100)   # the paper's Fig. 1 spans 2K..400K on a 4K base
@@ -314,6 +315,12 @@ def run(base_path: str, adapter_path: str, *, suites=FOCUS_SUITES, books: str | 
   out_dir = out_dir or str(epath.Path(meta["workdir"]) / "eval" /
                            (f"adapter_{meta['step']}" if explicit else ""))
   ctx = m.trained_len
+  try:   # the same shapes restore, so only the recorded path tells another base apart
+    trained_on = checkpoint.resolve(meta["base_workdir"])[0]
+  except (FileNotFoundError, KeyError):
+    trained_on = None   # moved, or not recorded
+  if trained_on and trained_on != m.workdir:
+    log(f"warning: the adapter was trained on the base {trained_on}, not {m.workdir}")
   log(f"focaljax focus eval: base {m.workdir} step {m.step} (context {ctx}), adapter "
       f"{meta['workdir']} step {meta['step']} (trained on {meta['base_workdir']}), {cfg}, "
       f"local window {local_len or ctx // 2}, {dtype}, base attention {base_attention}")

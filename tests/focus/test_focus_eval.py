@@ -257,6 +257,7 @@ def test_eval_py_focus_adapter_end_to_end(tmp_path, tiny):
   assert results["focus_passkey"]["rows"][0]["local_len"] == 16   # the adapter's training window
   assert results["focus_longdoc"]["ranges"] == [[0, 64], [64, 128]]
   assert not (tmp_path / "base" / "eval").exists()   # the base workdir stays untouched
+  assert "warning: the adapter was trained on" not in proc.stdout   # its own base
 
 
 def test_eval_py_with_a_language_model_as_the_adapter_is_one_line(tmp_path):
