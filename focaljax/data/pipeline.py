@@ -154,9 +154,10 @@ def _recorded_with(workdir: str, cfg: DataConfig) -> bool:
   return data.get("tokenizer") == cfg.tokenizer and data.get("source") == cfg.source
 
 
-def load_tokenizer(cfg: DataConfig, workdir: str | None) -> tokenizer_lib.Tokenizer:
+def load_tokenizer(cfg: DataConfig, workdir: str | None,
+                   save: bool = True) -> tokenizer_lib.Tokenizer:
   """The tokenizer `cfg.tokenizer` names; "train:N[:<style>]" trains once and caches
-  workdir/tokenizer.json.
+  workdir/tokenizer.json (unless `save` is False: a dry run).
 
   The cached file is reused when the workdir's recorded run (its config.json) names the same
   tokenizer and source; one left by a run refused before it recorded anything is retrained.
@@ -175,7 +176,7 @@ def load_tokenizer(cfg: DataConfig, workdir: str | None) -> tokenizer_lib.Tokeni
   docs = documents(cfg, "train")
   size, digits = train
   tok = tokenizer_lib.train_bpe((docs[i] for i in range(len(docs))), size, digits=digits)
-  if workdir is not None:
+  if workdir is not None and save:
     tok.save(workdir)
   return tok
 

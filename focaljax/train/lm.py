@@ -92,9 +92,9 @@ def task(cfg: config_lib.Config, workdir: str, mesh, *, abstract: bool = False) 
   data_lib.documents(cfg.data, "train")
   if cfg.train.eval_every:
     data_lib.documents(cfg.data, "valid")
-  tokenizer = data_lib.load_tokenizer(cfg.data, workdir)
+  tokenizer = data_lib.load_tokenizer(cfg.data, workdir, save=not abstract)
   cfg = cfg.with_vocab(tokenizer.vocab_size)
-  if distributed.is_primary():
+  if distributed.is_primary() and not abstract:   # a dry run writes nothing
     tokenizer.save(workdir)
   graphdef, abstract_state = model_lib.abstract_model(cfg.model)
   param_sh = sharding.param_shardings(abstract_state, mesh)

@@ -207,7 +207,7 @@ def run(cfg: config_lib.Config, workdir: str, make_task, *, dry_run: bool = Fals
     raise config_lib.ConfigError(   # over the data and fsdp axes
         f"config field data.global_batch: {cfg.data.global_batch} must be divisible by the "
         f"{shape['data'] * shape['fsdp']} devices that split it (mesh.data x mesh.fsdp)")
-  if distributed.is_primary():
+  if distributed.is_primary() and not dry_run:   # a dry run writes nothing
     workdir_lib.lock(workdir)   # one trainer per workdir; the kernel frees it if we die
   known = {}   # what an out-of-memory error can report (memory.oom_as_error)
   try:
