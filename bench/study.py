@@ -243,6 +243,7 @@ def collect_run(args, arm: str, seed: int) -> dict | None:
   from focaljax.data import tokenizer
   from focaljax.model import decoder as model
   from focaljax.train import checkpoint
+  from focaljax.train import saved_config
   vocab = tokenizer.Tokenizer.load(wd).vocab_size
   path = pathlib.Path(wd, "metrics.jsonl")
   log = [json.loads(l) for l in path.read_text().splitlines() if l.strip()] if path.exists() else []
@@ -254,7 +255,7 @@ def collect_run(args, arm: str, seed: int) -> dict | None:
   r = {"arm": arm, "seed": seed, "workdir": wd, "pattern": a["pattern"], "learned": a["learned"],
        "implementation": a["implementation"], "trained": trained(wd), "steps": steps,
        "seq_len": T, "global_batch": B, "tokens": steps * B * T, "vocab": vocab,
-       "params": model.param_count(config_lib.model_config(config_lib.read_run_config(wd), vocab)),
+       "params": model.param_count(config_lib.model_config(saved_config.read(wd), vocab)),
        "train_loss": losses[-1] if losses else None,
        # The first logged interval includes compilation (and a resume's restore): the median.
        "tokens_per_s": statistics.median(tps[1:] or tps) if tps else None,

@@ -3,19 +3,18 @@
 `parse` validates a ConfigDict once, before anything is built or compiled, and returns `Config`
 (ModelConfig, DataConfig, OptimConfig, TrainConfig, MeshConfig, FocusTrainConfig). Every error is
 one line naming the field and what it allows; nothing is silently corrected. Past this module no
-code reads a ConfigDict. A workdir's saved config.json reaches it through `upgrade`.
+code reads a ConfigDict. A workdir's saved config.json reaches it through
+`focaljax.train.saved_config`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import json
 import os
 import re
 
 import ml_collections
-from etils import epath
 
 from focaljax import dispatch
 from focaljax.model import attention as attn_lib
@@ -309,7 +308,7 @@ def _int_list(f, name: str) -> tuple[int, ...]:
 
 def _base_context(path: str) -> int:
   """The trained context (data.seq_len) of the base workdir `path`, which must hold a checkpoint."""
-  from focaljax.train import checkpoint  # pylint: disable=import-outside-toplevel
+  from focaljax.train import checkpoint, saved_config  # pylint: disable=import-outside-toplevel
   _require(bool(path), "focus.base_workdir",
            "is required: a trained focaljax workdir (python train.py ...)")
   try:
@@ -318,7 +317,7 @@ def _base_context(path: str) -> int:
     raise ConfigError(f"config field focus.base_workdir: {e}") from None
   _require(step is not None or checkpoint.latest_step(workdir) is not None, "focus.base_workdir",
            f"{workdir} has no checkpoint under checkpoints/ (train it first)")
-  base = read_run_config(workdir)
+  base = saved_config.read(workdir)
   _require("focus" not in base, "focus.base_workdir",
            f"{workdir} is a FocusLLM adapter run, not a base language model")
   a = base.model.attention
@@ -335,6 +334,7 @@ def focus_config(c: ml_collections.ConfigDict, context: int | None = None) -> Fo
   """focus.*, checked against the base's trained context `context` (default: read from
   focus.base_workdir). Every position a step uses must stay below it."""
   from focaljax.focus import model as candidates  # pylint: disable=import-outside-toplevel
+  from focaljax.train import checkpoint  # pylint: disable=import-outside-toplevel
   f = c.focus
   if context is None:
     context = _base_context(f.base_workdir)
@@ -385,52 +385,4 @@ def focus_config(c: ml_collections.ConfigDict, context: int | None = None) -> Fo
                f"{M // s} candidates (chunk {s}, memory {M}) + focus.local_len={f.local_len} "
                f"exceed the base's data.seq_len={context}; use larger chunks or shorter memories")
   return _frozen(FocusTrainConfig, f, context=context, chunk_sizes=sizes, memory_tokens=memories,
-                 base_workdir=absolute(f.base_workdir) if f.base_workdir else "")
-
-
-# A workdir's config.json is read through `upgrade`, the one place that knows older layouts:
-# fields it may lack (written before they existed), with the value such a run had, and fields
-# removed since (speed variants and FocusLLM arms that lost), ignored.
-_ADDED = {"model.remat_policy": "nothing", "model.attention.checkpoint_rows": 1024,
-          "model.qkv_bias": False, "model.sliding_window": 0,
-          "model.rope_scaling": dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                                     original_max_position_embeddings=0),
-          "data.tokenize": "stream", "data.token_cache": "", "data.retrieval_mix": 0.0,
-          "data.jsonl_field": "text", "data.tfds_data_dir": "",
-          "optim.schedule_steps": 0, "optim.mu_dtype": "float32", "train.micro_batch": 0,
-          "train.wandb_project": "", "focus.retrieval_mix": 0.0, "focus.memory_tokens": "",
-          "focus.eval_prompt_len": 0, "focus.candidate_path": "adapter"}
-_REMOVED = ("optim.grad_accum", "model.fuse_matmuls", "model.norm_backward",
-            "model.qk_rope_backward", "model.mlp_backward", "model.add_norm", "train.cross_entropy",
-            "model.attention.mask_pieces",
-            "focus.candidate_positions", "focus.candidate_bias", "focus.sink",
-            "focus.drill_in_window", "focus.answer_weight")
-
-
-def absolute(path: str) -> str:
-  """A local path made absolute; a URL (gs://bucket/run) as given."""
-  return str(path) if "://" in str(path) else os.path.abspath(path)
-
-
-def read_run_config(workdir: str) -> ml_collections.ConfigDict:
-  """A workdir's config.json as a ConfigDict in today's fields."""
-  from focaljax.train import checkpoint  # pylint: disable=import-outside-toplevel
-  return upgrade(json.loads((epath.Path(workdir) / checkpoint.CONFIG_FILE).read_text()))
-
-
-def upgrade(saved: dict) -> ml_collections.ConfigDict:
-  """A saved config (config.json's dict) in today's fields."""
-  def parent(dotted):
-    *path, name = dotted.split(".")
-    node = saved
-    for part in path:
-      node = node.get(part, {})
-    return node, name
-  for dotted, value in _ADDED.items():
-    node, name = parent(dotted)
-    if node:   # a section the config has (focus.* only in FocusLLM runs)
-      node.setdefault(name, value)
-  for dotted in _REMOVED:
-    node, name = parent(dotted)
-    node.pop(name, None)
-  return ml_collections.ConfigDict(saved)
+                 base_workdir=checkpoint.absolute(f.base_workdir) if f.base_workdir else "")

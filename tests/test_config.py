@@ -14,6 +14,7 @@ from ml_collections import config_flags  # noqa: F401  (the loader train.py uses
 from configs import base, sizes
 from focaljax import config as config_lib
 from focaljax.model import decoder as model_lib
+from focaljax.train import saved_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_FILES = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "configs", "*.py"))
@@ -147,7 +148,7 @@ def test_a_workdir_config_from_before_the_data_fields_still_loads():
   # A config.json written before data.tokenize / data.token_cache existed (eval.py, resume).
   saved = base.get_config().to_dict()
   del saved["data"]["tokenize"], saved["data"]["token_cache"]
-  d = config_lib.data_config(config_lib.upgrade(saved))
+  d = config_lib.data_config(saved_config.upgrade(saved))
   assert d.tokenize == "stream" and d.token_cache is None
 
 
@@ -159,7 +160,7 @@ def test_a_workdir_config_with_the_deleted_speed_variants_still_loads():
   saved["model"]["attention"].update(implementation="xla", mask_pieces=1)
   del saved["model"]["attention"]["checkpoint_rows"]
   saved["train"]["cross_entropy"] = "explicit"
-  c = config_lib.upgrade(saved)
+  c = saved_config.upgrade(saved)
   config_lib.validate(c)
   cfg = config_lib.model_config(c, vocab_size=256)
   assert cfg.attention.implementation == "xla" and cfg.attention.checkpoint_rows == 1024

@@ -13,6 +13,7 @@ from etils import epath
 from flax import nnx
 
 from focaljax.train import checkpoint
+from focaljax.train import saved_config
 from focaljax import config as config_lib
 from focaljax.evaluation import generate as gen_lib
 from focaljax.model import decoder as model_lib
@@ -97,7 +98,7 @@ def _tokenizer(workdir: str, run: config_lib.Config) -> tokenizer_lib.Tokenizer:
 def load(path: str) -> LoadedModel:
   """A workdir (latest step) or workdir/checkpoints/<step> -> LoadedModel."""
   workdir, step = checkpoint.resolve(path)
-  saved = config_lib.read_run_config(workdir)
+  saved = saved_config.read(workdir)
   if "focus" in saved:
     raise NotALanguageModel(f"{workdir} is a FocusLLM adapter run; evaluate it with python "
                             f"eval.py --workdir BASE --focus_adapter {workdir}")

@@ -19,6 +19,7 @@ from focaljax.focus import model as focus
 from focaljax.focus import train as focus_train
 from focaljax.train import checkpoint
 from focaljax.train import optim
+from focaljax.train import saved_config
 
 DIR = "adapter"
 # focus.json fields of the .npz layout whose arms were removed, with the only value kept.
@@ -33,7 +34,7 @@ def convert(run: str) -> list[int]:
   steps = sorted(int(d.name) for d in root.iterdir() if d.name.isdigit()) if root.is_dir() else []
   if not steps:
     raise FileNotFoundError(f"{root} holds no adapter/<step>/ to convert")
-  c = config_lib.read_run_config(run)
+  c = saved_config.read(run)
   for step in steps:
     d = root / str(step)
     saved = json.loads((d / "focus.json").read_text())

@@ -160,7 +160,7 @@ def with_attention(model, implementation: str):
 
 def resolve(path: str) -> tuple[str, int | None]:
   """(run workdir, step) of a FocusLLM run workdir (None: latest) or a checkpoints/<step> in it."""
-  p = epath.Path(config_lib.absolute(path))
+  p = epath.Path(checkpoint.absolute(path))
   if p.parent.name == "checkpoints" and p.name.isdigit():
     return str(p.parent.parent), int(p.name)
   if checkpoint.latest_step(str(p)) is not None:

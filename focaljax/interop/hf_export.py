@@ -31,6 +31,7 @@ from focaljax.interop.hf import _ARCHS, _copy_tokenizer, _name_map, _out_dir, _t
 from focaljax.model import attention as attn_lib
 from focaljax.model import decoder as model_lib
 from focaljax.train import checkpoint
+from focaljax.train import saved_config
 
 _EXPORT_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
@@ -184,7 +185,7 @@ def focaljax_to_hf(path: str, out_dir: str, *, dtype: str | None = None,
   """Exports a focaljax workdir (latest step) or checkpoints/<step> dir as an HF directory."""
   workdir, step = checkpoint.resolve(path)
   _out_dir(out_dir, workdir, replace)
-  run = config_lib.parse(config_lib.read_run_config(workdir))
+  run = config_lib.parse(saved_config.read(workdir))
   plan = _layer_plan(run.model)
   q_scales = _q_scales(run.model, plan)
   tok_file, eos = _tokenizer(workdir, bundled=run.data.tokenizer == "bundled")

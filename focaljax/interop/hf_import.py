@@ -144,7 +144,7 @@ def hf_to_focaljax(hf_dir: str, out_dir: str, *, replace: bool = False) -> str:
   hf = _read_json(os.path.join(hf_dir, "config.json"))
   tensors = safetensors_file.read_dir(hf_dir)
   run_config = hf_config_to_focaljax(hf, tensors)
-  run_config.data.tokenizer = str(epath.Path(config_lib.absolute(out_dir)) /
+  run_config.data.tokenizer = str(epath.Path(checkpoint.absolute(out_dir)) /
                                   checkpoint.TOKENIZER_FILE)
   cfg = config_lib.parse(run_config).with_vocab(hf["vocab_size"]).model
   # The exact tree load() restores into, as ShapeDtypeStructs: its keys and shapes are the spec.
@@ -192,7 +192,7 @@ def _save_params(out_dir: str, params: dict, meta: dict):
       (np.ndarray, ocp.type_handlers.NumpyHandler(**numpy_kw)),
       (jax.Array, ocp.type_handlers.ArrayHandler()))
   manager = ocp.CheckpointManager(
-      epath.Path(config_lib.absolute(out_dir)) / "checkpoints",
+      epath.Path(checkpoint.absolute(out_dir)) / "checkpoints",
       item_handlers={"params": ocp.PyTreeCheckpointHandler(type_handler_registry=registry,
                                                            use_compression=False),
                      "meta": ocp.JsonCheckpointHandler()},

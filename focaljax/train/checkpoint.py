@@ -2,7 +2,7 @@
 
 Layout of a workdir:
   config.json          the config of the latest run (written by process 0; read through
-                       focaljax.config.read_run_config)
+                       focaljax.train.saved_config.read)
   metrics.jsonl        one JSON line per logged step (train/metrics.py)
   tokenizer.json       the language model's tokenizer (travels with the checkpoint)
   checkpoints/<step>/  Orbax items: params (the trained parameters: the model's, or a FocusLLM
@@ -241,10 +241,13 @@ class Checkpointer:
     self.manager.close()
 
 
+def absolute(path) -> str:
+  """A local path made absolute; a URL (gs://bucket/run) as given."""
+  return str(path) if "://" in str(path) else os.path.abspath(path)
+
+
 def _path(path) -> epath.Path:
-  """An epath of `path`: a local one absolute, a URL (gs://bucket/run) as given (as
-  focaljax.config.absolute, which this module cannot import: config reads checkpoints)."""
-  return epath.Path(path if "://" in str(path) else os.path.abspath(path))
+  return epath.Path(absolute(path))
 
 
 def resolve(path: str) -> tuple[str, int | None]:

@@ -23,6 +23,7 @@ from etils import epath
 
 from focaljax import config as config_lib
 from focaljax.train import checkpoint
+from focaljax.train import saved_config
 
 # The fields that shape the trained state: a workdir's checkpoints resume only under equal ones.
 SHAPE_FIELDS = ("model.vocab_size", "model.d_model", "model.num_layers", "model.num_heads",
@@ -49,7 +50,7 @@ def check(workdir: str, config_json: str) -> None:
   step = checkpoint.latest_step(workdir)
   if step is None or not (path / checkpoint.CONFIG_FILE).exists():
     return
-  old, new = config_lib.read_run_config(workdir).to_dict(), json.loads(config_json)
+  old, new = saved_config.read(workdir).to_dict(), json.loads(config_json)
 
   def get(tree, dotted):
     for part in dotted.split("."):

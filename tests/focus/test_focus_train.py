@@ -22,6 +22,7 @@ from focaljax.focus import model as focus
 from focaljax.focus import train as focus_train
 from focaljax.model import decoder as model_lib
 from focaljax.train import checkpoint
+from focaljax.train import saved_config
 
 
 def make_base(path):
@@ -273,7 +274,7 @@ def test_base_attention_replaces_the_trained_implementation(tmp_path):
   """A base trained with cudnn (the GPU's auto) is adapted with focus.base_attention's, same
   weights: cuDNN would refuse the float32 chunk caches of a float32 adapter run."""
   make_base(tmp_path / "base")
-  c = config_lib.read_run_config(str(tmp_path / "base"))
+  c = saved_config.read(str(tmp_path / "base"))
   c.model.attention.implementation = "cudnn"
   checkpoint.write_config(str(tmp_path / "base"), c)
   plain = loaded.load(str(tmp_path / "base")).model

@@ -33,6 +33,7 @@ from focaljax.data import pipeline
 from focaljax.data import tokenizer as tokenizer_lib
 from focaljax.train import checkpoint
 from focaljax.train import lm
+from focaljax.train import saved_config
 from focaljax.train import metrics
 from focaljax.train import workdir as workdir_lib
 
@@ -118,7 +119,7 @@ def test_workdir_checks_read_the_url(bucket):
   workdir_lib.cut_metrics(URL, 1)
   rows = epath.Path(URL, metrics.METRICS_FILE).read_text().splitlines()
   assert [json.loads(r)["step"] for r in rows] == [1]
-  assert config_lib.read_run_config(URL).train.steps == 2
+  assert saved_config.read(URL).train.steps == 2
 
 
 def test_tokenizer_and_token_cache_on_a_url(bucket):
