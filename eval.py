@@ -133,8 +133,6 @@ def run():
     suites = ["focus_passkey"] + (["focus_longdoc"] if books else [])
   if not suites:
     raise app.UsageError("--suites is empty; name one or more of them, or leave it out for all")
-  if "focus_longdoc" in suites and not books:
-    raise app.UsageError("--suites focus_longdoc needs long documents: --books")
   allowed = list(evaluate.SUITES) + list(focus_eval.FOCUS_SUITES)
   if set(suites) - set(allowed):
     raise app.UsageError(f"--suites: unknown {sorted(set(suites) - set(allowed))}; allowed: "
@@ -143,6 +141,11 @@ def run():
   base_suites = [s for s in suites if s not in focus_eval.FOCUS_SUITES]
   if focus_suites and not _FOCUS_ADAPTER.value:
     raise app.UsageError(f"--suites {','.join(focus_suites)} needs --focus_adapter")
+  if "focus_longdoc" in suites and not books:
+    raise app.UsageError("--suites focus_longdoc needs long documents: --books")
+  if books and not any(sources.read_text_files([books], "text")):
+    # Read before any suite runs: a bad --books file is bad input, not a skipped suite.
+    raise sources.DataError(f"--books {books}: no documents")
   results = {}
   if base_suites:
     results |= evaluate.run(_WORKDIR.value, suites=base_suites, books=books,

@@ -321,7 +321,11 @@ def _base_context(path: str) -> int:
   _require("focus" not in base, "focus.base_workdir",
            f"{workdir} is a FocusLLM adapter run, not a base language model")
   a = base.model.attention
-  for i, spec in enumerate(attn_lib.parse_pattern(a.pattern, base.model.num_layers)):
+  try:
+    layers = attn_lib.parse_pattern(a.pattern, base.model.num_layers)
+  except ValueError as e:
+    raise ConfigError(f"config field focus.base_workdir: {workdir}'s config.json: {e}") from None
+  for i, spec in enumerate(layers):
     # Candidate tokens have no analogue of dilution's running demand or of a learned τ's mean.
     learned = a.learned and spec.variant is attn_lib.Variant.FOCAL
     _require(not attn_lib.FAMILY[spec.variant].demand and not learned, "focus.base_workdir",

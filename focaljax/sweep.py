@@ -9,7 +9,8 @@ the rest). --print writes one launch line per run for a cluster scheduler (prefi
 `srun`/`gcloud ... ssh` as usual); --print slurm writes a SLURM array job, one array task per run
 on one node (edit its #SBATCH lines, then sbatch it; see launch/slurm.sbatch). The cartesian
 product of all --grid flags is taken; values that hold commas (hybrid patterns) are separated
-by ';' instead: --grid 'model.attention.pattern=softmax:rope;softmax:rope,dilution:none'.
+by ';' instead: --grid 'model.attention.pattern=softmax:rope;softmax:rope,dilution:none' (one
+such value: end it with ';').
 Workdirs are named after the overrides: root/temperature=0.3,seed=1; root may be a URL
 (gs://bucket/sweep). Every run's config and the arguments after -- (--config.<field>=value,
 --dry_run, --verbose) are checked first: a misspelt flag or field or a bad value is one error
@@ -46,7 +47,12 @@ def parse_grid(items: list[str]) -> list[tuple[str, list[str]]]:
     if not sep or not values:
       raise SweepError(f"--grid {item!r}: expected field=v1,v2,... e.g. "
                        "model.attention.temperature=0.3,0.4")
-    grid.append((key, values.split(";" if ";" in values else ",")))
+    # ';' separates values that hold commas; a trailing ';' makes one such value a list
+    items = values.split(";" if ";" in values else ",")
+    items = items[:-1] if ";" in values and values.endswith(";") else items
+    if not all(items):
+      raise SweepError(f"--grid {item!r}: an empty value")
+    grid.append((key, items))
   return grid
 
 
@@ -133,7 +139,8 @@ def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   p.add_argument("--config", required=True, help="config file, e.g. configs/focal.py[:arg]")
   p.add_argument("--root", required=True, help="parent directory of the runs' workdirs")
-  p.add_argument("--grid", action="append", default=[], help="field=v1,v2,... (repeatable)")
+  p.add_argument("--grid", action="append", default=[], help="field=v1,v2,... or, for values holding commas, field=v1;v2 "
+                 "(one value: v1;) (repeatable)")
   p.add_argument("--print", dest="print_only", nargs="?", const="lines",
                  choices=("lines", "slurm"),
                  help="print launch lines (or, with 'slurm', a SLURM array job) instead of running")

@@ -160,7 +160,9 @@ def test_a_workdir_config_with_the_deleted_speed_variants_still_loads():
   saved["model"]["attention"].update(implementation="xla", mask_pieces=1)
   del saved["model"]["attention"]["checkpoint_rows"]
   saved["train"]["cross_entropy"] = "explicit"
+  saved["model"]["attention"]["pattern"] = "softmax:rope,,"   # stray commas, accepted then
   c = saved_config.upgrade(saved)
+  assert c.model.attention.pattern == "softmax:rope"
   config_lib.validate(c)
   cfg = config_lib.model_config(c, vocab_size=256)
   assert cfg.attention.implementation == "xla" and cfg.attention.checkpoint_rows == 1024

@@ -215,7 +215,7 @@ def _tokenize_ahead(ds: grain.MapDataset, tok: tokenizer_lib.Tokenizer,
         with path.open("rb") as f, np.load(f) as z:
           flat, ends = z["tokens"].astype(np.int32), z["ends"]
         return grain.MapDataset.source([{"tokens": t} for t in np.split(flat, ends[:-1])])
-      except (OSError, ValueError, KeyError, zipfile.BadZipFile) as e:   # a cut-short write
+      except (OSError, EOFError, ValueError, KeyError, zipfile.BadZipFile) as e:   # cut short
         print(f"warning: token cache {path} is unreadable ({e}); tokenizing again",
               file=sys.stderr)
   # encode_batch runs in Rust on every core; one chunk of documents at a time bounds the copies.

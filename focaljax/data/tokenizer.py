@@ -133,8 +133,9 @@ class Tokenizer:
       path = path / FILENAME
     if not path.is_file():
       raise FileNotFoundError(f"no tokenizer file at {path}")
+    text = path.read_text()
     try:
-      hf = tokenizers.Tokenizer.from_str(path.read_text())
+      hf = tokenizers.Tokenizer.from_str(text)
     except Exception as e:  # pylint: disable=broad-except  (the Rust parser's one error type)
       raise sources.DataError(f"{path} is not a tokenizer.json ({e})") from None
     eos = EOS_TOKEN

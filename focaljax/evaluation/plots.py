@@ -82,7 +82,7 @@ def attention_distribution(result: dict, path: str) -> str:
   fig, ax = _pyplot().subplots(figsize=(7, 3.4))
   keys = range(len(result["softmax"]))
   ax.plot(keys, result["softmax"], lw=1, label="softmax(q·k/√d)")
-  ax.plot(keys, result["focal"], lw=1, label=f"softmax(q·k/(t√d)), t={result['temperature']}")
+  ax.plot(keys, result["focal"], lw=1, label=f"softmax(q·k/(t√d)), t={result['temperature']:.3g}")
   ax.set(xlabel="key position", ylabel="attention probability",
          title=f"Last query, layer {result['layer']} head {result['head']} ({result['variant']} "
          "layer)")

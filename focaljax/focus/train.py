@@ -162,7 +162,7 @@ def resolve(path: str) -> tuple[str, int | None]:
   """(run workdir, step) of a FocusLLM run workdir (None: latest) or a checkpoints/<step> in it."""
   p = epath.Path(checkpoint.absolute(path))
   if p.parent.name == "checkpoints" and p.name.isdigit():
-    return str(p.parent.parent), int(p.name)
+    return str(p.parent.parent), checkpoint.step_dir(p)
   if checkpoint.latest_step(str(p)) is not None:
     return str(p), None
   if (p / "adapter").is_dir():   # the layout before Orbax checkpoints (focus/legacy.py)

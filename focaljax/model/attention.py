@@ -65,7 +65,7 @@ class AttentionConfig:
   implementation: str = "auto"      # focaljax.dispatch.IMPLEMENTATIONS
   temperature: float = 0.4          # focal constant t
   learned: bool = False             # focal: learned τ instead of t·√d
-  tau_min: float = 5.0
+  tau_min: float = 5.0              # the paper's, for head dim 128 (focaljax.config scales them)
   tau_max: float = 10.0
   tau_init: float = 7.5             # offset added to mean(X·w_τ): starts τ inside the clip range
   tau_mean: TauMean = TauMean.CAUSAL

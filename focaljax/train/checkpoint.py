@@ -256,14 +256,21 @@ def resolve(path: str) -> tuple[str, int | None]:
   if (path / CONFIG_FILE).exists():
     return str(path), None
   if path.parent.name == "checkpoints" and path.name.isdigit():
-    if not path.is_dir():
-      steps = sorted(int(d.name) for d in path.parent.iterdir() if d.name.isdigit()) \
-          if path.parent.is_dir() else []
-      raise FileNotFoundError(f"{path}: no checkpoint at step {path.name}; saved steps: "
-                              f"{', '.join(map(str, steps)) or 'none'}")
-    return str(path.parent.parent), int(path.name)
+    return str(path.parent.parent), step_dir(path)
   raise FileNotFoundError(f"{path} is neither a focaljax workdir (no {CONFIG_FILE}) nor a "
                           "checkpoints/<step> directory inside one")
+
+
+def step_dir(path) -> int:
+  """The step of a checkpoints/<step> directory; FileNotFoundError listing the saved steps when
+  it does not exist."""
+  path = _path(path)
+  if not path.is_dir():
+    steps = sorted(int(d.name) for d in path.parent.iterdir() if d.name.isdigit()) \
+        if path.parent.is_dir() else []
+    raise FileNotFoundError(f"{path}: no checkpoint at step {path.name}; saved steps: "
+                            f"{', '.join(map(str, steps)) or 'none'}")
+  return int(path.name)
 
 
 def latest_step(workdir: str) -> int | None:

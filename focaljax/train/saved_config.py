@@ -47,4 +47,7 @@ def upgrade(saved: dict) -> ml_collections.ConfigDict:
   for dotted in _REMOVED:
     node, name = parent(dotted)
     node.pop(name, None)
+  attention = saved.get("model", {}).get("attention", {})
+  if "pattern" in attention:   # empty entries, accepted before the parser refused them
+    attention["pattern"] = ",".join(p for p in attention["pattern"].split(",") if p.strip())
   return ml_collections.ConfigDict(saved)

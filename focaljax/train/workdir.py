@@ -23,6 +23,7 @@ from etils import epath
 
 from focaljax import config as config_lib
 from focaljax.train import checkpoint
+from focaljax.train import distributed
 from focaljax.train import saved_config
 
 # The fields that shape the trained state: a workdir's checkpoints resume only under equal ones.
@@ -59,13 +60,21 @@ def check(workdir: str, config_json: str) -> None:
 
   fields = [f for f in IDENTITY_FIELDS if get(old, f) != get(new, f)]
   diff = [f"{f} {get(old, f)!r} -> {get(new, f)!r}" for f in fields]
+  if not fields and get(old, "model.attention.learned"):
+    # The learned τ's clip range as resolved (0: the paper's, scaled to the head dim).
+    m = old["model"]
+    head_dim = m["head_dim"] or m["d_model"] // m["num_heads"]
+    was, now = (config_lib.tau_range(t["model"]["attention"], head_dim) for t in (old, new))
+    changed = [k for k in was if was[k] != now[k]]
+    fields = [f"model.attention.{k}" for k in changed]   # what the trained w_τ means
+    diff = [f"model.attention.{k} {was[k]:g} -> {now[k]:g}" for k in changed]
   if diff:
-    what = "model" if set(fields) & set(SHAPE_FIELDS) else "run"
+    what = "run" if set(fields) <= set(IDENTITY_FIELDS) - set(SHAPE_FIELDS) else "model"
     raise config_lib.ConfigError(
         f"workdir {workdir} holds a different {what} (checkpoint step {step}): {', '.join(diff)}; "
         "resume it with its own config.json, or train in another --workdir")
   for f in RESUME_CHANGES:
-    if get(old, f) != get(new, f):
+    if get(old, f) != get(new, f) and distributed.is_primary():
       print(f"note: resuming {workdir} (step {step}) with {f} {get(old, f)!r} -> "
             f"{get(new, f)!r}: eval.py and the export take the new one as the trained context",
             file=sys.stderr)

@@ -209,7 +209,7 @@ def test_load_matches_original(tmp_path, tok):
 
 def test_load_reads_a_workdir_written_before(tmp_path):
   """A config.json from an older focaljax: fields removed since are ignored, fields added since
-  take the value such a run had (focaljax.config.upgrade)."""
+  take the value such a run had (focaljax.train.saved_config.upgrade)."""
   from focaljax.evaluation.loading import load  # pylint: disable=import-outside-toplevel
   make_workdir(tmp_path)
   path = tmp_path / "config.json"
@@ -297,10 +297,13 @@ def test_eval_py_on_a_focus_adapter_run_is_one_line(tmp_path):
     ("--depths=0,2", "error: flag --depths=['0', '2']: each must be a number in [0, 1]"),
     ("--books=/nonexistent.jsonl", "error: flag --books=/nonexistent.jsonl: no such file"),
     ("--suites=", "error: --suites is empty; name one or more of them, or leave it out for all"),
-    ("--suites=focus_longdoc", "error: --suites focus_longdoc needs long documents: --books"),
+    ("--suites=focus_longdoc", "error: --suites focus_longdoc needs --focus_adapter"),
+    ("--suites=focus_longdoc --focus_adapter=RUN",
+     "error: --suites focus_longdoc needs long documents: --books"),
 ])
 def test_eval_py_bad_flag_values_are_one_line(tmp_path, flag, line):
   # Refused while parsing, not run as a suite that reports itself skipped.
-  proc = subprocess.run([sys.executable, str(REPO / "eval.py"), f"--workdir={tmp_path}", flag],
+  proc = subprocess.run([sys.executable, str(REPO / "eval.py"), f"--workdir={tmp_path}",
+                         *flag.split()],
                         capture_output=True, text=True, cwd=REPO, timeout=120)
   assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [line], proc.stderr

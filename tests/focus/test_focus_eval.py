@@ -270,6 +270,12 @@ def test_eval_py_with_a_language_model_as_the_adapter_is_one_line(tmp_path):
       "model's workdir?)"], proc.stderr[-2000:]
 
 
+def test_an_adapter_step_that_was_not_saved_lists_the_saved_ones(tmp_path):
+  (tmp_path / "run" / "checkpoints" / "4").mkdir(parents=True)
+  with pytest.raises(FileNotFoundError, match="no checkpoint at step 7; saved steps: 4$"):
+    focus_train.resolve(str(tmp_path / "run" / "checkpoints" / "7"))
+
+
 def test_serving_config_takes_the_flags_over_the_adapter_s_own():
   cfg = focus.FocusConfig(512, prompt_len=504)   # as its run serves it (focus.eval_prompt_len)
   assert focus_eval.serving_config(cfg, {"local_len": 512}) == (cfg, 512)

@@ -176,9 +176,11 @@ def test_train_over_several_memory_lengths(tmp_path):
   stages 2-3 list two lengths)."""
   make_base(tmp_path / "base")
   c = focus_cfg(tmp_path / "base", memory_tokens="32,47", doc_min_tokens=64)
-  c.train.update(steps=3, ckpt_every=3)
+  c.train.update(steps=4, ckpt_every=4)
+  drawn = [sampler(c, 2).shape(step) for step in range(4)]
+  assert (8, 32) in drawn and (8, 40) in drawn   # both lengths of one chunk size
   train(c, tmp_path / "focus")
-  assert saved_steps(tmp_path / "focus") == [3]
+  assert saved_steps(tmp_path / "focus") == [4]
 
 
 def test_train_saves_adapter_keeps_base_and_resumes(tmp_path, monkeypatch):

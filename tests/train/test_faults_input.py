@@ -229,6 +229,22 @@ def test_a_resume_at_another_seq_len_trains_and_says_so(workdir, capsys):
   assert f"with data.seq_len {2 * c.data.seq_len} -> {c.data.seq_len}:" in err
 
 
+def test_a_resume_that_moves_the_learned_tau_range_is_refused(tmp_path):
+  """A run trained with explicit τ bounds (as every run before the scaled default) resumed under
+  the default: w_τ would mean another τ."""
+  c = _config(steps=2, eval_every=0)
+  c.model.attention.update(pattern="focal", learned=True, tau_min=5.0, tau_max=10.0,
+                           tau_init=7.5)
+  lm.train(config_lib.parse(c), str(tmp_path))
+  c.model.attention.update(tau_min=0.0, tau_max=0.0, tau_init=0.0)
+  c.train.steps = 3
+  with pytest.raises(config_lib.ConfigError, match=r"holds a different model \(checkpoint step "
+                     r"2\): model.attention.tau_min 5 -> "):
+    lm.train(config_lib.parse(c), str(tmp_path))
+  c.model.attention.update(tau_min=5.0, tau_max=10.0, tau_init=7.5)   # as trained: resumes
+  assert lm.train(config_lib.parse(c), str(tmp_path))["step"] == 3
+
+
 def test_refused_resume_leaves_the_runs_config(workdir):
   # Refused after the identity check (the micro-batch is resolved with the compiled step).
   before = open(os.path.join(workdir, "config.json")).read()

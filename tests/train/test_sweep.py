@@ -28,6 +28,11 @@ def test_grid_expands_to_cartesian_product():
 def test_values_holding_commas_are_separated_by_semicolons():
   grid = sweep.parse_grid(["model.attention.pattern=softmax:rope;softmax:rope,dilution:none"])
   assert grid == [("model.attention.pattern", ["softmax:rope", "softmax:rope,dilution:none"])]
+  one = sweep.parse_grid(["model.attention.pattern=softmax:rope,dilution:none;"])
+  assert one == [("model.attention.pattern", ["softmax:rope,dilution:none"])]
+  for bad in ("seed=1,,2", "seed=1;;2", "seed=;"):
+    with pytest.raises(sweep.SweepError, match="an empty value"):
+      sweep.parse_grid([bad])
 
 
 def test_bad_grid_is_refused():
