@@ -65,8 +65,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       implementation="auto",
       temperature=0.4,           # focal constant: softmax(q·k / (t·√d)); t > 0
       learned=False,             # focal learned: τ = clip(mean(X·w_τ) + tau_init, tau_min, tau_max)
-      # 0: the paper's 5, 10 and 7.5 at head dim 128, scaled by √(head_dim/128) (the same t)
-      tau_min=0.0,
+      tau_min=0.0,               # 0: the paper's 5 (10, 7.5) at head dim 128, times √(d/128)
       tau_max=0.0,
       tau_init=0.0,              # starts τ inside the clip range, so w_τ gets gradient at init
       tau_mean="causal",         # causal | token | sequence (see focaljax.model.attention.TauMean)
