@@ -320,17 +320,11 @@ def _base_context(path: str) -> int:
   base = saved_config.read(workdir)
   _require("focus" not in base, "focus.base_workdir",
            f"{workdir} is a FocusLLM adapter run, not a base language model")
-  a = base.model.attention
+  from focaljax.focus import model as candidates  # pylint: disable=import-outside-toplevel
   try:
-    layers = attn_lib.parse_pattern(a.pattern, base.model.num_layers)
-  except ValueError as e:
-    raise ConfigError(f"config field focus.base_workdir: {workdir}'s config.json: {e}") from None
-  for i, spec in enumerate(layers):
-    # Candidate tokens have no analogue of dilution's running demand or of a learned τ's mean.
-    learned = a.learned and spec.variant is attn_lib.Variant.FOCAL
-    _require(not attn_lib.FAMILY[spec.variant].demand and not learned, "focus.base_workdir",
-             f"{workdir}: layer {i} is {spec.variant.value}{' with a learned τ' * learned}; "
-             "FocusLLM reads bases of softmax or constant-temperature focal layers")
+    candidates.check_base(model_config(base, 0))
+  except (ValueError, NotImplementedError) as e:   # a bad saved pattern, or an unreadable base
+    raise ConfigError(f"config field focus.base_workdir: {workdir}: {e}") from None
   return base.data.seq_len
 
 

@@ -115,7 +115,7 @@ def prefill(adapter, base, memory_BM, prompt_BT, cfg: focus.FocusConfig, max_new
   prompt token's head-averaged attention on each candidate per layer."""
   if max_new_tokens < 1:
     raise ValueError(f"focus generate: max_new_tokens must be >= 1; got {max_new_tokens}")
-  focus.check_base(base)
+  focus.check_base(base.cfg)
   prompt_BT, memory_BM = jnp.asarray(prompt_BT, jnp.int32), jnp.asarray(memory_BM, jnp.int32)
   T = prompt_BT.shape[1]
   focus.check_positions(base.cfg, cfg, T, cfg.prompt_tokens(T), extra=max_new_tokens - 1,

@@ -177,19 +177,20 @@ class FocusConfig:
     return min(self.prompt_len, self.chunk_size, available)
 
 
-def check_base(base: model_lib.Transformer) -> None:
-  for i, block in enumerate(base.blocks):
-    if block.attn.family.demand:
-      raise NotImplementedError(f"focus: layer {i} uses dilution attention, whose running demand "
-                                "has no candidate-token analogue; use softmax or focal layers")
-    if hasattr(block.attn, "w_tau"):
-      raise NotImplementedError(f"focus: layer {i} is focal with a learned τ "
-                                "(model.attention.learned); only a constant temperature works")
+def check_base(cfg: model_lib.ModelConfig) -> None:
+  """NotImplementedError naming the first layer of a base FocusLLM cannot read: candidate tokens
+  have no analogue of dilution's running demand or of a learned τ's running mean."""
+  for i, spec in enumerate(cfg.attention.layers):
+    learned = attn_lib.uses_learned_tau(cfg.attention, spec)
+    if attn_lib.FAMILY[spec.variant].demand or learned:
+      raise NotImplementedError(
+          f"layer {i} is {spec.variant.value}{' with a learned τ' * learned}; FocusLLM reads "
+          "bases of softmax or constant-temperature focal layers")
 
 
 def init_adapter(base: model_lib.Transformer, candidate_path: str = "adapter") -> dict:
   """{layer: {wq, wk, wv, wo}} ({wk, wv}: "frozen"), copies (not ties) of the base's."""
-  check_base(base)
+  check_base(base.cfg)
   if candidate_path not in CANDIDATE_PATHS:
     raise ValueError(f"focus.init_adapter: candidate_path {candidate_path!r} is not one of "
                      f"{list(CANDIDATE_PATHS)}")
