@@ -23,10 +23,10 @@ CASES = {
     "softmax": (dict(pattern="softmax:rope"), False, "LlamaForCausalLM"),
     "focal": (dict(pattern="focal:rope", temperature=0.4), False, "LlamaForCausalLM"),
     "focal_qk_norm": (dict(pattern="focal:rope", temperature=0.4), True, "Qwen3ForCausalLM"),
-    # A narrow clip around tau_init: a few steps move x·w_τ by ~1e-2, so τ is clipped on some
-    # tokens and follows the running mean on others.
-    "focal_learned": (dict(pattern="focal:rope", learned=True, tau_min=7.495, tau_max=7.505),
-                      False, "FocaljaxForCausalLM"),
+    # A narrow clip around tau_init (all three given: the defaults scale with head dim): a few
+    # steps move x·w_τ by ~1e-2, so τ is clipped on some tokens and follows the mean on others.
+    "focal_learned": (dict(pattern="focal:rope", learned=True, tau_min=7.495, tau_max=7.505,
+                           tau_init=7.5), False, "FocaljaxForCausalLM"),
     "dilution": (dict(pattern="dilution:none"), False, "FocaljaxForCausalLM"),
     "hybrid": (dict(pattern="softmax:rope,dilution:none"), False, "FocaljaxForCausalLM"),
 }
