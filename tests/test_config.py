@@ -161,8 +161,9 @@ def test_a_workdir_config_with_the_deleted_speed_variants_still_loads():
   del saved["model"]["attention"]["checkpoint_rows"]
   saved["train"]["cross_entropy"] = "explicit"
   saved["model"]["attention"]["pattern"] = "softmax:rope,,"   # stray commas, accepted then
+  saved["train"]["eval_batches"] = 0   # accepted then (it logged val_loss 0.0)
   c = saved_config.upgrade(saved)
-  assert c.model.attention.pattern == "softmax:rope"
+  assert c.model.attention.pattern == "softmax:rope" and c.train.eval_batches == 4
   config_lib.validate(c)
   cfg = config_lib.model_config(c, vocab_size=256)
   assert cfg.attention.implementation == "xla" and cfg.attention.checkpoint_rows == 1024

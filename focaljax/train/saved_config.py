@@ -47,6 +47,9 @@ def upgrade(saved: dict) -> ml_collections.ConfigDict:
   for dotted in _REMOVED:
     node, name = parent(dotted)
     node.pop(name, None)
+  train = saved.get("train", {})
+  if train.get("eval_batches", 1) < 1:   # once accepted (it logged val_loss 0.0): the default
+    train["eval_batches"] = 4
   attention = saved.get("model", {}).get("attention", {})
   if "pattern" in attention:   # empty entries, accepted before the parser refused them
     attention["pattern"] = ",".join(p for p in attention["pattern"].split(",") if p.strip())
