@@ -97,3 +97,10 @@ def test_no_import_cycles():
     if m not in state:
       visit(m, [m])
   assert not cycles, cycles
+
+
+def test_entry_scripts_are_short():
+  # flags -> config -> one library call; their flags and checks live in focaljax/*_cli.py
+  for script in ("train.py", "eval.py"):
+    with open(os.path.join(ROOT, script)) as f:
+      assert len(f.readlines()) < 80, script
