@@ -135,6 +135,9 @@ def validate(c: ml_collections.ConfigDict, *, process_count: int = 1) -> None:
            f"{tau['tau_max']:g}] or w_τ starts clipped and never learns")
   _require("://" in d.token_cache or not os.path.isfile(d.token_cache), "data.token_cache",
            f"{d.token_cache} is a file; give a directory (created if missing)")
+  _require(a.implementation != "cudnn" or t.compute_dtype == "bfloat16",
+           "model.attention.implementation", "'cudnn' takes 16-bit q, k, v: it needs "
+           "train.compute_dtype='bfloat16' ('auto' sends float32 to the Pallas kernel)")
   rows = a.checkpoint_rows
   _require(isinstance(rows, int) and rows >= 64 and not rows & (rows - 1),
            "model.attention.checkpoint_rows",

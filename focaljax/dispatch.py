@@ -33,6 +33,7 @@ docs/performance.md.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 
 import jax
 import jax.numpy as jnp
@@ -75,6 +76,16 @@ def peak_flops() -> float | None:
 
 def _gpu(where: str) -> bool:
   return where in ("hopper", "gpu")
+
+
+def unavailable(requested: str) -> str | None:
+  """Why attention implementation `requested` cannot run on this machine; None when it can.
+  Asked before a run writes anything (its config may have been checked on another machine)."""
+  if requested == "cudnn" and not _gpu(platform()):
+    return "'cudnn' needs an NVIDIA GPU; use 'xla', 'pallas' or 'auto'"
+  if requested == "tokamax" and importlib.util.find_spec("tokamax") is None:
+    return "'tokamax' needs the optional tokamax package (pip install tokamax; GPU/TPU)"
+  return None
 
 
 def _pallas(where: str, **kw) -> Choice:

@@ -25,6 +25,7 @@ import numpy as np
 import optax
 
 from focaljax import config as config_lib
+from focaljax import dispatch
 from focaljax import sharding
 from focaljax.train import checkpoint
 from focaljax.train import distributed
@@ -199,6 +200,8 @@ def run(cfg: config_lib.Config, workdir: str, make_task, *, dry_run: bool = Fals
   t_setup = time.perf_counter()
   distributed.initialize()
   workdir_lib.check(workdir, cfg.config_json)   # before anything in the workdir is written
+  if why := dispatch.unavailable(cfg.model.attention.implementation):
+    raise config_lib.ConfigError(f"config field model.attention.implementation: {why}")
   try:
     shape = dict(sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor).shape)
   except ValueError as e:   # the mesh does not fit the devices: the user's config

@@ -101,6 +101,20 @@ def test_mesh_not_matching_devices_is_one_line(tmp_path):
   assert not os.path.exists(tmp_path / "run")
 
 
+@pytest.mark.parametrize("implementation,dtype,match", [
+    ("cudnn", "float32", r"'cudnn' takes 16-bit q, k, v"),   # the config alone decides
+    ("cudnn", "bfloat16", r"'cudnn' needs an NVIDIA GPU"),   # the machine decides (no GPU here)
+])
+def test_an_implementation_this_machine_cannot_run_is_refused_before_the_workdir(
+    tmp_path, implementation, dtype, match):
+  c = _config(compute_dtype=dtype)
+  c.model.attention.implementation = implementation
+  with pytest.raises(config_lib.ConfigError, match="^config field model.attention."
+                     f"implementation: {match}"):
+    lm.train(config_lib.parse(c), str(tmp_path / "run"))
+  assert not os.path.exists(tmp_path / "run")
+
+
 @pytest.mark.parametrize("where", ["file", "under_file"])
 def test_workdir_that_is_a_file_is_refused(tmp_path, where):
   (tmp_path / "f").write_text("keep me")
