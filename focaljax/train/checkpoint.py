@@ -30,6 +30,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import re
 import sys
 
 import grain
@@ -138,6 +139,10 @@ def _quiet_failed_reads() -> None:
   logging.getLogger("asyncio").addFilter(keep_record)
 
 
+# Orbax's words for a restore into another parameter tree or shape.
+_OTHER_MODEL = re.compile(r"tree structures do not match|not compatible with the stored shape")
+
+
 def _describe(e: BaseException) -> str:
   """The root cause's first line: Orbax wraps the storage error in a page of TensorStore spec."""
   while (e.__cause__ or e.__context__) is not None:
@@ -229,6 +234,11 @@ class Checkpointer:
           multihost_utils.sync_global_devices("focaljax_corrupt_moved")
         self.manager.reload()
       return step, params, opt_state, meta
+    if bad and all(_OTHER_MODEL.search(why) for _, why in bad):   # not damage: another model
+      raise CorruptCheckpoint(f"the checkpoints under {root} hold another model than this "
+                              f"config's ({bad[0][1].split('. ')[0]}): a field that shapes the "
+                              "parameters differs from the run's; resume with its config.json, "
+                              "or train in another --workdir")
     if bad:
       raise CorruptCheckpoint(f"no intact checkpoint under {root}: "
                               + "; ".join(f"step {b} ({why})" for b, why in bad)

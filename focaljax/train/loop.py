@@ -272,14 +272,14 @@ def _run(cfg, workdir, make_task, *, dry_run, stop_at, t_setup, known) -> dict:
     return memory.report(cfg, mesh, micro, accum,
                          {k: compiled(k, micro) for k in abstract_batches}, params, opt_state)
   t_fit = time.perf_counter() - t_fit
-  if primary:   # only now: a run refused above leaves an earlier run's config.json as it was
-    checkpoint.write_config(workdir, cfg.config_json)
 
   ckpt = checkpoint.Checkpointer(workdir, keep=t.keep_ckpts, async_save=t.async_ckpt)
   abstract = lambda tree: jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
   # The newest intact checkpoint: damaged newer ones are set aside with a warning.
   start, *restored = ckpt.restore_latest(abstract(params), abstract(opt_state), task.data_iter)
+  if primary:   # only now: a run refused above leaves an earlier run's config.json as it was
+    checkpoint.write_config(workdir, cfg.config_json)
   if start:
     params, opt_state, _ = restored
   elif task.init is not None:   # nothing (intact) to resume from

@@ -22,6 +22,7 @@ import sys
 from etils import epath
 
 from focaljax import config as config_lib
+from focaljax.model import attention as attn_lib
 from focaljax.train import checkpoint
 from focaljax.train import distributed
 from focaljax.train import saved_config
@@ -29,7 +30,8 @@ from focaljax.train import saved_config
 # The fields that shape the trained state: a workdir's checkpoints resume only under equal ones.
 SHAPE_FIELDS = ("model.vocab_size", "model.d_model", "model.num_layers", "model.num_heads",
                 "model.num_kv_heads", "model.head_dim", "model.d_ff", "model.tie_embeddings",
-                "model.qk_norm", "model.attention.pattern", "model.attention.learned")
+                "model.qk_norm", "model.qkv_bias", "model.attention.pattern",
+                "model.attention.learned")
 # What else makes a run the same run: its data, tokenizer and global batch.
 IDENTITY_FIELDS = SHAPE_FIELDS + ("data.source", "data.valid_source", "data.tokenizer",
                                   "data.global_batch")
@@ -58,8 +60,9 @@ def check(workdir: str, config_json: str) -> None:
       tree = tree.get(part) if isinstance(tree, dict) else None
     return tree
 
-  fields = [f for f in IDENTITY_FIELDS if get(old, f) != get(new, f)]
-  diff = [f"{f} {get(old, f)!r} -> {get(new, f)!r}" for f in fields]
+  fields = [f for f in IDENTITY_FIELDS if _differs(old, new, f)]
+  shown = lambda t, f: get(t, f) if get(old, f) != get(new, f) else _resolved(t, f)
+  diff = [f"{f} {shown(old, f)!r} -> {shown(new, f)!r}" for f in fields]
   if not fields and get(old, "model.attention.learned"):
     # The learned τ's clip range as resolved (0: the paper's, scaled to the head dim).
     m = old["model"]
@@ -78,6 +81,29 @@ def check(workdir: str, config_json: str) -> None:
       print(f"note: resuming {workdir} (step {step}) with {f} {get(old, f)!r} -> "
             f"{get(new, f)!r}: eval.py and the export take the new one as the trained context",
             file=sys.stderr)
+
+
+def _differs(old: dict, new: dict, dotted: str) -> bool:
+  """Whether two saved configs give the field different values as the model takes them
+  ('softmax' is 'softmax:rope'; head_dim 0 is d_model / num_heads). vocab_size 0 (the
+  tokenizer's, padded) may equal any: a real difference fails the checkpoint's restore."""
+  a, b = _resolved(old, dotted), _resolved(new, dotted)
+  return a != b and not (dotted == "model.vocab_size" and 0 in (a, b))
+
+
+def _resolved(tree: dict, dotted: str):
+  m = tree.get("model", {})
+  if dotted == "model.head_dim":
+    return m.get("head_dim") or m.get("d_model", 0) // max(m.get("num_heads", 1), 1)
+  value = tree
+  for part in dotted.split("."):
+    value = value.get(part) if isinstance(value, dict) else None
+  if dotted == "model.attention.pattern":
+    try:
+      return attn_lib.parse_pattern(value, m.get("num_layers", 1))
+    except (ValueError, TypeError, AttributeError):
+      return value
+  return value
 
 
 def lock(workdir: str) -> None:

@@ -17,6 +17,7 @@ from focaljax import config as config_lib
 from focaljax.data import pipeline
 from focaljax.data import sources
 from focaljax.data import tokenizer as tokenizer_lib
+from focaljax.train import checkpoint
 from focaljax.train import lm
 from focaljax.train import workdir as workdir_lib
 
@@ -221,17 +222,36 @@ def _listing(workdir):
     ("data.source", "text:README.md", "data.source 'bundled' -> 'text:README.md'"),
     ("data.global_batch", 4, "data.global_batch 8 -> 4"),
     ("data.tokenizer", "train:300", "data.tokenizer 'bundled' -> 'train:300'"),
+    ("model.qkv_bias", True, "model.qkv_bias False -> True"),   # a parameter tree field
 ])
 def test_other_run_is_refused_listing_fields(workdir, field, value, want):
   c = _config(steps=9)
   section, name = field.split(".")
   c[section][name] = value
   before = _listing(workdir)
-  with pytest.raises(config_lib.ConfigError, match=r"holds a different run \(checkpoint step 3\)"
-                     ) as e:
+  with pytest.raises(config_lib.ConfigError,
+                     match=r"holds a different (run|model) \(checkpoint step 3\)") as e:
     lm.train(config_lib.parse(c), workdir)
   assert want in str(e.value) and "\n" not in str(e.value)
   assert _listing(workdir) == before
+
+
+def test_a_resume_spelling_the_same_model_otherwise_trains(workdir):
+  c = _config(steps=4, eval_every=0)
+  c.model.attention.pattern = c.model.attention.pattern.split(":")[0]   # its natural position
+  c.model.head_dim = c.model.d_model // c.model.num_heads   # 0 resolves to this
+  assert lm.train(config_lib.parse(c), workdir)["step"] == 4
+
+
+def test_checkpoints_of_another_model_are_not_called_damaged(workdir):
+  # No config.json to compare (deleted): the restore finds the other shapes, and the run's
+  # config.json is not written over by the refused one.
+  os.remove(os.path.join(workdir, "config.json"))
+  c = _config(steps=6)
+  c.model.d_model *= 2
+  with pytest.raises(checkpoint.CorruptCheckpoint, match="hold another model than this config's"):
+    lm.train(config_lib.parse(c), workdir)
+  assert not os.path.exists(os.path.join(workdir, "config.json"))
 
 
 def test_a_resume_at_another_seq_len_trains_and_says_so(workdir, capsys):
