@@ -21,6 +21,7 @@ from focaljax.train import memory
 from focaljax.train import startup
 
 EXIT_NONFINITE, EXIT_BAD_INPUT, EXIT_PREEMPTED = 1, 2, 75
+HELP = {"--help", "-h", "-?", "--helpshort", "--helpfull", "--helpxml"}
 
 _WORKDIR = flags.DEFINE_string("workdir", "runs/default", "Checkpoints, metrics and eval output.")
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Compile the train step, print memory, exit.")
@@ -54,16 +55,31 @@ def parse_flags(argv):
   try:
     argv = flags.FLAGS(argv)
     _CONFIG.value.get("train")   # a config file that failed to load raises here
+  except SystemExit as e:   # absl exits 1 after --help, the code of a failed run
+    sys.exit(0 if e.code == 1 and HELP & set(argv) else e.code)
   except flags.UnrecognizedFlagError as e:
     name = e.flagname or ""
     fail(f"no config field {name[len('config.'):]}" if name.startswith("config.") else e)
   except (flags.Error, OSError) as e:
     fail(e)
   except (AttributeError, KeyError) as e:   # --config.<path> naming no field
+    if "get_config" in str(e):
+      fail(f"--config {_config_file(argv)}: the file defines no get_config()")
     fail(config_lib.no_field_message(e, argv))
+  except Exception as e:  # pylint: disable=broad-except  (the config file's own code failed)
+    fail(f"--config {_config_file(argv)}: {type(e).__name__}: {e}")
   if len(argv) > 1:
     fail(f"unexpected arguments: {argv[1:]}")
   return argv
+
+
+def _config_file(argv) -> str:
+  for i, arg in enumerate(argv):
+    if arg.startswith("--config="):
+      return arg[len("--config="):]
+    if arg == "--config" and i + 1 < len(argv):
+      return argv[i + 1]
+  return _CONFIG.default if _CONFIG else "configs/base.py"
 
 
 def main(argv):

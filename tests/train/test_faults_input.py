@@ -62,6 +62,18 @@ def test_config_file_argument_error_is_one_line_without_its_class_name(tmp_path)
   _one_line(proc, r"^error: config arg size='13b': allowed sizes are \('tiny', ")
 
 
+@pytest.mark.parametrize("text,match", [
+    ("def get_config(:\n", r"SyntaxError: invalid syntax \(bad.py, line 1\)$"),
+    ("def get_config():\n  raise RuntimeError('boom')\n", r"RuntimeError: boom$"),
+    ("SIZES = {}\n", r"the file defines no get_config\(\)$"),
+])
+def test_a_config_file_that_fails_to_load_is_one_line(tmp_path, text, match):
+  (tmp_path / "bad.py").write_text(text)
+  proc = _run(os.path.join(ROOT, "train.py"), "--config", str(tmp_path / "bad.py"),
+              "--workdir", str(tmp_path / "run"))
+  _one_line(proc, rf"^error: --config {tmp_path / 'bad.py'}: {match}")
+
+
 def test_unknown_field_without_config_is_one_line(tmp_path):
   # Without --config, ml_collections applies overrides to the default file as train.py imports.
   proc = _run(os.path.join(ROOT, "train.py"), "--workdir", str(tmp_path / "run"),
@@ -357,3 +369,8 @@ def test_long_single_line_reaches_the_first_batch(tmp_path):
                             seq_len=64, global_batch=4, shuffle=False)
   batch = next(pipeline.make_iterator(cfg, tokenizer_lib.bundled()))
   assert batch["inputs"].shape == (4, 64) and batch["weights"].sum() > 0
+
+
+def test_help_exits_0_listing_the_flags():
+  proc = _run(os.path.join(ROOT, "train.py"), "--help")
+  assert proc.returncode == 0 and "--workdir" in proc.stdout and "--dry_run" in proc.stdout
