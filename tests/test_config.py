@@ -14,6 +14,7 @@ from ml_collections import config_flags  # noqa: F401  (the loader train.py uses
 from configs import base, sizes
 from focaljax import config as config_lib
 from focaljax.model import decoder as model_lib
+from focaljax.train import checkpoint
 from focaljax.train import saved_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -197,3 +198,10 @@ def test_focus_eval_prompt_len_is_validated():
 def test_focus_drills_refuses_an_unknown_stage():
   with pytest.raises(ValueError, match="stage='4'"):
     _load("focus_drills", "stage=4")
+
+
+@pytest.mark.parametrize("text", ["{bad", "[1]"])
+def test_a_damaged_workdir_config_json_is_one_line(tmp_path, text):
+  (tmp_path / "config.json").write_text(text)
+  with pytest.raises(checkpoint.CorruptCheckpoint, match=r"config.json is not a run's config \("):
+    saved_config.read(str(tmp_path))

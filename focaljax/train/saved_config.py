@@ -29,7 +29,16 @@ _REMOVED = ("optim.grad_accum", "model.fuse_matmuls", "model.norm_backward",
 
 def read(workdir: str) -> ml_collections.ConfigDict:
   """A workdir's config.json as a ConfigDict in today's fields."""
-  return upgrade(json.loads((epath.Path(workdir) / checkpoint.CONFIG_FILE).read_text()))
+  path = epath.Path(workdir) / checkpoint.CONFIG_FILE
+  try:
+    saved = json.loads(path.read_text())
+  except ValueError as e:   # not JSON, or not UTF-8
+    saved = e
+  if not isinstance(saved, dict):
+    why = saved if isinstance(saved, ValueError) else "not a JSON object"
+    raise checkpoint.CorruptCheckpoint(f"{path} is not a run's config ({why}); restore it "
+                                       "from a copy, or train in another --workdir")
+  return upgrade(saved)
 
 
 def upgrade(saved: dict) -> ml_collections.ConfigDict:
