@@ -29,6 +29,16 @@ def parse_arg(arg: str | None, **defaults) -> dict:
   return out
 
 
+def preset(arg: str | None, pattern: str) -> ml_collections.ConfigDict:
+  """get_config(arg) with the attention pattern a preset file fixes; its arg takes size= only."""
+  if parse_arg(arg, size="tiny", pattern="")["pattern"]:
+    raise ValueError(f"config arg pattern: this preset trains {pattern!r}; for another pattern "
+                     "use configs/base.py:pattern=... or --config.model.attention.pattern=...")
+  c = get_config(arg)
+  c.model.attention.pattern = pattern
+  return c
+
+
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   args = parse_arg(arg, size="tiny", pattern="softmax:rope")
   c = ml_collections.ConfigDict()

@@ -8,6 +8,5 @@ from configs import base
 
 
 def get_config(arg=None):
-  c = base.get_config(arg)
-  c.model.attention.pattern = "dilution:none"
+  c = base.preset(arg, "dilution:none")
   return c

@@ -9,6 +9,5 @@ from configs import base
 
 
 def get_config(arg=None):
-  c = base.get_config(arg)
-  c.model.attention.pattern = "focal:rope"
+  c = base.preset(arg, "focal:rope")
   return c

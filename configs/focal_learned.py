@@ -12,7 +12,6 @@ from configs import base
 
 
 def get_config(arg=None):
-  c = base.get_config(arg)
-  c.model.attention.pattern = "focal:rope"
+  c = base.preset(arg, "focal:rope")
   c.model.attention.learned = True
   return c

@@ -7,6 +7,5 @@ from configs import base
 
 
 def get_config(arg=None):
-  c = base.get_config(arg)
-  c.model.attention.pattern = "softmax:none"
+  c = base.preset(arg, "softmax:none")
   return c

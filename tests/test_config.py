@@ -138,6 +138,13 @@ def test_command_line_refuses_bad_overrides(override, match, tmp_path):
   assert not os.path.exists(os.path.join(tmp_path, "checkpoints"))
 
 
+@pytest.mark.parametrize("name", ["focal", "focal_learned", "dilution", "hybrid", "softmax_nope"])
+def test_attention_presets_refuse_a_pattern_arg(name):
+  with pytest.raises(ValueError, match=r"^config arg pattern: this preset trains '"):
+    _load(name, "size=small,pattern=softmax:rope")
+  assert _load(name, "size=small").model.num_layers == _load("base", "size=small").model.num_layers
+
+
 def test_parse_arg_keeps_commas_in_patterns():
   args = base.parse_arg("size=small,pattern=softmax:rope,dilution:none", size="tiny", pattern="x")
   assert args == {"size": "small", "pattern": "softmax:rope,dilution:none"}
