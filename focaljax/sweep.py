@@ -11,28 +11,40 @@ on one node (edit its #SBATCH lines, then sbatch it; see launch/slurm.sbatch). T
 product of all --grid flags is taken; values that hold commas (hybrid patterns) are separated
 by ';' instead: --grid 'model.attention.pattern=softmax:rope;softmax:rope,dilution:none' (one
 such value: end it with ';').
-Workdirs are named after the overrides: root/temperature=0.3,seed=1; root may be a URL
-(gs://bucket/sweep). Every run's config and the arguments after -- (--config.<field>=value,
---dry_run, --verbose) are checked first: a misspelt flag or field or a bad value is one error
-line, and nothing runs.
+Workdirs are named after the overrides, one directory each: root/temperature=0.3,seed=1 (other
+characters than letters, digits and ._=,:+- become _: data.source=text:/d/a*.txt gives
+source=text:_d_a_.txt; runs that would share a name are refused); root may be a URL
+(gs://bucket/sweep). The config file, every run's config as train.py builds it
+(focaljax.config.parse) and the arguments after -- (--config.<field>=value, --dry_run, --verbose)
+are checked first: a broken file, a misspelt flag or field or a bad value is one error line, and
+nothing runs. What depends on the launch's devices and processes (mesh sizes, train.micro_batch,
+data.shards against the process count) is checked by each run when it starts. Works from any
+directory.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.machinery
+import importlib.util
 import itertools
 import os
+import re
 import shlex
 import subprocess
 import sys
 
+import ml_collections
 from absl import flags
 from etils import epath
 from ml_collections import config_flags
 
 from focaljax import config as config_lib
+from focaljax.data import sources
 
-_TRAIN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train.py")
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # train.py and configs/
+_TRAIN = os.path.join(_REPO, "train.py")
+_UNSAFE = re.compile(r"[^A-Za-z0-9._=,:+-]")   # in a workdir name: becomes _
 _TRAIN_FLAGS = ("--dry_run", "--nodry_run", "--verbose", "--noverbose")   # besides --config.*
 
 
@@ -78,10 +90,21 @@ def expand(config: str, root: str, grid, extra: list[str]) -> list[tuple[str, li
   """[(workdir, argv)] for every point of the grid."""
   if "://" not in root:   # the launch lines run from any directory
     root = os.path.abspath(root)
-  runs = []
+  runs, points = [], {}
   keys = [k for k, _ in grid]
   for values in itertools.product(*(v for _, v in grid)):
-    name = ",".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in zip(keys, values)) or "run"
+    # One directory per run: a '/' in a value (data.source=text:/d/a*.txt) would nest them.
+    label = ",".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in zip(keys, values))
+    name = _UNSAFE.sub("_", label) or "run"
+    point = ",".join(f"{k}={v}" for k, v in zip(keys, values))
+    if name in points:
+      raise SweepError(f"--grid: {point} is given twice" if points[name] == point else
+                       f"--grid: {points[name]} and {point} would share the workdir {name} "
+                       "(names keep letters, digits and ._=,:+-); make the values differ there")
+    if len(name.encode()) > 255:
+      raise SweepError(f"--grid: the workdir name for {point} is {len(name.encode())} bytes, over "
+                       "the 255 a directory name may have; sweep fewer or shorter values")
+    points[name] = point
     workdir = str(epath.Path(root) / name)   # gs://bucket/sweep stays a URL
     argv = [sys.executable, _TRAIN, f"--config={config}", f"--workdir={workdir}"]
     argv += [f"--config.{k}={v}" for k, v in zip(keys, values)] + list(extra)
@@ -89,9 +112,43 @@ def expand(config: str, root: str, grid, extra: list[str]) -> list[tuple[str, li
   return runs
 
 
+def _one_line(e: Exception) -> str:
+  return f"{type(e).__name__}: {' '.join(str(e).split())}"
+
+
+def check_config_file(config: str) -> None:
+  """--config `config` (file[:arg]) loaded and its get_config called, as train.py will: a broken
+  file is one line naming it, not a traceback in every run."""
+  path, sep, arg = config.partition(":")
+  if _REPO not in sys.path:   # config files import configs/, a folder beside train.py
+    sys.path.insert(0, _REPO)
+  try:   # ml_collections' own loader (any suffix) and module name
+    loader = importlib.machinery.SourceFileLoader("config_config", path)
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name, loader))
+    sys.modules[loader.name] = module   # a config's dataclasses look their module up
+    loader.exec_module(module)
+  except Exception as e:  # pylint: disable=broad-except  (the file's own code ran)
+    kind = "" if path.endswith(".py") else "not a Python config file: "
+    raise SweepError(f"--config {path}: {kind}{_one_line(e)}") from None
+  if not callable(getattr(module, "get_config", None)):
+    raise SweepError(f"--config {path}: defines no get_config(); a config file's get_config(arg) "
+                     "returns the run's ConfigDict (e.g. configs/focal.py)")
+  call = f"get_config({arg!r})" if sep else "get_config()"
+  try:
+    c = module.get_config(*([arg] if sep else []))
+  except Exception as e:  # pylint: disable=broad-except
+    raise SweepError(f"--config {config}: {call} failed: {_one_line(e)}") from None
+  if not isinstance(c, ml_collections.ConfigDict):
+    raise SweepError(f"--config {config}: {call} returned {type(c).__name__}, not a ConfigDict")
+
+
 def check(runs: list[tuple[str, list[str]]]) -> None:
-  """Every run's config as train.py would build it, validated (config_lib.validate) before
-  anything launches or prints: a misspelt field or a bad value is one error, not N failed runs."""
+  """The config file, then every run's config as train.py builds it (config_lib.parse), before
+  anything launches or prints: a misspelt field or a bad value is one error, not N failed runs.
+  process_count=1: devices and processes are the launch's, checked when each run starts."""
+  for config in dict.fromkeys(a[len("--config="):] for _, argv in runs for a in argv
+                              if a.startswith("--config=")):
+    check_config_file(config)
   for workdir, argv in runs:
     args = [a for a in argv[2:] if a.startswith("--config")]
     fv = flags.FlagValues()
@@ -99,10 +156,11 @@ def check(runs: list[tuple[str, list[str]]]) -> None:
                                     sys_argv=["sweep", *args])
     try:
       fv(["sweep", *args])
-      config_lib.validate(fv.config)
+      config_lib.parse(fv.config, process_count=1)   # DataConfig and focus.* too, as train.py
     except (AttributeError, KeyError) as e:   # ml_collections: a path naming no field
       raise SweepError(f"{workdir}: {config_lib.no_field_message(e, args)}") from None
-    except (flags.Error, config_lib.ConfigError) as e:   # a config file's error: its last line
+    except (flags.Error, config_lib.ConfigError, FileNotFoundError, sources.DataError) as e:
+      # one line; a config file's error arrives as a traceback: its last line
       lines = [line.strip() for line in str(e).splitlines() if line.strip()]
       raise SweepError(f"{workdir}: {lines[-1] if lines else e}") from None
 
@@ -139,8 +197,9 @@ def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   p.add_argument("--config", required=True, help="config file, e.g. configs/focal.py[:arg]")
   p.add_argument("--root", required=True, help="parent directory of the runs' workdirs")
-  p.add_argument("--grid", action="append", default=[], help="field=v1,v2,... or, for values holding commas, field=v1;v2 "
-                 "(one value: v1;) (repeatable)")
+  p.add_argument("--grid", action="append", default=[],
+                 help="field=v1,v2,... or, for values holding commas, field=v1;v2 (one value: v1;) "
+                 "(repeatable)")
   p.add_argument("--print", dest="print_only", nargs="?", const="lines",
                  choices=("lines", "slurm"),
                  help="print launch lines (or, with 'slurm', a SLURM array job) instead of running")

@@ -97,6 +97,10 @@ def test_print_before_double_dash_still_prints_lines():
     ("seed=0", ["--config.train.stepz=3"], r"seed=0: no config field train.stepz"),
     ("seed=0", ["--dry_runn"], r"unknown argument '--dry_runn': runs take --config.<field>"),
     ("seed=0", ["--gird", "seed=1"], r"unknown argument '--gird'"),
+    # Refused by config.parse (DataConfig), which train.py runs, not by validate alone.
+    ("data.tokenize=foo,ahead", [], r"tokenize=foo: config field data.tokenize must be one of"),
+    ("data.source=nope", [], r"source=nope: config field data.source='nope': expected 'bundled'"),
+    ("data.tokenizer=train:abc", [], r"config field data.tokenizer='train:abc': expected"),
 ])
 def test_bad_points_are_one_line_before_anything_runs(tmp_path, capsys, grid, extra, match):
   rc = sweep.main(["--config", os.path.join(ROOT, "configs", "smoke.py"), "--root",
@@ -112,3 +116,70 @@ def test_a_config_file_error_is_its_last_line(tmp_path, capsys):
   err = capsys.readouterr().err
   assert rc == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
   assert "config arg size='bogus'" in err
+
+
+def test_device_dependent_fields_are_left_to_the_launch(tmp_path, capsys):
+  # The sweep machine may be a CPU login node: mesh sizes and micro-batches are the cluster's.
+  rc = sweep.main(["--config", os.path.join(ROOT, "configs", "focal.py"), "--root",
+                   str(tmp_path), "--grid", "mesh.fsdp=8,64", "--print", "--",
+                   "--config.train.micro_batch=4", "--config.mesh.data=-1"])
+  out, err = capsys.readouterr()
+  assert rc == 0 and len(out.splitlines()) == 2, err
+
+
+@pytest.mark.parametrize("name,text,match", [
+    ("syntax.py", "def get_config(:\n  pass\n", r"syntax.py: SyntaxError: invalid syntax"),
+    ("raises.py", "def get_config(arg=None):\n  raise RuntimeError('no cluster here')\n",
+     r"raises.py: get_config\(\) failed: RuntimeError: no cluster here"),
+    ("notes.md", "# Notes\nIt's a readme.\n", r"notes.md: not a Python config file: SyntaxError"),
+    ("plain.py", "x = 1\n", r"plain.py: defines no get_config\(\)"),
+    ("number.py", "def get_config():\n  return 3\n", r"returned int, not a ConfigDict"),
+    ("sizes", None, r"configs/sizes.py: defines no get_config\(\)"),   # a module, not a config
+])
+def test_a_broken_config_file_is_one_line_naming_it(tmp_path, capsys, name, text, match):
+  path = os.path.join(ROOT, "configs", "sizes.py")
+  if text is not None:
+    path = str(tmp_path / name)
+    with open(path, "w") as f:
+      f.write(text)
+  rc = sweep.main(["--config", path, "--root", str(tmp_path / "r"), "--grid", "seed=0,1",
+                   "--print"])
+  out, err = capsys.readouterr()
+  assert rc == 2 and out == "" and not os.path.exists(tmp_path / "r")
+  assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+  assert err.startswith(f"sweep: error: --config {path}") and re.search(match, err), err
+
+
+def test_runs_from_outside_the_repository(tmp_path):
+  # Config files do `from configs import base`: configs/ is beside train.py, not installed.
+  res = subprocess.run([sys.executable, "-m", "focaljax.sweep", "--config",
+                        os.path.join(ROOT, "configs", "focal.py"), "--root", "sw", "--grid",
+                        "seed=0,1", "--print"], cwd=tmp_path, capture_output=True, text=True)
+  assert res.returncode == 0, res.stderr
+  lines = res.stdout.strip().splitlines()
+  assert len(lines) == 2 and f"--workdir={tmp_path / 'sw' / 'seed=1'}" in lines[1]
+
+
+def test_workdir_names_are_one_safe_directory_each(tmp_path, capsys):
+  grid = sweep.parse_grid(["data.source=text:/data/a*.txt,text:/data/b*.txt", "seed=0"])
+  runs = sweep.expand("configs/focal.py", str(tmp_path), grid, [])
+  assert [os.path.relpath(w, tmp_path) for w, _ in runs] == [
+      "source=text:_data_a_.txt,seed=0", "source=text:_data_b_.txt,seed=0"]
+  assert "--config.data.source=text:/data/a*.txt" in runs[0][1]   # the value itself is kept
+  rc = sweep.main(["--config", os.path.join(ROOT, "configs", "focal.py"), "--root",
+                   str(tmp_path), "--grid", "data.source=text:/data/a*.txt,text:/data/b*.txt",
+                   "--print"])
+  assert rc == 0 and "--workdir=" + str(tmp_path / "source=text:_data_b_.txt") in (
+      capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("grid,match", [
+    (["data.source=text:/d/a*.txt,text:/d/a?.txt"],
+     r"data.source=text:/d/a\*.txt and data.source=text:/d/a\?.txt would share the workdir "
+     r"source=text:_d_a_.txt"),
+    (["seed=0,1,0"], r"seed=0 is given twice"),
+    (["data.source=text:" + "a" * 300], r"bytes, over the 255"),
+])
+def test_runs_that_would_share_a_workdir_are_refused(tmp_path, grid, match):
+  with pytest.raises(sweep.SweepError, match=match):
+    sweep.expand("configs/focal.py", str(tmp_path), sweep.parse_grid(grid), [])
