@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 import os
 import re
 
@@ -85,6 +86,9 @@ def _check_fields(c, fields: dict) -> None:
   for field, allowed in fields.items():
     value = _get(c, field)
     if isinstance(allowed, str):
+      number = (isinstance(value, (int, float)) and not isinstance(value, bool)
+                and math.isfinite(value))
+      _require(number, field, f"must be a finite number {allowed}, got {value!r}")
       _require(_INTERVALS[allowed](value), field, f"must be {allowed}, got {value}")
     else:
       _require(value in allowed, field, f"{value!r} is not one of {list(allowed)}")
@@ -125,8 +129,9 @@ def validate(c: ml_collections.ConfigDict, *, process_count: int = 1) -> None:
            "focal layer to learn τ for (e.g. --config configs/focal_learned.py)")
   tau = tau_range(a, head_dim)
   for name, value in tau.items():
-    _require(value > 0, f"model.attention.{name}",
-             f"must be > 0 (0: the paper's, scaled to head dim {head_dim}), got {a[name]}")
+    _require(0 < value < math.inf, f"model.attention.{name}",
+             f"must be finite and > 0 (0: the paper's, scaled to head dim {head_dim}), got "
+             f"{a[name]}")
   _require(tau["tau_min"] < tau["tau_max"], "model.attention.tau_min",
            f"need tau_min < tau_max, got {tau['tau_min']:g} and {tau['tau_max']:g} at head dim "
            f"{head_dim}")

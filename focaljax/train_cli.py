@@ -7,6 +7,7 @@ import sys
 import traceback
 
 import jax
+import ml_collections
 from absl import flags, logging
 from ml_collections import config_flags
 
@@ -52,6 +53,7 @@ def define_config(default_file: str):
 
 def parse_flags(argv):
   """absl's flag parsing, with bad flags and config files as one line and exit 2."""
+  given = list(argv)
   try:
     argv = flags.FLAGS(argv)
     _CONFIG.value.get("train")   # a config file that failed to load raises here
@@ -70,7 +72,17 @@ def parse_flags(argv):
     fail(f"--config {_config_file(argv)}: {type(e).__name__}: {e}")
   if len(argv) > 1:
     fail(f"unexpected arguments: {argv[1:]}")
+  for arg in given[1:]:   # a section set whole would skip its fields' types and defaults
+    path = arg[len("--config."):].split("=")[0] if arg.startswith("--config.") else ""
+    if path and isinstance(_field(_CONFIG.value, path), dict):
+      fail(f"--config.{path}: a section; set its fields one by one (--config.{path}.<field>=...)")
   return argv
+
+
+def _field(c, dotted: str):
+  for part in dotted.split("."):
+    c = c.get(part) if hasattr(c, "get") else None
+  return c.to_dict() if isinstance(c, ml_collections.ConfigDict) else c
 
 
 def _config_file(argv) -> str:

@@ -51,7 +51,7 @@ def test_size_presets_build_abstractly(size):
 @pytest.mark.parametrize("field,value,match", [
     ("model.attention.temperature", 0.0, "model.attention.temperature"),
     ("model.attention.tau_min", 10.0, "model.attention.tau_min"),
-    ("model.attention.tau_max", -1.0, "model.attention.tau_max: must be > 0"),
+    ("model.attention.tau_max", -1.0, "model.attention.tau_max: must be finite and > 0"),
     ("model.head_dim", -4, "model.head_dim: must be >= 0"),
     ("model.norm_eps", -1.0, "model.norm_eps"),
     ("model.attention.pattern", "softmax:rope,", "an empty entry"),
@@ -77,6 +77,9 @@ def test_size_presets_build_abstractly(size):
     ("model.remat_policy", "full", "model.remat_policy"),
     ("optim.mu_dtype", "float16", "optim.mu_dtype"),
     ("optim.schedule_steps", 10, "optim.schedule_steps"),   # not past the 30 warmup steps
+    ("optim.peak_lr", float("inf"), "optim.peak_lr: must be a finite number > 0, got inf"),
+    ("model.attention.temperature", float("inf"), "model.attention.temperature: must be a fin"),
+    ("model.attention.tau_max", float("inf"), "model.attention.tau_max: must be finite"),
 ])
 def test_invalid_values_name_the_field(field, value, match):
   c = base.get_config()

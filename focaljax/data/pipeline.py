@@ -135,7 +135,8 @@ def _train_spec(spec: str) -> tuple[int, str] | None:
 
 
 def _check_tokenizer_spec(spec: str) -> None:
-  if spec == "bundled" or spec.endswith(".json") or epath.Path(spec).is_dir() or _train_spec(spec):
+  if spec and (spec == "bundled" or spec.endswith(".json") or epath.Path(spec).is_dir()
+               or _train_spec(spec)):   # "" would name the current directory
     return
   raise ValueError(
       f"DataConfig.tokenizer={spec!r}: expected 'bundled', 'train:<vocab_size> (> 256)', "
@@ -169,7 +170,10 @@ def load_tokenizer(cfg: DataConfig, workdir: str | None,
     return tokenizer_lib.bundled()
   train = _train_spec(spec)
   if train is None:
-    return tokenizer_lib.Tokenizer.load(spec)
+    try:
+      return tokenizer_lib.Tokenizer.load(spec)
+    except FileNotFoundError as e:
+      raise FileNotFoundError(f"data.tokenizer={spec!r}: {e}") from None
   if (workdir is not None and (epath.Path(workdir) / tokenizer_lib.FILENAME).is_file()
       and _recorded_with(workdir, cfg)):
     return tokenizer_lib.Tokenizer.load(workdir)

@@ -374,3 +374,20 @@ def test_long_single_line_reaches_the_first_batch(tmp_path):
 def test_help_exits_0_listing_the_flags():
   proc = _run(os.path.join(ROOT, "train.py"), "--help")
   assert proc.returncode == 0 and "--workdir" in proc.stdout and "--dry_run" in proc.stdout
+
+
+@pytest.mark.parametrize("override", ["--config.mesh={'data': 1, 'fsdp': 1}",
+                                      "--config.optim={'peak_lr': 1.0}"])
+def test_a_section_set_whole_is_one_line(tmp_path, override):
+  # It would replace the section, skipping its other fields and their types.
+  proc = _run(os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs", "smoke.py"),
+              "--workdir", str(tmp_path / "run"), override)
+  _one_line(proc, r"^error: --config\.(mesh|optim): a section; set its fields one by one")
+  assert not os.path.exists(tmp_path / "run")
+
+
+def test_an_empty_tokenizer_is_refused_not_read_from_the_current_directory():
+  c = _config()
+  c.data.tokenizer = ""
+  with pytest.raises(config_lib.ConfigError, match=r"^config field data.tokenizer='': expected"):
+    config_lib.parse(c)
