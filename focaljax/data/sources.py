@@ -15,6 +15,7 @@ import json
 import lzma
 import os
 import pathlib
+import zlib
 from typing import Any
 
 import grain
@@ -51,9 +52,13 @@ def _open_bytes(path: str):
   with epath.Path(path).open("rb") as raw:
     if opener is None:
       yield raw
-    else:
+      return
+    try:
       with opener(raw, "rb") as f:
         yield f
+    except (lzma.LZMAError, gzip.BadGzipFile, zlib.error, EOFError) as e:   # cut short, damaged
+      raise DataError(f"{path}: a damaged or truncated {path.rsplit('.', 1)[-1]} file "
+                      f"({type(e).__name__}: {e})") from None
 
 
 def _decode(path: str, data: bytes, first_line: int = 1) -> str:

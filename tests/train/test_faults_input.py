@@ -2,6 +2,7 @@
 a second trainer on a workdir is refused; long documents tokenize in bounded pieces."""
 
 import json
+import lzma
 import os
 import re
 import shutil
@@ -195,6 +196,9 @@ def test_bad_hf_checkpoint_is_one_line(tmp_path, config_text, safetensors, match
     ("one.txt", b"one document. " * 200, r"valid split .* is empty .* set data.valid_source"),
     ("bad.jsonl", b'{"text": "a b"}\n{"text": oops}\n', r"bad.jsonl:2: malformed JSON"),
     ("latin1.txt", b"line one\nna\xefve\n", r"latin1.txt:2: not UTF-8"),
+    ("cut.jsonl.xz", lzma.compress(b'{"text": "a b"}\n' * 50)[:40],
+     r"cut.jsonl.xz: a damaged or truncated xz file \(EOFError"),
+    ("bad.txt.gz", b"\x1f\x8b not gzip", r"bad.txt.gz: a damaged or truncated gz file"),
 ])
 def test_bad_data_names_file_and_line(tmp_path, name, content, match):
   (tmp_path / name).write_bytes(content)
