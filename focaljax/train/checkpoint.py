@@ -304,8 +304,18 @@ def _restore(workdir: str, step: int | None, **items):
   if step is None:
     raise FileNotFoundError(f"no checkpoint under {workdir}/checkpoints")
   _quiet_failed_reads()
-  out = manager.restore(step, args=ocp.args.Composite(**items))
-  manager.close()
+  try:
+    out = manager.restore(step, args=ocp.args.Composite(**items))
+  except KeyError:
+    if set(items) == {"meta"}:   # read_meta: a params-only checkpoint has none
+      raise
+    raise CorruptCheckpoint(f"{workdir}/checkpoints/{step} holds no {'/'.join(items)}; evaluate "
+                            "an earlier step (checkpoints/<step>)") from None
+  except Exception as e:  # pylint: disable=broad-except  (Orbax's and TensorStore's many kinds)
+    raise CorruptCheckpoint(f"{workdir}/checkpoints/{step} does not restore ({_describe(e)}); "
+                            "evaluate an earlier step (checkpoints/<step>)") from None
+  finally:
+    manager.close()
   return out, step
 
 

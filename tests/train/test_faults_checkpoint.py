@@ -200,6 +200,17 @@ def test_eval_py_refuses_flipped_params_in_one_line(workdir):
   assert _files(workdir) == before
 
 
+@pytest.mark.parametrize("damage", [_truncate, _empty], ids=["truncated", "emptied"])
+def test_eval_py_on_params_that_do_not_restore_is_one_line(workdir, damage):
+  damage(os.path.join(workdir, "checkpoints", "6"))
+  proc = subprocess.run([sys.executable, os.path.join(ROOT, "eval.py"), "--workdir", workdir,
+                         "--suites", "val"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 2, proc.stderr[-3000:]
+  errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+  assert len(errors) == 1 and "checkpoints/6" in errors[0], proc.stderr[-3000:]
+  assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
 def test_hf_export_refuses_flipped_params_in_one_line(workdir, tmp_path):
   _flip(os.path.join(workdir, "checkpoints", "6"))
   before = _files(workdir)
