@@ -245,8 +245,24 @@ def run_suites(tasks: dict, suites, out_dir: str, results: dict, results_file: s
     results[suite] = result
     (out / f"{suite}.json").write_text(json.dumps(result, indent=1))
     log(format_fn(suite, result))
-  (out / results_file).write_text(json.dumps(results, indent=1))
+  (out / results_file).write_text(json.dumps(_with_earlier(out / results_file, results), indent=1))
   return results
+
+
+def _with_earlier(path: epath.Path, results: dict) -> dict:
+  """`results` plus the suites an earlier eval of the same checkpoint and settings (its meta
+  but the suite list) wrote to `path` and this one did not run: a rerun of one suite keeps the
+  file whole."""
+  try:
+    old = json.loads(path.read_text()) if path.exists() else {}
+  except ValueError:
+    old = {}
+  ident = lambda meta: {k: v for k, v in meta.items() if k not in ("suites", "plots")}
+  if not isinstance(old, dict) or ident(old.get("meta", {})) != ident(results["meta"]):
+    return results
+  earlier = {k: v for k, v in old.items() if k != "meta" and k not in results}
+  meta = {**results["meta"], "suites": [*earlier, *results["meta"].get("suites", [])]}
+  return {"meta": meta, **earlier, **{k: v for k, v in results.items() if k != "meta"}}
 
 
 def unanswered(results: dict) -> list[str]:
