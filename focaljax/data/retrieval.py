@@ -61,13 +61,21 @@ def drill_pieces(tokenizer, rng: np.random.Generator) -> tuple[list[int], list[i
           tokenizer.encode(PASSKEY_QUESTION) + tokenizer.encode(f" {key}."))
 
 
-def drill_min_tokens(tokenizer) -> int:
-  """The most tokens a drill without filler or head can take: needle + tail + <|endoftext|>, each
-  of the key's three occurrences counted at its worst (" K" is 6 bytes: at most 6 tokens)."""
+def drill_sizes(tokenizer) -> tuple[int, int, int]:
+  """The most tokens a drill's needle, its tail (question + " K.") and the tail's answer " K."
+  can take over all keys: each occurrence of the key counted at its worst (" K" is 6 bytes: at
+  most 6 tokens)."""
   key = 10_000
-  needle, tail = (tokenizer.encode(PASSKEY_NEEDLE.format(key=key)),
-                  tokenizer.encode(PASSKEY_QUESTION) + tokenizer.encode(f" {key}."))
-  return len(needle) + len(tail) + 3 * (6 - len(tokenizer.encode(f" {key}"))) + 1
+  worse = 6 - len(tokenizer.encode(f" {key}"))
+  needle = len(tokenizer.encode(PASSKEY_NEEDLE.format(key=key))) + 2 * worse   # "K" twice
+  answer = len(tokenizer.encode(f" {key}.")) + worse
+  return needle, len(tokenizer.encode(PASSKEY_QUESTION)) + answer, answer
+
+
+def drill_min_tokens(tokenizer) -> int:
+  """The most tokens a drill without filler or head can take: needle + tail + <|endoftext|>."""
+  needle, tail, _ = drill_sizes(tokenizer)
+  return needle + tail + 1
 
 
 def passkey_drill(tokenizer, text_ids: np.ndarray, rng: np.random.Generator,

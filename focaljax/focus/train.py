@@ -48,6 +48,10 @@ class Sampler:
     self.f, self.seed, self.pidx, self.local_batch = f, seed, process_index, local_batch
     self.tok = tokenizer
     self._question_len = len(tokenizer.encode(retrieval.PASSKEY_QUESTION))
+    if f.retrieval_mix:   # every drill fits, whatever key it draws: refused once, up front
+      needle, tail, answer = retrieval.drill_sizes(tokenizer)
+      memory = min(s * (m // s) for s in f.chunk_sizes for m in f.memory_tokens)
+      self._check_drill(needle, tail, answer, memory)
     self.docs = data_lib.documents(data, "train")
     # Token ids of re-drawn documents, text cut first (books run to 1M tokens).
     n = f.doc_max_tokens
@@ -83,17 +87,21 @@ class Sampler:
     -> (memory, local tokens, key_at: where the answer starts among the num_targets targets)."""
     needle, tail = retrieval.drill_pieces(self.tok, rng)
     answer = len(tail) - self._question_len
-    if len(needle) > len(memory) or len(tail) > len(local) or answer > self.f.num_targets:
-      raise config_lib.ConfigError(
-          f"config field focus.retrieval_mix: a drill needs a memory of >= {len(needle)} tokens, "
-          f"a local window of >= {len(tail)} (question and key) and focus.num_targets >= "
-          f"{answer} (the key)")
+    self._check_drill(len(needle), len(tail), answer, len(memory))
     memory = memory.copy()
     at = int(rng.integers(len(memory) - len(needle) + 1))
     memory[at:at + len(needle)] = needle
     context = local[:len(local) - len(tail)]
     return (memory, np.concatenate([context, np.asarray(tail, np.int32)]),
             self.f.num_targets - answer)
+
+  def _check_drill(self, needle: int, tail: int, answer: int, memory: int) -> None:
+    if needle > memory or tail > self.f.local_len + 1 or answer > self.f.num_targets:
+      raise config_lib.ConfigError(
+          f"config field focus.retrieval_mix: a drill needs a memory of >= {needle} tokens "
+          f"(shortest: {memory}), a local window of >= {tail - 1} (question and key; "
+          f"focus.local_len={self.f.local_len}) and focus.num_targets >= {answer} (the key; "
+          f"{self.f.num_targets})")
 
   def batch(self, step: int) -> dict[str, np.ndarray]:
     """memory int32 [b, M], tokens int32 [b, local_len + 1], reconstruction float32 [b],

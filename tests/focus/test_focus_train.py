@@ -5,6 +5,7 @@ and chunks past the base context are refused."""
 import hashlib
 import json
 import os
+import re
 import signal
 
 import jax
@@ -128,6 +129,20 @@ def test_sampler_drills_put_the_key_in_memory_and_at_the_targets(tmp_path, num_t
   with pytest.raises(config_lib.ConfigError, match="focus.retrieval_mix.*num_targets"):
     sampler(focus_cfg(tmp_path / "base", p_reconstruction=0.0, retrieval_mix=0.9), 16,
             tok).batch(0)
+
+
+def test_a_drill_that_cannot_fit_is_refused_up_front_naming_enough(tmp_path):
+  # Refused at construction with every key's worst case, not by the first drill drawn: the
+  # num_targets it names then serves every draw.
+  make_base(tmp_path / "base")
+  tok = tokenizer_lib.bundled()
+  over = dict(p_reconstruction=0.0, retrieval_mix=0.9, local_len=32, doc_min_tokens=128)
+  with pytest.raises(config_lib.ConfigError, match=r"focus.num_targets >= (\d+)") as e:
+    sampler(focus_cfg(tmp_path / "base", num_targets=1, **over), 4, tok)
+  enough = int(re.search(r"focus.num_targets >= (\d+)", str(e.value)).group(1))
+  s = sampler(focus_cfg(tmp_path / "base", num_targets=enough, **over), 4, tok)
+  for step in range(30):
+    s.batch(step)
 
 
 def test_prefetched_batches_are_the_steps_own(tmp_path):
@@ -278,6 +293,7 @@ def test_base_attention_replaces_the_trained_implementation(tmp_path):
   make_base(tmp_path / "base")
   c = saved_config.read(str(tmp_path / "base"))
   c.model.attention.implementation = "cudnn"
+  c.train.compute_dtype = "bfloat16"   # as such a run trained: cuDNN takes 16-bit inputs
   checkpoint.write_config(str(tmp_path / "base"), c)
   plain = loaded.load(str(tmp_path / "base")).model
   swapped = focus_train.with_attention(plain, "xla")
