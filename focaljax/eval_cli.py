@@ -31,7 +31,8 @@ _SEEDS = flags.DEFINE_integer("passkey_seeds", 4, "passkey trials (random keys) 
                               lower_bound=1)
 _VAL_BATCHES = flags.DEFINE_integer("val_batches", None, "default: config train.eval_batches",
                                     lower_bound=1)
-_OUT_DIR = flags.DEFINE_string("out_dir", None, "default: WORKDIR/eval")
+_OUT_DIR = flags.DEFINE_string("out_dir", None, "results directory (made if missing); default: "
+                               "WORKDIR/eval")
 _PLOTS = flags.DEFINE_bool("plots", True, "write PNG plots (needs matplotlib)")
 _FOCUS_ADAPTER = flags.DEFINE_string("focus_adapter", None, "FocusLLM adapter of the --workdir "
                                      "base: a FocusLLM run workdir or its checkpoints/<step>")
@@ -40,12 +41,14 @@ _FOCUS_MULTIPLIERS = flags.DEFINE_list("focus_multipliers",
                                        "focus_passkey lengths / the base's trained context")
 _FOCUS_LOCAL_LEN = flags.DEFINE_integer("focus_local_len", None,
                                         "local window tokens; default: the window the "
-                                        "adapter trained on")
+                                        "adapter trained on", lower_bound=2)
 _FOCUS_CHUNK_SIZE = flags.DEFINE_integer("focus_chunk_size", None,
-                                         "memory chunk size; default: the adapter's largest")
+                                         "memory chunk size; default: the adapter's largest",
+                                         lower_bound=1)
 _FOCUS_PROMPT_LEN = flags.DEFINE_integer(
     "focus_prompt_len", None, "dynamic prompt: the last min(this, chunk size) window tokens "
-    "appended to every chunk; default: the run's focus.eval_prompt_len, else the trained one")
+    "appended to every chunk; default: the run's focus.eval_prompt_len, else the trained one",
+    lower_bound=1)
 _FOCUS_IMPLEMENTATION = flags.DEFINE_enum("focus_implementation", None,
                                           ["auto", "xla", "pallas"],
                                           "candidate/local attention; default: the adapter's")
@@ -67,10 +70,22 @@ def _ints_ok(values) -> bool:
   return all(v.isdigit() and int(v) >= 1 for v in values)
 
 
+def _dir_ok(path) -> bool:
+  """None, or a path whose nearest existing part is a directory (the rest is made)."""
+  p = epath.Path(path) if path else None
+  while p is not None and not p.exists() and p.parent != p:
+    p = p.parent
+  return p is None or p.is_dir()
+
+
 # Bad values are refused while the flags are parsed (one line, exit 2), not as a skipped suite.
-flags.register_validator("depths", _depths_ok, "each must be a number in [0, 1]")
-flags.register_validator("focus_multipliers", _ints_ok,
-                         "each must be an integer >= 1")
+# An empty list would run no length (or a range() of step 0), so it is bad input too.
+flags.register_validator("depths", lambda v: bool(v) and _depths_ok(v),
+                         "one or more numbers, each in [0, 1]")
+flags.register_validator("focus_multipliers", lambda v: bool(v) and _ints_ok(v),
+                         "one or more integers, each >= 1")
+flags.register_validator("out_dir", _dir_ok, "must be a directory (made if missing), not a file "
+                         "or under one")
 flags.register_validator("books", lambda path: path is None or epath.Path(path).exists(),
                          "no such file")
 
@@ -96,9 +111,10 @@ def main(argv):
   del argv
   try:
     run()
-  except (app.UsageError, config_lib.ConfigError, FileNotFoundError, sources.DataError,
-          checkpoint.CorruptCheckpoint, loading.NotALanguageModel,
-          focus_train.NotAnAdapter) as e:
+  # FileExistsError, NotADirectoryError: a default out_dir (WORKDIR/eval) that is a file.
+  except (app.UsageError, config_lib.ConfigError, FileNotFoundError, FileExistsError,
+          NotADirectoryError, sources.DataError, checkpoint.CorruptCheckpoint,
+          loading.NotALanguageModel, focus_train.NotAnAdapter, focus_eval.UnreadableBase) as e:
     fail(e)
 
 

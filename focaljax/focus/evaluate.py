@@ -38,20 +38,27 @@ FOCUS_SUITES = ("focus_passkey", "focus_longdoc")
 DEFAULT_MULTIPLIERS = (2, 8, 32, 100)   # the paper's Fig. 1 spans 2K..400K on a 4K base
 
 
+class UnreadableBase(ValueError):
+  """The base has layers FocusLLM cannot read (focus.model.check_base); eval.py: one line."""
+
+
 def local_len_for(length: int, chunk_size: int, local_len: int, min_len: int = 1,
                   max_len: int | None = None) -> int:
-  """The local window for a `length`-token input leaving whole chunks before it: the largest
-  <= local_len, or (below min_len) the next one up if <= max_len."""
+  """The local window T for a `length`-token input, length - T a multiple of chunk_size: the
+  largest T <= local_len, or (below min_len) the smallest >= min_len if it is <= max_len."""
   if length <= local_len:
     return length
-  below = local_len - (length - local_len) % chunk_size
+  # T ≡ length (mod chunk_size): the memory before the window is whole chunks.
+  below = local_len - (local_len - length) % chunk_size
   if below >= min_len:
     return below
-  if below + chunk_size <= min(length, max_len or length):
-    return below + chunk_size
+  up = min_len + (length - min_len) % chunk_size
+  if up <= min(length, max_len or length):
+    return up
   raise ValueError(f"focus: no local window for {length} tokens leaves whole chunks of "
                    f"chunk_size {chunk_size} before it with {min_len} <= window <= "
-                   f"{max_len or length} (local_len {local_len}); change local_len or chunk_size")
+                   f"{min(length, max_len or length)} (local_len {local_len}); change local_len "
+                   "or chunk_size")
 
 
 def _tally(trials: list[dict]) -> list[int]:
@@ -306,6 +313,10 @@ def run(base_path: str, adapter_path: str, *, suites=FOCUS_SUITES, books: str | 
   eval/adapter_<step>). `dtype` casts base and adapter once."""
   evaluate.check_suites(suites, FOCUS_SUITES)
   m = loaded_lib.load(base_path)
+  try:   # before the adapter, whose restore would raise it as a traceback
+    focus.check_base(m.config)
+  except NotImplementedError as e:
+    raise UnreadableBase(f"{m.workdir} cannot be a FocusLLM base: {e}") from None
   adapter, cfg, meta = focus_train.load(adapter_path, m.model)
   graphdef, state = nnx.split(focus_train.with_attention(m.model, base_attention))
   base, adapter = nnx.merge(graphdef, cast(state, dtype)), cast(adapter, dtype)

@@ -292,14 +292,32 @@ def test_eval_py_on_a_focus_adapter_run_is_one_line(tmp_path):
       f"BASE --focus_adapter {tmp_path}"]
 
 
+def test_eval_py_focus_adapter_over_an_unreadable_base_is_one_line(tmp_path):
+  make_workdir(tmp_path / "wd")   # softmax:rope,dilution:none: FocusLLM reads no dilution layer
+  proc = subprocess.run([sys.executable, str(REPO / "eval.py"), f"--workdir={tmp_path / 'wd'}",
+                         f"--focus_adapter={tmp_path / 'wd'}"], capture_output=True, text=True,
+                        cwd=REPO, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+      f"error: {tmp_path / 'wd'} cannot be a FocusLLM base: layer 1 is dilution; FocusLLM reads "
+      "bases of softmax or constant-temperature focal layers"], proc.stderr[-2000:]
+
+
 @pytest.mark.parametrize("flag,line", [
     ("--max_multiplier=0", "error: flag --max_multiplier=0: 0 is not a positive integer"),
-    ("--depths=0,2", "error: flag --depths=['0', '2']: each must be a number in [0, 1]"),
+    ("--depths=0,2", "error: flag --depths=['0', '2']: one or more numbers, each in [0, 1]"),
     ("--books=/nonexistent.jsonl", "error: flag --books=/nonexistent.jsonl: no such file"),
     ("--suites=", "error: --suites is empty; name one or more of them, or leave it out for all"),
     ("--suites=focus_longdoc", "error: --suites focus_longdoc needs --focus_adapter"),
     ("--suites=focus_longdoc --focus_adapter=RUN",
      "error: --suites focus_longdoc needs long documents: --books"),
+    # Empty lists once ran no length (or a range() of step 0); 0 once meant the trained window.
+    ("--depths=", "error: flag --depths=[]: one or more numbers, each in [0, 1]"),
+    ("--focus_multipliers=", "error: flag --focus_multipliers=[]: one or more integers, each >= 1"),
+    ("--focus_local_len=0", "error: flag --focus_local_len=0: 0 is not integer >= 2"),
+    ("--focus_chunk_size=0", "error: flag --focus_chunk_size=0: 0 is not a positive integer"),
+    ("--focus_prompt_len=0", "error: flag --focus_prompt_len=0: 0 is not a positive integer"),
+    ("--out_dir=/dev/null/eval", "error: flag --out_dir=/dev/null/eval: must be a directory "
+     "(made if missing), not a file or under one"),
 ])
 def test_eval_py_bad_flag_values_are_one_line(tmp_path, flag, line):
   # Refused while parsing, not run as a suite that reports itself skipped.

@@ -3,6 +3,7 @@ eval.py's --focus_adapter end to end, and the decode benchmark's smoke run."""
 
 import copy
 import dataclasses
+import itertools
 import json
 import os
 import pathlib
@@ -60,6 +61,30 @@ def test_local_window_leaves_whole_chunks():
   assert focus_eval.local_len_for(4096, 1024, 512, min_len=12, max_len=2042) == 1024
   with pytest.raises(ValueError, match="chunk_size 1024"):
     focus_eval.local_len_for(4096, 1024, 512, min_len=12, max_len=1000)
+
+
+def _window_by_search(length, chunk, local_len, min_len, max_len):
+  if length <= local_len:
+    return length   # all local, no memory
+  fits = [t for t in range(1, length + 1) if (length - t) % chunk == 0]
+  below = max([t for t in fits if t <= local_len], default=0)
+  up = min([t for t in fits if t >= min_len], default=length + 1)
+  return below if below >= min_len else up if up <= min(length, max_len or length) else None
+
+
+def test_local_window_is_the_largest_leaving_whole_chunks():
+  # Once the remainder went the wrong way: 128 tokens, chunk 16, window 20 left 120 of memory.
+  assert focus_eval.local_len_for(128, 16, 20) == 16
+  assert focus_eval.local_len_for(2048, 512, 500) == 512   # none <= 500 but 0: the next one up
+  for length, chunk, local_len, min_len, max_len in itertools.product(
+      range(1, 140, 3), (1, 2, 7, 16, 33), range(2, 80, 7), (1, 20), (None, 40)):
+    want = _window_by_search(length, chunk, local_len, min_len, max_len)
+    if want is None:
+      with pytest.raises(ValueError, match=f"chunk_size {chunk} before it with {min_len} <= "):
+        focus_eval.local_len_for(length, chunk, local_len, min_len, max_len)
+    else:
+      got = focus_eval.local_len_for(length, chunk, local_len, min_len, max_len)
+      assert got == want and (length - got) % chunk == 0, (length, chunk, local_len, got)
 
 
 def test_with_attention_swaps_the_implementation_only(tiny):
