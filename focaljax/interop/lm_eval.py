@@ -7,13 +7,14 @@ The module is lm_eval's own CLI with this registration imported first: lm-eval h
 discovery, so `--model focaljax` is only known once this module is imported (in Python:
 `import focaljax.interop.lm_eval` before `lm_eval.simple_evaluate(model="focaljax", ...)`).
 
-model_args: path (required); batch_size (default 8; on the command line use --batch_size, which
-lm_eval always passes itself); max_length (the context requests are left-truncated to; default
-the trained context, data.seq_len, so RoPE never NTK-scales unless asked to).
+model_args: path (required); batch_size (an integer >= 1 or auto, meaning 8; default 8; on the
+command line use --batch_size, which lm_eval always passes itself); max_length (an integer >= 1,
+the context requests are left-truncated to; default the trained context, data.seq_len, so RoPE
+never NTK-scales unless asked to).
 
-Scoring right-pads each batch to a length bucket (powers of two up to max_length): the model is
-causal, so padding after a request cannot change its scores, and few shapes are compiled. (With
-max_length above the trained context, RoPE NTK-scales for the bucket's length.) Generation
+Scoring right-pads each batch to a length bucket (powers of two up to max_length), so few shapes
+compile. RoPE NTK-scales for max_length (only if it exceeds the trained context), never for the
+bucket: with the model causal, a request then scores the same in any batch. Generation
 cannot pad (there is no attention mask), so it batches requests of equal prompt length and runs
 one compiled decode per (batch, prompt length, max_gen_toks); stop strings are applied to the
 decoded text after `max_gen_toks` tokens (or eos).
@@ -46,10 +47,10 @@ from focaljax.evaluation import generate as gen_lib
 from focaljax.evaluation import loading
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",))
-def _score(graphdef, state, inputs_BT, targets_BT):
+@functools.partial(jax.jit, static_argnames=("graphdef", "rope_length"))
+def _score(graphdef, state, inputs_BT, targets_BT, rope_length):
   """log p(target) and whether the target is the argmax, per position; [B, T] each."""
-  logits_BTV = nnx.merge(graphdef, state)(inputs_BT)
+  logits_BTV = nnx.merge(graphdef, state)(inputs_BT, rope_length=rope_length)
   logp_BT = jnp.take_along_axis(jax.nn.log_softmax(logits_BTV, axis=-1), targets_BT[..., None],
                                 axis=-1)[..., 0]
   return logp_BT, jnp.argmax(logits_BTV, axis=-1) == targets_BT
@@ -59,21 +60,37 @@ def _bucket(n: int, cap: int) -> int:
   return min(max(16, 1 << (n - 1).bit_length()), cap)
 
 
+def _count(label: str, value, allowed: str = "an integer >= 1") -> int | None:
+  """An int >= 1 (None stays None); anything else one line naming the argument. lm_eval's
+  command line reads "-5" or "1e3" as a float: a whole one is its integer."""
+  text = str(int(value) if isinstance(value, float) and value.is_integer() else value).strip()
+  if value is not None and (isinstance(value, bool) or not text.isdigit() or int(text) < 1):
+    raise ValueError(f"{label}={value}: must be {allowed}")
+  return None if value is None else int(text)
+
+
 @register_model("focaljax")
 class FocaljaxLM(TemplateLM):
   """Log-likelihoods and greedy/sampled generation from `focaljax.load(path)`."""
 
-  def __init__(self, path: str, batch_size: int | str = 8, max_length: int | str | None = None,
-               device=None, max_batch_size=None, **unused):
+  def __init__(self, path: str | None = None, batch_size: int | str = 8,
+               max_length: int | str | None = None, device=None, max_batch_size=None, **unused):
     super().__init__()
     del device, max_batch_size   # lm_eval passes these to every model; JAX places the arrays
     if unused:
       raise ValueError(f"model_args {sorted(unused)} are not known; have: path, batch_size, "
                        "max_length")
-    self.loaded = loading.load(path)
+    if path is None or path == "":
+      raise ValueError("model_args path is required: a focaljax workdir or its checkpoints/<step>"
+                       " (--model_args path=WORKDIR)")
+    # Checked before the model loads; "auto" (lm_eval's "auto:N" too) means 8.
+    auto = str(batch_size).split(":")[0] == "auto"
+    self.batch_size = 8 if auto else _count("batch_size (--batch_size)", batch_size,
+                                            "an integer >= 1 or auto") or 8
+    max_length = _count("model_args max_length", max_length)
+    self.loaded = loading.load(str(path))
     self.tokenizer = self.loaded.tokenizer
-    self.batch_size = int(str(batch_size).split(":")[0].replace("auto", "8"))
-    self.max_length = int(max_length or self.loaded.trained_len)
+    self.max_length = max_length or self.loaded.trained_len
     self._graphdef, self._state = nnx.split(self.loaded.model)
 
   @property
@@ -113,7 +130,9 @@ class FocaljaxLM(TemplateLM):
       targets = np.zeros((self.batch_size, T), np.int32)
       for r, (inp, tgt, _) in enumerate(rows):
         inputs[r, :len(inp)], targets[r, :len(tgt)] = inp, tgt
-      logp, greedy = jax.device_get(_score(self._graphdef, self._state, inputs, targets))
+      # One rotary base for every request (max_length's), whatever bucket its batch pads to.
+      logp, greedy = jax.device_get(_score(self._graphdef, self._state, inputs, targets,
+                                           self.max_length))
       for r, (i, (inp, _, n)) in enumerate(zip(idx, rows)):
         span = slice(len(inp) - n, len(inp))
         results[i] = (float(logp[r, span].sum()), bool(greedy[r, span].all()))

@@ -79,6 +79,18 @@ def test_adapter_scores_match_the_model(workdir):
   assert outs[0] == full.split("e")[0] and "e" not in outs[0]
 
 
+def test_a_score_does_not_depend_on_its_batch(workdir):
+  # max_length 128 > the trained 64: alone a 40-token request pads to 64, beside a 100-token one
+  # to 128; RoPE scales for max_length in both (it once scaled for the bucket).
+  lm = lm_eval_adapter.FocaljaxLM(path=workdir, batch_size=2, max_length=128)
+  ids = np.random.default_rng(1).integers(0, lm.loaded.config.vocab_size, 100).tolist()
+  short, long = (ids[:36], ids[36:40]), (ids[:90], ids[90:])
+  alone = lm._score_tokens([short])[0][0]  # pylint: disable=protected-access
+  batched = lm._score_tokens([short, long])[0][0]  # pylint: disable=protected-access
+  nll = gen_lib.token_nll(lm.loaded.model, [ids[:39]], [ids[1:40]], rope_length=128)
+  np.testing.assert_allclose([alone, batched], -np.asarray(nll)[0, -4:].sum(), rtol=1e-6)
+
+
 TASKS = {
     "fj_mc": dict(output_type="multiple_choice", doc_to_text="{{question}}",
                   doc_to_choice="{{choices}}", doc_to_target="{{label}}",
@@ -117,9 +129,20 @@ def test_simple_evaluate_runs_local_tasks(workdir, tmp_path):
 @pytest.mark.parametrize("args,match", [
     (["--model_args", "path=/nonexistent/run", "--tasks", "hellaswag"], "/nonexistent/run is "),
     (["--tasks", "no_such_task"], "Tasks not found: no_such_task"),
+    (["--model_args", "foo=1", "--tasks", "hellaswag"], "model_args ['foo'] are not known"),
+    (["--model_args", "max_length=8", "--tasks", "hellaswag"], "model_args path is required"),
+    (["--model_args", "path=P,max_length=abc", "--tasks", "hellaswag"],
+     "model_args max_length=abc: must be an integer >= 1"),
+    (["--model_args", "path=P,max_length=-5", "--tasks", "hellaswag"], "model_args max_length=-5"),
+    (["--model_args", "path=P,max_length=0", "--tasks", "hellaswag"],
+     "model_args max_length=0: must be an integer >= 1"),
+    (["--batch_size", "0", "--tasks", "hellaswag"],
+     "batch_size (--batch_size)=0: must be an integer >= 1 or auto"),
 ])
 def test_cli_bad_input_is_one_line(workdir, capsys, args, match):
-  argv = ["--model", "focaljax", "--model_args", f"path={workdir}", *args]
+  # lm_eval merges repeated --model_args: only cases without one get the workdir's.
+  own = ["--model_args", f"path={workdir}"] * ("--model_args" not in args)
+  argv = ["--model", "focaljax", *own, *[a.replace("path=P", f"path={workdir}") for a in args]]
   assert lm_eval_adapter.main(argv) == 2
   err = capsys.readouterr().err.strip().splitlines()
   assert err[-1].startswith("focaljax-lm-eval: error: ") and match in err[-1], err
