@@ -184,8 +184,12 @@ def focaljax_to_hf(path: str, out_dir: str, *, dtype: str | None = None,
                    max_shard_gb: float = 5.0, replace: bool = False) -> str:
   """Exports a focaljax workdir (latest step) or checkpoints/<step> dir as an HF directory."""
   workdir, step = checkpoint.resolve(path)
+  saved = saved_config.read(workdir)
+  if "focus" in saved:   # as focaljax.load says it: its params are an adapter, not a model
+    raise ValueError(f"{workdir} is a FocusLLM adapter run, not a language model; export its "
+                     f"base (focus.base_workdir {saved.focus.get('base_workdir', '?')}) instead")
   _out_dir(out_dir, workdir, replace)
-  run = config_lib.parse(saved_config.read(workdir))
+  run = config_lib.parse(saved)
   plan = _layer_plan(run.model)
   q_scales = _q_scales(run.model, plan)
   tok_file, eos = _tokenizer(workdir, bundled=run.data.tokenizer == "bundled")

@@ -299,6 +299,19 @@ def test_non_empty_out_dir_needs_replace(tmp_path, capsys, hf_src):
   assert rc == 2 and "holds the source" in err and (work / "config.json").exists()
 
 
+def test_a_focus_adapter_run_is_named_as_one(tmp_path, capsys):
+  # What train.py writes for configs/focus.py: a config.json with a focus section.
+  run = tmp_path / "focus_run"
+  (run / "checkpoints" / "2").mkdir(parents=True)
+  (run / "config.json").write_text(json.dumps({"focus": {"base_workdir": "runs/base"}}))
+  for src in (run, run / "checkpoints" / "2"):
+    rc, err = _convert(capsys, "focaljax-to-hf", src, tmp_path / "out")
+    assert rc == 2 and err == (f"focaljax-convert: error: {run} is a FocusLLM adapter run, not a "
+                               "language model; export its base (focus.base_workdir runs/base) "
+                               "instead"), err
+  assert not (tmp_path / "out").exists()
+
+
 def test_llama_style_eos_travels_both_ways(tmp_path):
   hf_dir, work, back = tmp_path / "hf", tmp_path / "work", tmp_path / "back"
   tiny_hf(hf_dir)
