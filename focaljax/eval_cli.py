@@ -102,6 +102,8 @@ def parse_flags(argv):
     argv = flags.FLAGS(argv)
   except flags.Error as e:
     fail(e)
+  except SystemExit as e:   # absl exits 1 after --help, the code of a failed suite
+    sys.exit(0 if e.code == 1 and {"--help", "-h", "-?", "--helpshort", "--helpfull"} & set(argv) else e.code)
   if len(argv) > 1:
     fail(f"unexpected arguments: {argv[1:]}")
   return argv

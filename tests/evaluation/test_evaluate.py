@@ -325,3 +325,24 @@ def test_eval_py_bad_flag_values_are_one_line(tmp_path, flag, line):
                          *flag.split()],
                         capture_output=True, text=True, cwd=REPO, timeout=120)
   assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [line], proc.stderr
+
+
+def test_help_exits_0():
+  proc = subprocess.run([sys.executable, str(REPO / "eval.py"), "--help"], capture_output=True,
+                        text=True, cwd=REPO, timeout=120)
+  assert proc.returncode == 0 and "--focus_adapter" in proc.stdout
+
+
+def test_rerunning_some_suites_keeps_results_json_whole(tmp_path):
+  # The other suites of the same checkpoint stay; another checkpoint's do not.
+  meta = lambda step, suites: {"meta": {"workdir": "w", "step": step, "suites": suites}}
+  run = lambda tasks, suites, step: evaluate.run_suites(
+      tasks, suites, str(tmp_path), meta(step, suites), "results.json", lambda s, r: s,
+      lambda line: None)
+  run({"val": lambda: {"loss": 1.0}, "copy": lambda: {"acc": 0.5}}, ["val", "copy"], 3)
+  assert set(run({"val": lambda: {"loss": 0.9}}, ["val"], 3)) == {"meta", "val"}
+  saved = json.loads((tmp_path / "results.json").read_text())
+  assert saved["val"]["loss"] == 0.9 and saved["copy"]["acc"] == 0.5
+  assert sorted(saved["meta"]["suites"]) == ["copy", "val"]
+  run({"val": lambda: {"loss": 0.8}}, ["val"], 4)
+  assert "copy" not in json.loads((tmp_path / "results.json").read_text())
