@@ -230,8 +230,9 @@ def _run(cfg, workdir, make_task, *, dry_run, stop_at, t_setup, known) -> dict:
     return {"start_step": done, "step": done, "saved_step": done, "finished": True}
   mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
   # A model whose state cannot fit the devices is refused before anything is allocated.
-  known["memory"] = memory.device_memory()
-  memory.check_fits(cfg, dict(mesh.shape), known["memory"])
+  known["memory"] = memory.device_memory()   # CPU: none; a real run checks the host's instead
+  host = None if dry_run else memory.host_memory_per_device()
+  memory.check_fits(cfg, dict(mesh.shape), known["memory"] or host)
   task = make_task(cfg, workdir, mesh)
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   params, opt_state, opt_sh = task.params, task.opt_state, task.opt_sh

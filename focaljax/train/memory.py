@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 import sys
 from typing import Callable
 
@@ -35,6 +36,14 @@ def device_memory(device=None) -> int | None:
   """Bytes jax may allocate on `device` (its pool), or None where the backend does not say (CPU)."""
   stats = (device or jax.local_devices()[0]).memory_stats()
   return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
+
+
+def host_memory_per_device() -> int | None:
+  """This host's physical memory over its local devices (CPU devices share it); None if unknown."""
+  try:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // jax.local_device_count()
+  except (ValueError, OSError, AttributeError):
+    return None
 
 
 def compiled_bytes(compiled) -> int:
@@ -185,7 +194,7 @@ def devices_needed(cfg: config_lib.Config, memory: int) -> int | None:
 
 def check_fits(cfg: config_lib.Config, mesh_shape: dict, memory: int | None) -> None:
   """Refuses (ConfigError, one line) a model whose state and one row cannot fit the devices of
-  `mesh_shape` however they are meshed, or as meshed; `memory` None (CPU): nothing to check."""
+  `mesh_shape` however they are meshed, or as meshed; `memory` None: nothing to check."""
   if memory is None:
     return
   devices = math.prod(mesh_shape.values())

@@ -39,6 +39,7 @@ IDENTITY_FIELDS = SHAPE_FIELDS + ("data.source", "data.valid_source", "data.toke
 RESUME_CHANGES = ("data.seq_len",)
 LOCK_FILE = ".lock"
 _held: dict[str, int] = {}   # workdir -> the open lock file of this process
+_made: set[str] = set()      # workdirs lock() created
 
 
 def check(workdir: str, config_json: str) -> None:
@@ -115,6 +116,8 @@ def lock(workdir: str) -> None:
   key = os.path.abspath(workdir)
   if key in _held:
     return
+  if not os.path.exists(key):
+    _made.add(key)
   try:
     os.makedirs(key, exist_ok=True)
     fd = os.open(os.path.join(key, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
@@ -135,9 +138,14 @@ def lock(workdir: str) -> None:
 
 
 def unlock(workdir: str) -> None:
-  fd = _held.pop(os.path.abspath(workdir), None)
+  key = os.path.abspath(workdir)
+  fd = _held.pop(key, None)
   if fd is not None:
     os.close(fd)   # closing the file releases the flock
+  if key in _made and os.listdir(key) == [LOCK_FILE]:   # a refused run leaves no workdir
+    os.remove(os.path.join(key, LOCK_FILE))
+    os.rmdir(key)
+  _made.discard(key)
 
 
 def cut_metrics(workdir: str, step: int) -> None:

@@ -243,7 +243,19 @@ def test_presets_too_large_for_the_devices_are_refused():
   with pytest.raises(config_lib.ConfigError, match="mesh.fsdp=-1"):   # enough devices, replicated
     memory.check_fits(cfg("9.5b"), {"data": 8, "fsdp": 1, "tensor": 1}, h200)
   memory.check_fits(cfg("9.5b"), {"data": 1, "fsdp": 8, "tensor": 1}, h200)
-  memory.check_fits(cfg("9.5b"), {"data": 1, "fsdp": 1, "tensor": 1}, None)   # CPU: no limit
+  memory.check_fits(cfg("9.5b"), {"data": 1, "fsdp": 1, "tensor": 1}, None)   # no limit
+
+
+def test_a_cpu_run_that_cannot_fit_the_host_is_refused_leaving_no_workdir(tmp_path, monkeypatch):
+  # CPU devices report no memory: a real run is checked against the host's (a dry run is not).
+  from configs import base
+  from focaljax.train import memory
+  monkeypatch.setattr(memory, "host_memory_per_device", lambda: int(16e9))
+  c = base.get_config("size=1.3b")
+  c.optim.warmup_steps, c.train.steps = 0, 1
+  with pytest.raises(config_lib.ConfigError, match=r"needs at least \d+ devices of 16 GB"):
+    lm.train(config_lib.parse(c), str(tmp_path / "run"))
+  assert not (tmp_path / "run").exists()   # the lock's directory went with it
 
 
 def test_out_of_memory_is_one_line_with_the_estimate_and_the_knobs():
