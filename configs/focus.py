@@ -43,8 +43,6 @@ def get_config(arg=None):
       # (the base's; the adapter's wk/wv only map it to the local decoder's keys/values: over
       # small bases it leaves the answer prior reliably, docs/focusllm.md).
       candidate_path="adapter",
-      base_attention="xla",     # the frozen base's own attention: "xla" | "pallas", whatever it
-                                # was trained with (cuDNN wants 16-bit q/k/v)
   ))
   c.data.global_batch = 8       # the paper's; the local decoder runs global_batch·num_targets rows
   c.train.eval_every = 0        # FocusLLM runs have no validation loop (eval.py evaluates them)

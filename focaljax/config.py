@@ -266,7 +266,6 @@ class FocusTrainConfig:
   retrieval_mix: float
   implementation: str
   candidate_path: str
-  base_attention: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -346,7 +345,7 @@ def focus_config(c: ml_collections.ConfigDict, context: int | None = None) -> Fo
     context = _base_context(f.base_workdir)
   _check_fields(c, {"focus.implementation": candidates.IMPLEMENTATIONS,
                     "focus.candidate_path": tuple(candidates.CANDIDATE_PATHS),
-                    "focus.base_attention": ("xla", "pallas"), "focus.prompt_len": ">= 1",
+                    "focus.prompt_len": ">= 1",
                     "focus.doc_min_tokens": ">= 1", "focus.retrieval_mix": "in [0, 1)",
                     "focus.p_reconstruction": "in [0, 1]"})
   _require(c.train.eval_every == 0, "train.eval_every",
@@ -383,9 +382,10 @@ def focus_config(c: ml_collections.ConfigDict, context: int | None = None) -> Fo
                f"{m} + local_len + 1 ({f.local_len + 1}) exceeds focus.doc_min_tokens="
                f"{f.doc_min_tokens}, the shortest document drawn")
       M = s * (m // s)   # whole chunks (focus/samples.py)
-      _require(M >= max(s, f.local_len + 1), memory_field,
-               f"leaves a memory of {M} tokens for chunk {s}; need >= "
-               f"{max(s, f.local_len + 1)} (one chunk, and room for a reconstruction span)")
+      need = max(s, f.local_len + 1) if f.p_reconstruction else s
+      _require(M >= need, memory_field,
+               f"leaves a memory of {M} tokens for chunk {s}; need >= {need} (one chunk" +
+               (", and room for a reconstruction span)" if f.p_reconstruction else ")"))
       # The local decoder puts the C candidates at positions 0..C-1, the window after them.
       _require(M // s + f.local_len <= context, memory_field,
                f"{M // s} candidates (chunk {s}, memory {M}) + focus.local_len={f.local_len} "

@@ -306,7 +306,7 @@ def run(base_path: str, adapter_path: str, *, suites=FOCUS_SUITES, books: str | 
         max_multiplier: int = 32, max_books: int = 8, multipliers=DEFAULT_MULTIPLIERS,
         seeds: int = 10, local_len: int | None = None, chunk_size: int | None = None,
         prompt_len: int | None = None, implementation: str | None = None,
-        dtype: str = "float32", base_attention: str = "xla", passkey_batch: int = 1,
+        dtype: str = "float32", passkey_batch: int = 1,
         out_dir: str | None = None, log=print) -> dict:
   """eval.py's FocusLLM suites over the base `base_path` and the adapter `adapter_path` (a run
   workdir or one of its checkpoints/<step>), written under out_dir (default: the run's eval/, or
@@ -318,7 +318,7 @@ def run(base_path: str, adapter_path: str, *, suites=FOCUS_SUITES, books: str | 
   except NotImplementedError as e:
     raise UnreadableBase(f"{m.workdir} cannot be a FocusLLM base: {e}") from None
   adapter, cfg, meta = focus_train.load(adapter_path, m.model)
-  graphdef, state = nnx.split(focus_train.with_attention(m.model, base_attention))
+  graphdef, state = nnx.split(focus_train.with_attention(m.model, "xla"))
   base, adapter = nnx.merge(graphdef, cast(state, dtype)), cast(adapter, dtype)
   cfg, local_len = serving_config(cfg, meta, chunk_size=chunk_size, prompt_len=prompt_len,
                                   implementation=implementation, local_len=local_len)
@@ -334,7 +334,7 @@ def run(base_path: str, adapter_path: str, *, suites=FOCUS_SUITES, books: str | 
     log(f"warning: the adapter was trained on the base {trained_on}, not {m.workdir}")
   log(f"focaljax focus eval: base {m.workdir} step {m.step} (context {ctx}), adapter "
       f"{meta['workdir']} step {meta['step']} (trained on {meta['base_workdir']}), {cfg}, "
-      f"local window {local_len or ctx // 2}, {dtype}, base attention {base_attention}")
+      f"local window {local_len or ctx // 2}, {dtype}")
 
   def longdoc():
     if not books:

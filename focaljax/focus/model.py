@@ -178,8 +178,12 @@ class FocusConfig:
 
 
 def check_base(cfg: model_lib.ModelConfig) -> None:
-  """NotImplementedError naming the first layer of a base FocusLLM cannot read: candidate tokens
-  have no analogue of dilution's running demand or of a learned τ's running mean."""
+  """NotImplementedError naming what of a base FocusLLM cannot read: candidate tokens have no
+  analogue of dilution's running demand or of a learned τ's running mean, and the candidate
+  projections carry no q/k/v biases."""
+  if cfg.qkv_bias:
+    raise NotImplementedError("model.qkv_bias is True; FocusLLM's candidate projections read "
+                              "bases without q/k/v biases")
   for i, spec in enumerate(cfg.attention.layers):
     learned = attn_lib.uses_learned_tau(cfg.attention, spec)
     if attn_lib.FAMILY[spec.variant].demand or learned:

@@ -159,7 +159,8 @@ def meta(cfg: focus.FocusConfig, *, trained_prompt_len: int, local_len: int,
 
 def with_attention(model, implementation: str):
   """The same weights with the base's attention implementation replaced: cuDNN refuses chunk
-  caches with room for later tokens, so FocusLLM runs the base's as "xla" or "pallas"."""
+  caches with room for later tokens and the Pallas kernels cannot tile a chunk's length (chunk +
+  prompt - 1), so FocusLLM runs the base's as "xla"."""
   cfg = dataclasses.replace(model.cfg, attention=dataclasses.replace(
       model.cfg.attention, implementation=implementation))
   graphdef, _ = model_lib.abstract_model(cfg)
@@ -255,7 +256,7 @@ def task(cfg: config_lib.Config, workdir: str, mesh) -> loop.Task:
   f = cfg.focus
   _check_resume(f, workdir)
   base = loading.load(f.base_workdir)
-  graphdef, base_state = nnx.split(with_attention(base.model, f.base_attention))
+  graphdef, base_state = nnx.split(with_attention(base.model, "xla"))
   base_sh = sharding.param_shardings(base_state, mesh)
   dtype = jnp.dtype(cfg.train.compute_dtype)
   base_params = jax.device_put(jax.tree.map(lambda p: jnp.asarray(p, dtype),

@@ -24,7 +24,7 @@ _REMOVED = ("optim.grad_accum", "model.fuse_matmuls", "model.norm_backward",
             "model.qk_rope_backward", "model.mlp_backward", "model.add_norm", "train.cross_entropy",
             "model.attention.mask_pieces",
             "focus.candidate_positions", "focus.candidate_bias", "focus.sink",
-            "focus.drill_in_window", "focus.answer_weight")
+            "focus.drill_in_window", "focus.answer_weight", "focus.base_attention")
 
 
 def read(workdir: str) -> ml_collections.ConfigDict:

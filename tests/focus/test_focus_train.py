@@ -264,6 +264,7 @@ def test_refuses_chunks_past_the_base_context_and_dry_runs(tmp_path):
                        "layer 1 is dilution;"),
                       (lambda j: j["model"]["attention"].update(pattern="focal", learned=True),
                        "layer 0 is focal with a learned τ;"),
+                      (lambda j: j["model"].update(qkv_bias=True), "model.qkv_bias is True;"),
                       (lambda j: j.update(focus={}), "is a FocusLLM adapter run, not a base")):
     j = json.loads(saved)
     edit(j)
@@ -271,8 +272,11 @@ def test_refuses_chunks_past_the_base_context_and_dry_runs(tmp_path):
     with pytest.raises(config_lib.ConfigError, match=f"focus.base_workdir: .*{match}"):
       config_lib.parse(focus_cfg(tmp_path / "base"))
   (tmp_path / "base" / "config.json").write_text(saved)
-  with pytest.raises(config_lib.ConfigError, match="focus.base_attention.*'xla', 'pallas'"):
-    config_lib.parse(focus_cfg(tmp_path / "base", base_attention="cudnn"))
+  # A memory shorter than the window needs only room for a reconstruction span, when there is one.
+  short = dict(chunk_sizes="16", memory_tokens="16", local_len=32)
+  with pytest.raises(config_lib.ConfigError, match="need >= 33 .*reconstruction span"):
+    config_lib.parse(focus_cfg(tmp_path / "base", **short))
+  config_lib.parse(focus_cfg(tmp_path / "base", p_reconstruction=0.0, **short))
   with pytest.raises(config_lib.ConfigError, match="focus.candidate_path.*'frozen'"):
     config_lib.parse(focus_cfg(tmp_path / "base", candidate_path="base"))
   with pytest.raises(config_lib.ConfigError, match="train.eval_every.*no validation loop"):
@@ -288,7 +292,7 @@ def test_refuses_chunks_past_the_base_context_and_dry_runs(tmp_path):
 
 
 def test_base_attention_replaces_the_trained_implementation(tmp_path):
-  """A base trained with cudnn (the GPU's auto) is adapted with focus.base_attention's, same
+  """A base trained with cudnn (the GPU's auto) is adapted with the reference attention, same
   weights: cuDNN would refuse the float32 chunk caches of a float32 adapter run."""
   make_base(tmp_path / "base")
   c = saved_config.read(str(tmp_path / "base"))
