@@ -13,6 +13,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import os
+import re
 import typing
 
 import jax
@@ -151,10 +152,11 @@ def prefetch(sampler: Sampler, start: int, stop: int, depth: int | None = None):
 
 
 def meta(cfg: focus.FocusConfig, *, trained_prompt_len: int, local_len: int,
-         base_workdir: str) -> dict:
-  """A checkpoint's meta; `cfg` is the adapter as served (largest chunk, focus.eval_prompt_len)."""
+         base_workdir: str, base_step: int | None = None) -> dict:
+  """A checkpoint's meta; `cfg` is the adapter as served (largest chunk, focus.eval_prompt_len);
+  base_step: the base checkpoint it trains over (None: not known, a converted .npz run)."""
   return {"focus": dataclasses.asdict(cfg), "trained_prompt_len": trained_prompt_len,
-          "local_len": local_len, "base_workdir": base_workdir}
+          "local_len": local_len, "base_workdir": base_workdir, "base_step": base_step}
 
 
 def with_attention(model, implementation: str):
@@ -237,14 +239,24 @@ def loss(adapter, base_params, batch, *, graphdef, cfg: focus.FocusConfig, num_t
   return nll_BQ.sum(), (jnp.float32(nll_BQ.size), sums)
 
 
-def _check_resume(f: config_lib.FocusTrainConfig, workdir: str) -> None:
+def _check_resume(f: config_lib.FocusTrainConfig, workdir: str, base_step: int) -> None:
+  """A resume goes on over the base checkpoint the adapter trained over (a base workdir trained
+  on since is refused; its step pinned as checkpoints/<step> resumes)."""
   if checkpoint.latest_step(workdir) is None:
     return
   saved, step = checkpoint.read_meta(workdir, None)
   where = f"the adapter in {workdir}/checkpoints/{step}"
-  if saved["base_workdir"] != f.base_workdir:
+  over = saved.get("base_step")   # None: saved before it was recorded
+  root = re.sub(r"/checkpoints/\d+$", "", saved["base_workdir"])
+  pinned = f"{root}/checkpoints/{over}"
+  if saved["base_workdir"] != f.base_workdir and f.base_workdir != pinned:
     raise config_lib.ConfigError(f"config field focus.base_workdir: {f.base_workdir} differs from "
                                  f"{saved['base_workdir']}, the base of {where}")
+  if over is not None and over != base_step:
+    raise config_lib.ConfigError(
+        f"config field focus.base_workdir: {f.base_workdir} is at step {base_step}, but {where} "
+        f"trained over its step {over}; resume with focus.base_workdir={pinned}, or train a new "
+        "adapter in another --workdir")
   if saved["focus"]["candidate_path"] != f.candidate_path:   # the adapters' leaves differ
     raise config_lib.ConfigError(
         f"config field focus.candidate_path: {f.candidate_path!r}, but {where} was trained with "
@@ -254,8 +266,8 @@ def _check_resume(f: config_lib.FocusTrainConfig, workdir: str) -> None:
 def task(cfg: config_lib.Config, workdir: str, mesh) -> loop.Task:
   """The loop.Task of a FocusLLM adapter run over the frozen base focus.base_workdir."""
   f = cfg.focus
-  _check_resume(f, workdir)
   base = loading.load(f.base_workdir)
+  _check_resume(f, workdir, base.step)
   graphdef, base_state = nnx.split(with_attention(base.model, "xla"))
   base_sh = sharding.param_shardings(base_state, mesh)
   dtype = jnp.dtype(cfg.train.compute_dtype)
@@ -304,7 +316,7 @@ def task(cfg: config_lib.Config, workdir: str, mesh) -> loop.Task:
       batch_sh=batch_sh, batches=batches, abstract_batches=abstract_batches,
       frozen=base_params, frozen_sh=base_sh,
       meta=meta(served, trained_prompt_len=f.prompt_len, local_len=f.local_len,
-                base_workdir=f.base_workdir),
+                base_workdir=f.base_workdir, base_step=base.step),
       evaluate_with=f"python eval.py --workdir {f.base_workdir} --focus_adapter {workdir}")
 
 

@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import signal
 
 import jax
@@ -143,6 +144,22 @@ def test_a_drill_that_cannot_fit_is_refused_up_front_naming_enough(tmp_path):
   s = sampler(focus_cfg(tmp_path / "base", num_targets=enough, **over), 4, tok)
   for step in range(30):
     s.batch(step)
+
+
+def test_a_resume_over_a_base_trained_on_since_is_refused_and_resumes_pinned(tmp_path):
+  base_wd, wd = tmp_path / "base", tmp_path / "focus"
+  make_base(base_wd)
+  cfg = focus_cfg(base_wd)
+  cfg.train.steps = 2
+  train(cfg, wd)
+  shutil.copytree(base_wd / "checkpoints" / "1", base_wd / "checkpoints" / "5")   # trained on
+  cfg.train.steps = 3
+  with pytest.raises(config_lib.ConfigError, match=r"focus.base_workdir: .* is at step 5, but the "
+                     r"adapter .* trained over its step 1; resume with focus.base_workdir=.*"
+                     r"/checkpoints/1,"):
+    train(cfg, wd)
+  cfg.focus.base_workdir = str(base_wd / "checkpoints" / "1")
+  assert train(cfg, wd)["step"] == 3
 
 
 def test_prefetched_batches_are_the_steps_own(tmp_path):
