@@ -80,10 +80,22 @@ class _Axes(tuple):
 
 
 def param_shardings(state: nnx.State, mesh, rules=RULES):
-  """NamedShardings for the pure param dict of `state`."""
+  """NamedShardings for the pure param dict of `state`; ValueError naming the first parameter
+  whose dimension the mesh axes it is split over do not divide."""
   axes = param_axes(state)
-  return jax.tree.map(lambda a: NamedSharding(mesh, spec(tuple(a), rules)), axes,
-                      is_leaf=lambda x: isinstance(x, _Axes))
+  shardings = jax.tree.map(lambda a: NamedSharding(mesh, spec(tuple(a), rules)), axes,
+                           is_leaf=lambda x: isinstance(x, _Axes))
+  values, _ = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))
+  for (path, value), sh in zip(values, jax.tree.leaves(shardings)):
+    for dim, (size, names) in enumerate(zip(value.shape, sh.spec)):
+      names = () if names is None else names if isinstance(names, tuple) else (names,)
+      ways = math.prod(mesh.shape[n] for n in names)
+      if size % ways:
+        name = ".".join(str(getattr(k, "key", k)) for k in path)
+        raise ValueError(f"parameter {name} {tuple(value.shape)}: dimension {dim} ({size}) does "
+                         f"not split over mesh axes {'x'.join(names)} ({ways} devices); pick "
+                         "mesh sizes that divide the model's dimensions")
+  return shardings
 
 
 def opt_state_shardings(tx, params, param_sh, mesh):

@@ -62,6 +62,7 @@ import zipfile
 from typing import Any
 
 import grain
+import jax
 import numpy as np
 from etils import epath
 
@@ -180,6 +181,9 @@ def load_tokenizer(cfg: DataConfig, workdir: str | None,
   docs = documents(cfg, "train")
   size, digits = train
   tok = tokenizer_lib.train_bpe((docs[i] for i in range(len(docs))), size, digits=digits)
+  if tok.vocab_size < size and jax.process_index() == 0:   # the corpus ran out of merges
+    print(f"note: data.tokenizer={spec!r}: the training text gives {tok.vocab_size} tokens, fewer "
+          f"than {size}; the model's vocabulary follows the tokenizer", file=sys.stderr)
   if workdir is not None and save:
     tok.save(workdir)
   return tok

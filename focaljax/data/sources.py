@@ -120,7 +120,10 @@ def _glob_files(pattern: str, field: str) -> list[str]:
       matches = sorted(glob.glob(os.path.expanduser(part)))
     if not matches:
       raise DataError(f"data.{field}: {part!r} matches no files")
-    paths.extend(matches)
+    if folders := [m for m in matches if epath.Path(m).is_dir()]:
+      raise DataError(f"data.{field}: {part!r} matches the directory {folders[0]}; name its "
+                      "files (e.g. dir/*.jsonl)")
+    paths.extend(m for m in matches if m not in paths)   # overlapping globs: each file once
   return paths
 
 

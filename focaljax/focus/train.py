@@ -269,7 +269,10 @@ def task(cfg: config_lib.Config, workdir: str, mesh) -> loop.Task:
   base = loading.load(f.base_workdir)
   _check_resume(f, workdir, base.step)
   graphdef, base_state = nnx.split(with_attention(base.model, "xla"))
-  base_sh = sharding.param_shardings(base_state, mesh)
+  try:
+    base_sh = sharding.param_shardings(base_state, mesh)
+  except ValueError as e:   # a mesh axis that does not divide one of the base's weights
+    raise config_lib.ConfigError(f"config field mesh: {e}") from None
   dtype = jnp.dtype(cfg.train.compute_dtype)
   base_params = jax.device_put(jax.tree.map(lambda p: jnp.asarray(p, dtype),
                                             nnx.to_pure_dict(base_state)), base_sh)

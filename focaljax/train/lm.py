@@ -94,10 +94,13 @@ def task(cfg: config_lib.Config, workdir: str, mesh, *, abstract: bool = False) 
     data_lib.documents(cfg.data, "valid")
   tokenizer = data_lib.load_tokenizer(cfg.data, workdir, save=not abstract)
   cfg = cfg.with_vocab(tokenizer.vocab_size)
+  graphdef, abstract_state = model_lib.abstract_model(cfg.model)
+  try:
+    param_sh = sharding.param_shardings(abstract_state, mesh)
+  except ValueError as e:   # a mesh axis (-1 resolved too) that does not divide a weight
+    raise config_lib.ConfigError(f"config field mesh: {e}") from None
   if distributed.is_primary() and not abstract:   # a dry run writes nothing
     tokenizer.save(workdir)
-  graphdef, abstract_state = model_lib.abstract_model(cfg.model)
-  param_sh = sharding.param_shardings(abstract_state, mesh)
   batch_sh = sharding.batch_sharding(mesh)
   tx = optim.make(cfg.optim, nnx.to_pure_dict(abstract_state))
   dtype = jnp.dtype(cfg.train.compute_dtype)

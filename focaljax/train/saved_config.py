@@ -16,7 +16,7 @@ _ADDED = {"model.remat_policy": "nothing", "model.attention.checkpoint_rows": 10
           "model.rope_scaling": dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                      original_max_position_embeddings=0),
           "data.tokenize": "stream", "data.token_cache": "", "data.retrieval_mix": 0.0,
-          "data.jsonl_field": "text", "data.tfds_data_dir": "",
+          "data.jsonl_field": "text", "data.tfds_data_dir": "", "data.shards": 0,
           "optim.schedule_steps": 0, "optim.mu_dtype": "float32", "train.micro_batch": 0,
           "train.wandb_project": "", "focus.retrieval_mix": 0.0, "focus.memory_tokens": "",
           "focus.eval_prompt_len": 0, "focus.candidate_path": "adapter"}

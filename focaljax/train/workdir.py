@@ -32,9 +32,10 @@ SHAPE_FIELDS = ("model.vocab_size", "model.d_model", "model.num_layers", "model.
                 "model.num_kv_heads", "model.head_dim", "model.d_ff", "model.tie_embeddings",
                 "model.qk_norm", "model.qkv_bias", "model.attention.pattern",
                 "model.attention.learned")
-# What else makes a run the same run: its data, tokenizer and global batch.
-IDENTITY_FIELDS = SHAPE_FIELDS + ("data.source", "data.valid_source", "data.tokenizer",
-                                  "data.global_batch")
+# What else makes a run the same run: its data (and the shards its saved iterators split it
+# into), tokenizer and global batch.
+IDENTITY_FIELDS = SHAPE_FIELDS + ("data.source", "data.valid_source", "data.jsonl_field",
+                                  "data.shards", "data.tokenizer", "data.global_batch")
 # Fields a resume may change on purpose (context extension), said in one line.
 RESUME_CHANGES = ("data.seq_len",)
 LOCK_FILE = ".lock"

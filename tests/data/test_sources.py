@@ -112,6 +112,25 @@ def test_retrieval_mix_resumes_exactly():
       np.testing.assert_array_equal(got[key], w[key], err_msg=key)
 
 
+def test_overlapping_globs_read_each_file_once_and_a_directory_is_refused(tmp_path):
+  (tmp_path / "a.txt").write_text("alpha")
+  (tmp_path / "b.txt").write_text("beta")
+  (tmp_path / "dir.txt").mkdir()
+  cfg = data.DataConfig(source=f"text:{tmp_path}/a.txt,{tmp_path}/[ab].txt", tokenizer="bundled",
+                        seq_len=8, global_batch=1, valid_source=f"text:{tmp_path}/b.txt")
+  assert sorted(data.documents(cfg, "train")) == ["alpha", "beta"]
+  with pytest.raises(sources.DataError, match=r"matches the directory .*dir.txt; name its files"):
+    data.documents(dataclasses.replace(cfg, source=f"text:{tmp_path}/dir.txt"), "train")
+
+
+def test_a_trained_tokenizer_smaller_than_asked_says_so(tmp_path, capsys):
+  path = tmp_path / "d.jsonl"
+  path.write_text("".join(json.dumps({"text": f"hello world {i}"}) + "\n" for i in range(20)))
+  cfg = data.DataConfig(source=f"text:{path}", tokenizer="train:5000", seq_len=8, global_batch=1)
+  tok = data.load_tokenizer(cfg, None)
+  assert tok.vocab_size < 5000 and "fewer than 5000" in capsys.readouterr().err
+
+
 def test_train_tokenizer_caches(tmp_path, monkeypatch):
   path = tmp_path / "d.jsonl"
   lines = (json.dumps({"text": f"hello world number {i}"}) + "\n" for i in range(40))

@@ -239,6 +239,8 @@ def _listing(workdir):
     ("data.global_batch", 4, "data.global_batch 8 -> 4"),
     ("data.tokenizer", "train:300", "data.tokenizer 'bundled' -> 'train:300'"),
     ("model.qkv_bias", True, "model.qkv_bias False -> True"),   # a parameter tree field
+    ("data.shards", 2, "data.shards 0 -> 2"),   # the saved iterators' split
+    ("data.jsonl_field", "body", "data.jsonl_field 'text' -> 'body'"),
 ])
 def test_other_run_is_refused_listing_fields(workdir, field, value, want):
   c = _config(steps=9)

@@ -236,3 +236,18 @@ def test_optimizer_state_is_sharded_like_its_parameters():
   out = subprocess.run([sys.executable, "-c", _OPT_STATE], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=600)
   assert out.returncode == 0 and "ok" in out.stdout, (out.stdout + out.stderr)[-3000:]
+
+
+def test_a_mesh_that_does_not_divide_a_weight_is_named_before_anything_runs():
+  # mesh.tensor=-1 on 4 devices resolves past the config's num_kv_heads check: the shardings
+  # name the weight instead of an IndivisibleError at the first device_put.
+  import jax
+  from configs import smoke
+  from focaljax import config as config_lib
+  from focaljax.model import decoder as model_lib
+  _, state = model_lib.abstract_model(config_lib.model_config(smoke.get_config(), 256))
+  mesh = lambda tensor: jax.sharding.AbstractMesh((1, 1, tensor), ("data", "fsdp", "tensor"))
+  with pytest.raises(ValueError, match=r"^parameter blocks.0.attn.wk \(64, 2, 16\): dimension 1 "
+                     r"\(2\) does not split over mesh axes tensor \(4 devices\)"):
+    sharding.param_shardings(state, mesh(4))
+  assert len(jax.tree.leaves(sharding.param_shardings(state, mesh(2)))) > 0
