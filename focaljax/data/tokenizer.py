@@ -113,13 +113,17 @@ class Tokenizer:
   def decode(self, ids: Sequence[int]) -> str:
     return self._hf.decode(list(ids), skip_special_tokens=False)
 
+  def to_str(self) -> str:
+    """The tokenizer.json text `save` writes."""
+    return self._hf.to_str(pretty=True)
+
   def save(self, directory: str | os.PathLike) -> str:
     """Writes `directory/tokenizer.json` atomically (hosts may race) and returns its path."""
     directory = epath.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / FILENAME
     tmp = directory / f".{FILENAME}.{os.getpid()}.tmp"
-    tmp.write_text(self._hf.to_str(pretty=True))
+    tmp.write_text(self.to_str())
     tmp.replace(path)
     if self.eos_token != EOS_TOKEN:  # imported tokenizers (LLaMA's </s>) name their own eos
       (directory / CONFIG_FILENAME).write_text(json.dumps({"eos_token": self.eos_token}))

@@ -13,12 +13,15 @@ import time
 
 import jax
 import jax.numpy as jnp
+from etils import epath
 from flax import nnx
 
 from focaljax import config as config_lib
 from focaljax import sharding
 from focaljax.data import pipeline as data_lib
+from focaljax.data import tokenizer as tokenizer_lib
 from focaljax.model import decoder as model_lib
+from focaljax.train import checkpoint
 from focaljax.train import distributed
 from focaljax.train import loop
 from focaljax.train import loss as loss_lib
@@ -93,6 +96,12 @@ def task(cfg: config_lib.Config, workdir: str, mesh, *, abstract: bool = False) 
   if cfg.train.eval_every:
     data_lib.documents(cfg.data, "valid")
   tokenizer = data_lib.load_tokenizer(cfg.data, workdir, save=not abstract)
+  own = epath.Path(workdir) / "tokenizer.json"   # the one the checkpoints were trained with
+  if checkpoint.latest_step(workdir) is not None and own.exists() and (   # both re-serialised
+      tokenizer_lib.Tokenizer.load(workdir).to_str() != tokenizer.to_str()):
+    raise config_lib.ConfigError(
+        f"config field data.tokenizer: {cfg.data.tokenizer!r} is not the tokenizer {workdir}'s "
+        f"checkpoints trained with ({own}); resume with that file, or train in another --workdir")
   cfg = cfg.with_vocab(tokenizer.vocab_size)
   graphdef, abstract_state = model_lib.abstract_model(cfg.model)
   try:

@@ -397,3 +397,17 @@ def test_an_empty_tokenizer_is_refused_not_read_from_the_current_directory():
   c.data.tokenizer = ""
   with pytest.raises(config_lib.ConfigError, match=r"^config field data.tokenizer='': expected"):
     config_lib.parse(c)
+
+
+def test_a_resume_whose_tokenizer_file_changed_is_refused(tmp_path):
+  # The same data.tokenizer path, other contents: the workdir keeps the one it trained with.
+  tokenizer_lib.bundled().save(tmp_path / "tok")
+  c = _config(steps=2, eval_every=0)
+  c.data.tokenizer = str(tmp_path / "tok" / "tokenizer.json")
+  lm.train(config_lib.parse(c), str(tmp_path / "run"))
+  texts = [f"some words {i} and more words" for i in range(50)]
+  tokenizer_lib.train_bpe(iter(texts), 300).save(tmp_path / "tok")
+  c.train.steps = 3
+  with pytest.raises(config_lib.ConfigError, match=r"^config field data.tokenizer: .* is not the "
+                     r"tokenizer .* checkpoints trained with"):
+    lm.train(config_lib.parse(c), str(tmp_path / "run"))
