@@ -39,6 +39,7 @@
 # PK_BATCH: passkey trials per generate call (eval.py --focus_passkey_batch, 1).
 # FILLER=books: passkey prompts filled with a held-out book instead of the official sentences.
 set -uo pipefail
+case ${1:-} in -h|--help) sed -n '2,/^set -uo/{/^set -uo/d;s/^# \{0,1\}//;p}' "$0"; exit 0 ;; esac
 ROOT=${ROOT:-/tmp/focus}
 # A call that skips the base (BASE_LIMIT=0) needs the one an earlier call left on this machine. A
 # machine idle for a while is released with its files, so fail in seconds, before the wheels

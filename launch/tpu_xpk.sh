@@ -10,6 +10,7 @@
 # The workdir must be a bucket (gs://...): the hosts share no disk. Install the gcs extra in the
 # image (pip install -e '.[gcs]'); checkpoints are written by every host through Orbax.
 set -euo pipefail
+if [[ "${1:-}" == -h || "${1:-}" == --help ]]; then sed -n '2,11s/^# \{0,1\}//p' "$0"; exit 0; fi
 
 CONFIG=${1:?usage: launch/tpu_xpk.sh CONFIG WORKDIR [--config.a.b=VALUE ...]}
 WORKDIR=${2:?usage: launch/tpu_xpk.sh CONFIG WORKDIR [--config.a.b=VALUE ...]}

@@ -66,7 +66,7 @@ def training_curves(metrics_path: str, path: str) -> str | None:
     return None
   fig, axes = _pyplot().subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
   for ax, key in zip(axes[0], panels):
-    pts = [(r["step"], r[key]) for r in rows if key in r]
+    pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]   # null: a skipped step
     ax.plot(*zip(*pts), lw=1, label=key)
     if key == "loss":
       val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import sys
 import time
 
@@ -126,7 +127,9 @@ class Writer:
     if not self.enabled:
       return
     scalars = {k: float(v) for k, v in scalars.items()}
-    self.jsonl.write(json.dumps({"step": step, **scalars}) + "\n")
+    # A skipped step's NaN is null: strict JSON readers (jq, JavaScript) refuse NaN.
+    row = {k: v if math.isfinite(v) else None for k, v in scalars.items()}
+    self.jsonl.write(json.dumps({"step": step, **row}) + "\n")
     self.jsonl.flush()
     if self.tb is not None:
       for k, v in scalars.items():

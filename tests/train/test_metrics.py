@@ -19,6 +19,15 @@ def test_jsonl_and_tensorboard(tmp_path):
   assert list((tmp_path / "tb").iterdir())
 
 
+def test_a_non_finite_value_is_null_in_the_jsonl(tmp_path):
+  # A skipped step's NaN: strict JSON readers refuse the bare NaN json.dumps writes.
+  w = metrics.Writer(tmp_path, 2, 0, enabled=True)
+  w.write(1, {"loss": float("nan"), "lr": 1e-3})
+  w.close()
+  line = (tmp_path / metrics.METRICS_FILE).read_text().splitlines()[0]
+  assert json.loads(line, parse_constant=pytest.fail) == {"step": 1, "loss": None, "lr": 1e-3}
+
+
 def test_wandb_offline_run_resumes_by_workdir(tmp_path, monkeypatch):
   pytest.importorskip("wandb")
   monkeypatch.setenv("WANDB_MODE", "offline")
