@@ -104,7 +104,6 @@ def validate(c: ml_collections.ConfigDict, *, process_count: int = 1) -> None:
   head_dim = m.head_dim or m.d_model // m.num_heads
   _require(m.head_dim > 0 or m.d_model % m.num_heads == 0, "model.num_heads",
            f"{m.num_heads} must divide model.d_model={m.d_model} (or set model.head_dim)")
-  _require(head_dim % 2 == 0, "model.head_dim", f"must be even for RoPE, got {head_dim}")
   rs = m.rope_scaling
   _require(set(rs.keys()) == _ROPE_SCALING, "model.rope_scaling",
            f"needs exactly the fields {sorted(_ROPE_SCALING)}, got {sorted(rs.keys())} (set one "
@@ -121,6 +120,8 @@ def validate(c: ml_collections.ConfigDict, *, process_count: int = 1) -> None:
     layers = attn_lib.parse_pattern(a.pattern, m.num_layers)
   except ValueError as e:
     raise ConfigError(f"config field {e}") from None
+  if any(s.position is attn_lib.Position.ROPE for s in layers):
+    _require(head_dim % 2 == 0, "model.head_dim", f"must be even for RoPE, got {head_dim}")
   if m.sliding_window:
     _require(all(attn_lib.FAMILY[s.variant].window for s in layers), "model.sliding_window",
              f"{m.sliding_window} needs softmax/focal layers: dilution's demand spans the prefix")

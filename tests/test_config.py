@@ -66,6 +66,7 @@ def test_size_presets_build_abstractly(size):
     ("model.num_kv_heads", 3, "model.num_kv_heads"),
     ("model.num_heads", 3, "model.num_heads"),
     ("model.attention.pattern", "softmax,flash", "unknown variant 'flash'"),
+    ("model.attention.pattern", "softmax:", "unknown position mode '' in 'softmax:'"),
     ("model.attention.implementation", "triton", "model.attention.implementation"),
     ("model.attention.tau_mean", "global", "model.attention.tau_mean"),
     ("model.attention.checkpoint_rows", 96, "model.attention.checkpoint_rows: must be a power"),
@@ -215,3 +216,12 @@ def test_a_damaged_workdir_config_json_is_one_line(tmp_path, text):
   (tmp_path / "config.json").write_text(text)
   with pytest.raises(checkpoint.CorruptCheckpoint, match=r"config.json is not a run's config \("):
     saved_config.read(str(tmp_path))
+
+
+def test_an_odd_head_dim_needs_no_rope_layer():
+  c = base.get_config()
+  c.model.update(d_model=56, num_heads=8, num_kv_heads=8)   # head dim 7
+  with pytest.raises(config_lib.ConfigError, match="model.head_dim: must be even for RoPE"):
+    config_lib.validate(c)
+  c.model.attention.pattern = "softmax:none"
+  config_lib.validate(c)

@@ -88,14 +88,14 @@ def parse_pattern(pattern: str, num_layers: int) -> tuple[LayerSpec, ...]:
                      "variant[:position] separated by single commas")
   specs = []
   for item in items:
-    name, _, pos = item.partition(":")
+    name, colon, pos = item.partition(":")
     try:
       variant = Variant(name)
     except ValueError:
       raise ValueError(f"model.attention.pattern: unknown variant {name!r}; allowed: "
                        f"{[v.value for v in Variant]}") from None
     try:
-      position = Position(pos) if pos else _NATURAL_POSITION[variant]
+      position = Position(pos) if colon else _NATURAL_POSITION[variant]
     except ValueError:
       raise ValueError(f"model.attention.pattern: unknown position mode {pos!r} in {item!r}; "
                        f"allowed: {[p.value for p in Position]}") from None
