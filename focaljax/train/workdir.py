@@ -62,7 +62,10 @@ def check(workdir: str, config_json: str) -> None:
       tree = tree.get(part) if isinstance(tree, dict) else None
     return tree
 
-  fields = [f for f in IDENTITY_FIELDS if _differs(old, new, f)]
+  # A FocusLLM run's model is its base's (focus.base_workdir, checked with the adapter's
+  # checkpoint): the model.* it carries are base.py's unused defaults.
+  kept = [f for f in IDENTITY_FIELDS if "focus" not in new or not f.startswith("model.")]
+  fields = [f for f in kept if _differs(old, new, f)]
   shown = lambda t, f: get(t, f) if get(old, f) != get(new, f) else _resolved(t, f)
   diff = [f"{f} {shown(old, f)!r} -> {shown(new, f)!r}" for f in fields]
   if not fields and get(old, "model.attention.learned"):

@@ -160,6 +160,8 @@ def test_a_resume_over_a_base_trained_on_since_is_refused_and_resumes_pinned(tmp
     train(cfg, wd)
   cfg.focus.base_workdir = str(base_wd / "checkpoints" / "1")
   assert train(cfg, wd)["step"] == 3
+  cfg.model.d_model, cfg.train.steps = 32, 4   # the base's model, not this unused section
+  assert train(cfg, wd)["step"] == 4
 
 
 def test_prefetched_batches_are_the_steps_own(tmp_path):
