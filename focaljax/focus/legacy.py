@@ -35,9 +35,14 @@ def convert(run: str) -> list[int]:
   if not steps:
     raise FileNotFoundError(f"{root} holds no adapter/<step>/ to convert")
   c = saved_config.read(run)
+  if "focus" not in c:
+    raise ValueError(f"{run}: its config.json is a language model's, not a FocusLLM run's")
   for step in steps:
     d = root / str(step)
-    saved = json.loads((d / "focus.json").read_text())
+    try:
+      saved = json.loads((d / "focus.json").read_text())
+    except ValueError as e:
+      raise ValueError(f"{d / 'focus.json'}: not JSON ({e})") from None
     # Written before candidate_positions existed: the then only layout, "shared".
     old = {"candidate_positions": "shared", **saved["config"]}
     for name, kept in _REMOVED_ARMS.items():
@@ -71,5 +76,6 @@ if __name__ == "__main__":
     sys.exit(2 if len(sys.argv) != 2 else 0)
   try:
     print(f"converted steps {convert(sys.argv[1])} of {sys.argv[1]} to checkpoints/<step>/")
-  except (FileNotFoundError, ValueError) as e:
-    sys.exit(f"error: {e}")
+  except (FileNotFoundError, ValueError) as e:   # bad input, as train.py and eval.py: exit 2
+    print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+    sys.exit(2)

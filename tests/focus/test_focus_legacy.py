@@ -55,3 +55,21 @@ def test_old_npz_adapters_convert(tmp_path):
   (d / "focus.json").write_text(json.dumps({"config": old, "base_workdir": "/base"}))
   with pytest.raises(ValueError, match="candidate_positions='shared'"):
     legacy.convert(str(tmp_path))
+
+
+def test_bad_input_is_one_line_exit_2(tmp_path):
+  # A language model's workdir, and a damaged focus.json: one line naming it, exit 2.
+  from configs import smoke
+  checkpoint.write_config(str(tmp_path), smoke.get_config())
+  (tmp_path / "adapter" / "2").mkdir(parents=True)
+  (tmp_path / "adapter" / "2" / "focus.json").write_text("{bad")
+  run = lambda: subprocess.run([sys.executable, "-m", "focaljax.focus.legacy", str(tmp_path)],
+                               capture_output=True, text=True, cwd=REPO, timeout=300)
+  out = run()
+  assert out.returncode == 2 and "language model's, not a FocusLLM run's" in out.stderr
+  assert "Traceback" not in out.stderr
+  c = json.loads((tmp_path / "config.json").read_text())
+  c["focus"] = {}
+  (tmp_path / "config.json").write_text(json.dumps(c))
+  out = run()
+  assert out.returncode == 2 and "focus.json: not JSON" in out.stderr, out.stderr
