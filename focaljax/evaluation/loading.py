@@ -51,9 +51,11 @@ class LoadedModel:
             f"trained_len={c.max_seq_len})")
 
   def _ids(self, tokens) -> np.ndarray:
-    """Token ids as int32; anything but integers in [0, vocab) is refused (the embedding lookup
-    would clamp them silently)."""
+    """Token ids as int32, [T] or [B, T]; anything but integers in [0, vocab) is refused (the
+    embedding lookup would clamp them silently)."""
     ids = np.asarray(tokens)
+    if ids.ndim not in (1, 2):
+      raise ValueError(f"token ids must be [T] or [B, T]; got shape {ids.shape}")
     if ids.size and not np.issubdtype(ids.dtype, np.integer):
       raise ValueError(f"token ids must be integers, got {ids.dtype}")
     vocab = self.config.vocab_size
@@ -70,6 +72,8 @@ class LoadedModel:
                top_p: float = 1.0, seed: int = 0, stop_at_eos: bool = True):
     """str -> continuation text (cut at eos unless stop_at_eos=False); list[int] / [T] -> int32
     [T + new]; [B, T] -> int32 [B, T + new]."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)):
+      raise ValueError(f"generate: max_new_tokens must be an int, got {max_new_tokens!r}")
     is_text = isinstance(prompt, str)
     tokens = self._ids(self.tokenizer.encode(prompt) if is_text else prompt)
     if tokens.size == 0:

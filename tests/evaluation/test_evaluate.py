@@ -201,6 +201,10 @@ def test_load_matches_original(tmp_path, tok):
       m.generate(bad, max_new_tokens=2)
   with pytest.raises(ValueError, match="must lie in"):
     m.logits([[1, m.config.vocab_size]])
+  with pytest.raises(ValueError, match=r"must be \[T\] or \[B, T\]; got shape \(2, 2, 4\)"):
+    m.logits(np.ones((2, 2, 4), np.int32))
+  with pytest.raises(ValueError, match="max_new_tokens must be an int, got 2.5"):
+    m.generate("It was", max_new_tokens=2.5)
   with pytest.raises(FileNotFoundError, match="neither a focaljax workdir"):
     load(str(tmp_path / "nowhere"))
   with pytest.raises(FileNotFoundError, match="no checkpoint at step 7; saved steps: 3$"):
