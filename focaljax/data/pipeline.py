@@ -322,7 +322,7 @@ def make_dataset(cfg: DataConfig, tok: tokenizer_lib.Tokenizer, *, split: str = 
   ds = documents(cfg, split)
   if len(ds) < process_count:
     raise sources.DataError(f"the {split} split of data.source={cfg.source!r} has {len(ds)} "
-                            f"documents, fewer than the {process_count} hosts")
+                            f"documents, fewer than the {process_count} data shards")
   ds = TOKENIZE[cfg.tokenize](ds[process_index::process_count], tok, cfg)
   if cfg.shuffle:
     ds = ds.shuffle(seed=cfg.seed)

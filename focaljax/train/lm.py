@@ -19,6 +19,7 @@ from flax import nnx
 from focaljax import config as config_lib
 from focaljax import sharding
 from focaljax.data import pipeline as data_lib
+from focaljax.data import sources
 from focaljax.data import tokenizer as tokenizer_lib
 from focaljax.model import decoder as model_lib
 from focaljax.train import checkpoint
@@ -92,9 +93,11 @@ def task(cfg: config_lib.Config, workdir: str, mesh, *, abstract: bool = False) 
   params and optimizer state as sharded ShapeDtypeStructs (a dry run allocates nothing)."""
   # Bad data (no text, an empty split, malformed files) stops here, before anything compiles
   # or is written: sources.DataError, one line naming the file or source.
-  data_lib.documents(cfg.data, "train")
-  if cfg.train.eval_every:
-    data_lib.documents(cfg.data, "valid")
+  shards = cfg.data_shards or jax.process_count()   # each reads its own documents
+  for split in ("train", "valid") if cfg.train.eval_every else ("train",):
+    if (n := len(data_lib.documents(cfg.data, split))) < shards:
+      raise sources.DataError(f"the {split} split of data.source={cfg.data.source!r} has {n} "
+                              f"documents, fewer than the {shards} data shards (data.shards)")
   tokenizer = data_lib.load_tokenizer(cfg.data, workdir, save=not abstract)
   own = epath.Path(workdir) / "tokenizer.json"   # the one the checkpoints were trained with
   if checkpoint.latest_step(workdir) is not None and own.exists() and (   # both re-serialised

@@ -411,3 +411,13 @@ def test_a_resume_whose_tokenizer_file_changed_is_refused(tmp_path):
   with pytest.raises(config_lib.ConfigError, match=r"^config field data.tokenizer: .* is not the "
                      r"tokenizer .* checkpoints trained with"):
     lm.train(config_lib.parse(c), str(tmp_path / "run"))
+
+
+def test_a_split_with_fewer_documents_than_data_shards_is_refused_up_front(tmp_path):
+  # Found at the first evaluation before: after compiling and training, with files written.
+  c = _config(steps=6)
+  c.data.shards = 4   # the bundled text's valid split has 2 documents
+  with pytest.raises(sources.DataError, match=r"valid split .* has 2 documents, fewer than the 4 "
+                     r"data shards \(data.shards\)$"):
+    lm.train(config_lib.parse(c), str(tmp_path / "run"))
+  assert not (tmp_path / "run").exists()
