@@ -25,6 +25,7 @@ Stages, each skipped once its output exists (re-running the same command resumes
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import os
@@ -90,6 +91,8 @@ def parse_args(argv=None):
   args.arms = [a for a in args.arms.split(",") if a]
   if set(args.arms) - set(ARMS):
     p.error(f"--arms: unknown {sorted(set(args.arms) - set(ARMS))}; allowed {list(ARMS)}")
+  if not all(s.isdigit() for s in args.seeds.split(",") if s):
+    p.error(f"--seeds {args.seeds!r}: a comma list of integers >= 0, e.g. 0,1")
   args.seeds = [int(s) for s in args.seeds.split(",") if s]
   args.out = args.out or os.path.join(args.root, "study.json")
   # Absolute: eval.py re-reads them from config.json, possibly from another directory.
@@ -163,17 +166,26 @@ def evaluated(args, wd: str) -> bool:
   return not args.suites or set(args.suites.split(",")) <= set(results["meta"]["suites"])
 
 
+class StudyError(ValueError):
+  """Arguments that contradict what the study root holds: one line, exit 2, nothing run."""
+
+
 def train_tokenizer(args) -> str:
   path = tokenizer_file(args)
+  spec = f"train:{args.vocab}" + (f":{args.digits}" if args.digits else "")
+  spec_file = os.path.join(os.path.dirname(path), "spec")   # what trained it
   if os.path.isfile(path):
+    had = open(spec_file).read().strip() if os.path.isfile(spec_file) else spec
+    if had != spec:
+      raise StudyError(f"{path} was trained as {had}, not {spec}: use its --vocab/--digits")
     print(f"tokenizer: reusing {path}", flush=True)
     return path
   from focaljax.data import pipeline as data  # pylint: disable=import-outside-toplevel
-  spec = f"train:{args.vocab}" + (f":{args.digits}" if args.digits else "")
   cfg = data.DataConfig(source=f"text:{args.train}", valid_source=f"text:{args.valid}",
                         tokenizer=spec, seq_len=1, global_batch=1)
   t0 = time.time()
   tok = data.load_tokenizer(cfg, os.path.dirname(path))  # trains on the train split only
+  pathlib.Path(spec_file).write_text(spec + "\n")
   print(f"tokenizer: {tok.vocab_size} tokens in {time.time() - t0:.0f} s -> {path}", flush=True)
   return path
 
@@ -202,8 +214,26 @@ def _add_time(wd: str, key: str, seconds: float) -> None:
     json.dump(times, f)
 
 
+def _changed(wd: str, argv: list[str]) -> list[str]:
+  """The --config.<field>=value of `argv` that the run saved in wd (config.json) had otherwise."""
+  saved, out = _read_json(os.path.join(wd, "config.json")), []
+  for arg in argv if saved else []:
+    if arg.startswith("--config.") and "=" in arg:
+      field, value = arg[len("--config."):].split("=", 1)
+      node = functools.reduce(lambda n, k: n.get(k) if isinstance(n, dict) else None,
+                              field.split("."), saved)
+      if node is not None and str(node) != value:
+        out.append(f"{field} {node} -> {value}")
+  return out
+
+
 def run_all(args) -> int:
   deadline = None if args.time_limit is None else time.time() + args.time_limit
+  for seed in args.seeds:   # a finished run under other arguments would be reported as this one
+    for arm in args.arms:
+      if diff := _changed(workdir(args, arm, seed), train_argv(args, arm, seed)):
+        raise StudyError(f"{workdir(args, arm, seed)} was trained with other arguments "
+                         f"({', '.join(diff)}): use its arguments, or another --root")
   train_tokenizer(args)
   failed = []
   try:
@@ -350,14 +380,18 @@ def print_commands(args, argv: list[str]) -> None:
 def main(argv=None) -> int:
   argv = sys.argv[1:] if argv is None else list(argv)
   args = parse_args(argv)
-  if args.print_only:
-    print_commands(args, argv)
-  elif args.stage == "tokenizer":
-    train_tokenizer(args)
-  elif args.stage == "collect":
-    collect_and_print(args)
-  else:
-    return run_all(args)
+  try:
+    if args.print_only:
+      print_commands(args, argv)
+    elif args.stage == "tokenizer":
+      train_tokenizer(args)
+    elif args.stage == "collect":
+      collect_and_print(args)
+    else:
+      return run_all(args)
+  except StudyError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
   return 0
 
 

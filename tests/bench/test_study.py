@@ -81,6 +81,13 @@ def test_study_end_to_end(corpus, tmp_path, capsys):
   assert study.main(_args(corpus, tmp_path, "--out", str(out))) == 0
   assert "train done, skipped" in capsys.readouterr().out
   assert json.loads(out.read_text())["runs"][0]["val_loss"] == runs["softmax_rope"]["val_loss"]
+  # Other arguments over the same root are refused, not answered with the old runs.
+  assert study.main(_args(corpus, tmp_path, "--out", str(out), "--steps", "4")) == 2
+  assert "train.steps 2 -> 4" in capsys.readouterr().err
+  assert study.main(_args(corpus, tmp_path, "--stage", "tokenizer", "--vocab", "320")) == 2
+  assert "was trained as train:300, not train:320" in capsys.readouterr().err
+  with pytest.raises(SystemExit):   # argparse's one line
+    study.parse_args(_args(corpus, tmp_path, "--seeds", "a,b"))
 
 
 def test_time_limit_stops_and_the_same_command_resumes(corpus, tmp_path, capsys):
