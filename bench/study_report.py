@@ -233,8 +233,15 @@ def main(argv=None) -> None:
   p.add_argument("study_json", help="bench/study.py's --out")
   p.add_argument("--figures", metavar="DIR", help="also draw the figures into DIR")
   args = p.parse_args(argv)
-  with open(args.study_json) as f:
-    study = json.load(f)
+  try:
+    with open(args.study_json) as f:
+      study = json.load(f)
+  except (OSError, ValueError) as e:
+    p.error(f"{args.study_json}: {e}")
+  if not isinstance(study, dict) or "runs" not in study:
+    p.error(f"{args.study_json}: not a study JSON (bench/study.py --out): no 'runs'")
+  if args.figures and os.path.exists(args.figures) and not os.path.isdir(args.figures):
+    p.error(f"--figures {args.figures}: a file, not a directory")
   print(markdown(study))
   if args.figures:
     figures(study, args.figures, stem=os.path.splitext(os.path.basename(args.study_json))[0])

@@ -166,3 +166,14 @@ def test_include_joins_earlier_runs_of_the_same_tokenizer_only(corpus, tmp_path)
   with pytest.raises(SystemExit, match="another tokenizer"):
     study.included_runs(study.parse_args(_args(corpus, tmp_path, "--include",
                                                str(tmp_path / "b.json"))))
+
+
+@pytest.mark.parametrize("text,match", [(None, "No such file"), ("{bad", "Expecting"),
+                                        ("{}", "not a study JSON")])
+def test_report_of_a_bad_study_json_is_one_line(tmp_path, capsys, text, match):
+  path = tmp_path / "study.json"
+  if text is not None:
+    path.write_text(text)
+  with pytest.raises(SystemExit) as e:
+    study.report.main([str(path)])
+  assert e.value.code == 2 and match in capsys.readouterr().err
