@@ -116,8 +116,7 @@ def _focal(requested, where, *, dtype, head_dim, seq_len, kv_len, packed, window
       requested = "cudnn" if _sixteen_bit(dtype) else "xla"   # lengths the kernels cannot tile
   if requested == "cudnn":
     if not _gpu(where):
-      raise NotImplementedError("implementation='cudnn' needs an NVIDIA GPU; use 'xla', "
-                                "'pallas' or 'auto'")
+      raise NotImplementedError(f"implementation={unavailable('cudnn')}")
     if not _sixteen_bit(dtype):
       raise ValueError(f"implementation='cudnn' takes bfloat16/float16 q, k, v; got {dtype} "
                        "(use 'pallas', 'xla' or 'auto', which sends float32 to 'pallas')")

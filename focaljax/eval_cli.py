@@ -8,6 +8,7 @@ from absl import flags
 from absl import logging
 from etils import epath
 
+from focaljax import cli
 from focaljax import config as config_lib
 from focaljax.data import sources
 from focaljax.evaluation import loading
@@ -90,22 +91,15 @@ flags.register_validator("books", lambda path: path is None or epath.Path(path).
                          "no such file")
 
 
-def fail(message) -> None:
-  """One line on stderr, exit 2."""
-  lines = [line.strip() for line in str(message).splitlines() if line.strip()]
-  print(f"error: {lines[-1] if lines else message}", file=sys.stderr)
-  sys.exit(2)
-
-
 def parse_flags(argv):
   try:
     argv = flags.FLAGS(argv)
   except flags.Error as e:
-    fail(e)
-  except SystemExit as e:   # absl exits 1 after --help, the code of a failed suite
-    sys.exit(0 if e.code == 1 and {"--help", "-h", "-?", "--helpshort", "--helpfull"} & set(argv) else e.code)
+    cli.fail(e)
+  except SystemExit as e:
+    cli.exit_after_help(e, argv)
   if len(argv) > 1:
-    fail(f"unexpected arguments: {argv[1:]}")
+    cli.fail(f"unexpected arguments: {argv[1:]}")
   return argv
 
 
@@ -117,7 +111,7 @@ def main(argv):
   except (app.UsageError, config_lib.ConfigError, FileNotFoundError, FileExistsError,
           NotADirectoryError, sources.DataError, checkpoint.CorruptCheckpoint,
           loading.NotALanguageModel, focus_train.NotAnAdapter, focus_eval.UnreadableBase) as e:
-    fail(e)
+    cli.fail(e)
 
 
 def run():

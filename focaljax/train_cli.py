@@ -1,7 +1,6 @@
 """train.py's flags, their parsing and its run: bad input as one line and the exit codes that
 train.py's docstring lists."""
 
-import re
 import signal
 import sys
 import traceback
@@ -11,6 +10,7 @@ import ml_collections
 from absl import flags, logging
 from ml_collections import config_flags
 
+from focaljax import cli
 from focaljax import config as config_lib
 from focaljax.data import sources
 from focaljax.focus import train as focus_train
@@ -22,7 +22,6 @@ from focaljax.train import memory
 from focaljax.train import startup
 
 EXIT_NONFINITE, EXIT_BAD_INPUT, EXIT_PREEMPTED = 1, 2, 75
-HELP = {"--help", "-h", "-?", "--helpshort", "--helpfull", "--helpxml"}
 
 _WORKDIR = flags.DEFINE_string("workdir", "runs/default", "Checkpoints, metrics and eval output.")
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Compile the train step, print memory, exit.")
@@ -34,11 +33,7 @@ def fail(message: str, code: int = EXIT_BAD_INPUT):
   """One line on stderr, no traceback (unless --verbose)."""
   if _VERBOSE.value if flags.FLAGS.is_parsed() else "--verbose" in sys.argv:
     traceback.print_exc()
-  lines = [line.strip() for line in str(message).splitlines() if line.strip()]
-  # A config file's own error arrives as the last line of its traceback: drop the class name.
-  last = re.sub(r"^\w*(Error|Exception): ", "", lines[-1]) if lines else message
-  print(f"error: {last}", file=sys.stderr)
-  sys.exit(code)
+  cli.fail(message, code)
 
 
 def define_config(default_file: str):
@@ -57,8 +52,8 @@ def parse_flags(argv):
   try:
     argv = flags.FLAGS(argv)
     _CONFIG.value.get("train")   # a config file that failed to load raises here
-  except SystemExit as e:   # absl exits 1 after --help, the code of a failed run
-    sys.exit(0 if e.code == 1 and HELP & set(argv) else e.code)
+  except SystemExit as e:
+    cli.exit_after_help(e, argv)
   except flags.UnrecognizedFlagError as e:
     name = e.flagname or ""
     fail(f"no config field {name[len('config.'):]}" if name.startswith("config.") else e)
@@ -74,7 +69,7 @@ def parse_flags(argv):
     fail(f"unexpected arguments: {argv[1:]}")
   for arg in given[1:]:   # a section set whole would skip its fields' types and defaults
     path = arg[len("--config."):].split("=")[0] if arg.startswith("--config.") else ""
-    if path and isinstance(_field(_CONFIG.value, path), dict):
+    if path and isinstance(_field(_CONFIG.value, path), (dict, ml_collections.ConfigDict)):
       fail(f"--config.{path}: a section; set its fields one by one (--config.{path}.<field>=...)")
   return argv
 
@@ -82,7 +77,7 @@ def parse_flags(argv):
 def _field(c, dotted: str):
   for part in dotted.split("."):
     c = c.get(part) if hasattr(c, "get") else None
-  return c.to_dict() if isinstance(c, ml_collections.ConfigDict) else c
+  return c
 
 
 def _config_file(argv) -> str:

@@ -99,7 +99,7 @@ def task(cfg: config_lib.Config, workdir: str, mesh, *, abstract: bool = False) 
       raise sources.DataError(f"the {split} split of data.source={cfg.data.source!r} has {n} "
                               f"documents, fewer than the {shards} data shards (data.shards)")
   tokenizer = data_lib.load_tokenizer(cfg.data, workdir, save=not abstract)
-  own = epath.Path(workdir) / "tokenizer.json"   # the one the checkpoints were trained with
+  own = epath.Path(workdir) / tokenizer_lib.FILENAME   # the one the checkpoints trained with
   if checkpoint.latest_step(workdir) is not None and own.exists() and (   # both re-serialised
       tokenizer_lib.Tokenizer.load(workdir).to_str() != tokenizer.to_str()):
     raise config_lib.ConfigError(

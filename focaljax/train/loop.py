@@ -231,8 +231,8 @@ def _run(cfg, workdir, make_task, *, dry_run, stop_at, t_setup, known) -> dict:
   mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
   # A model whose state cannot fit the devices is refused before anything is allocated.
   known["memory"] = memory.device_memory()   # CPU: none; a real run checks the host's instead
-  host = None if dry_run else memory.host_memory_per_device()
-  memory.check_fits(cfg, dict(mesh.shape), known["memory"] or host)
+  limit = known["memory"] or (None if dry_run else memory.host_memory_per_device())
+  memory.check_fits(cfg, dict(mesh.shape), limit)
   task = make_task(cfg, workdir, mesh)
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   params, opt_state, opt_sh = task.params, task.opt_state, task.opt_sh

@@ -56,22 +56,15 @@ def check(workdir: str, config_json: str) -> None:
   if step is None or not (path / checkpoint.CONFIG_FILE).exists():
     return
   old, new = saved_config.read(workdir).to_dict(), json.loads(config_json)
-
-  def get(tree, dotted):
-    for part in dotted.split("."):
-      tree = tree.get(part) if isinstance(tree, dict) else None
-    return tree
-
   # A FocusLLM run's model is its base's (focus.base_workdir, checked with the adapter's
   # checkpoint): the model.* it carries are base.py's unused defaults.
   kept = [f for f in IDENTITY_FIELDS if "focus" not in new or not f.startswith("model.")]
   fields = [f for f in kept if _differs(old, new, f)]
-  shown = lambda t, f: get(t, f) if get(old, f) != get(new, f) else _resolved(t, f)
+  shown = lambda t, f: _get(t, f) if _get(old, f) != _get(new, f) else _resolved(t, f)
   diff = [f"{f} {shown(old, f)!r} -> {shown(new, f)!r}" for f in fields]
-  if not fields and get(old, "model.attention.learned"):
+  if not fields and _get(old, "model.attention.learned"):
     # The learned τ's clip range as resolved (0: the paper's, scaled to the head dim).
-    m = old["model"]
-    head_dim = m["head_dim"] or m["d_model"] // m["num_heads"]
+    head_dim = _resolved(old, "model.head_dim")
     was, now = (config_lib.tau_range(t["model"]["attention"], head_dim) for t in (old, new))
     changed = [k for k in was if was[k] != now[k]]
     fields = [f"model.attention.{k}" for k in changed]   # what the trained w_τ means
@@ -82,9 +75,9 @@ def check(workdir: str, config_json: str) -> None:
         f"workdir {workdir} holds a different {what} (checkpoint step {step}): {', '.join(diff)}; "
         "resume it with its own config.json, or train in another --workdir")
   for f in RESUME_CHANGES:
-    if get(old, f) != get(new, f) and distributed.is_primary():
-      print(f"note: resuming {workdir} (step {step}) with {f} {get(old, f)!r} -> "
-            f"{get(new, f)!r}: eval.py and the export take the new one as the trained context",
+    if _get(old, f) != _get(new, f) and distributed.is_primary():
+      print(f"note: resuming {workdir} (step {step}) with {f} {_get(old, f)!r} -> "
+            f"{_get(new, f)!r}: eval.py and the export take the new one as the trained context",
             file=sys.stderr)
 
 
@@ -96,13 +89,17 @@ def _differs(old: dict, new: dict, dotted: str) -> bool:
   return a != b and not (dotted == "model.vocab_size" and 0 in (a, b))
 
 
+def _get(tree: dict, dotted: str):
+  for part in dotted.split("."):
+    tree = tree.get(part) if isinstance(tree, dict) else None
+  return tree
+
+
 def _resolved(tree: dict, dotted: str):
   m = tree.get("model", {})
   if dotted == "model.head_dim":
     return m.get("head_dim") or m.get("d_model", 0) // max(m.get("num_heads", 1), 1)
-  value = tree
-  for part in dotted.split("."):
-    value = value.get(part) if isinstance(value, dict) else None
+  value = _get(tree, dotted)
   if dotted == "model.attention.pattern":
     try:
       return attn_lib.parse_pattern(value, m.get("num_layers", 1))
