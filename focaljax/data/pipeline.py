@@ -33,8 +33,8 @@ A row holds seq_len + 1 tokens so targets need no look-ahead; the cost is one un
 row: nothing is lost or repeated.
 
 Checkpointing: `make_iterator` returns a grain DatasetIterator; `get_state()` / `set_state()`
-resume exactly (the next batches are identical). Save it with Orbax through
-`grain.checkpoint.CheckpointSave(it)` / `CheckpointRestore(it)` (see focaljax/train/checkpoint.py).
+resume exactly (the next batches are identical). Orbax saves it through focaljax/data/state.py,
+one file per data shard, so a run resumes on another number of processes.
 
 Streaming tokenization feeds a few hundred thousand tokens/s per 2 CPU cores; `tokenize="ahead"`
 removes that limit for corpora that fit in memory. Otherwise wrap `make_dataset(...)` in
@@ -344,10 +344,18 @@ def make_dataset(cfg: DataConfig, tok: tokenizer_lib.Tokenizer, *, split: str = 
 
 
 class _ShardsIterator(grain.DatasetIterator):
-  """This host's data shards side by side: each batch is their batches concatenated by row."""
+  """This host's data shards side by side: each batch is their batches concatenated by row.
+  `shard_ids` are their global indices among `num_shards`; focaljax/data/state.py saves the
+  position of each shard on its own, so a checkpoint restores on any process count."""
+
+  def __init__(self, parents, shard_ids: list[int], num_shards: int):
+    super().__init__(parents)
+    self.shard_ids, self.num_shards = shard_ids, num_shards
 
   def __next__(self) -> dict[str, np.ndarray]:
     parts = [next(it) for it in self._parents]
+    if len(parts) == 1:
+      return parts[0]
     return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
   def get_state(self) -> dict[str, Any]:
@@ -360,7 +368,7 @@ class _ShardsIterator(grain.DatasetIterator):
 
 def make_iterator(cfg: DataConfig, tok: tokenizer_lib.Tokenizer, *, split: str = "train",
                   process_index: int = 0, process_count: int = 1,
-                  num_shards: int | None = None) -> grain.DatasetIterator:
+                  num_shards: int | None = None) -> _ShardsIterator:
   """A checkpointable iterator of this host's batches (see the module docstring).
 
   `num_shards` (default: process_count) fixes how documents are split into data shards,
@@ -372,9 +380,7 @@ def make_iterator(cfg: DataConfig, tok: tokenizer_lib.Tokenizer, *, split: str =
   if shards % process_count:
     raise ValueError(f"num_shards={shards} must be a multiple of process_count={process_count}")
   per_host = shards // process_count
-  if per_host == 1:
-    return iter(make_dataset(cfg, tok, split=split, process_index=process_index,
-                             process_count=process_count))
+  ids = list(range(process_index * per_host, (process_index + 1) * per_host))
   its = [iter(make_dataset(cfg, tok, split=split, process_index=s, process_count=shards))
-         for s in range(process_index * per_host, (process_index + 1) * per_host)]
-  return _ShardsIterator(its)
+         for s in ids]
+  return _ShardsIterator(its, ids, shards)

@@ -33,12 +33,13 @@ import os
 import re
 import sys
 
-import grain
 import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
+
+from focaljax.data import state as data_state
 
 
 CONFIG_FILE = "config.json"
@@ -189,7 +190,7 @@ class Checkpointer:
     items = {item: ocp.args.StandardSave(tree) for item, tree in trees.items()}
     items["meta"] = ocp.args.JsonSave(meta)
     if data_iter is not None:
-      items["data"] = grain.checkpoint.CheckpointSave(data_iter)
+      items["data"] = data_state.Save(data_iter)
     return self.manager.save(step, force=True, args=ocp.args.Composite(**items))
 
   def restore(self, step: int, abstract_params, abstract_opt_state, data_iter):
@@ -199,7 +200,7 @@ class Checkpointer:
                  opt_state=ocp.args.StandardRestore(abstract_opt_state),
                  meta=ocp.args.JsonRestore())
     if data_iter is not None:
-      items["data"] = grain.checkpoint.CheckpointRestore(data_iter)
+      items["data"] = data_state.Restore(data_iter)
     _quiet_failed_reads()   # before the first read: a closed loop can be woken at once
     out = self.manager.restore(step, args=ocp.args.Composite(**items))
     return from_str_keys(out.params, abstract_params), out.opt_state, out.meta
@@ -239,6 +240,10 @@ class Checkpointer:
                               f"config's ({bad[0][1].split('. ')[0]}): a field that shapes the "
                               "parameters differs from the run's; resume with its config.json, "
                               "or train in another --workdir")
+    if bad and all(why.startswith(data_state.ShardsMismatch.__name__) for _, why in bad):
+      raise CorruptCheckpoint(f"checkpoint step {bad[0][0]} under {root} does not resume here: "
+                              f"{bad[0][1].split(': ', 1)[1]}; set data.shards to the count it "
+                              "was saved with (any multiple of the process count)")
     if bad:
       raise CorruptCheckpoint(f"no intact checkpoint under {root}: "
                               + "; ".join(f"step {b} ({why})" for b, why in bad)

@@ -83,10 +83,12 @@ def check(workdir: str, config_json: str) -> None:
 
 def _differs(old: dict, new: dict, dotted: str) -> bool:
   """Whether two saved configs give the field different values as the model takes them
-  ('softmax' is 'softmax:rope'; head_dim 0 is d_model / num_heads). vocab_size 0 (the
-  tokenizer's, padded) may equal any: a real difference fails the checkpoint's restore."""
-  a, b = _resolved(old, dotted), _resolved(new, dotted)
-  return a != b and not (dotted == "model.vocab_size" and 0 in (a, b))
+  ('softmax' is 'softmax:rope'; head_dim 0 is d_model / num_heads; a pattern as cycled over the
+  new layer count). vocab_size 0 (the tokenizer's, padded) and data.shards 0 (the process
+  count) may equal any: a real difference fails the checkpoint's restore, naming it."""
+  layers = _get(new, "model.num_layers")
+  a, b = _resolved(old, dotted, layers), _resolved(new, dotted, layers)
+  return a != b and not (dotted in ("model.vocab_size", "data.shards") and 0 in (a, b))
 
 
 def _get(tree: dict, dotted: str):
@@ -95,14 +97,14 @@ def _get(tree: dict, dotted: str):
   return tree
 
 
-def _resolved(tree: dict, dotted: str):
+def _resolved(tree: dict, dotted: str, num_layers: int | None = None):
   m = tree.get("model", {})
   if dotted == "model.head_dim":
     return m.get("head_dim") or m.get("d_model", 0) // max(m.get("num_heads", 1), 1)
   value = _get(tree, dotted)
   if dotted == "model.attention.pattern":
     try:
-      return attn_lib.parse_pattern(value, m.get("num_layers", 1))
+      return attn_lib.parse_pattern(value, num_layers or m.get("num_layers", 1))
     except (ValueError, TypeError, AttributeError):
       return value
   return value

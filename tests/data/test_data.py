@@ -291,25 +291,48 @@ def test_runtime_errors(corpus):
     data.documents(cfg, "valid")  # valid_fraction=0 holds nothing out
 
 
-def test_orbax_checkpoint_roundtrip(corpus, tmp_path):
-  """The way the trainer saves the iterator: Composite(data=grain.checkpoint.CheckpointSave)."""
+def _save_restore(tmp_path, save, restore, make, saved_at=5):
   ocp = pytest.importorskip("orbax.checkpoint")
-  import grain  # pylint: disable=g-import-not-at-top
-
-  cfg, _ = corpus
-  cfg = dataclasses.replace(cfg, num_epochs=None)
-  it = data.make_iterator(cfg, WordTokenizer())
-  for _ in range(5):
+  it = make()
+  for _ in range(saved_at):
     next(it)
   with ocp.CheckpointManager(tmp_path / "ckpt") as mngr:
-    mngr.save(5, args=ocp.args.Composite(data=grain.checkpoint.CheckpointSave(it)))
+    mngr.save(saved_at, args=ocp.args.Composite(data=save(it)))
     mngr.wait_until_finished()
   want = [next(it) for _ in range(4)]
-  fresh = data.make_iterator(cfg, WordTokenizer())
   with ocp.CheckpointManager(tmp_path / "ckpt") as mngr:
-    restored = mngr.restore(5, args=ocp.args.Composite(
-        data=grain.checkpoint.CheckpointRestore(fresh)))["data"]
+    restored = mngr.restore(saved_at, args=ocp.args.Composite(data=restore(make())))["data"]
   for w in want:
     g = next(restored)
     for key in w:
       np.testing.assert_array_equal(g[key], w[key])
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_orbax_checkpoint_roundtrip(corpus, tmp_path, shards):
+  """The way the trainer saves the iterator: one file per data shard (data/state.py)."""
+  from focaljax.data import state  # pylint: disable=g-import-not-at-top
+  cfg = dataclasses.replace(corpus[0], num_epochs=None)
+  make = lambda: data.make_iterator(cfg, WordTokenizer(), num_shards=shards)
+  _save_restore(tmp_path, state.Save, state.Restore, make)
+  names = sorted(p.name for p in (tmp_path / "ckpt" / "5" / "data").glob("*.json"))
+  assert names == [f"shard_{s}-of-{shards}.json" for s in range(shards)]
+
+
+def test_grain_per_process_checkpoints_still_restore(corpus, tmp_path):
+  """Checkpoints written by Grain's handler (process_0-of-1.json) restore on that process count."""
+  import grain  # pylint: disable=g-import-not-at-top
+  from focaljax.data import state  # pylint: disable=g-import-not-at-top
+  cfg = dataclasses.replace(corpus[0], num_epochs=None)
+  _save_restore(tmp_path, grain.checkpoint.CheckpointSave, state.Restore,
+                lambda: data.make_iterator(cfg, WordTokenizer()))
+
+
+def test_other_shards_are_named(corpus, tmp_path):
+  from focaljax.data import state  # pylint: disable=g-import-not-at-top
+  cfg = dataclasses.replace(corpus[0], num_epochs=None)
+  (tmp_path / "shard_0-of-2.json").write_text("{}")
+  with pytest.raises(state.ShardsMismatch, match=r"shard_0-of-2.json.*shards \[0\] of 1"):
+    state.Handler().restore(tmp_path, data.make_iterator(cfg, WordTokenizer()))
+
+

@@ -52,7 +52,6 @@ def _listing(workdir):
     ("data.global_batch", 4, "data.global_batch 8 -> 4"),
     ("data.tokenizer", "train:300", "data.tokenizer 'bundled' -> 'train:300'"),
     ("model.qkv_bias", True, "model.qkv_bias False -> True"),   # a parameter tree field
-    ("data.shards", 2, "data.shards 0 -> 2"),   # the saved iterators' split
     ("data.jsonl_field", "body", "data.jsonl_field 'text' -> 'body'"),
 ])
 def test_other_run_is_refused_listing_fields(workdir, field, value, want):
@@ -65,6 +64,24 @@ def test_other_run_is_refused_listing_fields(workdir, field, value, want):
     lm.train(config_lib.parse(c), workdir)
   assert want in str(e.value) and "\n" not in str(e.value)
   assert _listing(workdir) == before
+
+
+def test_a_resume_reading_other_data_shards_is_refused_naming_them(workdir):
+  """data.shards 0 is the process count: saved on one process, it resumes as data.shards=1,
+  while 2 shards would read another data order (the position is saved per shard)."""
+  c = _config(steps=9)
+  c.data.shards = 2
+  before = _listing(workdir)
+  with pytest.raises(checkpoint.CorruptCheckpoint, match=r"step 3 .* does not resume here: its "
+                     r"data position was saved as shard_0-of-1.json.*set data.shards") as e:
+    lm.train(config_lib.parse(c), workdir)
+  assert "\n" not in str(e.value)
+  after = _listing(workdir)   # tokenizer.json is written again, the same
+  assert after.keys() == before.keys()
+  assert all(after[f] == t for f, t in before.items() if "checkpoints" in f or "config" in f)
+  c = _config(steps=4, eval_every=0)
+  c.data.shards = 1
+  assert lm.train(config_lib.parse(c), workdir)["step"] == 4
 
 
 def test_a_resume_spelling_the_same_model_otherwise_trains(workdir):

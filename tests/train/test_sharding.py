@@ -67,7 +67,8 @@ def _free_port():
 def test_two_processes_match_one(tmp_path):
   # Fixed data shards make the global batch, and the validation batches, independent of the
   # process count.
-  extra = ["--config.data.shards=2", f"--config.train.eval_every={STEPS}"]
+  extra = ["--config.data.shards=2", f"--config.train.eval_every={STEPS}",
+           "--config.train.ckpt_every=2"]
   ref = _train(tmp_path / "ref", devices=2, extra=extra)
   port = _free_port()
   procs = [
@@ -82,6 +83,11 @@ def test_two_processes_match_one(tmp_path):
   val = [_losses(d, "val_loss") for d in (tmp_path / "ref", tmp_path / "multi")]
   assert len(val[0]) == 1
   np.testing.assert_allclose(val[1], val[0], rtol=2e-5)
+  # The data position is saved per shard: the 2-process run resumes mid-way on one process.
+  shutil.rmtree(tmp_path / "multi" / "checkpoints" / str(STEPS))
+  lines = open(tmp_path / "multi" / "metrics.jsonl").read().splitlines()[:2]
+  open(tmp_path / "multi" / "metrics.jsonl", "w").write("\n".join(lines) + "\n")
+  np.testing.assert_allclose(_train(tmp_path / "multi", devices=2, extra=extra), ref, rtol=2e-5)
 
 
 def test_mesh_sizes_are_checked():
