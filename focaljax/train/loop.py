@@ -199,7 +199,8 @@ def run(cfg: config_lib.Config, workdir: str, make_task, *, dry_run: bool = Fals
   nothing. The micro-batch is train.micro_batch, or the largest that fits (memory.py)."""
   t_setup = time.perf_counter()
   distributed.initialize()
-  workdir_lib.check(workdir, cfg.config_json)   # before anything in the workdir is written
+  if not dry_run:   # a dry run reads no checkpoint, so any workdir's will do
+    workdir_lib.check(workdir, cfg.config_json)   # before anything in the workdir is written
   if why := dispatch.unavailable(cfg.model.attention.implementation):
     raise config_lib.ConfigError(f"config field model.attention.implementation: {why}")
   try:

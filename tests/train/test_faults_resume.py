@@ -53,6 +53,7 @@ def _listing(workdir):
     ("data.tokenizer", "train:300", "data.tokenizer 'bundled' -> 'train:300'"),
     ("model.qkv_bias", True, "model.qkv_bias False -> True"),   # a parameter tree field
     ("data.jsonl_field", "body", "data.jsonl_field 'text' -> 'body'"),
+    ("model.num_layers", 5, "model.num_layers 2 -> 5; resume"),   # and not the cycled pattern
 ])
 def test_other_run_is_refused_listing_fields(workdir, field, value, want):
   c = _config(steps=9)

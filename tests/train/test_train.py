@@ -2,6 +2,7 @@
 
 import functools
 import json
+import glob
 import os
 import re
 import sys
@@ -146,6 +147,19 @@ def test_dry_run_compiles_without_training(tmp_path, capsys):
   assert not os.path.exists(tmp_path / "run")   # nothing written: no lock, tokenizer or config
   text = capsys.readouterr().out
   assert "per device: params" in text and "compiled peak" in text and "closed-form" in text
+
+
+def test_dry_run_over_another_models_workdir(tmp_path):
+  """A dry run restores nothing, so a workdir holding another model (e.g. runs/default) is fine."""
+  c = smoke.get_config()
+  c.train.update(steps=2, log_every=1, eval_every=0)
+  _train(c, tmp_path)
+  before = sorted((p, os.path.getmtime(p)) for p in glob.glob(f"{tmp_path}/**", recursive=True))
+  c = smoke.get_config("pattern=dilution:none")
+  c.model.d_model *= 2
+  assert _train(c, tmp_path, dry_run=True)["dry_run"]
+  assert before == sorted((p, os.path.getmtime(p))
+                          for p in glob.glob(f"{tmp_path}/**", recursive=True))
 
 
 def test_resuming_a_finished_run_trains_nothing(tmp_path, capsys):
