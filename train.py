@@ -17,6 +17,12 @@ save): run the same command again to resume.
 """
 
 import os
+import signal
+import sys
+
+# A preemption while the imports below run (seconds): the exit a scheduler requeues (75), as
+# train_cli's handlers give later in set-up and in training.
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(75))
 
 # jax's default pool is 75% of a GPU's memory, which the large presets' measured batches (1.3B at
 # 24 x 2048 on an H200) outgrow; a user's own setting wins.

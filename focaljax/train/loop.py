@@ -7,7 +7,7 @@ loop does the rest alike: a pure, jitted step with explicit shardings and donate
 gradient accumulation under `lax.scan`, Orbax checkpoints and resume (checkpoint.py), SIGTERM,
 metrics. The host fetches step N's metrics after dispatching step N+1, so the device never waits
 for Python; at a checkpoint step it reads them first, and saves only a step whose loss, gradient
-norm and updated parameters are finite (a NaN never reaches a checkpoint).
+norm, updated parameters and validation loss are finite (a NaN never reaches a checkpoint).
 """
 
 from __future__ import annotations
@@ -86,8 +86,7 @@ class Task:
   opt_sh: Any = None
   frozen: Any = None                   # read by the loss; never trained, never saved
   frozen_sh: Any = None
-  data_iter: Any = None                # a Grain iterator saved with the state (None: the
-                                       # batches are a function of the step)
+  data_iter: Any = None                # saved with the state (None: batches follow the step)
   meta: dict = dataclasses.field(default_factory=dict)   # JSON kept in every checkpoint
   evaluate: Callable[[Any], dict] | None = None   # params -> scalars, every train.eval_every
   flops_per_token: float | None = None             # model FLOPs per token: MFU
@@ -115,8 +114,7 @@ def step(params, opt_state, frozen, batch, *, loss_fn: LossFn, tx, cfg: StepConf
     (g_sum, l_sum, w_sum), sums = jax.lax.scan(body, (zeros, 0.0, 0.0), micro)
     sums = jax.tree.map(lambda x: x.sum(0), sums)
   denom = jnp.maximum(w_sum, 1.0)
-  grads = jax.tree.map(lambda g: g / denom, g_sum)
-  loss = l_sum / denom
+  grads, loss = jax.tree.map(lambda g: g / denom, g_sum), l_sum / denom
   with jax.named_scope("optimizer"):
     grad_norm = optax.tree.norm(grads)
     updates, new_opt = tx.update(grads, opt_state, params)
@@ -282,13 +280,12 @@ def _run(cfg, workdir, make_task, *, dry_run, stop_at, t_setup, known) -> dict:
   start, *restored = ckpt.restore_latest(abstract(params), abstract(opt_state), task.data_iter)
   if primary:   # only now: a run refused above leaves an earlier run's config.json as it was
     checkpoint.write_config(workdir, cfg.config_json)
+    workdir_lib.cut_metrics(workdir, start)
   if start:
     params, opt_state, _ = restored
   elif task.init is not None:   # nothing (intact) to resume from
     params, opt_state = (initialized or pool.submit(task.init)).result()
   pool.shutdown()
-  if primary:
-    workdir_lib.cut_metrics(workdir, start)
   writer = metrics.Writer(workdir, t.steps, start, enabled=primary,
                           wandb_project=t.wandb_project, config_json=cfg.config_json)
   if start:
@@ -365,6 +362,8 @@ def _run(cfg, workdir, make_task, *, dry_run, stop_at, t_setup, known) -> dict:
           writer.write(step_no, scalars)
           writer.message(f"step {step_no}: " + ", ".join(f"{k} {v:.4f}"
                                                          for k, v in scalars.items()))
+          if bad := [f"{k} {v}" for k, v in scalars.items() if not abs(v) <= MAX_LOSS]:
+            stop(step_no, f"non-finite or exploded {', '.join(bad)}", "stopped")   # not saved
         preempted = preempt.reached(step_no)   # one agreed step on every host
         stopping = preempted or step_no == stop_at
         if step_no % t.ckpt_every == 0 or step_no == t.steps or stopping:

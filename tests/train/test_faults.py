@@ -106,6 +106,17 @@ def test_exploded_loss_stops_before_the_save(trained, workdir, monkeypatch):
   assert _kept(workdir) == _kept(trained[0])
 
 
+def test_a_nonfinite_validation_loss_stops_before_the_save(tmp_path):
+  # lr 1e8: step 3's training loss is finite, but its parameters overflow the validation
+  # forward (the user trial's case: the "last good" checkpoint gave NaN logits).
+  c = _config(steps=20, eval_every=3, ckpt_every=3)
+  c.optim.update(peak_lr=1e8, clip_norm=1e9)
+  with pytest.raises(loop.NonFiniteLoss, match=r"^non-finite or exploded val_loss nan at step 3; "
+                     "stopped; the latest checkpoint is none$"):
+    lm.train(config_lib.parse(c), str(tmp_path))
+  assert checkpoint.latest_step(str(tmp_path)) is None
+
+
 def test_skip_gives_up_after_consecutive_skips(trained, workdir, monkeypatch):
   monkeypatch.setattr(loop, "MAX_SKIPPED", 3)
   c = _config(steps=30, nonfinite="skip")   # checkpoint steps 9, 12, ...
@@ -191,6 +202,22 @@ def test_sigterm_during_set_up_exits_75_without_writing(tmp_path):
   assert proc.returncode == 75, out.decode()[-3000:]
   assert b"SIGTERM before the first step" in out and b"Traceback" not in out
   assert not os.path.exists(os.path.join(workdir, "checkpoints", "1"))
+
+
+def test_sigterm_while_importing_exits_75(tmp_path):
+  """Sent as soon as train.py catches SIGTERM, while jax imports (the user trial's 143)."""
+  argv = [sys.executable, os.path.join(ROOT, "train.py"), "--workdir", str(tmp_path / "run")]
+  proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+  deadline = time.time() + 60
+  while time.time() < deadline:   # bit 14 of SigCgt: a handler for signal 15
+    status = open(f"/proc/{proc.pid}/status").read()
+    if int(status.split("SigCgt:")[1].split()[0], 16) >> 14 & 1:
+      break
+  proc.send_signal(signal.SIGTERM)
+  out, _ = proc.communicate(timeout=60)
+  assert proc.returncode == 75, out.decode()[-3000:]
+  source = open(os.path.join(ROOT, "train.py")).read()   # the handler comes before any import
+  assert source.index("signal.signal(signal.SIGTERM") < source.index("from absl")
 
 
 # 5. Workdir identity.
