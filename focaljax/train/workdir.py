@@ -145,8 +145,10 @@ def unlock(workdir: str) -> None:
   fd = _held.pop(key, None)
   if fd is not None:
     os.close(fd)   # closing the file releases the flock
-  if key in _made and os.listdir(key) == [LOCK_FILE]:   # a refused run leaves no workdir
-    os.remove(os.path.join(key, LOCK_FILE))
+  left = os.listdir(key) if key in _made else []
+  if left and set(left) <= {LOCK_FILE, checkpoint.TOKENIZER_FILE}:   # a refused run leaves no
+    for name in left:                                                 # workdir it made
+      os.remove(os.path.join(key, name))
     os.rmdir(key)
   _made.discard(key)
 

@@ -118,6 +118,15 @@ def test_batch_not_splitting_over_the_devices_is_one_line(tmp_path):
   assert not os.path.exists(tmp_path / "run")
 
 
+def test_a_micro_batch_not_dividing_the_rows_leaves_no_workdir(tmp_path):
+  # Refused after the task wrote its tokenizer: the workdir this run made goes with it.
+  c = _config()
+  c.train.micro_batch = 3
+  with pytest.raises(config_lib.ConfigError, match=r"train.micro_batch"):
+    lm.train(config_lib.parse(c), str(tmp_path / "run"))
+  assert not os.path.exists(tmp_path / "run")
+
+
 def test_mesh_not_matching_devices_is_one_line(tmp_path):
   c = _config()
   c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 3, 1, 1
