@@ -32,7 +32,7 @@ def get_config(arg=None):
       p_reconstruction=0.5,     # share of samples whose local window repeats a span of the memory
       doc_min_tokens=3000,      # shorter documents are skipped; the default memory length (below)
       memory_tokens="",         # memory lengths, one drawn per step ("" = doc_min_tokens -
-                                # local_len - 1; focaljax/focus/samples.py)
+                                # local_len - 1; focaljax/focus/train.py)
       doc_max_tokens=8000,      # longer documents are cropped to their first doc_max_tokens
       local_len=512,            # local-window tokens the frozen decoder reads (<= base context)
       num_targets=16,           # supervised query points per sample: the window's last tokens

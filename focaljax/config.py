@@ -382,7 +382,7 @@ def focus_config(c: ml_collections.ConfigDict, context: int | None = None) -> Fo
       _require(m <= f.doc_min_tokens - f.local_len - 1, "focus.memory_tokens",
                f"{m} + local_len + 1 ({f.local_len + 1}) exceeds focus.doc_min_tokens="
                f"{f.doc_min_tokens}, the shortest document drawn")
-      M = s * (m // s)   # whole chunks (focus/samples.py)
+      M = s * (m // s)   # whole chunks (focus/train.py)
       need = max(s, f.local_len + 1) if f.p_reconstruction else s
       _require(M >= need, memory_field,
                f"leaves a memory of {M} tokens for chunk {s}; need >= {need} (one chunk" +
