@@ -129,6 +129,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       async_ckpt=True,
       nonfinite="stop",          # stop | skip: what a NaN/Inf loss does
       wandb_project="",          # also log metrics to this W&B project ("": off; pip install wandb)
+      # A fresh run starts from these params, not random ones (fine-tuning; configs/finetune.py):
+      # a workdir (its latest step) or one of its checkpoints/<step>, e.g. an HF import.
+      init_from="",
   ))
   c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))  # one may be -1
   sizes.apply(c, args["size"])

@@ -13,7 +13,6 @@ import dataclasses
 import importlib.util
 import math
 import os
-import re
 
 import ml_collections
 
@@ -59,16 +58,6 @@ _PAPER_TAU = {"tau_min": 5.0, "tau_max": 10.0, "tau_init": 7.5}
 
 class ConfigError(ValueError):
   """A config field has an invalid value; the message names it."""
-
-
-def no_field_message(e: Exception, argv) -> str:
-  """The line for a --config.<path> in `argv` naming no field; `e` is the lookup error
-  ml_collections raises for it (its message holds the key and maybe a "did you mean")."""
-  key = (re.findall(r"'(\w+)", str(e)) or [str(e)])[0]
-  bad = [arg.split("=")[0] for arg in argv if arg.startswith("--config.") and key in arg]
-  hint = re.findall(r'Did you mean "([\w.]+)"', str(e))
-  return (f"no config field {bad[0][len('--config.'):] if bad else key}" +
-          (f" (did you mean {hint[0]}?)" if hint else ""))
 
 
 def _get(c, dotted):
@@ -241,6 +230,8 @@ class TrainConfig:
   keep_ckpts: int
   async_ckpt: bool
   wandb_project: str      # W&B project the metrics also go to ("": off)
+  init_from: str          # absolute: the params a fresh run starts from ("": random; a workdir
+                          # or one of its checkpoints/<step>, e.g. an HF import)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -296,7 +287,11 @@ def parse(c: ml_collections.ConfigDict, *, process_count: int = 1,
   """`c` validated once and frozen. focus.* is checked against the base's trained context,
   read from focus.base_workdir unless `focus_context` gives it."""
   validate(c, process_count=process_count)
-  train = _frozen(TrainConfig, c.train, skip_nonfinite=c.train.nonfinite == "skip")
+  if init := c.train.init_from:   # its shapes are checked as the run restores it
+    workdir, step = _checkpointed(init, "train.init_from")
+    init = workdir if step is None else f"{workdir}/checkpoints/{step}"
+  train = _frozen(TrainConfig, c.train, skip_nonfinite=c.train.nonfinite == "skip",
+                  init_from=init)
   return Config(seed=c.seed, model=model_config(c, 0), data=data_config(c),
                 data_shards=c.data.shards, optim=optim_config(c), train=train,
                 mesh=MeshConfig(c.mesh.data, c.mesh.fsdp, c.mesh.tensor),
@@ -314,17 +309,25 @@ def _int_list(f, name: str) -> tuple[int, ...]:
   return values
 
 
-def _base_context(path: str) -> int:
-  """The trained context (data.seq_len) of the base workdir `path`, which must hold a checkpoint."""
-  from focaljax.train import checkpoint, saved_config  # pylint: disable=import-outside-toplevel
-  _require(bool(path), "focus.base_workdir",
-           "is required: a trained focaljax workdir (python train.py ...)")
+def _checkpointed(path: str, field: str) -> tuple[str, int | None]:
+  """(workdir, step or None: the latest) of `path`, a workdir holding a checkpoint or one of its
+  checkpoints/<step>."""
+  from focaljax.train import checkpoint  # pylint: disable=import-outside-toplevel
   try:
     workdir, step = checkpoint.resolve(path)
   except FileNotFoundError as e:
-    raise ConfigError(f"config field focus.base_workdir: {e}") from None
-  _require(step is not None or checkpoint.latest_step(workdir) is not None, "focus.base_workdir",
+    raise ConfigError(f"config field {field}: {e}") from None
+  _require(step is not None or checkpoint.latest_step(workdir) is not None, field,
            f"{workdir} has no checkpoint under checkpoints/ (train it first)")
+  return workdir, step
+
+
+def _base_context(path: str) -> int:
+  """The trained context (data.seq_len) of the base workdir `path`, which must hold a checkpoint."""
+  from focaljax.train import saved_config  # pylint: disable=import-outside-toplevel
+  _require(bool(path), "focus.base_workdir",
+           "is required: a trained focaljax workdir (python train.py ...)")
+  workdir = _checkpointed(path, "focus.base_workdir")[0]
   base = saved_config.read(workdir)
   _require("focus" not in base, "focus.base_workdir",
            f"{workdir} is a FocusLLM adapter run, not a base language model")

@@ -39,6 +39,7 @@ from absl import flags
 from etils import epath
 from ml_collections import config_flags
 
+from focaljax import cli
 from focaljax import config as config_lib
 from focaljax.data import sources
 
@@ -158,7 +159,7 @@ def check(runs: list[tuple[str, list[str]]]) -> None:
       fv(["sweep", *args])
       config_lib.parse(fv.config, process_count=1)   # DataConfig and focus.* too, as train.py
     except (AttributeError, KeyError) as e:   # ml_collections: a path naming no field
-      raise SweepError(f"{workdir}: {config_lib.no_field_message(e, args)}") from None
+      raise SweepError(f"{workdir}: {cli.no_field_message(e, args)}") from None
     except (flags.Error, config_lib.ConfigError, FileNotFoundError, sources.DataError) as e:
       # one line; a config file's error arrives as a traceback: its last line
       lines = [line.strip() for line in str(e).splitlines() if line.strip()]

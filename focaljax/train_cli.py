@@ -43,7 +43,7 @@ def define_config(default_file: str):
     _CONFIG = config_flags.DEFINE_config_file("config", default_file,
                                               "Config file (ConfigDict).", lock_config=True)
   except (AttributeError, KeyError) as e:
-    fail(config_lib.no_field_message(e, sys.argv))
+    fail(cli.no_field_message(e, sys.argv))
 
 
 def parse_flags(argv):
@@ -62,7 +62,7 @@ def parse_flags(argv):
   except (AttributeError, KeyError) as e:   # --config.<path> naming no field
     if "get_config" in str(e):
       fail(f"--config {_config_file(argv)}: the file defines no get_config()")
-    fail(config_lib.no_field_message(e, argv))
+    fail(cli.no_field_message(e, argv))
   except Exception as e:  # pylint: disable=broad-except  (the config file's own code failed)
     fail(f"--config {_config_file(argv)}: {type(e).__name__}: {e}")
   if len(argv) > 1:

@@ -238,8 +238,12 @@ class Checkpointer:
     if bad and all(_OTHER_MODEL.search(why) for _, why in bad):   # not damage: another model
       raise CorruptCheckpoint(f"the checkpoints under {root} hold another model than this "
                               f"config's ({bad[0][1].split('. ')[0]}): a field that shapes the "
-                              "parameters differs from the run's; resume with its config.json, "
-                              "or train in another --workdir")
+                              "parameters differs from the run's; resume with the config it "
+                              "trained with (its config.json), or train in another --workdir")
+    if [b for b, _ in bad] == [0]:   # training never saves step 0: an import's params
+      raise CorruptCheckpoint(f"{root}/{bad[0][0]} holds parameters alone (an import), nothing "
+                              "to resume: fine-tune them in another --workdir with --config "
+                              f"configs/finetune.py:{root.parent}")
     if bad and all(why.startswith(data_state.ShardsMismatch.__name__) for _, why in bad):
       raise CorruptCheckpoint(f"checkpoint step {bad[0][0]} under {root} does not resume here: "
                               f"{bad[0][1].split(': ', 1)[1]}; set data.shards to the count it "

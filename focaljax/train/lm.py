@@ -88,6 +88,17 @@ def init_state(model_cfg, tx, param_sh, mesh, key, *, abstract: bool = False):
   return params, opt_state, opt_sh
 
 
+def restore_from(path: str, abstract_params) -> dict:
+  """train.init_from's params (a workdir's latest or a checkpoints/<step>) into `abstract_params`
+  (sharded ShapeDtypeStructs, float32): ConfigError when they are another model's."""
+  try:
+    return checkpoint.restore_params(*checkpoint.resolve(path), abstract_params)[0]
+  except checkpoint.CorruptCheckpoint as e:
+    raise config_lib.ConfigError(
+        f"config field train.init_from: {str(e).split('; evaluate')[0]}; a fine-tune takes its "
+        f"model fields (--config configs/finetune.py:{path})") from None
+
+
 def task(cfg: config_lib.Config, workdir: str, mesh, *, abstract: bool = False) -> loop.Task:
   """The loop.Task of a language-model run: tokenizer, params, data, validation. `abstract`: the
   params and optimizer state as sharded ShapeDtypeStructs (a dry run allocates nothing)."""
@@ -105,6 +116,12 @@ def task(cfg: config_lib.Config, workdir: str, mesh, *, abstract: bool = False) 
     raise config_lib.ConfigError(
         f"config field data.tokenizer: {cfg.data.tokenizer!r} is not the tokenizer {workdir}'s "
         f"checkpoints trained with ({own}); resume with that file, or train in another --workdir")
+  source = cfg.train.init_from and epath.Path(checkpoint.resolve(cfg.train.init_from)[0])
+  if source and (source / tokenizer_lib.FILENAME).exists() and (
+      tokenizer_lib.Tokenizer.load(str(source)).to_str() != tokenizer.to_str()):
+    raise config_lib.ConfigError(
+        f"config field data.tokenizer: {cfg.data.tokenizer!r} is not the tokenizer the params of "
+        f"train.init_from trained with: set it to {source / tokenizer_lib.FILENAME}")
   cfg = cfg.with_vocab(tokenizer.vocab_size)
   graphdef, abstract_state = model_lib.abstract_model(cfg.model)
   try:
@@ -122,7 +139,12 @@ def task(cfg: config_lib.Config, workdir: str, mesh, *, abstract: bool = False) 
 
   def init():
     t0 = time.perf_counter()
-    state = jax.block_until_ready(init_state(cfg.model, tx, param_sh, mesh, key)[:2])
+    if cfg.train.init_from:   # fine-tuning: another run's params, a fresh optimizer state
+      p = restore_from(cfg.train.init_from, params)
+      with jax.set_mesh(mesh):
+        state = jax.block_until_ready((p, jax.jit(tx.init, out_shardings=opt_sh)(p)))
+    else:
+      state = jax.block_until_ready(init_state(cfg.model, tx, param_sh, mesh, key)[:2])
     seconds["init"] = time.perf_counter() - t0
     return state
 

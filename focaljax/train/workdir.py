@@ -73,7 +73,8 @@ def check(workdir: str, config_json: str) -> None:
     what = "run" if set(fields) <= set(IDENTITY_FIELDS) - set(SHAPE_FIELDS) else "model"
     raise config_lib.ConfigError(
         f"workdir {workdir} holds a different {what} (checkpoint step {step}): {', '.join(diff)}; "
-        "resume it with its own config.json, or train in another --workdir")
+        "resume it with the config it trained with (its config.json), or train in another "
+        "--workdir")
   for f in RESUME_CHANGES:
     if _get(old, f) != _get(new, f) and distributed.is_primary():
       print(f"note: resuming {workdir} (step {step}) with {f} {_get(old, f)!r} -> "
