@@ -161,9 +161,11 @@ def _passes(shape, dtype, reps, backend, bs, interpret):
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--out", default=None, help="write the rows as JSON here")
-  ap.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU)")
+  ap.add_argument("--smoke", action="store_true",
+                  help="tiny shapes in interpret mode (CPU; Triton unless --backend is given: the "
+                  "Mosaic GPU interpreter takes minutes)")
   ap.add_argument("--reps", type=int, default=10, help="timed runs per entry (median)")
-  ap.add_argument("--backend", default="mosaic", choices=dilution.BACKENDS,
+  ap.add_argument("--backend", default=None, choices=dilution.BACKENDS,
                   help="the dilution kernels (default: mosaic, Triton where it does not apply)")
   ap.add_argument("--impls", default="dilution,cudnn,xla",
                   help="comma list for the training entries: dilution, cudnn, xla")
@@ -180,7 +182,7 @@ def main(argv=None):
   impls = [i for i in args.impls.split(",") if i]
   skip = set(args.skip.split(","))
   interpret = args.smoke
-  backend = args.backend
+  backend = args.backend or ("triton" if args.smoke else "mosaic")
   train_shapes, prefill_t, decode_s, reps = TRAIN_SHAPES, PREFILL_T, DECODE_S, args.reps
   if args.train_shapes:
     train_shapes = [tuple(int(x) for x in s.split("x")) for s in args.train_shapes.split(",")]
