@@ -15,10 +15,12 @@ from configs import base
 from focaljax.train import saved_config
 
 
-def get_config(arg: str | None):
+def get_config(arg: str | None = None):
   if not arg:
     raise ValueError("config arg: the workdir to fine-tune, e.g. configs/finetune.py:runs/llama")
   workdir = arg.rstrip("/").split("/checkpoints/")[0]
+  if not os.path.isfile(os.path.join(workdir, "config.json")):
+    raise ValueError(f"config arg: {workdir} is not a focaljax workdir (no config.json)")
   saved = saved_config.read(workdir)
   if "focus" in saved:
     raise ValueError(f"{workdir} is a FocusLLM adapter run: fine-tune its base instead")
@@ -26,5 +28,5 @@ def get_config(arg: str | None):
   c.model = saved.model
   c.data.seq_len = saved.data.seq_len
   c.data.tokenizer = os.path.join(os.path.abspath(workdir), "tokenizer.json")
-  c.train.init_from = arg
+  c.train.init_from = os.path.abspath(arg)
   return c

@@ -287,11 +287,9 @@ def parse(c: ml_collections.ConfigDict, *, process_count: int = 1,
   """`c` validated once and frozen. focus.* is checked against the base's trained context,
   read from focus.base_workdir unless `focus_context` gives it."""
   validate(c, process_count=process_count)
-  if init := c.train.init_from:   # its shapes are checked as the run restores it
-    workdir, step = _checkpointed(init, "train.init_from")
-    init = workdir if step is None else f"{workdir}/checkpoints/{step}"
+  init = c.train.init_from   # checked by a fresh run alone (train/lm.py): eval and export skip it
   train = _frozen(TrainConfig, c.train, skip_nonfinite=c.train.nonfinite == "skip",
-                  init_from=init)
+                  init_from=init if not init or "://" in init else os.path.abspath(init))
   return Config(seed=c.seed, model=model_config(c, 0), data=data_config(c),
                 data_shards=c.data.shards, optim=optim_config(c), train=train,
                 mesh=MeshConfig(c.mesh.data, c.mesh.fsdp, c.mesh.tensor),
@@ -309,7 +307,7 @@ def _int_list(f, name: str) -> tuple[int, ...]:
   return values
 
 
-def _checkpointed(path: str, field: str) -> tuple[str, int | None]:
+def checkpointed(path: str, field: str) -> tuple[str, int | None]:
   """(workdir, step or None: the latest) of `path`, a workdir holding a checkpoint or one of its
   checkpoints/<step>."""
   from focaljax.train import checkpoint  # pylint: disable=import-outside-toplevel
@@ -327,7 +325,7 @@ def _base_context(path: str) -> int:
   from focaljax.train import saved_config  # pylint: disable=import-outside-toplevel
   _require(bool(path), "focus.base_workdir",
            "is required: a trained focaljax workdir (python train.py ...)")
-  workdir = _checkpointed(path, "focus.base_workdir")[0]
+  workdir = checkpointed(path, "focus.base_workdir")[0]
   base = saved_config.read(workdir)
   _require("focus" not in base, "focus.base_workdir",
            f"{workdir} is a FocusLLM adapter run, not a base language model")

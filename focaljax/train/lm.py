@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import time
 
 import jax
@@ -28,6 +29,8 @@ from focaljax.train import loop
 from focaljax.train import loss as loss_lib
 from focaljax.train import metrics
 from focaljax.train import optim
+from focaljax.train import saved_config
+from focaljax.train import workdir as workdir_lib
 
 
 def loss(params, frozen, batch, *, graphdef, dtype):
@@ -88,6 +91,21 @@ def init_state(model_cfg, tx, param_sh, mesh, key, *, abstract: bool = False):
   return params, opt_state, opt_sh
 
 
+def check_source(cfg: config_lib.Config) -> None:
+  """A fresh fine-tune's train.init_from: a language model's checkpointed workdir whose
+  parameters have this config's shapes (the pattern may change: its variants share them)."""
+  source = config_lib.checkpointed(cfg.train.init_from, "train.init_from")[0]
+  saved = saved_config.read(source)
+  if "focus" in saved:
+    raise config_lib.ConfigError(f"config field train.init_from: {source} is a FocusLLM adapter "
+                                 "run; fine-tune its base")
+  fields = [f for f in workdir_lib.SHAPE_FIELDS if f != "model.attention.pattern"]
+  if diff := workdir_lib.differences(saved.to_dict(), json.loads(cfg.config_json), fields):
+    raise config_lib.ConfigError(
+        f"config field train.init_from: {source}'s parameters have other shapes: "
+        f"{', '.join(diff)}; keep its model fields (configs/finetune.py takes them)")
+
+
 def restore_from(path: str, abstract_params) -> dict:
   """train.init_from's params (a workdir's latest or a checkpoints/<step>) into `abstract_params`
   (sharded ShapeDtypeStructs, float32): ConfigError when they are another model's."""
@@ -95,8 +113,7 @@ def restore_from(path: str, abstract_params) -> dict:
     return checkpoint.restore_params(*checkpoint.resolve(path), abstract_params)[0]
   except checkpoint.CorruptCheckpoint as e:
     raise config_lib.ConfigError(
-        f"config field train.init_from: {str(e).split('; evaluate')[0]}; a fine-tune takes its "
-        f"model fields (--config configs/finetune.py:{path})") from None
+        f"config field train.init_from: {str(e).split('; evaluate')[0]}") from None
 
 
 def task(cfg: config_lib.Config, workdir: str, mesh, *, abstract: bool = False) -> loop.Task:
@@ -104,6 +121,8 @@ def task(cfg: config_lib.Config, workdir: str, mesh, *, abstract: bool = False) 
   params and optimizer state as sharded ShapeDtypeStructs (a dry run allocates nothing)."""
   # Bad data (no text, an empty split, malformed files) stops here, before anything compiles
   # or is written: sources.DataError, one line naming the file or source.
+  if cfg.train.init_from and checkpoint.latest_step(workdir) is None:   # a fresh fine-tune
+    check_source(cfg)
   shards = cfg.data_shards or jax.process_count()   # each reads its own documents
   for split in ("train", "valid") if cfg.train.eval_every else ("train",):
     if (n := len(data_lib.documents(cfg.data, split))) < shards:

@@ -60,8 +60,7 @@ def check(workdir: str, config_json: str) -> None:
   # checkpoint): the model.* it carries are base.py's unused defaults.
   kept = [f for f in IDENTITY_FIELDS if "focus" not in new or not f.startswith("model.")]
   fields = [f for f in kept if _differs(old, new, f)]
-  shown = lambda t, f: _get(t, f) if _get(old, f) != _get(new, f) else _resolved(t, f)
-  diff = [f"{f} {shown(old, f)!r} -> {shown(new, f)!r}" for f in fields]
+  diff = differences(old, new, fields)
   if not fields and _get(old, "model.attention.learned"):
     # The learned τ's clip range as resolved (0: the paper's, scaled to the head dim).
     head_dim = _resolved(old, "model.head_dim")
@@ -80,6 +79,12 @@ def check(workdir: str, config_json: str) -> None:
       print(f"note: resuming {workdir} (step {step}) with {f} {_get(old, f)!r} -> "
             f"{_get(new, f)!r}: eval.py and the export take the new one as the trained context",
             file=sys.stderr)
+
+
+def differences(old: dict, new: dict, fields) -> list[str]:
+  """`field old -> new` for each of `fields` that two saved configs give different values."""
+  shown = lambda t, f: _get(t, f) if _get(old, f) != _get(new, f) else _resolved(t, f)
+  return [f"{f} {shown(old, f)!r} -> {shown(new, f)!r}" for f in fields if _differs(old, new, f)]
 
 
 def _differs(old: dict, new: dict, dotted: str) -> bool:

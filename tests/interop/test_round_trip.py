@@ -67,9 +67,10 @@ def test_an_import_fine_tunes_like_the_run_it_came_from(tmp_path):
     return [r for r in rows if '"loss"' in r][0]
 
   assert tune(back, "a").split('"grad_norm"')[0] == tune(work, "b").split('"grad_norm"')[0]
-  with pytest.raises(config_lib.ConfigError, match=r"^config field train.init_from: .* a "
-                     r"fine-tune takes its model fields \(--config configs/finetune.py:"):
+  with pytest.raises(config_lib.ConfigError, match=r"^config field train.init_from: .*'s "
+                     rf"parameters have other shapes: model.d_ff {c.model.d_ff} -> "):
     tune(back, "c", d_ff=2 * c.model.d_ff)
+  assert not os.path.exists(tmp_path / "c")
   with pytest.raises(checkpoint.CorruptCheckpoint, match=r"holds parameters alone \(an import\), "
                      r"nothing to resume: fine-tune them in another --workdir"):
     lm.train(config_lib.parse(finetune.get_config(back)), back)

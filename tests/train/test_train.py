@@ -4,6 +4,7 @@ import functools
 import json
 import glob
 import os
+import shutil
 import re
 import sys
 
@@ -160,6 +161,27 @@ def test_dry_run_over_another_models_workdir(tmp_path):
   assert _train(c, tmp_path, dry_run=True)["dry_run"]
   assert before == sorted((p, os.path.getmtime(p))
                           for p in glob.glob(f"{tmp_path}/**", recursive=True))
+
+
+def test_a_fine_tune_outlives_its_source(tmp_path):
+  """train.init_from is read by a fresh run alone: with the source gone, the fine-tuned run
+  still loads; a dry run checks the source's shapes as a real run does."""
+  import focaljax  # pylint: disable=import-outside-toplevel
+  from configs import finetune  # pylint: disable=import-outside-toplevel
+  c = smoke.get_config()
+  c.train.update(steps=2, eval_every=0)
+  _train(c, tmp_path / "src")
+  f = finetune.get_config(str(tmp_path / "src"))
+  f.train.update(steps=2, eval_every=0)
+  f.optim.warmup_steps = 1
+  f.model.attention.update(learned=True, pattern="focal")   # w_τ: another parameter tree
+  with pytest.raises(config_lib.ConfigError, match=r"other shapes: model.attention.learned "
+                     r"False -> True; keep its model fields"):
+    _train(f, tmp_path / "ft", dry_run=True)
+  f.model.attention.update(learned=False, pattern="focal")   # the same shapes
+  _train(f, tmp_path / "ft")
+  shutil.rmtree(tmp_path / "src")
+  assert focaljax.load(str(tmp_path / "ft")).logits([[1, 2, 3]]).shape[-1] > 0
 
 
 def test_resuming_a_finished_run_trains_nothing(tmp_path, capsys):
