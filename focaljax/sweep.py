@@ -65,6 +65,8 @@ def parse_grid(items: list[str]) -> list[tuple[str, list[str]]]:
     items = items[:-1] if ";" in values and values.endswith(";") else items
     if not all(items):
       raise SweepError(f"--grid {item!r}: an empty value")
+    if key in dict(grid):
+      raise SweepError(f"--grid {key} is given twice: list all its values in one --grid")
     grid.append((key, items))
   return grid
 
@@ -74,17 +76,29 @@ def config_path(config: str) -> str:
   path, sep, arg = config.partition(":")
   if not os.path.isfile(path):
     raise SweepError(f"--config {config}: no file {path} (relative paths start at {os.getcwd()})")
+  if os.path.exists(arg):   # a path argument (configs/finetune.py:runs/x) travels too
+    arg = os.path.abspath(arg)
   return os.path.abspath(path) + sep + arg
 
 
-def check_extra(extra: list[str]) -> None:
-  """The arguments for every run: --config.<field>=value (checked with the config) or a flag of
-  train.py's; anything else would fail every run after launch."""
+def check_extra(extra: list[str], grid) -> list[str]:
+  """The arguments for every run, `--config.<field> value` joined with '=': --config.<field>=value
+  (checked with the config; not a --grid field, which it would override in every run) or a
+  flag of train.py's; anything else would fail every run after launch."""
+  out = []
   for arg in extra:
-    if not (arg.startswith("--config.") or arg.split("=")[0] in _TRAIN_FLAGS):
+    if out and out[-1].startswith("--config.") and "=" not in out[-1] and not arg.startswith("-"):
+      out[-1] += "=" + arg
+    elif arg.startswith("--config.") or arg.split("=")[0] in _TRAIN_FLAGS:
+      out.append(arg)
+    else:
       raise SweepError(f"unknown argument {arg!r}: runs take --config.<field>=value, "
                        f"{', '.join(_TRAIN_FLAGS[::2])} (sweep's own: --config, --root, --grid, "
                        "--print)")
+  for arg in out:
+    if (field := arg.split("=")[0][len("--config."):]) in dict(grid):
+      raise SweepError(f"{arg.split('=')[0]} is swept by --grid; set its values there")
+  return out
 
 
 def expand(config: str, root: str, grid, extra: list[str]) -> list[tuple[str, list[str]]]:
@@ -207,8 +221,8 @@ def main(argv=None) -> int:
   args, extra = p.parse_known_args(argv)
   extra = [e for e in extra if e != "--"]
   try:
-    check_extra(extra)
-    runs = expand(config_path(args.config), args.root, parse_grid(args.grid), extra)
+    grid = parse_grid(args.grid)
+    runs = expand(config_path(args.config), args.root, grid, check_extra(extra, grid))
     check(runs)
   except SweepError as e:
     print(f"sweep: error: {e}", file=sys.stderr)

@@ -101,6 +101,9 @@ def test_print_before_double_dash_still_prints_lines():
     ("data.tokenize=foo,ahead", [], r"tokenize=foo: config field data.tokenize must be one of"),
     ("data.source=nope", [], r"source=nope: config field data.source='nope': expected 'bundled'"),
     ("data.tokenizer=train:abc", [], r"config field data.tokenizer='train:abc': expected"),
+    # The override would win in every run, all named after the grid's values.
+    ("seed=0,1", ["--config.seed=3"], r"--config.seed is swept by --grid; set its values there"),
+    ("seed=0,1", ["--config.seed", "3"], r"--config.seed is swept by --grid"),
 ])
 def test_bad_points_are_one_line_before_anything_runs(tmp_path, capsys, grid, extra, match):
   rc = sweep.main(["--config", os.path.join(ROOT, "configs", "smoke.py"), "--root",
@@ -108,6 +111,24 @@ def test_bad_points_are_one_line_before_anything_runs(tmp_path, capsys, grid, ex
   out, err = capsys.readouterr()
   assert rc == 2 and out == "" and not os.listdir(tmp_path)
   assert len(err.strip().splitlines()) == 1 and re.search(match, err), err
+
+
+def test_a_field_in_two_grids_is_refused(tmp_path, capsys):
+  rc = sweep.main(["--config", os.path.join(ROOT, "configs", "smoke.py"), "--root",
+                   str(tmp_path), "--grid", "seed=0,1", "--grid", "seed=2", "--print"])
+  assert rc == 2 and "--grid seed is given twice: list all its values in one --grid" in \
+      capsys.readouterr().err
+
+
+def test_space_separated_overrides_and_path_args_travel(tmp_path, capsys, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / "src").mkdir()
+  finetune = os.path.join(ROOT, "configs", "finetune.py")
+  assert sweep.config_path(f"{finetune}:src") == f"{finetune}:{tmp_path / 'src'}"
+  assert sweep.config_path(f"{finetune}:size=1b") == f"{finetune}:size=1b"   # not a path
+  rc = sweep.main(["--config", os.path.join(ROOT, "configs", "smoke.py"), "--root", "r",
+                   "--grid", "seed=0", "--print", "--", "--config.train.steps", "4"])
+  assert rc == 0 and capsys.readouterr().out.rstrip().endswith("--config.train.steps=4")
 
 
 def test_a_config_file_error_is_its_last_line(tmp_path, capsys):
