@@ -231,8 +231,9 @@ def check_suites(suites, allowed) -> None:
 def run_suites(tasks: dict, suites, out_dir: str, results: dict, results_file: str, format_fn,
                log, errors=(ValueError, FileNotFoundError)) -> dict:
   """Runs the `suites` of `tasks` ({suite: thunk}) in its order into `results`, writing
-  out_dir/<suite>.json and out_dir/results_file; a suite raising one of `errors` is recorded as
-  skipped (one unusable suite must not lose the others)."""
+  out_dir/<suite>.json and out_dir/results_file (removing the <suite>.json it no longer lists);
+  a suite raising one of `errors` is recorded as skipped (one unusable suite must not lose the
+  others)."""
   out = epath.Path(out_dir)
   out.mkdir(parents=True, exist_ok=True)
   for suite, task in ((s, t) for s, t in tasks.items() if s in suites):
@@ -245,7 +246,11 @@ def run_suites(tasks: dict, suites, out_dir: str, results: dict, results_file: s
     results[suite] = result
     (out / f"{suite}.json").write_text(json.dumps(result, indent=1))
     log(format_fn(suite, result))
-  (out / results_file).write_text(json.dumps(_with_earlier(out / results_file, results), indent=1))
+  merged = _with_earlier(out / results_file, results)
+  (out / results_file).write_text(json.dumps(merged, indent=1))
+  for stale in set(tasks) - set(merged):   # another checkpoint's or settings': not in merged
+    if (out / f"{stale}.json").exists():
+      (out / f"{stale}.json").unlink()
   return results
 
 

@@ -343,10 +343,12 @@ def test_rerunning_some_suites_keeps_results_json_whole(tmp_path):
   run = lambda tasks, suites, step: evaluate.run_suites(
       tasks, suites, str(tmp_path), meta(step, suites), "results.json", lambda s, r: s,
       lambda line: None)
-  run({"val": lambda: {"loss": 1.0}, "copy": lambda: {"acc": 0.5}}, ["val", "copy"], 3)
-  assert set(run({"val": lambda: {"loss": 0.9}}, ["val"], 3)) == {"meta", "val"}
+  tasks = {"val": lambda: {"loss": 1.0}, "copy": lambda: {"acc": 0.5}}
+  run(tasks, ["val", "copy"], 3)
+  assert set(run(tasks, ["val"], 3)) == {"meta", "val"}
   saved = json.loads((tmp_path / "results.json").read_text())
-  assert saved["val"]["loss"] == 0.9 and saved["copy"]["acc"] == 0.5
-  assert sorted(saved["meta"]["suites"]) == ["copy", "val"]
-  run({"val": lambda: {"loss": 0.8}}, ["val"], 4)
+  assert saved["val"]["loss"] == 1.0 and saved["copy"]["acc"] == 0.5
+  assert sorted(saved["meta"]["suites"]) == ["copy", "val"] and (tmp_path / "copy.json").exists()
+  run(tasks, ["val"], 4)   # another checkpoint: step 3's copy.json goes with its results
   assert "copy" not in json.loads((tmp_path / "results.json").read_text())
+  assert not (tmp_path / "copy.json").exists()
