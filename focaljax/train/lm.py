@@ -91,9 +91,9 @@ def init_state(model_cfg, tx, param_sh, mesh, key, *, abstract: bool = False):
   return params, opt_state, opt_sh
 
 
-def check_source(cfg: config_lib.Config) -> None:
-  """A fresh fine-tune's train.init_from: a language model's checkpointed workdir whose
-  parameters have this config's shapes (the pattern may change: its variants share them)."""
+def check_source(cfg: config_lib.Config) -> str:
+  """The workdir of a fresh fine-tune's train.init_from, checked: a language model's, holding a
+  checkpoint of this config's parameter shapes (the pattern may change: its variants share them)."""
   source = config_lib.checkpointed(cfg.train.init_from, "train.init_from")[0]
   saved = saved_config.read(source)
   if "focus" in saved:
@@ -104,6 +104,7 @@ def check_source(cfg: config_lib.Config) -> None:
     raise config_lib.ConfigError(
         f"config field train.init_from: {source}'s parameters have other shapes: "
         f"{', '.join(diff)}; keep its model fields (configs/finetune.py takes them)")
+  return source
 
 
 def restore_from(path: str, abstract_params) -> dict:
@@ -119,10 +120,11 @@ def restore_from(path: str, abstract_params) -> dict:
 def task(cfg: config_lib.Config, workdir: str, mesh, *, abstract: bool = False) -> loop.Task:
   """The loop.Task of a language-model run: tokenizer, params, data, validation. `abstract`: the
   params and optimizer state as sharded ShapeDtypeStructs (a dry run allocates nothing)."""
+  # A fresh fine-tune reads train.init_from; a resume, its own checkpoints alone.
+  source = (cfg.train.init_from and checkpoint.latest_step(workdir) is None and
+            epath.Path(check_source(cfg)))
   # Bad data (no text, an empty split, malformed files) stops here, before anything compiles
   # or is written: sources.DataError, one line naming the file or source.
-  if cfg.train.init_from and checkpoint.latest_step(workdir) is None:   # a fresh fine-tune
-    check_source(cfg)
   shards = cfg.data_shards or jax.process_count()   # each reads its own documents
   for split in ("train", "valid") if cfg.train.eval_every else ("train",):
     if (n := len(data_lib.documents(cfg.data, split))) < shards:
@@ -135,7 +137,6 @@ def task(cfg: config_lib.Config, workdir: str, mesh, *, abstract: bool = False) 
     raise config_lib.ConfigError(
         f"config field data.tokenizer: {cfg.data.tokenizer!r} is not the tokenizer {workdir}'s "
         f"checkpoints trained with ({own}); resume with that file, or train in another --workdir")
-  source = cfg.train.init_from and epath.Path(checkpoint.resolve(cfg.train.init_from)[0])
   if source and (source / tokenizer_lib.FILENAME).exists() and (
       tokenizer_lib.Tokenizer.load(str(source)).to_str() != tokenizer.to_str()):
     raise config_lib.ConfigError(

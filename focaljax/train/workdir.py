@@ -22,6 +22,7 @@ import sys
 from etils import epath
 
 from focaljax import config as config_lib
+from focaljax.data import tokenizer as tokenizer_lib
 from focaljax.model import attention as attn_lib
 from focaljax.train import checkpoint
 from focaljax.train import distributed
@@ -59,7 +60,8 @@ def check(workdir: str, config_json: str) -> None:
   # A FocusLLM run's model is its base's (focus.base_workdir, checked with the adapter's
   # checkpoint): the model.* it carries are base.py's unused defaults.
   kept = [f for f in IDENTITY_FIELDS if "focus" not in new or not f.startswith("model.")]
-  fields = [f for f in kept if _differs(old, new, f)]
+  fields = [f for f in kept if _differs(old, new, f) and not (
+      f == "data.tokenizer" and _same_tokenizer(workdir, _get(new, f)))]
   diff = differences(old, new, fields)
   if not fields and _get(old, "model.attention.learned"):
     # The learned τ's clip range as resolved (0: the paper's, scaled to the head dim).
@@ -79,6 +81,16 @@ def check(workdir: str, config_json: str) -> None:
       print(f"note: resuming {workdir} (step {step}) with {f} {_get(old, f)!r} -> "
             f"{_get(new, f)!r}: eval.py and the export take the new one as the trained context",
             file=sys.stderr)
+
+
+def _same_tokenizer(workdir: str, spec) -> bool:
+  """Whether the file `spec` holds the tokenizer the workdir's checkpoints trained with (its own
+  copy, e.g. a fine-tune's once its source is gone)."""
+  own = epath.Path(workdir) / tokenizer_lib.FILENAME
+  if not (isinstance(spec, str) and os.path.isfile(spec) and own.exists()):
+    return False
+  return tokenizer_lib.Tokenizer.load(spec).to_str() == tokenizer_lib.Tokenizer.load(
+      str(own.parent)).to_str()
 
 
 def differences(old: dict, new: dict, fields) -> list[str]:

@@ -165,7 +165,7 @@ def test_dry_run_over_another_models_workdir(tmp_path):
 
 def test_a_fine_tune_outlives_its_source(tmp_path):
   """train.init_from is read by a fresh run alone: with the source gone, the fine-tuned run
-  still loads; a dry run checks the source's shapes as a real run does."""
+  still loads and resumes; a dry run checks the source's shapes as a real run does."""
   import focaljax  # pylint: disable=import-outside-toplevel
   from configs import finetune  # pylint: disable=import-outside-toplevel
   c = smoke.get_config()
@@ -182,6 +182,8 @@ def test_a_fine_tune_outlives_its_source(tmp_path):
   _train(f, tmp_path / "ft")
   shutil.rmtree(tmp_path / "src")
   assert focaljax.load(str(tmp_path / "ft")).logits([[1, 2, 3]]).shape[-1] > 0
+  f.train.steps, f.data.tokenizer = 3, str(tmp_path / "ft" / "tokenizer.json")
+  assert _train(f, tmp_path / "ft")["step"] == 3   # a resume reads its own checkpoints alone
 
 
 def test_resuming_a_finished_run_trains_nothing(tmp_path, capsys):
