@@ -67,8 +67,18 @@ def parse_grid(items: list[str]) -> list[tuple[str, list[str]]]:
       raise SweepError(f"--grid {item!r}: an empty value")
     if key in dict(grid):
       raise SweepError(f"--grid {key} is given twice: list all its values in one --grid")
+    same = [v for i, v in enumerate(items) if _number(v) in map(_number, items[:i])]
+    if same:   # 0.3 and 0.30: two workdirs training one value
+      raise SweepError(f"--grid {item!r}: {same[0]} repeats an earlier value")
     grid.append((key, items))
   return grid
+
+
+def _number(value: str):
+  try:
+    return float(value)
+  except ValueError:
+    return value
 
 
 def config_path(config: str) -> str:
@@ -113,8 +123,7 @@ def expand(config: str, root: str, grid, extra: list[str]) -> list[tuple[str, li
     name = _UNSAFE.sub("_", label) or "run"
     point = ",".join(f"{k}={v}" for k, v in zip(keys, values))
     if name in points:
-      raise SweepError(f"--grid: {point} is given twice" if points[name] == point else
-                       f"--grid: {points[name]} and {point} would share the workdir {name} "
+      raise SweepError(f"--grid: {points[name]} and {point} would share the workdir {name} "
                        "(names keep letters, digits and ._=,:+-); make the values differ there")
     if len(name.encode()) > 255:
       raise SweepError(f"--grid: the workdir name for {point} is {len(name.encode())} bytes, over "

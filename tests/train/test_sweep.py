@@ -104,6 +104,7 @@ def test_print_before_double_dash_still_prints_lines():
     # The override would win in every run, all named after the grid's values.
     ("seed=0,1", ["--config.seed=3"], r"--config.seed is swept by --grid; set its values there"),
     ("seed=0,1", ["--config.seed", "3"], r"--config.seed is swept by --grid"),
+    ("model.attention.temperature=0.3,0.30", [], r"0.30 repeats an earlier value"),
 ])
 def test_bad_points_are_one_line_before_anything_runs(tmp_path, capsys, grid, extra, match):
   rc = sweep.main(["--config", os.path.join(ROOT, "configs", "smoke.py"), "--root",
@@ -198,7 +199,7 @@ def test_workdir_names_are_one_safe_directory_each(tmp_path, capsys):
     (["data.source=text:/d/a*.txt,text:/d/a?.txt"],
      r"data.source=text:/d/a\*.txt and data.source=text:/d/a\?.txt would share the workdir "
      r"source=text:_d_a_.txt"),
-    (["seed=0,1,0"], r"seed=0 is given twice"),
+    (["seed=0,1,0"], r"'seed=0,1,0': 0 repeats an earlier value"),
     (["data.source=text:" + "a" * 300], r"bytes, over the 255"),
 ])
 def test_runs_that_would_share_a_workdir_are_refused(tmp_path, grid, match):
