@@ -76,6 +76,10 @@ def check(workdir: str, config_json: str) -> None:
         f"workdir {workdir} holds a different {what} (checkpoint step {step}): {', '.join(diff)}; "
         "resume it with the config it trained with (its config.json), or train in another "
         "--workdir")
+  if _get(new, "train.init_from") not in ("", None, _get(old, "train.init_from")) and (
+      distributed.is_primary()):   # a fine-tune's source is read by its fresh start alone
+    print(f"note: resuming {workdir} (step {step}): train.init_from "
+          f"{_get(new, 'train.init_from')!r} is not read", file=sys.stderr)
   for f in RESUME_CHANGES:
     if _get(old, f) != _get(new, f) and distributed.is_primary():
       print(f"note: resuming {workdir} (step {step}) with {f} {_get(old, f)!r} -> "

@@ -163,7 +163,7 @@ def test_dry_run_over_another_models_workdir(tmp_path):
                           for p in glob.glob(f"{tmp_path}/**", recursive=True))
 
 
-def test_a_fine_tune_outlives_its_source(tmp_path):
+def test_a_fine_tune_outlives_its_source(tmp_path, capsys):
   """train.init_from is read by a fresh run alone: with the source gone, the fine-tuned run
   still loads and resumes; a dry run checks the source's shapes as a real run does."""
   import focaljax  # pylint: disable=import-outside-toplevel
@@ -184,6 +184,10 @@ def test_a_fine_tune_outlives_its_source(tmp_path):
   assert focaljax.load(str(tmp_path / "ft")).logits([[1, 2, 3]]).shape[-1] > 0
   f.train.steps, f.data.tokenizer = 3, str(tmp_path / "ft" / "tokenizer.json")
   assert _train(f, tmp_path / "ft")["step"] == 3   # a resume reads its own checkpoints alone
+  capsys.readouterr()
+  f.train.steps, f.train.init_from = 4, str(tmp_path / "elsewhere")
+  assert _train(f, tmp_path / "ft")["step"] == 4
+  assert f"train.init_from '{tmp_path / 'elsewhere'}' is not read" in capsys.readouterr().err
 
 
 def test_resuming_a_finished_run_trains_nothing(tmp_path, capsys):
