@@ -67,7 +67,7 @@ def _decode(path: str, data: bytes, first_line: int = 1) -> str:
     line = first_line + data[:nul].count(b"\n")
     raise DataError(f"{path}:{line}: binary data (a NUL byte), not text")
   try:
-    return data.decode("utf-8")
+    return data.decode("utf-8-sig" if first_line == 1 else "utf-8")   # a file's BOM dropped
   except UnicodeDecodeError as e:
     line = first_line + data[:e.start].count(b"\n")
     raise DataError(f"{path}:{line}: not UTF-8 text (byte {data[e.start]:#04x})") from None

@@ -9,6 +9,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 
@@ -102,11 +103,15 @@ def generate(model, prompt_tokens_BT, *, max_new_tokens: int, temperature: float
   top-p nucleus sampling with `rng` (default key 0); a row that emits `eos_id` is padded with it.
   `rope_length` (RoPE's NTK length) defaults to the final length: one rotary base for all."""
   prompt_BT = jnp.asarray(prompt_tokens_BT, jnp.int32)
+  number = lambda x: isinstance(x, (int, float, np.number)) and not isinstance(x, bool)
+  if not (number(temperature) and number(top_p)):
+    raise ValueError(f"temperature and top_p must be numbers, got {temperature!r}, {top_p!r}")
   for bad, message in (
       (prompt_BT.ndim != 2 or prompt_BT.shape[-1] == 0,
        f"prompt_tokens_BT must be [B, T] with T >= 1, got shape {prompt_BT.shape}"),
       (max_new_tokens < 1, f"max_new_tokens must be >= 1, got {max_new_tokens}"),
-      (temperature < 0, f"temperature must be >= 0 (0 = greedy), got {temperature}"),
+      (not 0 <= temperature < np.inf,
+       f"temperature must be finite and >= 0 (0 = greedy), got {temperature}"),
       (not 0 < top_p <= 1, f"top_p must be in (0, 1], got {top_p}")):
     if bad:
       raise ValueError(message)

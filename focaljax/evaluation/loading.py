@@ -53,13 +53,20 @@ class LoadedModel:
   def _ids(self, tokens) -> np.ndarray:
     """Token ids as int32, [T] or [B, T]; anything but integers in [0, vocab) is refused (the
     embedding lookup would clamp them silently)."""
-    ids = np.asarray(tokens)
+    if isinstance(tokens, (list, tuple)) and any(isinstance(t, str) for t in tokens):
+      raise ValueError("a prompt is one string or token ids; for several texts, call once each")
+    try:
+      ids = np.asarray(tokens)
+    except ValueError:   # rows of different lengths
+      raise ValueError("token ids must be [T] or [B, T] with rows of one length") from None
+    if ids.size == 0:
+      raise ValueError("token ids: the input is empty")
     if ids.ndim not in (1, 2):
       raise ValueError(f"token ids must be [T] or [B, T]; got shape {ids.shape}")
-    if ids.size and not np.issubdtype(ids.dtype, np.integer):
+    if not np.issubdtype(ids.dtype, np.integer):
       raise ValueError(f"token ids must be integers, got {ids.dtype}")
     vocab = self.config.vocab_size
-    if ids.size and (ids.min() < 0 or ids.max() >= vocab):
+    if ids.min() < 0 or ids.max() >= vocab:
       raise ValueError(f"token ids must lie in [0, {vocab}), the model's vocabulary; got "
                        f"{ids.min()}..{ids.max()}")
     return ids.astype(np.int32)
@@ -75,9 +82,10 @@ class LoadedModel:
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)):
       raise ValueError(f"generate: max_new_tokens must be an int, got {max_new_tokens!r}")
     is_text = isinstance(prompt, str)
-    tokens = self._ids(self.tokenizer.encode(prompt) if is_text else prompt)
-    if tokens.size == 0:
+    encoded = self.tokenizer.encode(prompt) if is_text else prompt
+    if is_text and not len(encoded):
       raise ValueError("generate: the prompt is empty (it must encode to at least one token)")
+    tokens = self._ids(encoded)
     tokens_BT = tokens[None] if tokens.ndim == 1 else tokens
     out_BL = np.asarray(gen_lib.generate(
         self.model, tokens_BT, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,

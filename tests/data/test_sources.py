@@ -197,3 +197,11 @@ def test_jsonl_field_and_tfds_data_dir_are_config_fields(tmp_path):
   cfg = config_lib.parse(c).data
   assert (cfg.jsonl_field, cfg.tfds_data_dir) == ("content", "/d")
   assert len(data.documents(cfg, "train")) > 30
+
+
+def test_a_byte_order_mark_at_a_file_start_is_dropped(tmp_path):
+  # Windows tools write one; json.loads refused the first line ("Unexpected UTF-8 BOM").
+  (tmp_path / "a.jsonl").write_bytes(b'\xef\xbb\xbf{"text": "one"}\n{"text": "two"}\n')
+  (tmp_path / "b.txt").write_bytes(b"\xef\xbb\xbfthree")
+  paths = [str(tmp_path / "a.jsonl"), str(tmp_path / "b.txt")]
+  assert sources.read_text_files(paths) == ["one", "two", "three"]

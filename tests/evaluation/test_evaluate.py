@@ -205,6 +205,16 @@ def test_load_matches_original(tmp_path, tok):
     m.logits(np.ones((2, 2, 4), np.int32))
   with pytest.raises(ValueError, match="max_new_tokens must be an int, got 2.5"):
     m.generate("It was", max_new_tokens=2.5)
+  # NaN sampled nothing, inf at random, a string raised Python's comparison error.
+  for temperature in (float("nan"), float("inf"), -1.0, "0.5"):
+    with pytest.raises(ValueError, match="temperature"):
+      m.generate("It was", max_new_tokens=2, temperature=temperature)
+  for bad, match in ((["It was", "The fox"], "call once each"),
+                     ([[1, 2, 3], [4, 5]], "rows of one length"), ([], "input is empty")):
+    with pytest.raises(ValueError, match=match):
+      m.logits(bad) if bad == [] else m.generate(bad, max_new_tokens=2)
+  with pytest.raises(ValueError, match="the prompt is empty"):
+    m.generate("", max_new_tokens=2)
   with pytest.raises(FileNotFoundError, match="neither a focaljax workdir"):
     load(str(tmp_path / "nowhere"))
   with pytest.raises(FileNotFoundError, match="no checkpoint at step 7; saved steps: 3$"):
