@@ -174,6 +174,12 @@ class FocaljaxLM(TemplateLM):
       sample = kwargs.pop("do_sample", False)
       temperature = float(kwargs.pop("temperature", 1.0)) if sample else 0.0
       top_p = float(kwargs.pop("top_p", 1.0)) if sample else 1.0
+      # Greedy decoding ignores sampling knobs, as transformers does; anything else would change
+      # the scores unnoticed.
+      unknown = set(kwargs) - ({"temperature", "top_p", "top_k", "min_p"} if not sample else set())
+      if unknown:
+        raise ValueError(f"request {i}: generation arguments {sorted(unknown)} are not supported "
+                         "(until, max_gen_toks, do_sample, temperature, top_p are)")
       if max_new >= self.max_length:
         raise ValueError(f"request {i}: max_gen_toks={max_new} leaves no room for the context "
                          f"in max_length={self.max_length}")

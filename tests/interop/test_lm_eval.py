@@ -77,6 +77,10 @@ def test_adapter_scores_match_the_model(workdir):
   outs = lm.generate_until([Instance("generate_until", {}, g, i) for i, g in enumerate(gen)])
   full = lm.loaded.generate("Once upon a time", max_new_tokens=6)
   assert outs[0] == full.split("e")[0] and "e" not in outs[0]
+  # top_k under greedy decoding is ignored (as transformers does); a beam search is not done.
+  lm.generate_until([Instance("generate_until", {}, ("Hi", {"max_gen_toks": 2, "top_k": 5}), 0)])
+  with pytest.raises(ValueError, match=r"generation arguments \['num_beams'\] are not supported"):
+    lm.generate_until([Instance("generate_until", {}, ("Hi", {"num_beams": 4}), 0)])
 
 
 def test_a_score_does_not_depend_on_its_batch(workdir):
