@@ -287,9 +287,10 @@ def parse(c: ml_collections.ConfigDict, *, process_count: int = 1,
   """`c` validated once and frozen. focus.* is checked against the base's trained context,
   read from focus.base_workdir unless `focus_context` gives it."""
   validate(c, process_count=process_count)
+  from focaljax.train import checkpoint  # pylint: disable=import-outside-toplevel
   init = c.train.init_from   # checked by a fresh run alone (train/lm.py): eval and export skip it
   train = _frozen(TrainConfig, c.train, skip_nonfinite=c.train.nonfinite == "skip",
-                  init_from=init if not init or "://" in init else os.path.abspath(init))
+                  init_from=init and checkpoint.absolute(init))
   return Config(seed=c.seed, model=model_config(c, 0), data=data_config(c),
                 data_shards=c.data.shards, optim=optim_config(c), train=train,
                 mesh=MeshConfig(c.mesh.data, c.mesh.fsdp, c.mesh.tensor),

@@ -117,6 +117,11 @@ class Tokenizer:
     """The tokenizer.json text `save` writes."""
     return self._hf.to_str(pretty=True)
 
+  def same_as(self, path_or_dir: str | os.PathLike) -> bool:
+    """Whether the tokenizer saved at `path_or_dir` (as `load` takes it) is this one; both
+    re-serialised, so formatting alone never differs."""
+    return Tokenizer.load(path_or_dir).to_str() == self.to_str()
+
   def save(self, directory: str | os.PathLike) -> str:
     """Writes `directory/tokenizer.json` atomically (hosts may race) and returns its path."""
     directory = epath.Path(directory)

@@ -121,8 +121,8 @@ def task(cfg: config_lib.Config, workdir: str, mesh, *, abstract: bool = False) 
   """The loop.Task of a language-model run: tokenizer, params, data, validation. `abstract`: the
   params and optimizer state as sharded ShapeDtypeStructs (a dry run allocates nothing)."""
   # A fresh fine-tune reads train.init_from; a resume, its own checkpoints alone.
-  source = (cfg.train.init_from and checkpoint.latest_step(workdir) is None and
-            epath.Path(check_source(cfg)))
+  resuming = checkpoint.latest_step(workdir) is not None
+  source = cfg.train.init_from and not resuming and epath.Path(check_source(cfg))
   # Bad data (no text, an empty split, malformed files) stops here, before anything compiles
   # or is written: sources.DataError, one line naming the file or source.
   shards = cfg.data_shards or jax.process_count()   # each reads its own documents
@@ -132,13 +132,11 @@ def task(cfg: config_lib.Config, workdir: str, mesh, *, abstract: bool = False) 
                               f"documents, fewer than the {shards} data shards (data.shards)")
   tokenizer = data_lib.load_tokenizer(cfg.data, workdir, save=not abstract)
   own = epath.Path(workdir) / tokenizer_lib.FILENAME   # the one the checkpoints trained with
-  if checkpoint.latest_step(workdir) is not None and own.exists() and (   # both re-serialised
-      tokenizer_lib.Tokenizer.load(workdir).to_str() != tokenizer.to_str()):
+  if resuming and own.exists() and not tokenizer.same_as(workdir):
     raise config_lib.ConfigError(
         f"config field data.tokenizer: {cfg.data.tokenizer!r} is not the tokenizer {workdir}'s "
         f"checkpoints trained with ({own}); resume with that file, or train in another --workdir")
-  if source and (source / tokenizer_lib.FILENAME).exists() and (
-      tokenizer_lib.Tokenizer.load(str(source)).to_str() != tokenizer.to_str()):
+  if source and (source / tokenizer_lib.FILENAME).exists() and not tokenizer.same_as(source):
     raise config_lib.ConfigError(
         f"config field data.tokenizer: {cfg.data.tokenizer!r} is not the tokenizer the params of "
         f"train.init_from trained with: set it to {source / tokenizer_lib.FILENAME}")

@@ -18,8 +18,8 @@ _ADDED = {"model.remat_policy": "nothing", "model.attention.checkpoint_rows": 10
           "data.tokenize": "stream", "data.token_cache": "", "data.retrieval_mix": 0.0,
           "data.jsonl_field": "text", "data.tfds_data_dir": "", "data.shards": 0,
           "optim.schedule_steps": 0, "optim.mu_dtype": "float32", "train.micro_batch": 0,
-          "train.wandb_project": "", "train.init_from": "", "focus.retrieval_mix": 0.0, "focus.memory_tokens": "",
-          "focus.eval_prompt_len": 0, "focus.candidate_path": "adapter"}
+          "train.wandb_project": "", "train.init_from": "", "focus.retrieval_mix": 0.0,
+          "focus.memory_tokens": "", "focus.eval_prompt_len": 0, "focus.candidate_path": "adapter"}
 _REMOVED = ("optim.grad_accum", "model.fuse_matmuls", "model.norm_backward",
             "model.qk_rope_backward", "model.mlp_backward", "model.add_norm", "train.cross_entropy",
             "model.attention.mask_pieces",

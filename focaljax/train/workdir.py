@@ -93,8 +93,7 @@ def _same_tokenizer(workdir: str, spec) -> bool:
   own = epath.Path(workdir) / tokenizer_lib.FILENAME
   if not (isinstance(spec, str) and os.path.isfile(spec) and own.exists()):
     return False
-  return tokenizer_lib.Tokenizer.load(spec).to_str() == tokenizer_lib.Tokenizer.load(
-      str(own.parent)).to_str()
+  return tokenizer_lib.Tokenizer.load(spec).same_as(workdir)
 
 
 def differences(old: dict, new: dict, fields) -> list[str]:
