@@ -5,8 +5,8 @@
   python bench/dilution.py --smoke --out /tmp/smoke.json        # CPU: tiny shapes, interpret mode
 
 Entries: training forward and forward+backward at (B, H, T, D) = (8,8,4K,64), (2,12,16K,64),
-(1,16,8K,128); prefill at 32K/64K/128K (B1 H12, --prefill-d); one decode step against a 16K and
-a 128K cache. `--backend` picks the dilution kernels ("mosaic": the Hopper passes where they
+(1,16,8K,128); prefill at 32K/64K/128K/256K (B1 H12, --prefill-d); one decode step against a
+16K and a 128K cache. `--backend` picks the dilution kernels ("mosaic": the Hopper passes where they
 apply, else Triton). `--passes`: each training pass (F1, F2, B1, B2) of that backend timed alone
 at (2,12,16K,64) (or the first --train-shapes), with its matmul TFLOP/s. Each entry is jitted,
 warmed up, then timed as the median of --reps runs. Memory: `temp_MiB` is XLA's compiled scratch
@@ -40,7 +40,7 @@ from pallas_kernels.dilution import triton_bwd
 from pallas_kernels.dilution import triton_fwd
 
 TRAIN_SHAPES = [(8, 8, 4096, 64), (2, 12, 16384, 64), (1, 16, 8192, 128)]
-PREFILL_T = [32768, 65536, 131072]
+PREFILL_T = [32768, 65536, 131072, 262144]
 DECODE_S = [16384, 131072]
 EPS = 1e-9
 SMOKE_BLOCKS = dilution.BlockSizes(block_q_stats=16, block_k_stats=16, block_q=16, block_k=32,
