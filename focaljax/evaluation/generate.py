@@ -59,7 +59,8 @@ def _nucleus(logits_BV, top_p):
   probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
   # Keep a token while the mass before it is < top_p: the smallest set whose mass reaches top_p.
   before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
-  keep_BV = before_BV < top_p
+  # The first column explicitly: a top_p below float32's range arrives here as 0.
+  keep_BV = (before_BV < top_p) | (jnp.arange(sorted_BV.shape[-1]) == 0)
   threshold_B = jnp.min(jnp.where(keep_BV, sorted_BV, jnp.inf), axis=-1, keepdims=True)
   return jnp.where(logits_BV >= threshold_B, logits_BV, -jnp.inf)
 

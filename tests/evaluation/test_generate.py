@@ -66,6 +66,15 @@ def test_top_p_samples_only_from_nucleus():
   assert np.isfinite(np.asarray(gen_lib._nucleus(logits[:1], 0.1))).sum() == 1
 
 
+def test_top_p_below_float32_range_is_greedy():
+  # 1e-40 passes the (0, 1] check but is 0 as float32: it kept no token and sampled id 0.
+  model = tiny_model("softmax:rope", learned=False)
+  prompt = jax.random.randint(jax.random.key(3), (2, 4), 1, 97)
+  kw = dict(max_new_tokens=5, temperature=1.0, rng=jax.random.key(1))
+  np.testing.assert_array_equal(np.asarray(gen_lib.generate(model, prompt, top_p=1e-40, **kw)),
+                                np.asarray(gen_lib.generate(model, prompt, max_new_tokens=5)))
+
+
 def test_generate_top_p_stays_in_nucleus():
   model = tiny_model("softmax:rope", learned=False)
   prompt = jnp.ones((8, 4), jnp.int32)
