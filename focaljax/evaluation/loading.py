@@ -117,6 +117,10 @@ def load(path: str) -> LoadedModel:
   run = config_lib.parse(saved)
   tok = _tokenizer(workdir, run)
   run = run.with_vocab(tok.vocab_size)
+  # Inference runs what dispatch picks: a run trained with a forced implementation may not take
+  # float32 (cudnn) or lengths the kernels' tiles do not fit (pallas).
+  attention = dataclasses.replace(run.model.attention, implementation="auto")
+  run = dataclasses.replace(run, model=dataclasses.replace(run.model, attention=attention))
   graphdef, state = model_lib.abstract_model(run.model)
   params, step = checkpoint.restore_params(workdir, step,
                                            checkpoint.abstract_like(nnx.to_pure_dict(state)))

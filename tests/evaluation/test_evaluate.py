@@ -221,6 +221,22 @@ def test_load_matches_original(tmp_path, tok):
     load(str(tmp_path / "checkpoints" / "7"))
 
 
+def test_load_runs_auto_attention_whatever_the_run_forced(tmp_path, tok):
+  # cudnn (trained in bf16) refused float32 inference, pallas the lengths its tiles do not fit.
+  from focaljax.evaluation.loading import load  # pylint: disable=import-outside-toplevel
+  original = make_workdir(tmp_path)
+  path = tmp_path / "config.json"
+  saved = json.loads(path.read_text())
+  saved["model"]["attention"]["implementation"] = "cudnn"
+  saved["train"]["compute_dtype"] = "bfloat16"
+  path.write_text(json.dumps(saved))
+  m = load(str(tmp_path))
+  assert m.config.attention.implementation == "auto"
+  tokens = jnp.asarray([tok.encode("It was a bright cold day")])
+  np.testing.assert_allclose(m.logits(tokens), gen_lib.logits(original, tokens), rtol=1e-6,
+                             atol=1e-6)
+
+
 def test_load_reads_a_workdir_written_before(tmp_path):
   """A config.json from an older focaljax: fields removed since are ignored, fields added since
   take the value such a run had (focaljax.train.saved_config.upgrade)."""
