@@ -95,7 +95,8 @@ def _stock_arch(cfg, plan) -> str | None:
   """The stock transformers class that computes the model, or None: every layer softmax (any
   constant scale) with RoPE, and at most one of QK-norm, q/k/v biases and a sliding window."""
   if (not all(plan["layer_rope"]) or any(plan["layer_dilution"])
-      or any(plan["layer_learned_tau"])):
+      or any(plan["layer_learned_tau"])
+      or cfg.attention.sliding_window == 1):   # transformers' window cache keeps every key at 1
     return None
   return _STOCK.get((cfg.qk_norm, cfg.qkv_bias, bool(cfg.attention.sliding_window)))
 

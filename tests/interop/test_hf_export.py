@@ -18,17 +18,20 @@ from focaljax.evaluation import loading  # pylint: disable=wrong-import-position
 from focaljax.interop import hf_modeling  # pylint: disable=wrong-import-position
 from focaljax.train import lm  # pylint: disable=wrong-import-position
 
-# case: (model.attention fields, model.qk_norm, the architecture the export names)
+# case: (model.attention fields, other model fields, the architecture the export names)
 CASES = {
-    "softmax": (dict(pattern="softmax:rope"), False, "LlamaForCausalLM"),
-    "focal": (dict(pattern="focal:rope", temperature=0.4), False, "LlamaForCausalLM"),
-    "focal_qk_norm": (dict(pattern="focal:rope", temperature=0.4), True, "Qwen3ForCausalLM"),
+    "softmax": (dict(pattern="softmax:rope"), {}, "LlamaForCausalLM"),
+    "focal": (dict(pattern="focal:rope", temperature=0.4), {}, "LlamaForCausalLM"),
+    "focal_qk_norm": (dict(pattern="focal:rope", temperature=0.4), dict(qk_norm=True),
+                      "Qwen3ForCausalLM"),
     # A narrow clip around tau_init (all three given: the defaults scale with head dim): a few
     # steps move x·w_τ by ~1e-2, so τ is clipped on some tokens and follows the mean on others.
     "focal_learned": (dict(pattern="focal:rope", learned=True, tau_min=7.495, tau_max=7.505,
-                           tau_init=7.5), False, "FocaljaxForCausalLM"),
-    "dilution": (dict(pattern="dilution:none"), False, "FocaljaxForCausalLM"),
-    "hybrid": (dict(pattern="softmax:rope,dilution:none"), False, "FocaljaxForCausalLM"),
+                           tau_init=7.5), {}, "FocaljaxForCausalLM"),
+    "dilution": (dict(pattern="dilution:none"), {}, "FocaljaxForCausalLM"),
+    "hybrid": (dict(pattern="softmax:rope,dilution:none"), {}, "FocaljaxForCausalLM"),
+    # A stock Mistral's cached generate keeps every key at window 1 (transformers 5): ours.
+    "window_1": (dict(pattern="softmax:rope"), dict(sliding_window=1), "FocaljaxForCausalLM"),
 }
 PROMPT, NEW = 16, 32
 
@@ -41,11 +44,11 @@ def exported(tmp_path_factory):
 
   def get(case):
     if case not in done:
-      attention, qk_norm, _ = CASES[case]
+      attention, model_fields, _ = CASES[case]
       root = tmp_path_factory.mktemp(case)
       c = smoke.get_config()
       c.model.attention.update(**attention)
-      c.model.qk_norm = qk_norm
+      c.model.update(**model_fields)
       c.train.update(steps=3, log_every=3, eval_every=0, ckpt_every=3)
       lm.train(config_lib.parse(c), str(root / "work"))
       assert convert_cli.main(["focaljax-to-hf", str(root / "work"), str(root / "hf")]) == 0
