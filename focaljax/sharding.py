@@ -126,6 +126,15 @@ def batch_sharding(mesh) -> NamedSharding:
 SUMMED = "summed"   # per_device: an output summed over the devices that split the inputs
 
 
+def put(tree, shardings):
+  """Values every process holds alike (e.g. loaded weights) as global arrays on `shardings`:
+  jax.device_put cannot place data on another process's devices."""
+  def one(x, sh):
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sh, lambda index: host[index])
+  return jax.tree.map(one, tree, shardings)
+
+
 def _mesh_axes(logical: str) -> tuple[str, ...]:
   axes = spec((logical,))[0]
   return () if axes is None else axes if isinstance(axes, tuple) else (axes,)

@@ -274,8 +274,8 @@ def task(cfg: config_lib.Config, workdir: str, mesh) -> loop.Task:
   except ValueError as e:   # a mesh axis that does not divide one of the base's weights
     raise config_lib.ConfigError(f"config field mesh: {e}") from None
   dtype = jnp.dtype(cfg.train.compute_dtype)
-  base_params = jax.device_put(jax.tree.map(lambda p: jnp.asarray(p, dtype),
-                                            nnx.to_pure_dict(base_state)), base_sh)
+  base_params = sharding.put(jax.tree.map(lambda p: jnp.asarray(p, dtype),
+                                          nnx.to_pure_dict(base_state)), base_sh)
   adapter = focus.init_adapter(base.model, f.candidate_path)
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   rows = jax.sharding.NamedSharding(mesh, sharding.spec(("batch",)))
@@ -310,7 +310,7 @@ def task(cfg: config_lib.Config, workdir: str, mesh) -> loop.Task:
 
   served = focus_cfg(max(f.chunk_sizes), f.eval_prompt_len or f.prompt_len)
   return loop.Task(
-      params=jax.device_put(adapter, replicated),
+      params=sharding.put(adapter, jax.tree.map(lambda _: replicated, adapter)),
       param_sh=jax.tree.map(lambda _: replicated, adapter),
       tx=optim.make(cfg.optim, adapter),
       loss=lambda key: functools.partial(loss, graphdef=graphdef,

@@ -19,13 +19,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 STEPS = 4
 
 
-def _train(workdir, devices=1, extra=(), env_extra=None, wait=True):
+def _train(workdir, devices=1, extra=(), env_extra=None, wait=True, config="smoke.py"):
   env = dict(os.environ)
   env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
   env["JAX_PLATFORMS"] = "cpu"
   env.update(env_extra or {})
   cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config",
-         os.path.join(ROOT, "configs", "smoke.py"), "--workdir", str(workdir),
+         os.path.join(ROOT, "configs", config), "--workdir", str(workdir),
          f"--config.train.steps={STEPS}", "--config.train.log_every=1",
          "--config.train.eval_every=0", "--config.train.ckpt_every=100", *extra]
   proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
@@ -88,6 +88,25 @@ def test_two_processes_match_one(tmp_path):
   lines = open(tmp_path / "multi" / "metrics.jsonl").read().splitlines()[:2]
   open(tmp_path / "multi" / "metrics.jsonl", "w").write("\n".join(lines) + "\n")
   np.testing.assert_allclose(_train(tmp_path / "multi", devices=2, extra=extra), ref, rtol=2e-5)
+
+
+def test_focusllm_trains_on_two_processes(tmp_path):
+  # The frozen base (loaded on one device) and the adapter reach every process's devices:
+  # jax.device_put could not place them on another process's, and both processes failed.
+  _train(tmp_path / "base", config="base.py", extra=["--config.optim.warmup_steps=1"])
+  extra = [f"--config.focus.base_workdir={tmp_path / 'base'}", "--config.focus.chunk_sizes=16,32",
+           "--config.focus.prompt_len=32", "--config.focus.local_len=64",
+           "--config.focus.num_targets=8", "--config.focus.doc_min_tokens=512",
+           "--config.mesh.data=2", "--config.optim.warmup_steps=1"]
+  port = _free_port()
+  procs = [_train(tmp_path / "focus", extra=extra, wait=False, config="focus.py",
+                  env_extra={"JAX_COORDINATOR_ADDRESS": f"localhost:{port}",
+                             "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(i)})
+           for i in range(2)]
+  for p in procs:
+    out = p.communicate(timeout=600)[0]
+    assert p.returncode == 0, out.decode()[-3000:]
+  assert len(_losses(tmp_path / "focus")) == STEPS
 
 
 def test_mesh_sizes_are_checked():
