@@ -158,7 +158,7 @@ def validate(c: ml_collections.ConfigDict, *, process_count: int = 1) -> None:
   sizes = [c.mesh.data, c.mesh.fsdp, c.mesh.tensor]
   _require(all(s == -1 or s > 0 for s in sizes) and sizes.count(-1) <= 1, "mesh",
            f"data/fsdp/tensor must be positive with at most one -1, got {sizes}")
-  if c.mesh.tensor > 1:
+  if c.mesh.tensor > 1 and "focus" not in c:   # FocusLLM: the base's heads, checked on load
     _require(m.num_kv_heads % c.mesh.tensor == 0, "mesh.tensor",
              f"{c.mesh.tensor} must divide model.num_kv_heads={m.num_kv_heads}")
 

@@ -298,6 +298,10 @@ def test_refuses_chunks_past_the_base_context_and_dry_runs(tmp_path):
   config_lib.parse(focus_cfg(tmp_path / "base", p_reconstruction=0.0, **short))
   with pytest.raises(config_lib.ConfigError, match="focus.candidate_path.*'frozen'"):
     config_lib.parse(focus_cfg(tmp_path / "base", candidate_path="base"))
+  # model.* is the base's: its own num_kv_heads (ignored) does not bound mesh.tensor.
+  c = focus_cfg(tmp_path / "base")
+  c.model.num_kv_heads, c.mesh.tensor = 1, 2
+  config_lib.parse(c)
   with pytest.raises(config_lib.ConfigError, match="train.eval_every.*no validation loop"):
     c = focus_cfg(tmp_path / "base")
     c.train.eval_every = 2
