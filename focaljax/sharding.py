@@ -129,6 +129,9 @@ SUMMED = "summed"   # per_device: an output summed over the devices that split t
 def put(tree, shardings):
   """Values every process holds alike (e.g. loaded weights) as global arrays on `shardings`:
   jax.device_put cannot place data on another process's devices."""
+  if jax.process_count() == 1:   # device to device, no trip through the host
+    return jax.device_put(tree, shardings)
+
   def one(x, sh):
     host = np.asarray(x)
     return jax.make_array_from_callback(host.shape, sh, lambda index: host[index])

@@ -309,9 +309,10 @@ def task(cfg: config_lib.Config, workdir: str, mesh) -> loop.Task:
                      for k, v in shapes(key.memory).items()} for key in sorted(keys)}
 
   served = focus_cfg(max(f.chunk_sizes), f.eval_prompt_len or f.prompt_len)
+  adapter_sh = jax.tree.map(lambda _: replicated, adapter)
   return loop.Task(
-      params=sharding.put(adapter, jax.tree.map(lambda _: replicated, adapter)),
-      param_sh=jax.tree.map(lambda _: replicated, adapter),
+      params=sharding.put(adapter, adapter_sh),
+      param_sh=adapter_sh,
       tx=optim.make(cfg.optim, adapter),
       loss=lambda key: functools.partial(loss, graphdef=graphdef,
                                          cfg=focus_cfg(key.chunk, f.prompt_len),
