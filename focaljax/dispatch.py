@@ -11,8 +11,9 @@ forced); the glue passes and the loss take "auto" from the model (tests force "p
     packed rows, T >=                           16K: pallas/triton       2K: pallas/mosaic
     T, S the kernels cannot tile                cudnn (16-bit) or xla    cudnn (16-bit) or xla
     sliding window         xla     xla          cudnn (16-bit) or xla    cudnn (16-bit) or xla
-  dilution_attention       xla     pallas/tpu   pallas/triton            pallas/mosaic
-  dilution_prefill, _decode_step   xla          pallas/triton            pallas/mosaic
+  dilution_attention,      xla     pallas/tpu   pallas/triton            pallas/mosaic
+    _prefill
+  dilution_decode_step     xla     xla          pallas/triton            pallas/mosaic
   qk_norm_rope, swiglu,    xla     xla          pallas (Triton kernels; qk_norm_rope needs a
   add_norm                                      power-of-two head dim, add_norm a d_model >= 16)
   cross_entropy            optax   optax        explicit                 explicit
@@ -23,7 +24,7 @@ Why: cuDNN's fused attention is the fastest focal path for unpacked 16-bit rows,
 segment masking beats from 2K on Hopper; elsewhere the Triton kernel lost at 2K, and from 16K the
 mask takes 256 MiB a row. The Pallas and tokamax focal kernels have no sliding window: a call
 with one that requests them (or auto) runs on cuDNN (16-bit, GPUs) or the reference. Dilution
-trains on TPU through its Mosaic TPU port (prefill and decode there run the reference); the glue
+trains and prefills on TPU through its Mosaic TPU port (decode there runs the reference); the glue
 kernels are Triton only: off GPUs Pallas runs in interpret mode (CPU tests) or, on TPU, gives
 way to XLA. The explicit
 cross-entropy's one-pass reduction wins on GPUs and lowers slowly on CPU. Numbers:
@@ -124,16 +125,16 @@ def _focal(requested, where, *, dtype, head_dim, seq_len, kv_len, packed, window
 
 
 def _dilution(op, requested, where, *, dtype, head_dim, checkpoint_rows) -> Choice:
-  # A library name means the fused kernels here. TPU: training has a Pallas port, prefill and
-  # decode run the reference.
+  # A library name means the fused kernels here. TPU: training and prefill have a Pallas port,
+  # decode runs the reference (its memory is O(S) there too).
   if requested == "xla" or (requested == "auto" and where == "cpu"):
     return Choice("xla")
   if where == "tpu":
-    if op != "dilution_attention":
+    if op == "dilution_decode_step":
       return Choice("xla")
     from pallas_kernels.dilution import tpu  # pylint: disable=import-outside-toplevel
     bs = None
-    if checkpoint_rows is not None:   # the TPU passes need ckpt_rows >= block_q
+    if op == "dilution_attention" and checkpoint_rows is not None:   # needs ckpt_rows >= block_q
       bs = tpu.TpuBlockSizes(block_q=min(128, checkpoint_rows), ckpt_rows=checkpoint_rows)
     return Choice("pallas", "tpu", block_sizes=bs)
   choice = _pallas(where)

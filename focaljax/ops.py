@@ -166,6 +166,10 @@ def dilution_prefill(q, k, v, *, scale=None, eps=1e-9, implementation="xla"):
   choice = _choose("dilution_prefill", implementation, q, k)
   if choice.implementation == "xla":
     return dilution_reference.dilution_attention(q, k, v, scale=scale, eps=eps)
+  if choice.backend == "tpu":
+    from pallas_kernels.dilution import tpu  # pylint: disable=import-outside-toplevel
+    return tpu.dilution_prefill(q, k, v, scale=scale, eps=eps, block_sizes=choice.block_sizes,
+                                interpret=choice.interpret)
   from pallas_kernels import dilution  # pylint: disable=import-outside-toplevel
   return dilution.dilution_prefill(q, k, v, scale=scale, eps=eps, backend=choice.backend,
                                    block_sizes=choice.block_sizes, interpret=choice.interpret)

@@ -100,8 +100,8 @@ def test_forced_implementations(on):
 @pytest.mark.parametrize("op", ["dilution_attention", "dilution_prefill", "dilution_decode_step"])
 def test_dilution_per_platform(on, op):
   """No cuDNN kernels for dilution: a library name means the fused kernels on GPUs; the TPU trains
-  through its Mosaic TPU port and runs the reference for prefill and decode."""
-  tpu = ("pallas", "tpu") if op == "dilution_attention" else ("xla", None)
+  and prefills through its Mosaic TPU port and runs the reference for decode."""
+  tpu = ("xla", None) if op == "dilution_decode_step" else ("pallas", "tpu")
   want = {("hopper", "auto"): ("pallas", "mosaic"), ("hopper", "cudnn"): ("pallas", "mosaic"),
           ("gpu", "auto"): ("pallas", "triton"), ("tpu", "auto"): tpu,
           ("tpu", "pallas"): tpu, ("cpu", "auto"): ("xla", None),

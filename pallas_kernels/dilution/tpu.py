@@ -1,4 +1,4 @@
-"""Dilution attention on TPU (Pallas Mosaic TPU): training forward and exact backward.
+"""Dilution attention on TPU (Pallas Mosaic TPU): training forward, exact backward and prefill.
 
 Operator and gradient as api.py's (spec reference.py). TPU Pallas has no atomics, but a core walks
 its grid in order, so each cross-block sum is a VMEM scratch carried along "arbitrary" (sequential)
@@ -13,7 +13,8 @@ blocks (bq rows, bk keys); R = ckpt_rows, Rt = R / bq.
                 ([T/bk, bk] VMEM), gives σ = p / (carry + in-tile cumsum + eps); S_i, N_i sum in
                 VMEM over the keys, out = N / (S + eps) at the last one. At every R-th row the
                 carry is stored into checkpoint row [B, Hq, T/R, 1, T] (a block that stays
-                resident while its super-block runs).
+                resident while its super-block runs). Prefill: no checkpoints; the last row
+                block writes the carries, the demand totals [B, Hq, 1, T].
   B1, B2        the exact backward (tpu_bwd.py): per R-row super-block, bottom-up, rebuild the
                 carries from the checkpoint, then sweep back with the per-key g-suffix; B1
                 (row-major) finishes dq, B2 (key-major) dk and dv.
@@ -88,18 +89,21 @@ def _f1_kernel(q_ref, k_ref, segq_ref, segk_ref, lse_ref, m_sc, l_sc, *, scale, 
 
 
 def _f2_kernel(q_ref, k_ref, v_ref, segq_ref, segk_ref, lse_ref,           # inputs
-               out_ref, ssum_ref, ckpt_ref,                                # outputs
+               out_ref, ssum_ref, keys_ref,                                # outputs
                carry_sc, n_sc, s_sc, *, scale, eps, bq, bk, rt):
+  """keys_ref: this super-block's checkpoint row (rt row blocks per super-block) or, with
+  rt = 0 (prefill), the demand totals."""
   i, j = pl.program_id(2), pl.program_id(3)
-  key = pl.ds(j, 1)
+  key, cols = pl.ds(j, 1), pl.ds(pl.multiple_of(j * bk, bk), bk)
 
   @pl.when(i == 0)
   def _():
     carry_sc[key, :] = jnp.zeros((1, bk), jnp.float32)
 
-  @pl.when(lax.rem(i, rt) == 0)
-  def _():
-    ckpt_ref[:, pl.ds(pl.multiple_of(j * bk, bk), bk)] = carry_sc[key, :]
+  if rt:
+    @pl.when(lax.rem(i, rt) == 0)
+    def _():
+      keys_ref[:, cols] = carry_sc[key, :]
 
   @pl.when(j == 0)
   def _():
@@ -118,6 +122,10 @@ def _f2_kernel(q_ref, k_ref, v_ref, segq_ref, segk_ref, lse_ref,           # inp
     # share ∈ [0, 1]: safe as a 16-bit MXU operand, like flash attention's p.
     n_sc[...] += dot(share_TS.astype(v_SD.dtype), v_SD)
     carry_sc[key, :] = carry_1S + p_TS.sum(axis=0, keepdims=True)
+    if not rt:
+      @pl.when(i == pl.num_programs(2) - 1)   # every key block computes in the last row block
+      def _():
+        keys_ref[:, cols] = carry_sc[key, :]
 
   @pl.when(j == pl.num_programs(3) - 1)
   def _():
@@ -125,8 +133,9 @@ def _f2_kernel(q_ref, k_ref, v_ref, segq_ref, segk_ref, lse_ref,           # inp
     ssum_ref[...] = s_sc[...]
 
 
-def _forward(q, k, v, seg, scale, eps, bs, interpret):
-  """F1 and F2 on q [B,Hq,T,D], k, v [B,Hkv,T,D]: (out f32, lse, S, ckpt)."""
+def _forward(q, k, v, seg, scale, eps, bs, interpret, training=True):
+  """F1 and F2 on q [B,Hq,T,D], k, v [B,Hkv,T,D]: (out f32, lse, S, ckpt, or without training
+  the demand totals [B,Hq,1,T])."""
   B, N, T, D = q.shape
   bq, bk, rt = bs.block_q, bs.block_k, bs.ckpt_rows // bs.block_q
   n_rows, n_keys = T // bq, T // bk
@@ -141,16 +150,20 @@ def _forward(q, k, v, seg, scale, eps, bs, interpret):
       [q_s, kv_s, segq_s, segk_s], row_s, f32(B, N, T, 1), [vmem(bq, 1)] * 2,
       ("parallel", "parallel", "parallel", "arbitrary"), interpret, "dilution_tpu_row_stats",
   )(q, k, segq, segk)
-  # A whole checkpoint row per super-block: its block stays put while the super-block runs.
-  ckpt_s = pl.BlockSpec((None, None, None, 1, T), lambda b, h, i, j: (b, h, idiv(i, rt), 0, 0))
-  out, ssum, ckpt = tpu_call(
+  if training:   # a whole checkpoint row per super-block: its block stays put while it runs
+    keys_s = pl.BlockSpec((None, None, None, 1, T), lambda b, h, i, j: (b, h, idiv(i, rt), 0, 0))
+    keys = f32(B, N, -(-n_rows // rt), 1, T)
+  else:          # the totals' row stays put for the whole (batch, head)
+    keys_s = pl.BlockSpec((None, None, 1, T), lambda b, h, i, j: (b, h, 0, 0))
+    keys, rt = f32(B, N, 1, T), 0
+  out, ssum, keys = tpu_call(
       functools.partial(_f2_kernel, scale=scale, eps=eps, bq=bq, bk=bk, rt=rt), grid,
-      [q_s, kv_s, kv_s, segq_s, segk_s, row_s], [q_s, row_s, ckpt_s],
-      [f32(B, N, T, D), f32(B, N, T, 1), f32(B, N, -(-n_rows // rt), 1, T)],
+      [q_s, kv_s, kv_s, segq_s, segk_s, row_s], [q_s, row_s, keys_s],
+      [f32(B, N, T, D), f32(B, N, T, 1), keys],
       [vmem(n_keys, bk), vmem(bq, D), vmem(bq, 1)],
       ("parallel", "parallel", "arbitrary", "arbitrary"), interpret, "dilution_tpu_demand",
   )(q, k, v, segq, segk, lse)
-  return out, lse, ssum, ckpt
+  return out, lse, ssum, keys
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
@@ -180,12 +193,8 @@ def _core_bwd(scale, eps, bs, interpret, res, do):
 _core.defvjp(_core_fwd, _core_bwd)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "eps", "block_sizes", "interpret"))
-def dilution_attention(q, k, v, *, scale, eps, segment_ids=None, block_sizes=None,
-                       interpret=False):
-  """Causal dilution attention with an exact custom VJP, as `api.dilution_attention`:
-  q [B,T,Hq,D], k, v [B,T,Hkv,D] -> [B,T,Hq,D] in q.dtype; scale, eps static floats;
-  block_sizes None: `TpuBlockSizes()`; interpret: TPU interpret mode (CPU)."""
+def _prepare(q, k, v, scale, segment_ids, block_sizes, interpret):
+  """Validated, padded, head-major (q, k, v, seg, block sizes)."""
   B, T, S, _, _, _ = reference.check_qkv(q, k, v)
   if T != S:
     raise ValueError(f"dilution attention is causal self-attention: T ({T}) must equal S ({S})")
@@ -198,7 +207,30 @@ def dilution_attention(q, k, v, *, scale, eps, segment_ids=None, block_sizes=Non
   seg = (jnp.zeros((B, T), jnp.int32) if segment_ids is None
          else jnp.asarray(segment_ids, jnp.int32))
   qp, kp, vp, segp = _pad(q, k, v, seg, max(bs.block_q, bs.block_k))
-  to_heads = lambda x: x.transpose(0, 2, 1, 3)
-  out = _core(to_heads(qp), to_heads(kp), to_heads(vp), segp, float(scale), float(eps), bs,
-              interpret)
-  return to_heads(out)[:, :T]
+  return _to_heads(qp), _to_heads(kp), _to_heads(vp), segp, bs
+
+
+def _to_heads(x):
+  return x.transpose(0, 2, 1, 3)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "eps", "block_sizes", "interpret"))
+def dilution_attention(q, k, v, *, scale, eps, segment_ids=None, block_sizes=None,
+                       interpret=False):
+  """Causal dilution attention with an exact custom VJP, as `api.dilution_attention`:
+  q [B,T,Hq,D], k, v [B,T,Hkv,D] -> [B,T,Hq,D] in q.dtype; scale, eps static floats;
+  block_sizes None: `TpuBlockSizes()`; interpret: TPU interpret mode (CPU)."""
+  qh, kh, vh, seg, bs = _prepare(q, k, v, scale, segment_ids, block_sizes, interpret)
+  out = _core(qh, kh, vh, seg, float(scale), float(eps), bs, interpret)
+  return _to_heads(out)[:, :q.shape[1]]
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "eps", "block_sizes", "interpret"))
+def dilution_prefill(q, k, v, *, scale, eps, block_sizes=None, interpret=False):
+  """Forward-only over a prompt, as `api.dilution_prefill`: (out [B,T,Hq,D] in q.dtype,
+  demand f32 [B,Hq,T] = Σ_i p_ij), F1 and F2 without checkpoints."""
+  T = q.shape[1]
+  qh, kh, vh, seg, bs = _prepare(q, k, v, scale, None, block_sizes, interpret)
+  out, _, _, total = _forward(qh, kh, vh, seg, float(scale), float(eps), bs, interpret,
+                              training=False)
+  return _to_heads(out.astype(q.dtype))[:, :T], total[:, :, 0, :T]

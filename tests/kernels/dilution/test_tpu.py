@@ -4,7 +4,8 @@ Invariants, in TPU interpret mode on CPU (sequential grid, VMEM scratch and bloc
 checked by the interpreter): the output and the exact gradients of q, k, v match the reference
 (fp32 tight, bf16 loose) with GQA, a padded length, one unpacked and one packed batch row, several
 key blocks and a partial checkpoint super-block, for block_q below and above block_k; no segment
-ids means one segment; causality by gradient. On any host, all four passes lower to Mosaic TPU.
+ids means one segment; causality by gradient; prefill returns the reference's output and demand
+totals. On any host, all four passes and the prefill lower to Mosaic TPU.
 """
 
 from __future__ import annotations
@@ -109,6 +110,10 @@ def test_lowers_to_mosaic_tpu():
   assert set(re.findall(r'kernel_name = "(\w+)"', text)) == {
       "dilution_tpu_row_stats", "dilution_tpu_demand", "dilution_tpu_bwd_rows",
       "dilution_tpu_bwd_keys"}
+  prefill = jax.jit(lambda q, k, v: tpu.dilution_prefill(q, k, v, scale=0.125, eps=EPS))
+  text = prefill.trace(q, kv, kv).lower(lowering_platforms=("tpu",)).as_text()
+  assert set(re.findall(r'kernel_name = "(\w+)"', text)) == {
+      "dilution_tpu_row_stats", "dilution_tpu_demand"}
 
 
 def test_bad_block_sizes_name_the_field():
@@ -120,3 +125,37 @@ def test_bad_block_sizes_name_the_field():
       tpu.dilution_attention(q, q, q, scale=0.125, eps=EPS, block_sizes=bs)
   with pytest.raises(ValueError, match="T \\(64\\) must equal S \\(32\\)"):
     tpu.dilution_attention(q, q[:, :32], q[:, :32], scale=0.125, eps=EPS, interpret=True)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_prefill_matches_reference_output_and_demand(dtype):
+  """Prefill: F1 and F2 without checkpoints; the demand totals come from the last row block."""
+  q, k, v, _, _ = _inputs(4, dtype)
+  out, demand = tpu.dilution_prefill(q, k, v, scale=D**-0.5, eps=EPS, block_sizes=BLOCKS[dtype],
+                                     interpret=True)
+  f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+  out_ref, demand_ref = dilution_reference.dilution_attention(f32(q), f32(k), f32(v),
+                                                              scale=D**-0.5, eps=EPS)
+  assert out.dtype == dtype and out.shape == q.shape
+  assert demand.dtype == jnp.float32 and demand.shape == (B, N, T)
+  assert _rel(out, out_ref) < TOL[dtype]["out"]
+  assert _rel(demand, demand_ref) < TOL[dtype]["out"]
+
+
+def test_ops_prefill_runs_the_tpu_kernels_where_dispatch_picks_them(monkeypatch):
+  """focaljax.ops.dilution_prefill (the model's cached prefill) calls the TPU prefill."""
+  from focaljax import dispatch, ops  # pylint: disable=import-outside-toplevel
+  calls = []
+
+  def choose(op, *args, **kwargs):
+    del args, kwargs
+    calls.append(op)
+    return dispatch.Choice("pallas", "tpu", interpret=True)
+
+  monkeypatch.setattr(dispatch, "choose", choose)
+  q, k, v, _, _ = _inputs(5, jnp.float32)
+  out, demand = ops.dilution_prefill(q, k, v, implementation="auto")
+  out_ref, demand_ref = dilution_reference.dilution_attention(q, k, v, scale=D**-0.5, eps=EPS)
+  assert calls == ["dilution_prefill"]
+  assert _rel(out, out_ref) < TOL[jnp.float32]["out"]
+  assert _rel(demand, demand_ref) < TOL[jnp.float32]["out"]
