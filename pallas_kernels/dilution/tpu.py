@@ -137,7 +137,8 @@ def _forward(q, k, v, seg, scale, eps, bs, interpret, training=True):
   """F1 and F2 on q [B,Hq,T,D], k, v [B,Hkv,T,D]: (out f32, lse, S, ckpt, or without training
   the demand totals [B,Hq,1,T])."""
   B, N, T, D = q.shape
-  bq, bk, rt = bs.block_q, bs.block_k, bs.ckpt_rows // bs.block_q
+  bq, bk = bs.block_q, bs.block_k
+  rt = bs.ckpt_rows // bq if training else 0   # row blocks per checkpoint; 0: the totals
   n_rows, n_keys = T // bq, T // bk
   segq, segk = seg[:, :, None], seg[:, None, :]
   # Key blocks past the diagonal repeat its block: no DMA for skipped tiles.
@@ -155,7 +156,7 @@ def _forward(q, k, v, seg, scale, eps, bs, interpret, training=True):
     keys = f32(B, N, -(-n_rows // rt), 1, T)
   else:          # the totals' row stays put for the whole (batch, head)
     keys_s = pl.BlockSpec((None, None, 1, T), lambda b, h, i, j: (b, h, 0, 0))
-    keys, rt = f32(B, N, 1, T), 0
+    keys = f32(B, N, 1, T)
   out, ssum, keys = tpu_call(
       functools.partial(_f2_kernel, scale=scale, eps=eps, bq=bq, bk=bk, rt=rt), grid,
       [q_s, kv_s, kv_s, segq_s, segk_s, row_s], [q_s, row_s, keys_s],
