@@ -25,7 +25,8 @@ Modes:
               attention, RoPE NTK-scaled to L (as generate.py). Reported as an error where it
               does not fit.
 Each entry is warmed up (prefill + 2 steps, or the whole loop for batched and local, compiling
-everything), then timed: prefill_s (the prefill, which also yields the first new token's logits),
+everything), then timed: prefill_s (the prefill, which also yields the first new token's logits;
+prefill_tok_per_s = batch x length / prefill_s),
 step_ms = 1000 decode_s / (new_tokens - 1), the mean step of the new_tokens - 1 steps after it
 (block_until_ready at the end), and tok_per_s = batch x (new_tokens - 1) / decode_s. --batch takes
 a comma list: every batch size runs every mode and multiplier.
@@ -242,7 +243,8 @@ def entry(args, mode: str, multiplier: int, B: int) -> dict:
     # Compiles prefill and step; the fused loop compiles per step count, so it warms up whole.
     _decode(start, new if mode in ("batched", "local") else min(new, 3))
     prefill_s, decode_s = _decode(start, new)
-    row.update(prefill_s=prefill_s, decode_s=decode_s,
+    row.update(prefill_s=prefill_s, prefill_tok_per_s=B * L / prefill_s,
+               decode_s=decode_s,
                step_ms=1e3 * decode_s / (new - 1) if new > 1 else None,
                tok_per_s=B * (new - 1) / decode_s if new > 1 else None)
   except Exception as e:  # pylint: disable=broad-except
